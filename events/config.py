@@ -1,0 +1,124 @@
+"""The engine's configuration: KV groups, tier size and policy.
+
+It lives beside the events because every log header carries it: a log is only
+meaningful together with the configuration it was recorded under.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from functools import reduce as _fold
+
+import attrs
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or impossible."""
+
+
+class GroupKind(enum.Enum):
+    FULL = "full"
+    SLIDING = "sliding"
+    MAMBA = "mamba"
+
+
+class Protection(enum.Enum):
+    """How a store's device source blocks are kept intact until the copy ends.
+
+    FLUSH: vLLM may reallocate the block; the engine then asks the worker to
+    wait for exactly the stores that read it, before that step's forward.
+    PIN: the connector holds a block-pool reference until the store ends, so
+    vLLM cannot reallocate the block at all.
+    """
+
+    FLUSH = "flush"
+    PIN = "pin"
+
+
+class PolicyName(enum.Enum):
+    LRU = "lru"
+    ARC = "arc"
+
+
+def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class GroupSpec:
+    """One KV cache group, as vLLM's KVCacheConfig describes it."""
+
+    group_id: int
+    kind: GroupKind = attrs.field(converter=GroupKind)
+    block_size: int = attrs.field(validator=_positive)
+    window: int = 0  # tokens; SLIDING only
+
+    def __attrs_post_init__(self) -> None:
+        if self.group_id < 0:
+            raise ConfigError(f"group_id must be >= 0, got {self.group_id}")
+        if self.kind is GroupKind.SLIDING and self.window <= 0:
+            raise ConfigError(f"group {self.group_id}: a sliding group needs window > 0")
+        if self.kind is not GroupKind.SLIDING and self.window != 0:
+            raise ConfigError(f"group {self.group_id}: only sliding groups take a window")
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    groups: tuple[GroupSpec, ...] = attrs.field(converter=tuple)
+    hash_block_size: int = attrs.field(validator=_positive)
+    num_device_blocks: int = attrs.field(validator=_positive)
+    num_tier_slots: int = attrs.field(validator=_positive)
+    policy: PolicyName = attrs.field(default=PolicyName.LRU, converter=PolicyName)
+    protection: Protection = attrs.field(default=Protection.FLUSH, converter=Protection)
+    world_size: int = attrs.field(default=1, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("at least one KV group is required")
+        for index, group in enumerate(self.groups):
+            if group.group_id != index:
+                raise ConfigError(f"groups must be numbered 0..n-1 in order; got {group.group_id} at {index}")
+            if group.block_size % self.hash_block_size:
+                raise ConfigError(
+                    f"group {index}: block_size {group.block_size} is not a multiple of "
+                    f"hash_block_size {self.hash_block_size}"
+                )
+
+    @property
+    def alignment_tokens(self) -> int:
+        """A hit must end on a boundary that is a whole block in every group."""
+        return _fold(math.lcm, (g.block_size for g in self.groups))
+
+    def to_dict(self) -> dict:
+        return {
+            "groups": [
+                {"group_id": g.group_id, "kind": g.kind.value, "block_size": g.block_size, "window": g.window}
+                for g in self.groups
+            ],
+            "hash_block_size": self.hash_block_size,
+            "num_device_blocks": self.num_device_blocks,
+            "num_tier_slots": self.num_tier_slots,
+            "policy": self.policy.value,
+            "protection": self.protection.value,
+            "world_size": self.world_size,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EngineConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys: {', '.join(unknown)}")
+        try:
+            groups = tuple(GroupSpec(**g) for g in data["groups"])
+            return cls(**{**data, "groups": groups})
+        except KeyError as exc:
+            raise ConfigError(f"missing config key: {exc.args[0]}") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"bad config: {exc}") from None

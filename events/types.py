@@ -1,0 +1,221 @@
+"""The facts the engine learns: scheduler actions and transfer outcomes.
+
+One event per vLLM callback per request, carrying tuples of block ids, never
+one event per block. Fields are ints, strs, bytes, enums and tuples of them,
+so every event compares equal, hashes and serializes without help.
+
+Block ids are vLLM's, shared by every group of one pool. `NULL_BLOCK_ID`
+marks a table position with no block (a sliding-window position outside the
+window, or a mamba position between boundaries); it is never allocated.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Union
+
+import attrs
+
+NULL_BLOCK_ID = 0
+
+BlockIdsByGroup = tuple[tuple[int, ...], ...]
+
+
+def _block_table(value: object) -> BlockIdsByGroup:
+    return tuple(tuple(ids) for ids in value)  # type: ignore[union-attr]
+
+
+def _ints(value: object) -> tuple[int, ...]:
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def _strs(value: object) -> tuple[str, ...]:
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def _bytes_tuple(value: object) -> tuple[bytes, ...]:
+    return tuple(value)  # type: ignore[arg-type]
+
+
+@attrs.frozen(kw_only=True)
+class RequestAdded:
+    """A request arrived. Its chain hashes are at `hash_block_size` granularity."""
+
+    kind: ClassVar[str] = "request_added"
+    version: ClassVar[int] = 1
+    request_id: str
+    num_prompt_tokens: int
+    block_hashes: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class BlockHashesAppended:
+    """The request grew (decoded tokens); new hashes exist for its full blocks."""
+
+    kind: ClassVar[str] = "block_hashes_appended"
+    version: ClassVar[int] = 1
+    request_id: str
+    num_tokens: int
+    block_hashes: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class BlocksTouched:
+    """Prefix-cache blocks already holding this request's tokens were reused."""
+
+    kind: ClassVar[str] = "blocks_touched"
+    version: ClassVar[int] = 1
+    request_id: str
+    block_ids: BlockIdsByGroup = attrs.field(converter=_block_table)
+
+
+@attrs.frozen(kw_only=True)
+class BlocksAllocated:
+    """Fresh blocks were appended to the request's table, per group.
+
+    `num_external_tokens > 0` only on the allocation that admits a tier hit;
+    those tokens follow the touched prefix and are to be loaded.
+    """
+
+    kind: ClassVar[str] = "blocks_allocated"
+    version: ClassVar[int] = 1
+    request_id: str
+    block_ids: BlockIdsByGroup = attrs.field(converter=_block_table)
+    num_external_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class BlocksFreed:
+    """vLLM released these blocks of a live request (sliding-window blocks that
+    left the window). Their table positions become null."""
+
+    kind: ClassVar[str] = "blocks_freed"
+    version: ClassVar[int] = 1
+    request_id: str
+    block_ids: BlockIdsByGroup = attrs.field(converter=_block_table)
+
+
+@attrs.frozen(kw_only=True)
+class RequestPreempted:
+    """vLLM preempted the request and freed every block it held."""
+
+    kind: ClassVar[str] = "request_preempted"
+    version: ClassVar[int] = 1
+    request_id: str
+
+
+@attrs.frozen(kw_only=True)
+class RequestResumed:
+    """A preempted request is being admitted again (its table starts empty)."""
+
+    kind: ClassVar[str] = "request_resumed"
+    version: ClassVar[int] = 1
+    request_id: str
+
+
+@attrs.frozen(kw_only=True)
+class RequestFinished:
+    """The request finished; `block_ids` is its final table, which vLLM frees."""
+
+    kind: ClassVar[str] = "request_finished"
+    version: ClassVar[int] = 1
+    request_id: str
+    block_ids: BlockIdsByGroup = attrs.field(converter=_block_table)
+
+
+@attrs.frozen(kw_only=True)
+class RequestAborted:
+    """The request was cancelled. Blocks under an open load stay held until it ends."""
+
+    kind: ClassVar[str] = "request_aborted"
+    version: ClassVar[int] = 1
+    request_id: str
+
+
+@attrs.frozen(kw_only=True)
+class StepScheduled:
+    """A scheduler step was built. Columns are aligned per request.
+
+    `num_computed_tokens` is the count before this step; the KV of
+    `num_computed_tokens + num_scheduled_tokens` tokens exists after it.
+    """
+
+    kind: ClassVar[str] = "step_scheduled"
+    version: ClassVar[int] = 1
+    step_index: int
+    request_ids: tuple[str, ...] = attrs.field(converter=_strs)
+    num_computed_tokens: tuple[int, ...] = attrs.field(converter=_ints)
+    num_scheduled_tokens: tuple[int, ...] = attrs.field(converter=_ints)
+
+    def __attrs_post_init__(self) -> None:
+        if not len(self.request_ids) == len(self.num_computed_tokens) == len(self.num_scheduled_tokens):
+            raise ValueError("step_scheduled columns must have equal lengths")
+
+
+@attrs.frozen(kw_only=True)
+class StoreCompleted:
+    kind: ClassVar[str] = "store_completed"
+    version: ClassVar[int] = 1
+    job_id: int
+    worker_index: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class StoreFailed:
+    """A worker failed to store `keys` of the job; empty `keys` means all of them."""
+
+    kind: ClassVar[str] = "store_failed"
+    version: ClassVar[int] = 2
+    job_id: int
+    worker_index: int = 0
+    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_bytes_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class LoadCompleted:
+    kind: ClassVar[str] = "load_completed"
+    version: ClassVar[int] = 1
+    job_id: int
+    worker_index: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class LoadFailed:
+    """A worker could not load these target blocks; `keys` are their sources."""
+
+    kind: ClassVar[str] = "load_failed"
+    version: ClassVar[int] = 1
+    job_id: int
+    worker_index: int = 0
+    block_ids: tuple[int, ...] = attrs.field(converter=_ints)
+    keys: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class CacheReset:
+    """The tier was reset; jobs started before it no longer change the tier."""
+
+    kind: ClassVar[str] = "cache_reset"
+    version: ClassVar[int] = 1
+    epoch: int
+
+
+Event = Union[
+    RequestAdded,
+    BlockHashesAppended,
+    BlocksTouched,
+    BlocksAllocated,
+    BlocksFreed,
+    RequestPreempted,
+    RequestResumed,
+    RequestFinished,
+    RequestAborted,
+    StepScheduled,
+    StoreCompleted,
+    StoreFailed,
+    LoadCompleted,
+    LoadFailed,
+    CacheReset,
+]
+
+EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
+KIND_TO_TYPE: dict[str, type] = {t.kind: t for t in EVENT_TYPES}  # type: ignore[attr-defined]
