@@ -1,0 +1,28 @@
+"""Shared test setup: markers and hypothesis profiles."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("dev", max_examples=30, stateful_step_count=30, deadline=None)
+settings.register_profile(
+    "ci", max_examples=200, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "nightly", max_examples=2000, stateful_step_count=100, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+_NOT_FAST = {"slow", "cuda", "vllm"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything not marked slow, cuda or vllm is part of the fast subset."""
+    for item in items:
+        if not _NOT_FAST & {m.name for m in item.iter_markers()}:
+            item.add_marker(pytest.mark.fast)
