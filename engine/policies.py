@@ -1,0 +1,161 @@
+"""Eviction policies over the tier's evictable keys.
+
+A policy only ever holds keys that may be evicted right now: stored, indexed
+and not pinned by a load. The tier removes a key when a load pins it and
+inserts it again (as reused) when the last load ends, so eviction never has
+to skip a busy slot.
+
+Order is the insertion order of `dict`, which depends only on the sequence of
+calls, never on `PYTHONHASHSEED`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvledger.events.config import PolicyName
+
+
+class Policy(Protocol):
+    def insert(self, key: bytes, reused: bool) -> None: ...
+    def remove(self, key: bytes) -> None: ...
+    def admit(self, key: bytes) -> None: ...
+    def evict(self, count: int) -> list[bytes] | None: ...
+    def clear(self) -> None: ...
+    def clone(self) -> Policy: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, key: bytes) -> bool: ...
+    def canonical(self) -> tuple: ...
+
+
+class LRU:
+    """Least recently stored or loaded goes first."""
+
+    __slots__ = ("_order",)
+
+    def __init__(self) -> None:
+        self._order: dict[bytes, None] = {}
+
+    def insert(self, key: bytes, reused: bool) -> None:
+        self._order[key] = None
+
+    def remove(self, key: bytes) -> None:
+        del self._order[key]
+
+    def admit(self, key: bytes) -> None:
+        """A new key is being stored; LRU has nothing to learn from it."""
+
+    def evict(self, count: int) -> list[bytes] | None:
+        """Atomic: either `count` victims, or None and no change."""
+        if count > len(self._order):
+            return None
+        order = self._order
+        victims = []
+        for key in order:
+            if len(victims) == count:
+                break
+            victims.append(key)
+        for key in victims:
+            del order[key]
+        return victims
+
+    def clear(self) -> None:
+        self._order.clear()
+
+    def clone(self) -> LRU:
+        other = LRU()
+        other._order = dict(self._order)
+        return other
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._order
+
+    def canonical(self) -> tuple:
+        return ("lru", tuple(self._order))
+
+
+class ARC:
+    """Adaptive Replacement Cache (Megiddo & Modha), in integers.
+
+    T1 holds keys seen once, T2 keys reused (loaded). B1/B2 remember keys
+    evicted from T1/T2; storing a key again that sits in a ghost list moves
+    the target size `p` of T1 towards the list that would have kept it.
+    """
+
+    __slots__ = ("capacity", "p", "t1", "t2", "b1", "b2")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.p = 0
+        self.t1: dict[bytes, None] = {}
+        self.t2: dict[bytes, None] = {}
+        self.b1: dict[bytes, None] = {}
+        self.b2: dict[bytes, None] = {}
+
+    def admit(self, key: bytes) -> None:
+        if key in self.b1:
+            self.p = min(self.capacity, self.p + max(len(self.b2) // len(self.b1), 1))
+            del self.b1[key]
+        elif key in self.b2:
+            self.p = max(0, self.p - max(len(self.b1) // len(self.b2), 1))
+            del self.b2[key]
+
+    def insert(self, key: bytes, reused: bool) -> None:
+        (self.t2 if reused else self.t1)[key] = None
+
+    def remove(self, key: bytes) -> None:
+        if key in self.t1:
+            del self.t1[key]
+        else:
+            del self.t2[key]
+
+    def evict(self, count: int) -> list[bytes] | None:
+        if count > len(self.t1) + len(self.t2):
+            return None
+        victims = []
+        for _ in range(count):
+            if self.t1 and (len(self.t1) > self.p or not self.t2):
+                key = next(iter(self.t1))
+                del self.t1[key]
+                self.b1[key] = None
+            else:
+                key = next(iter(self.t2))
+                del self.t2[key]
+                self.b2[key] = None
+            victims.append(key)
+        self._trim_ghosts()
+        return victims
+
+    def _trim_ghosts(self) -> None:
+        while self.b1 and len(self.b1) > self.capacity:
+            del self.b1[next(iter(self.b1))]
+        while self.b2 and len(self.b1) + len(self.b2) > self.capacity:
+            del self.b2[next(iter(self.b2))]
+
+    def clear(self) -> None:
+        self.p = 0
+        for part in (self.t1, self.t2, self.b1, self.b2):
+            part.clear()
+
+    def clone(self) -> ARC:
+        other = ARC(self.capacity)
+        other.p = self.p
+        other.t1, other.t2 = dict(self.t1), dict(self.t2)
+        other.b1, other.b2 = dict(self.b1), dict(self.b2)
+        return other
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.t1 or key in self.t2
+
+    def canonical(self) -> tuple:
+        return ("arc", self.p, tuple(self.t1), tuple(self.t2), tuple(self.b1), tuple(self.b2))
+
+
+def make_policy(name: PolicyName, capacity: int) -> LRU | ARC:
+    return ARC(capacity) if name is PolicyName.ARC else LRU()

@@ -1,0 +1,161 @@
+"""Replay: a fold of `reduce` over a log, with the checks that make it a
+debugger. Pure: the caller decodes the log and passes its records in."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from kvledger.events import types as ev
+from kvledger.events.config import EngineConfig
+
+from . import effects as fx
+from .digest import digest
+from .invariants import InvariantViolation, check, check_event
+from .reducer import reduce
+from .state import State, initial_state
+
+
+@attrs.frozen
+class Finding:
+    """The first thing that went wrong, and where."""
+
+    seq: int
+    kind: str  # "violation" | "invariant" | "digest"
+    detail: str
+
+
+@attrs.define
+class ReplayResult:
+    state: State
+    events: int = 0
+    steps: int = 0
+    by_kind: Counter = attrs.field(factory=Counter)
+    violations: list[tuple[int, fx.ReportViolation]] = attrs.field(factory=list)
+    digests_checked: int = 0
+    first_problem: Finding | None = None
+    last_seq: int = -1
+
+    @property
+    def ok(self) -> bool:
+        return self.first_problem is None
+
+
+def replay(
+    config: EngineConfig,
+    records: Iterable[object],
+    *,
+    check_invariants: bool = False,
+    until_seq: int | None = None,
+    observe: Callable[[int, ev.Event, State, tuple[fx.Effect, ...]], None] | None = None,
+) -> ReplayResult:
+    """Fold the records. Records are event records (`.seq`, `.event`) and
+    digest records (`.seq`, `.digest`), in log order.
+
+    It stops at the first invariant break (the state is no longer trusted)
+    but carries on past protocol violations and digest mismatches, keeping the
+    first of them.
+    """
+    state = initial_state(config)
+    result = ReplayResult(state=state)
+    last_good_digest = -1
+    for record in records:
+        seq = record.seq  # type: ignore[attr-defined]
+        if until_seq is not None and seq > until_seq:
+            break
+        event = getattr(record, "event", None)
+        if event is None:
+            recorded = record.digest  # type: ignore[attr-defined]
+            if check_invariants:
+                if not _full_check(state, result, seq):
+                    break
+            actual = digest(state)
+            result.digests_checked += 1
+            if actual != recorded and result.first_problem is None:
+                result.first_problem = Finding(
+                    seq, "digest", f"state differs from the recorded digest at seq {seq}; it last matched "
+                    f"at seq {last_good_digest}, so the first divergent event is in ({last_good_digest}, {seq}]")
+            elif actual == recorded:
+                last_good_digest = seq
+            continue
+        first_new_job = state.core.next_job_id
+        state, produced = reduce(state, event)
+        result.events += 1
+        result.last_seq = seq
+        result.by_kind[event.kind] += 1
+        if event.kind == "step_scheduled":
+            result.steps += 1
+        for effect in produced:
+            if isinstance(effect, fx.ReportViolation):
+                result.violations.append((seq, effect))
+                if result.first_problem is None:
+                    result.first_problem = Finding(seq, "violation", f"{effect.code}: {effect.message}")
+        if observe is not None:
+            observe(seq, event, state, produced)
+        if check_invariants:
+            try:
+                check_event(state, event, first_new_job)
+            except InvariantViolation as broken:
+                _record_break(result, seq, broken)
+                break
+    if check_invariants and (result.first_problem is None or result.first_problem.kind != "invariant"):
+        _full_check(state, result, result.last_seq)
+    result.state = state
+    return result
+
+
+def _full_check(state: State, result: ReplayResult, seq: int) -> bool:
+    try:
+        check(state)
+    except InvariantViolation as broken:
+        _record_break(result, seq, broken)
+        return False
+    return True
+
+
+def _record_break(result: ReplayResult, seq: int, broken: InvariantViolation) -> None:
+    finding = Finding(seq, "invariant", str(broken))
+    if result.first_problem is None or result.first_problem.kind != "invariant":
+        result.first_problem = finding
+
+
+def find_first(
+    config: EngineConfig,
+    events: Sequence[ev.Event],
+    is_bad: Callable[[State], bool],
+    *,
+    stride: int = 256,
+) -> int | None:
+    """The index of the first event after which `is_bad(state)` holds, or None.
+
+    `is_bad` may be expensive (a full invariant check): it runs once per
+    `stride` events, and then on every event of the one window where it
+    first turned true, replayed from a snapshot.
+    """
+    state = initial_state(config)
+    snapshot, snapshot_index = state.clone(), 0
+    index = 0
+    for index, event in enumerate(events):
+        state = reduce(state, event).state
+        if (index + 1) % stride and index + 1 != len(events):
+            continue
+        if not is_bad(state):
+            snapshot, snapshot_index = state.clone(), index + 1
+            continue
+        state = snapshot
+        for position in range(snapshot_index, index + 1):
+            state = reduce(state, events[position]).state
+            if is_bad(state):
+                return position
+        raise AssertionError("is_bad turned true on a window but on none of its events")
+    return None
+
+
+def breaks_invariants(state: State) -> bool:
+    try:
+        check(state)
+    except InvariantViolation:
+        return True
+    return False

@@ -1,0 +1,285 @@
+"""The block-state model, held as an owned transient.
+
+At 100k device blocks and 1M tier slots, copying a table per event costs
+milliseconds, and a persistent map costs several microseconds per update
+(see STYLE.md). So the reducer takes ownership of the state's tables,
+changes them in place and returns a new handle; the old handle raises on any
+use. To a caller that never keeps old handles this is indistinguishable from
+an immutable state. `clone()` gives an independent copy when one is needed
+(snapshots for bisect, tests that compare two paths).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from kvledger.events.config import EngineConfig, GroupSpec
+from kvledger.events.types import NULL_BLOCK_ID
+
+from .policies import ARC, LRU, make_policy
+
+
+class StaleStateError(RuntimeError):
+    """An old state handle was used after the reducer took ownership of it."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # added or resumed; no blocks yet, or only touched ones
+    LOADING = "loading"  # a load into its blocks is in flight
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    ABORTING = "aborting"  # aborted while loading; blocks held until the load ends
+
+
+class JobKind(enum.Enum):
+    STORE = "store"
+    LOAD = "load"
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    STORING = 1
+    STORED = 2  # "loading" is STORED with a load count above zero
+
+
+class RequestState:
+    """A live request as the engine sees it."""
+
+    __slots__ = (
+        "request_id", "status", "num_prompt_tokens", "num_tokens", "hashes", "keys",
+        "table", "num_computed_tokens", "next_store", "next_store_tokens", "load_job_id",
+        "num_preemptions",
+    )
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, groups: tuple[GroupSpec, ...]) -> None:
+        self.request_id = request_id
+        self.status = RequestStatus.WAITING
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_tokens = num_prompt_tokens
+        self.hashes: list[bytes] = []
+        self.keys: list[list[bytes]] = [[] for _ in groups]
+        self.table: list[list[int]] = [[] for _ in groups]
+        self.num_computed_tokens = 0
+        self.next_store = [0] * len(groups)  # next block position to consider storing
+        self.next_store_tokens = 0  # no block can become storable below this horizon
+        self.load_job_id = -1
+        self.num_preemptions = 0
+
+    def clone(self) -> RequestState:
+        other = RequestState.__new__(RequestState)
+        for name in RequestState.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.hashes = list(self.hashes)
+        other.keys = [list(k) for k in self.keys]
+        other.table = [list(t) for t in self.table]
+        other.next_store = list(self.next_store)
+        return other
+
+    def table_tokens(self, groups: tuple[GroupSpec, ...]) -> int:
+        """Tokens the table covers in every group."""
+        return min(len(self.table[g.group_id]) * g.block_size for g in groups)
+
+    def held_blocks(self) -> list[int]:
+        return [b for ids in self.table for b in ids if b != NULL_BLOCK_ID]
+
+    def canonical(self) -> tuple:
+        return (
+            self.request_id, self.status.value, self.num_prompt_tokens, self.num_tokens,
+            tuple(self.hashes), tuple(tuple(t) for t in self.table), self.num_computed_tokens,
+            tuple(self.next_store), self.next_store_tokens, self.load_job_id, self.num_preemptions,
+        )
+
+
+class Job:
+    """A transfer in flight. Per-group tuples are aligned with `keys`."""
+
+    __slots__ = (
+        "job_id", "kind", "request_id", "keys", "block_ids", "slot_ids", "generations",
+        "pending_workers", "failed_keys", "failed_blocks", "flushed", "stale", "num_tokens",
+    )
+
+    def __init__(
+        self, *, job_id: int, kind: JobKind, request_id: str, keys: tuple, block_ids: tuple,
+        slot_ids: tuple, generations: tuple, pending_workers: int, num_tokens: int = 0,
+    ) -> None:
+        self.job_id = job_id
+        self.kind = kind
+        self.request_id = request_id
+        self.keys = keys
+        self.block_ids = block_ids
+        self.slot_ids = slot_ids
+        self.generations = generations  # STORE: each source block's generation when planned
+        self.pending_workers = pending_workers  # bitmask of workers yet to report
+        self.failed_keys: set[bytes] = set()
+        self.failed_blocks: set[int] = set()
+        self.flushed = False  # STORE: the worker waited for it; sources are free to reuse
+        self.stale = False  # started before a cache reset: its outcome no longer counts
+        self.num_tokens = num_tokens  # LOAD: tokens the hit covers
+
+    def clone(self) -> Job:
+        other = Job.__new__(Job)
+        for name in Job.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.failed_keys = set(self.failed_keys)
+        other.failed_blocks = set(self.failed_blocks)
+        return other
+
+    def flat_blocks(self) -> list[int]:
+        return [b for ids in self.block_ids for b in ids]
+
+    def canonical(self) -> tuple:
+        return (
+            self.job_id, self.kind.value, self.request_id, self.keys, self.block_ids, self.slot_ids,
+            self.generations, self.pending_workers, tuple(sorted(self.failed_keys)),
+            tuple(sorted(self.failed_blocks)), self.flushed, self.stale, self.num_tokens,
+        )
+
+
+class Stats:
+    """Running totals for reports; part of the state, so replay reproduces them."""
+
+    __slots__ = (
+        "hit_tokens", "loads", "keys_loaded", "stores", "keys_stored", "store_rejections",
+        "store_failures", "load_failures", "keys_failed", "flushes", "jobs_flushed",
+        "evictions", "preemptions", "finished", "aborted",
+    )
+
+    def __init__(self) -> None:
+        for name in Stats.__slots__:
+            setattr(self, name, 0)
+
+    def clone(self) -> Stats:
+        other = Stats()
+        for name in Stats.__slots__:
+            setattr(other, name, getattr(self, name))
+        return other
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in Stats.__slots__}
+
+
+class Core:
+    """The tables themselves. Only the reducer mutates them."""
+
+    __slots__ = (
+        "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
+        # device pool, indexed by block id (the null block is index 0)
+        "block_refs", "block_pins", "block_generation", "block_group", "block_key",
+        "block_readers", "block_writer",
+        # tier
+        "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot",
+        "policy",
+        # requests and jobs
+        "requests", "jobs", "stats",
+    )
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.groups = config.groups
+        self.alignment = config.alignment_tokens
+        self.step_index = -1
+        self.epoch = 0
+        self.next_job_id = 1
+        n = config.num_device_blocks
+        self.block_refs = [0] * n
+        self.block_pins = [0] * n
+        self.block_generation = [0] * n
+        self.block_group = [-1] * n
+        self.block_key: list[bytes | None] = [None] * n
+        self.block_readers: dict[int, list[int]] = {}  # block -> unflushed store jobs reading it
+        self.block_writer: dict[int, int] = {}  # block -> load job writing it
+        m = config.num_tier_slots
+        self.slot_of_key: dict[bytes, int] = {}
+        self.slot_key: list[bytes | None] = [None] * m
+        self.slot_state = bytearray(m)
+        self.slot_loads: dict[int, int] = {}
+        self.free_slots: list[int] = []
+        self.next_fresh_slot = 0
+        self.policy: LRU | ARC = make_policy(config.policy, m)
+        self.requests: dict[str, RequestState] = {}
+        self.jobs: dict[int, Job] = {}
+        self.stats = Stats()
+
+    def clone(self) -> Core:
+        other = Core.__new__(Core)
+        for name in Core.__slots__:
+            setattr(other, name, getattr(self, name))
+        for name in ("block_refs", "block_pins", "block_generation", "block_group", "block_key",
+                     "slot_key", "free_slots"):
+            setattr(other, name, list(getattr(self, name)))
+        other.block_readers = {b: list(j) for b, j in self.block_readers.items()}
+        other.block_writer = dict(self.block_writer)
+        other.slot_of_key = dict(self.slot_of_key)
+        other.slot_state = bytearray(self.slot_state)
+        other.slot_loads = dict(self.slot_loads)
+        other.policy = self.policy.clone()
+        other.requests = {k: r.clone() for k, r in self.requests.items()}
+        other.jobs = {k: j.clone() for k, j in self.jobs.items()}
+        other.stats = self.stats.clone()
+        return other
+
+    # Tier queries shared by lookup, the reducer and the invariants.
+
+    def indexed_slot(self, key: bytes) -> int:
+        """The slot serving `key`, or -1 if the key is not in the tier."""
+        return self.slot_of_key.get(key, -1)
+
+    def num_free_slots(self) -> int:
+        return len(self.free_slots) + self.config.num_tier_slots - self.next_fresh_slot
+
+    def num_used_slots(self) -> int:
+        return self.config.num_tier_slots - self.num_free_slots()
+
+
+class State:
+    """A handle on the engine state. Read it freely; the reducer consumes it."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: Core) -> None:
+        self._core: Core | None = core
+
+    @classmethod
+    def initial(cls, config: EngineConfig) -> State:
+        return cls(Core(config))
+
+    @property
+    def core(self) -> Core:
+        core = self._core
+        if core is None:
+            raise StaleStateError("this state handle was consumed by reduce(); use the returned state")
+        return core
+
+    def take(self) -> Core:
+        """Move the tables out; this handle becomes stale."""
+        core = self.core
+        self._core = None
+        return core
+
+    def restore(self, core: Core) -> None:
+        """Give the tables back after a rejected event (they were not changed)."""
+        self._core = core
+
+    def clone(self) -> State:
+        return State(self.core.clone())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.core, name)
+
+    def __repr__(self) -> str:
+        if self._core is None:
+            return "State(<consumed>)"
+        c = self._core
+        return (f"State(step={c.step_index}, epoch={c.epoch}, requests={len(c.requests)}, "
+                f"jobs={len(c.jobs)}, tier_used={c.num_used_slots()}/{c.config.num_tier_slots})")
+
+
+def initial_state(config: EngineConfig) -> State:
+    return State.initial(config)
+
+
+__all__ = [
+    "Core", "Job", "JobKind", "RequestState", "RequestStatus", "SlotState", "State", "StaleStateError",
+    "Stats", "initial_state",
+]

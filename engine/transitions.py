@@ -1,0 +1,67 @@
+"""Every legal state move, as data.
+
+The reducer consults these tables before it changes anything; a pair that is
+missing is a protocol violation. `tests/engine/test_transitions.py` checks the
+tables cell by cell, and `docs/transitions.md` is rendered from them.
+
+Request moves are keyed by (status, event kind); `None` is "no such request"
+on the left and "forgotten" on the right. Some events have two outcomes,
+chosen by a fact of the event (a load planned or not, the last worker's
+completion or not); those facts are spelled out as pseudo-kinds.
+"""
+
+from __future__ import annotations
+
+from .state import RequestStatus as R
+from .state import SlotState as S
+
+GONE = None
+
+REQUEST_MOVES: dict[tuple[R | None, str], R | None] = {
+    (None, "request_added"): R.WAITING,
+    (R.WAITING, "block_hashes_appended"): R.WAITING,
+    (R.LOADING, "block_hashes_appended"): R.LOADING,
+    (R.RUNNING, "block_hashes_appended"): R.RUNNING,
+    (R.PREEMPTED, "block_hashes_appended"): R.PREEMPTED,
+    (R.WAITING, "blocks_touched"): R.WAITING,
+    (R.WAITING, "blocks_allocated"): R.RUNNING,
+    (R.WAITING, "blocks_allocated+load"): R.LOADING,
+    (R.RUNNING, "blocks_allocated"): R.RUNNING,
+    (R.RUNNING, "blocks_freed"): R.RUNNING,
+    (R.RUNNING, "step_scheduled"): R.RUNNING,
+    (R.RUNNING, "request_preempted"): R.PREEMPTED,
+    (R.PREEMPTED, "request_resumed"): R.WAITING,
+    (R.RUNNING, "request_finished"): GONE,
+    (R.WAITING, "request_aborted"): GONE,
+    (R.RUNNING, "request_aborted"): GONE,
+    (R.PREEMPTED, "request_aborted"): GONE,
+    (R.LOADING, "request_aborted"): R.ABORTING,
+    (R.LOADING, "load_ended"): R.RUNNING,
+    (R.ABORTING, "load_ended"): GONE,
+}
+
+# Slot moves, keyed by (state, action). A slot leaves the index (stops being
+# offered) on eviction, failure or reset, but is freed only when no job still
+# reads or writes it.
+SLOT_MOVES: dict[tuple[S, str], S] = {
+    (S.FREE, "store_planned"): S.STORING,
+    (S.STORING, "store_succeeded"): S.STORED,
+    (S.STORING, "store_failed"): S.FREE,
+    (S.STORING, "store_ended_stale"): S.FREE,
+    (S.STORED, "load_planned"): S.STORED,  # load count + 1
+    (S.STORED, "load_ended"): S.STORED,  # load count - 1
+    (S.STORED, "evicted"): S.FREE,  # only with load count 0
+    (S.STORED, "released_orphan"): S.FREE,  # dropped from the index earlier, last load ended
+}
+
+
+def request_move(status: R | None, kind: str) -> tuple[bool, R | None]:
+    """(legal, next status)."""
+    key = (status, kind)
+    if key in REQUEST_MOVES:
+        return True, REQUEST_MOVES[key]
+    return False, status
+
+
+def slot_move(state: S, action: str) -> S:
+    return SLOT_MOVES[(state, action)]
