@@ -1,0 +1,341 @@
+"""The binary form of the event log: msgpack rows in CRC-checked frames.
+
+    file    = MAGIC frame(header) frame(step)*
+    frame   = u32 length, u32 crc32(payload), payload          (little-endian)
+    header  = msgpack map: schema_version, engine_version, digest_interval,
+              config, kinds {kind: code}, layouts {kind: [version, [[name, tag], ...]]}
+    step    = msgpack [first_seq, step_index, [row, ...]]  -- one frame per step
+    row     = [code, version, field, ...]   fields positional, in the layout's order
+            | [0, digest_bytes]             a state digest; its seq is the number
+                                            of events before it (first_seq + rows so far)
+
+Kind codes and layouts live in the header, so the file describes itself and
+reading never depends on class order. Bytes are msgpack bin, tuples arrays,
+and every string goes through a `Strings` table shared by all frames: a
+request id costs its text once and a 1-3 byte index afterwards. That table
+is why frames are read in order from the start, and why the writer passes
+the same `Strings` to every `encode_binary_frame` call of one log.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+
+import msgpack
+
+from kvledger.events.codec import CodecError, from_record
+from kvledger.events.log import (
+    Cursor,
+    DigestRecord,
+    EventRecord,
+    LogError,
+    LogHeader,
+    Record,
+    header_from_dict,
+    header_to_dict,
+    is_hex_digest,
+)
+from kvledger.events.schema import SCHEMAS, InvalidValue, KindSchema, Strings, json_form_decoder
+from kvledger.events.types import Event
+
+MAGIC = b"KVLEDGER\x01"
+MAGIC_PREFIX = MAGIC[:-1]  # the last byte is the binary format's version
+DIGEST_CODE = 0
+MAX_FRAME_BYTES = 1 << 28  # a larger length is corruption, not a step
+KIND_CODES: dict[str, int] = {kind: code for code, kind in enumerate(SCHEMAS, start=1)}  # as this writer assigns
+
+_FRAME_HEAD = struct.Struct("<II")
+_HEADER_EXTRA_KEYS = ("kinds", "layouts")
+
+RowWriter = Callable[[Event, Strings], list]
+RowReader = Callable[[tuple, Strings], Event]
+
+
+def _frame(payload: bytes) -> bytes:
+    return _FRAME_HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+# --- writing -------------------------------------------------------------
+
+
+def _make_row_writer(schema: KindSchema) -> RowWriter:
+    code, version = KIND_CODES[schema.kind], schema.version
+    pairs = tuple((f.name, f.binary_encode) for f in schema.fields)
+
+    def write(event: Event, strings: Strings) -> list:
+        row = [code, version]
+        for name, encode in pairs:
+            value = getattr(event, name)
+            row.append(value if encode is None else encode(value, strings))
+        return row
+
+    return write
+
+
+_ROW_WRITERS: dict[type, RowWriter] = {schema.cls: _make_row_writer(schema) for schema in SCHEMAS.values()}
+
+
+def encode_binary_header(header: LogHeader) -> bytes:
+    """MAGIC and the header frame: everything a reader needs before the first step."""
+    data = {
+        **header_to_dict(header),
+        "kinds": dict(KIND_CODES),
+        "layouts": {kind: schema.layout for kind, schema in SCHEMAS.items()},
+    }
+    return MAGIC + _frame(msgpack.packb(data, use_bin_type=True))
+
+
+def _check_frame(first_seq: int, step_index: int, records: list[Record]) -> None:
+    seq = first_seq
+    for record in records:
+        if record.seq != seq or record.step_index != step_index:
+            raise LogError(
+                f"record (seq {record.seq}, step_index {record.step_index}) does not belong in the frame "
+                f"for step {step_index} at seq {seq}",
+                seq=first_seq,
+            )
+        if type(record) is EventRecord:
+            seq += 1
+        elif not is_hex_digest(record.digest):
+            raise LogError(f"digest must be lowercase hex, got {record.digest!r}", seq=first_seq)
+
+
+def encode_binary_frame(
+    first_seq: int, step_index: int, records: Iterable[Record], *, strings: Strings
+) -> bytes:
+    """One step's records as one frame. `strings` is the log's table, updated in place
+    (and left as it was if the frame fails to encode)."""
+    records = list(records)
+    _check_frame(first_seq, step_index, records)
+    mark = strings.begin_frame()
+    try:
+        rows = [
+            _ROW_WRITERS[type(r.event)](r.event, strings)
+            if type(r) is EventRecord
+            else [DIGEST_CODE, bytes.fromhex(r.digest)]
+            for r in records
+        ]
+        payload = msgpack.packb([first_seq, step_index, rows], use_bin_type=True)
+    except (TypeError, ValueError, OverflowError, KeyError) as exc:
+        strings.rollback(mark)
+        raise LogError(f"cannot encode step {step_index}: {exc!r}", seq=first_seq) from None
+    return _frame(payload)
+
+
+# --- reading -------------------------------------------------------------
+
+
+def _current_row_reader(schema: KindSchema) -> RowReader:
+    kind, cls = schema.kind, schema.cls
+    pairs = tuple((f.name, f.binary_decode) for f in schema.fields)
+    size = len(pairs) + 2
+
+    def read(row: tuple, strings: Strings) -> Event:
+        if len(row) != size:
+            raise CodecError(f"row has {len(row) - 2} fields, the layout {len(pairs)}", kind=kind)
+        kwargs = {}
+        name = ""
+        try:
+            for (name, decode), value in zip(pairs, row[2:]):
+                kwargs[name] = decode(value, strings)
+        except InvalidValue as exc:
+            raise CodecError(str(exc), kind=kind, field=name) from None
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise CodecError(str(exc), kind=kind) from None
+
+    return read
+
+
+def _old_row_reader(kind: str, version: int, fields: list) -> RowReader:
+    """Rows of an older version: to JSON form by the header's layout, then upcast."""
+    names = [name for name, _tag in fields]
+    converters = [json_form_decoder(tag) for _name, tag in fields]
+
+    def read(row: tuple, strings: Strings) -> Event:
+        if len(row) != len(names) + 2:
+            raise CodecError(f"row has {len(row) - 2} fields, the layout {len(names)}", kind=kind)
+        record = {"kind": kind, "v": version}
+        name = ""
+        try:
+            for name, convert, value in zip(names, converters, row[2:]):
+                record[name] = convert(value, strings)
+        except InvalidValue as exc:
+            raise CodecError(str(exc), kind=kind, field=name) from None
+        return from_record(record)
+
+    return read
+
+
+def _failing_row_reader(detail: str, kind: str | None) -> RowReader:
+    def read(row: tuple, strings: Strings) -> Event:
+        raise CodecError(detail, kind=kind)
+
+    return read
+
+
+def _layout(value: object) -> tuple[int, list] | None:
+    """A header layout `[version, [[name, tag], ...]]`, or None if malformed."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2):
+        return None
+    version, fields = value
+    if type(version) is not int or not isinstance(fields, (list, tuple)):
+        return None
+    for field in fields:
+        if not (isinstance(field, (list, tuple)) and len(field) == 2 and all(type(x) is str for x in field)):
+            return None
+    return version, [list(f) for f in fields]
+
+
+def _row_readers(kinds: object, layouts: object) -> tuple[dict[int, tuple[int, RowReader]], str | None]:
+    """code -> (version, reader) from the header; or a problem. Unknown kinds and newer
+    versions fail only when a row uses them: a log may list kinds it never wrote."""
+    if not isinstance(kinds, dict) or not isinstance(layouts, dict):
+        return {}, "kinds and layouts must be mappings"
+    readers: dict[int, tuple[int, RowReader]] = {}
+    for kind, code in kinds.items():
+        if type(kind) is not str or type(code) is not int or code == DIGEST_CODE or code in readers:
+            return {}, f"bad kind code {kind!r}: {code!r}"
+        layout = _layout(layouts.get(kind))
+        if layout is None:
+            return {}, f"bad or missing layout for {kind!r}"
+        version, fields = layout
+        schema = SCHEMAS.get(kind)
+        if schema is None:
+            reader = _failing_row_reader(f"unknown kind {kind!r}", None)
+        elif version > schema.version:
+            reader = _failing_row_reader(f"v{version} is newer than this reader knows (v{schema.version})", kind)
+        elif version == schema.version:
+            if fields != schema.layout[1]:
+                return {}, f"{kind} v{version}: layout {fields} differs from this reader's {schema.layout[1]}"
+            reader = _current_row_reader(schema)
+        else:
+            try:
+                reader = _old_row_reader(kind, version, fields)
+            except InvalidValue as exc:
+                return {}, f"{kind} v{version}: {exc}"
+        readers[code] = (version, reader)
+    return readers, None
+
+
+class _Chunks:
+    """Exact-size reads over an iterable of byte chunks; `offset` counts bytes consumed."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks = iter(chunks)
+        self._buffer = bytearray()
+        self._pos = 0
+        self.offset = 0
+
+    def read(self, size: int) -> bytes:
+        """`size` bytes, or fewer at the end of the data."""
+        while len(self._buffer) - self._pos < size:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                break
+            del self._buffer[: self._pos]
+            self._pos = 0
+            self._buffer += chunk
+        out = bytes(self._buffer[self._pos : self._pos + size])
+        self._pos += len(out)
+        self.offset += len(out)
+        return out
+
+
+def _read_frame(chunks: _Chunks, seq: int | None) -> bytes | None:
+    """The next frame's checked payload; None at a clean end of data."""
+    start = chunks.offset
+    head = chunks.read(_FRAME_HEAD.size)
+    if not head:
+        return None
+    if len(head) < _FRAME_HEAD.size:
+        raise LogError(f"truncated: frame head at byte {start} has {len(head)} of 8 bytes", seq=seq)
+    length, crc = _FRAME_HEAD.unpack(head)
+    if length > MAX_FRAME_BYTES:
+        raise LogError(f"corrupt: frame at byte {start} claims {length} bytes", seq=seq)
+    payload = chunks.read(length)
+    if len(payload) < length:
+        raise LogError(f"truncated: frame at byte {start} has {len(payload)} of {length} bytes", seq=seq)
+    if zlib.crc32(payload) != crc:
+        raise LogError(f"corrupt: CRC mismatch in frame at byte {start}", seq=seq)
+    return payload
+
+
+def _unpack(payload: bytes, seq: int | None, *, use_list: bool) -> object:
+    try:
+        return msgpack.unpackb(payload, raw=False, use_list=use_list, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise LogError(f"corrupt: bad msgpack ({exc})", seq=seq) from None
+
+
+def _read_header(chunks: _Chunks) -> tuple[LogHeader, dict]:
+    magic = chunks.read(len(MAGIC))
+    if magic[: len(MAGIC_PREFIX)] != MAGIC_PREFIX or len(magic) < len(MAGIC):
+        raise LogError("missing header: not a kvledger binary log (bad magic)")
+    if magic != MAGIC:
+        raise LogError(f"binary format version {magic[-1]} is newer than this reader knows ({MAGIC[-1]})")
+    payload = _read_frame(chunks, None)
+    if payload is None:
+        raise LogError("missing header: the log ends after its magic")
+    data = _unpack(payload, None, use_list=True)
+    header = header_from_dict(data, extra_keys=_HEADER_EXTRA_KEYS)
+    readers, problem = _row_readers(data["kinds"], data["layouts"])  # type: ignore[index]
+    if problem:
+        raise LogError(f"header: {problem}")
+    return header, readers
+
+
+def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings) -> Iterator[Record]:
+    seq = cursor.next_seq
+    if not (type(frame) is tuple and len(frame) == 3 and type(frame[2]) is tuple):
+        raise LogError("corrupt: a frame must be [first_seq, step_index, [rows]]", seq=seq)
+    first_seq, step_index, rows = frame
+    problem = cursor.check(first_seq, step_index)
+    if problem:
+        raise LogError(problem, seq=seq)
+    strings.begin_frame()
+    for row in rows:
+        if type(row) is not tuple or not row or type(row[0]) is not int:
+            raise LogError(f"corrupt: bad row {row!r}", seq=seq)
+        code = row[0]
+        if code == DIGEST_CODE:
+            if len(row) != 2 or type(row[1]) is not bytes or not row[1]:
+                raise LogError(f"corrupt: bad digest row {row!r}", seq=seq)
+            yield DigestRecord(seq=cursor.next_seq, step_index=step_index, digest=row[1].hex())
+            continue
+        entry = readers.get(code)
+        if entry is None:
+            raise LogError(f"unknown kind code {code} (not in the header)", seq=seq)
+        version, reader = entry
+        try:
+            if len(row) < 2 or row[1] != version:
+                raise CodecError(f"row version {row[1:2]} differs from the header's v{version}")
+            record = EventRecord(seq=cursor.next_seq, step_index=step_index, event=reader(row, strings))
+        except ValueError as exc:  # CodecError, or an event of another step
+            raise LogError(f"record seq {cursor.next_seq}: {exc}", seq=seq) from None
+        yield record
+        cursor.next_seq += 1
+
+
+def _read_steps(chunks: _Chunks, readers: dict) -> Iterator[Record]:
+    cursor, strings = Cursor(), Strings()
+    while True:
+        payload = _read_frame(chunks, cursor.next_seq)
+        if payload is None:
+            return
+        frame = _unpack(payload, cursor.next_seq, use_list=False)
+        yield from _decode_frame(frame, cursor, readers, strings)
+
+
+def read_binary(data: bytes | bytearray | memoryview | Iterable[bytes]) -> tuple[LogHeader, Iterator[Record]]:
+    """Read the header now and records lazily, from a buffer or an iterable of chunks.
+
+    Raises LogError naming the first seq of the bad frame (the seq it should
+    have started at, since a corrupt frame's own numbers cannot be trusted).
+    """
+    chunks = _Chunks([bytes(data)] if isinstance(data, (bytes, bytearray, memoryview)) else data)
+    header, readers = _read_header(chunks)
+    return header, _read_steps(chunks, readers)

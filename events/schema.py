@@ -1,0 +1,255 @@
+"""Each event kind's field layout, read once from its attrs class at import.
+
+Both log forms (JSON records and binary rows) need, per field, an encoder and
+a validating decoder. Building them here once per class, as closures, keeps
+the per-event work to a loop over prepared functions instead of re-inspecting
+types (or calling `attrs.asdict`) on every event.
+
+Two value forms exist. The JSON form writes bytes as lowercase hex and tuples
+as lists. The binary form keeps bytes as bytes and tuples as tuples, and
+passes strings through a `Strings` table so a repeated request id costs a
+small int instead of its text.
+"""
+
+from __future__ import annotations
+
+import enum
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvledger.events.types import EVENT_TYPES
+
+Encode = Callable[[Any], Any]
+Decode = Callable[[Any], Any]
+
+
+class InvalidValue(ValueError):
+    """A field value has the wrong type or form; the caller names the field."""
+
+
+class Strings:
+    """The binary form's string table, one per log, kept alike by writer and reader.
+
+    A string is written as text the first time and as its index afterwards;
+    the reader rebuilds the same table from the texts it meets, in order. At
+    the start of a frame a full table (`CAPACITY` entries) is cleared, on both
+    sides by the same rule, so a long log needs bounded memory. A writer whose
+    frame fails to encode rolls the table back to the frame's start.
+    """
+
+    CAPACITY = 1 << 16
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+        self._texts: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def begin_frame(self) -> int:
+        """Clear a full table; return the mark that `rollback` returns to."""
+        if len(self._texts) >= self.CAPACITY:
+            self._index.clear()
+            self._texts.clear()
+        return len(self._texts)
+
+    def rollback(self, mark: int) -> None:
+        for text in self._texts[mark:]:
+            del self._index[text]
+        del self._texts[mark:]
+
+    def encode(self, text: str) -> int | str:
+        index = self._index.get(text)
+        if index is not None:
+            return index
+        self._index[text] = len(self._texts)
+        self._texts.append(text)
+        return text
+
+    def decode(self, value: object) -> str:
+        if type(value) is int:
+            if 0 <= value < len(self._texts):
+                return self._texts[value]
+            raise InvalidValue(f"string reference {value} is not in the table ({len(self._texts)} entries)")
+        if type(value) is str:
+            self._texts.append(value)
+            return value
+        raise InvalidValue(f"expected str, got {_type_name(value)}")
+
+
+@attrs.frozen
+class FieldCodec:
+    """How one field travels. `None` encoders mean the value goes as is.
+
+    `tag` spells the type ("int", "str", "bytes", "enum", "tuple[X]") so a
+    binary header can describe each layout it writes, and a reader can make
+    sense of a layout older than its own classes.
+    """
+
+    name: str
+    tag: str
+    json_encode: Encode | None
+    json_decode: Decode
+    binary_encode: Callable[[Any, Strings], Any] | None
+    binary_decode: Callable[[Any, Strings], Any]
+
+
+@attrs.frozen
+class KindSchema:
+    kind: str
+    version: int
+    cls: type
+    fields: tuple[FieldCodec, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    @property
+    def layout(self) -> list:
+        """`[version, [[name, tag], ...]]`, as a binary header records it."""
+        return [self.version, [[f.name, f.tag] for f in self.fields]]
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def _int_decode(value: object) -> int:
+    if type(value) is not int:
+        raise InvalidValue(f"expected int, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _str_decode(value: object) -> str:
+    if type(value) is not str:
+        raise InvalidValue(f"expected str, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _hex_decode(value: object) -> bytes:
+    if type(value) is not str:
+        raise InvalidValue(f"expected lowercase hex str, got {_type_name(value)} {value!r}")
+    try:
+        data = bytes.fromhex(value)
+    except ValueError:
+        raise InvalidValue(f"bad hex {value!r}") from None
+    if data.hex() != value:  # fromhex accepts spaces and upper case; the log never writes them
+        raise InvalidValue(f"bad hex {value!r}: not lowercase without spaces")
+    return data
+
+
+def _bytes_decode(value: object, _strings: Strings) -> bytes:
+    if type(value) is not bytes:
+        raise InvalidValue(f"expected bytes, got {_type_name(value)}")
+    return value
+
+
+def _int_binary_decode(value: object, _strings: Strings) -> int:
+    if type(value) is not int:
+        raise InvalidValue(f"expected int, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _str_binary_encode(value: str, strings: Strings) -> int | str:
+    return strings.encode(value)
+
+
+def _str_binary_decode(value: object, strings: Strings) -> str:
+    return strings.decode(value)
+
+
+def _enum_codecs(enum_cls: type[enum.Enum]) -> tuple[Encode, Decode, Callable, Callable]:
+    def decode(value: object) -> enum.Enum:
+        try:
+            return enum_cls(value)
+        except ValueError:
+            raise InvalidValue(f"{value!r} is not a {enum_cls.__name__}") from None
+
+    return (
+        lambda value: value.value,
+        decode,
+        lambda value, _strings: value.value,
+        lambda value, _strings: decode(value),
+    )
+
+
+def _array(value: object) -> list | tuple:
+    if type(value) is not list and type(value) is not tuple:
+        raise InvalidValue(f"expected array, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _tuple_codecs(inner: tuple) -> tuple:
+    json_enc, json_dec, bin_enc, bin_dec = inner
+
+    def json_encode(value: tuple) -> list:
+        return list(value) if json_enc is None else [json_enc(item) for item in value]
+
+    def json_decode(value: object) -> tuple:
+        return tuple([json_dec(item) for item in _array(value)])
+
+    def binary_encode(value: tuple, strings: Strings) -> list:
+        return [bin_enc(item, strings) for item in value]
+
+    def binary_decode(value: object, strings: Strings) -> tuple:
+        return tuple([bin_dec(item, strings) for item in _array(value)])
+
+    return json_encode, json_decode, (None if bin_enc is None else binary_encode), binary_decode
+
+
+def value_codecs(tp: object) -> tuple:
+    """(json_encode, json_decode, binary_encode, binary_decode) for an event field type."""
+    if tp is int:
+        return None, _int_decode, None, _int_binary_decode
+    if tp is str:
+        return None, _str_decode, _str_binary_encode, _str_binary_decode
+    if tp is bytes:
+        return bytes.hex, _hex_decode, None, _bytes_decode
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum_codecs(tp)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return _tuple_codecs(value_codecs(args[0]))
+    raise TypeError(f"event field type {tp!r} has no log form; use int, str, bytes, an enum or tuple[X, ...]")
+
+
+def type_tag(tp: object) -> str:
+    if tp in (int, str, bytes):
+        return tp.__name__  # type: ignore[union-attr]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "enum"
+    return f"tuple[{type_tag(typing.get_args(tp)[0])}]"
+
+
+def json_form_decoder(tag: str) -> Callable[[Any, Strings], Any]:
+    """Turn a binary value of type `tag` into its JSON form, for upcasting old layouts.
+
+    Strings go through the table (they may be references), bytes become hex,
+    arrays become lists; nothing else is checked here: `from_record` does that
+    once the record has reached the current version.
+    """
+    if tag == "str":
+        return _str_binary_decode
+    if tag == "bytes":
+        return lambda value, _strings: value.hex() if type(value) is bytes else value
+    if tag in ("int", "enum"):
+        return lambda value, _strings: value
+    if tag.startswith("tuple[") and tag.endswith("]"):
+        inner = json_form_decoder(tag[len("tuple[") : -1])
+        return lambda value, strings: [inner(item, strings) for item in _array(value)]
+    raise InvalidValue(f"unknown field type {tag!r}")
+
+
+def schema_of(cls: type) -> KindSchema:
+    hints = typing.get_type_hints(cls)
+    fields = tuple(
+        FieldCodec(a.name, type_tag(hints[a.name]), *value_codecs(hints[a.name])) for a in attrs.fields(cls)
+    )
+    return KindSchema(kind=cls.kind, version=cls.version, cls=cls, fields=fields)  # type: ignore[attr-defined]
+
+
+SCHEMAS: dict[str, KindSchema] = {cls.kind: schema_of(cls) for cls in EVENT_TYPES}  # type: ignore[attr-defined]

@@ -1,0 +1,21 @@
+"""Bring records of older event versions forward to the current class.
+
+Each upcaster takes the fields of a record at (kind, version N) in JSON form
+(bytes as hex, tuples as lists) and returns the fields at version N + 1,
+without mutating its argument. `codec.from_record` applies them in a chain,
+so a record several versions old passes through each step in turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def upcast_store_failed_v1_v2(fields: dict) -> dict:
+    """v1 had no `keys`: a failed store always meant the whole job, which v2 spells `keys=[]`."""
+    return {**fields, "keys": []}
+
+
+UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {
+    ("store_failed", 1): upcast_store_failed_v1_v2,
+}
