@@ -27,7 +27,7 @@ LATER = LookupResult(0, ready=False)
 def lookup(state: State, request_id: str, num_local_tokens: int) -> LookupResult:
     core = state.core
     request = core.requests.get(request_id)
-    if request is None or request.status is not RequestStatus.WAITING:
+    if request is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
         return MISS
     alignment = core.alignment
     if num_local_tokens % alignment:

@@ -632,9 +632,17 @@ def _load_ended(core: Core, job: Job, out: Effects) -> None:
         _free_table(core, request)
         del core.requests[request.request_id]
         return
-    request.status = RequestStatus.RUNNING
     if job.failed_keys or job.failed_blocks:
-        _restart_stores(request)  # vLLM recomputes the failed blocks; store them again
+        _restart_stores(request)  # the failed blocks are recomputed: store them again
+    if (job.failed_keys or job.failed_blocks) and len(core.groups) > 1:
+        # vLLM 0.32 cannot take block-level errors with several groups: the
+        # request is reported failed, its blocks are freed and it is admitted
+        # again from scratch (with the failed keys gone from the tier).
+        _free_table(core, request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        return
+    request.status = RequestStatus.RUNNING  # one group: vLLM recomputes from the first failed block
 
 
 def _cache_reset(core: Core, event: ev.CacheReset, out: Effects) -> None:

@@ -1,0 +1,524 @@
+"""A seeded stand-in for vLLM that drives the engine with legal event sequences.
+
+It plays the scheduler (admission, chunked prefill, decode, preemption,
+sliding-window frees, finish, abort), the block pool (free queue, prefix
+cache, pins) and the workers (copies that run late unless flushed, and that
+can fail). Every device block and tier slot carries a shadow of its content,
+so the simulator can check what matters end to end: whenever a request is
+scheduled, every block its layers read holds the right content. A store that
+read a reused block, or a load of the wrong slot, shows up there.
+
+Used by the stateful property tests, the benchmarks and the golden logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+
+from kvledger.engine import effects as fx
+from kvledger.engine import hma
+from kvledger.engine.invariants import check, check_event
+from kvledger.engine.lookup import lookup
+from kvledger.engine.reducer import reduce
+from kvledger.engine.state import RequestStatus, SlotState, State, initial_state
+from kvledger.events import types as ev
+from kvledger.events.config import EngineConfig, GroupKind
+from kvledger.events.types import NULL_BLOCK_ID
+
+
+class SimulationError(AssertionError):
+    """The engine did something the contract forbids, seen from vLLM's side."""
+
+
+def chain_hash(*parts: object) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+class SimRequest:
+    __slots__ = ("rid", "doc", "status", "num_prompt_tokens", "num_tokens", "hashes", "table",
+                 "computed", "max_tokens", "num_output", "load_job")
+
+    def __init__(self, rid: str, doc: int, num_prompt_tokens: int, hashes: list[bytes], groups: int,
+                 max_tokens: int) -> None:
+        self.rid = rid
+        self.doc = doc
+        self.status = "waiting"
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_tokens = num_prompt_tokens
+        self.hashes = hashes
+        self.table: list[list[int]] = [[] for _ in range(groups)]
+        self.computed = 0
+        self.max_tokens = max_tokens
+        self.num_output = 0
+        self.load_job = -1
+
+
+class SimJob:
+    __slots__ = ("effect", "pending", "copied", "failed")
+
+    def __init__(self, effect: fx.StartStore | fx.StartLoad, workers: int) -> None:
+        self.effect = effect
+        self.pending = set(range(workers))
+        self.copied = False
+        self.failed: set[int] = set()  # LOAD: target blocks that failed
+
+
+class Simulator:
+    def __init__(self, config: EngineConfig, *, prefix_caching: bool = True, chunk_tokens: int = 0,
+                 record: Callable[[ev.Event], None] | None = None, check_every_event: bool = False) -> None:
+        self.config = config
+        self.groups = config.groups
+        self.prefix_caching = prefix_caching
+        self.chunk_tokens = chunk_tokens  # 0: prefill in one step
+        self.record = record
+        self.check_every_event = check_every_event
+        self.state: State = initial_state(config)
+        n = config.num_device_blocks
+        self.free: dict[int, None] = dict.fromkeys(range(1, n))  # vLLM's free queue, eviction end first
+        self.holders = [0] * n  # request references + pins
+        self.content: list[object] = [None] * n
+        self.cached: dict[bytes, int] = {}  # prefix cache: key -> block
+        self.cached_key: dict[int, bytes] = {}
+        self.dirty: set[int] = set()
+        self.slot_content: dict[int, object] = {}
+        self.requests: dict[str, SimRequest] = {}
+        self.jobs: dict[int, SimJob] = {}
+        self.step_index = -1
+        self.epoch = 0
+        self.next_request = 0
+        self.events = 0
+        self.load_failures = 0
+
+    # Driving the engine.
+
+    def emit(self, event: ev.Event) -> tuple[fx.Effect, ...]:
+        before = self.state.core.next_job_id
+        self.state, effects = reduce(self.state, event, strict=True)
+        self.events += 1
+        if self.record is not None:
+            self.record(event)
+        for effect in effects:
+            self._perform(effect)
+        if self.check_every_event:
+            check_event(self.state, event, before)
+        return effects
+
+    def _perform(self, effect: fx.Effect) -> None:
+        if isinstance(effect, (fx.StartStore, fx.StartLoad)):
+            self.jobs[effect.job_id] = SimJob(effect, self.config.world_size)
+        elif isinstance(effect, fx.FlushStores):
+            for job_id in effect.job_ids:
+                self._copy(self.jobs[job_id])
+        elif isinstance(effect, fx.PinDeviceBlocks):
+            for block in effect.block_ids:
+                self._hold(block)
+        elif isinstance(effect, fx.UnpinDeviceBlocks):
+            for block in effect.block_ids:
+                self._release(block)
+        elif isinstance(effect, fx.ReportViolation):  # strict mode raises first
+            raise SimulationError(f"violation: {effect}")
+
+    def _copy(self, job: SimJob) -> None:
+        """The worker's copy; the simulator runs it as late as it may."""
+        if job.copied:
+            return
+        job.copied = True
+        effect = job.effect
+        if isinstance(effect, fx.StartStore):
+            for blocks, slots in zip(effect.source_block_ids, effect.target_slot_ids):
+                for block, slot in zip(blocks, slots):
+                    self.slot_content[slot] = self.content[block]
+        else:
+            for slots, blocks in zip(effect.source_slot_ids, effect.target_block_ids):
+                for slot, block in zip(slots, blocks):
+                    self.dirty.discard(block)  # the load stream runs after the zeroing
+                    self.content[block] = None if block in job.failed else self.slot_content.get(slot)
+
+    # The block pool.
+
+    def _hold(self, block: int) -> None:
+        self.holders[block] += 1
+        self.free.pop(block, None)
+
+    def _release(self, block: int) -> None:
+        self.holders[block] -= 1
+        assert self.holders[block] >= 0
+        if self.holders[block] == 0:
+            self.free[block] = None
+
+    def _allocate(self) -> int:
+        block = next(iter(self.free))
+        del self.free[block]
+        key = self.cached_key.pop(block, None)
+        if key is not None and self.cached.get(key) == block:
+            del self.cached[key]
+        self.holders[block] = 1
+        self.dirty.add(block)  # zeroed or overwritten by the next forward, after any flush
+        return block
+
+    def _free_table(self, request: SimRequest) -> None:
+        for ids in request.table:
+            for block in reversed(ids):
+                if block != NULL_BLOCK_ID:
+                    self._release(block)
+        request.table = [[] for _ in self.groups]
+
+    def _cache(self, key: bytes, block: int) -> None:
+        if self.prefix_caching and key not in self.cached:
+            self.cached[key] = block
+            self.cached_key[block] = key
+
+    # Requests.
+
+    def keys(self, request: SimRequest, group_id: int) -> list[bytes]:
+        group = self.groups[group_id]
+        per = group.block_size // self.config.hash_block_size
+        suffix = group_id.to_bytes(4, "big")
+        return [request.hashes[(i + 1) * per - 1] + suffix for i in range(len(request.hashes) // per)]
+
+    def add_request(self, doc: int, num_prompt_tokens: int, max_tokens: int) -> str:
+        rid = f"req-{self.next_request}"
+        self.next_request += 1
+        size = self.config.hash_block_size
+        hashes = [chain_hash(doc, i) for i in range(num_prompt_tokens // size)]
+        self.requests[rid] = SimRequest(rid, doc, num_prompt_tokens, hashes, len(self.groups), max_tokens)
+        self.emit(ev.RequestAdded(request_id=rid, num_prompt_tokens=num_prompt_tokens, block_hashes=hashes))
+        return rid
+
+    def waiting(self) -> list[str]:
+        return [r.rid for r in self.requests.values() if r.status in ("waiting", "preempted")]
+
+    def running(self) -> list[str]:
+        return [r.rid for r in self.requests.values() if r.status == "running"]
+
+    def _local_hit(self, request: SimRequest) -> int:
+        if not self.prefix_caching:
+            return 0
+        alignment = self.config.alignment_tokens
+        keys = [self.keys(request, g.group_id) for g in self.groups]
+        end = (request.num_tokens - 1) // alignment * alignment
+        while end > 0:
+            if all(p < len(keys[g.group_id]) and keys[g.group_id][p] in self.cached
+                   for g in self.groups for p in hma.needed_range(g, 0, end)):
+                return end
+            end -= alignment
+        return 0
+
+    def admit(self, rid: str) -> bool:
+        """vLLM's WAITING loop for one request: local hit, tier lookup, allocation."""
+        request = self.requests[rid]
+        local = self._local_hit(request)
+        result = lookup(self.state, rid, local)
+        if not result.ready:
+            return False
+        ext = result.num_hit_tokens
+        self._check_hit(request, local, ext)
+        touched: list[list[int]] = []
+        fresh_count = 0
+        plans: list[list[bool]] = []
+        for group in self.groups:
+            gid = group.group_id
+            keys = self.keys(request, gid)
+            needed_local = set(hma.needed_range(group, 0, local))
+            touched.append([self.cached[keys[p]] if p in needed_local else NULL_BLOCK_ID
+                            for p in range(local // group.block_size)])
+            needed_ext = set(hma.needed_range(group, local, local + ext))
+            first_ext = local // group.block_size
+            end_ext = (local + ext) // group.block_size
+            total = hma.cdiv(request.num_tokens, group.block_size)
+            plan = [p >= end_ext or p in needed_ext for p in range(first_ext, total)]
+            plans.append(plan)
+            fresh_count += sum(plan)
+        new_touch = sum(1 for ids in touched for b in ids if b != NULL_BLOCK_ID and self.holders[b] == 0)
+        if fresh_count > len(self.free) - new_touch:
+            return False
+        if request.status == "preempted":
+            self.emit(ev.RequestResumed(request_id=rid))
+        if local:
+            for ids in touched:
+                for block in ids:
+                    if block != NULL_BLOCK_ID:
+                        self._hold(block)
+            self.emit(ev.BlocksTouched(request_id=rid, block_ids=touched))
+        allocated = [[self._allocate() if fresh else NULL_BLOCK_ID for fresh in plan] for plan in plans]
+        request.table = [t + a for t, a in zip(touched, allocated)]
+        request.computed = local + ext
+        request.status = "loading" if ext else "running"
+        effects = self.emit(ev.BlocksAllocated(request_id=rid, block_ids=allocated, num_external_tokens=ext))
+        loads = [e for e in effects if isinstance(e, fx.StartLoad)]
+        if ext:
+            if len(loads) != 1:
+                raise SimulationError(f"{rid}: a hit of {ext} tokens started {len(loads)} loads")
+            request.load_job = loads[0].job_id
+        return True
+
+    def _check_hit(self, request: SimRequest, local: int, ext: int) -> None:
+        """Lookup soundness: every key the hit needs is stored with the right content."""
+        if ext == 0:
+            return
+        alignment = self.config.alignment_tokens
+        if (local + ext) % alignment or local + ext >= request.num_tokens:
+            raise SimulationError(f"{request.rid}: hit [{local}, {local + ext}) is unaligned or total")
+        core = self.state.core
+        for group in self.groups:
+            keys = self.keys(request, group.group_id)
+            for position in hma.needed_range(group, local, local + ext):
+                slot = core.slot_of_key.get(keys[position], -1)
+                if slot < 0 or core.slot_state[slot] != SlotState.STORED:
+                    raise SimulationError(f"{request.rid}: hit needs key at {position} that is not stored")
+                if self.slot_content.get(slot) != keys[position]:
+                    raise SimulationError(f"{request.rid}: slot {slot} does not hold the key it is offered for")
+
+    def preempt(self, rid: str) -> None:
+        request = self.requests[rid]
+        self._free_table(request)
+        request.computed = 0
+        request.status = "preempted"
+        self.emit(ev.RequestPreempted(request_id=rid))
+
+    def abort(self, rid: str) -> None:
+        request = self.requests[rid]
+        self.emit(ev.RequestAborted(request_id=rid))
+        if request.status == "loading":
+            request.status = "aborting"
+            return
+        self._free_table(request)
+        del self.requests[rid]
+
+    def reset(self) -> None:
+        self.epoch += 1
+        self.emit(ev.CacheReset(epoch=self.epoch))
+
+    # A scheduler step.
+
+    def step(self, rids: list[str]) -> list[str]:
+        """Schedule these running requests (preempting others for room), run
+        the forward, sample. Returns the requests that ran."""
+        scheduled: list[tuple[SimRequest, int]] = []
+        pending = [r for r in rids if r in self.requests and self.requests[r].status == "running"]
+        while pending:
+            request = self.requests[pending.pop(0)]
+            if request.status != "running":
+                continue
+            count = request.num_tokens - request.computed
+            if self.chunk_tokens:
+                count = min(count, self.chunk_tokens)
+            if count <= 0:
+                continue
+            self._free_skipped(request)
+            if not self._grow(request, request.computed + count, pending, scheduled):
+                continue
+            scheduled.append((request, count))
+        self.step_index += 1
+        self.emit(ev.StepScheduled(
+            step_index=self.step_index, request_ids=[r.rid for r, _ in scheduled],
+            num_computed_tokens=[r.computed for r, _ in scheduled],
+            num_scheduled_tokens=[c for _, c in scheduled]))
+        for block in self.dirty:  # the worker zeroes new blocks after handle_preemptions
+            self.content[block] = None
+        self.dirty.clear()
+        for request, count in scheduled:
+            self._check_inputs(request)
+            self._forward(request, count)
+        for request, _ in scheduled:
+            self._sample(request)
+        return [r.rid for r, _ in scheduled]
+
+    def _free_skipped(self, request: SimRequest) -> None:
+        """vLLM's remove_skipped_blocks: sliding blocks wholly before the window."""
+        freed: list[tuple[int, ...]] = []
+        for group in self.groups:
+            ids: list[int] = []
+            if group.kind is GroupKind.SLIDING:
+                skipped = max(0, request.computed - group.window + 1) // group.block_size
+                table = request.table[group.group_id]
+                for position in range(min(skipped, len(table))):
+                    if table[position] != NULL_BLOCK_ID:
+                        ids.append(table[position])
+                        self._release(table[position])
+                        table[position] = NULL_BLOCK_ID
+            freed.append(tuple(ids))
+        if any(freed):
+            self.emit(ev.BlocksFreed(request_id=request.rid, block_ids=freed))
+
+    def _grow(self, request: SimRequest, tokens: int, pending: list[str],
+              scheduled: list[tuple[SimRequest, int]]) -> bool:
+        need = [max(0, hma.cdiv(tokens, g.block_size) - len(request.table[g.group_id])) for g in self.groups]
+        while sum(need) > len(self.free):
+            victims = [r for r in self.running() if r != request.rid and r not in {s.rid for s, _ in scheduled}]
+            victim = victims[-1] if victims else request.rid
+            if victim in pending:
+                pending.remove(victim)
+            self.preempt(victim)
+            if victim == request.rid:
+                return False
+        if not any(need):
+            return True
+        new = [[self._allocate() for _ in range(n)] for n in need]
+        for group, ids in zip(self.groups, new):
+            request.table[group.group_id].extend(ids)
+        self.emit(ev.BlocksAllocated(request_id=request.rid, block_ids=new))
+        return True
+
+    def _check_inputs(self, request: SimRequest) -> None:
+        """What the layers read before computing from `computed` is correct:
+        the property behind "output with restored KV equals recompute"."""
+        start = request.computed
+        for group in self.groups:
+            keys = self.keys(request, group.group_id)
+            table = request.table[group.group_id]
+            if group.kind is GroupKind.FULL:
+                positions = range(0, start // group.block_size)
+            elif group.kind is GroupKind.SLIDING:
+                positions = range(max(0, start - group.window + 1) // group.block_size, start // group.block_size)
+            else:
+                continue
+            for position in positions:
+                if position >= len(keys):
+                    continue
+                block = table[position]
+                if block == NULL_BLOCK_ID or self.content[block] != keys[position]:
+                    raise SimulationError(
+                        f"{request.rid}: group {group.group_id} position {position} reads block {block} "
+                        f"holding {self.content[block]!r:.40} instead of its key")
+
+    def _forward(self, request: SimRequest, count: int) -> None:
+        for group in self.groups:
+            keys = self.keys(request, group.group_id)
+            table = request.table[group.group_id]
+            size = group.block_size
+            for position in range(request.computed // size, (request.computed + count) // size):
+                block = table[position]
+                if position < len(keys):
+                    self.content[block] = keys[position]
+                    self._cache(keys[position], block)
+                else:
+                    self.content[block] = ("unhashed", request.rid, position)
+        request.computed += count
+
+    def _sample(self, request: SimRequest) -> None:
+        if request.computed < request.num_tokens:
+            return  # chunked prefill continues
+        request.num_output += 1
+        if request.num_output >= request.max_tokens:
+            final = [tuple(t) for t in request.table]
+            self.emit(ev.RequestFinished(request_id=request.rid, block_ids=final))
+            self._free_table(request)
+            del self.requests[request.rid]
+            return
+        request.num_tokens += 1
+        size = self.config.hash_block_size
+        if request.num_tokens // size > len(request.hashes):
+            new = chain_hash(request.doc, request.num_prompt_tokens, len(request.hashes))
+            request.hashes.append(new)
+            self.emit(ev.BlockHashesAppended(request_id=request.rid, num_tokens=request.num_tokens,
+                                             block_hashes=(new,)))
+
+    # The workers.
+
+    def complete(self, job_id: int, worker: int, fail: bool, rng: random.Random | None = None) -> None:
+        job = self.jobs[job_id]
+        effect = job.effect
+        if isinstance(effect, fx.StartLoad) and fail:
+            flat = [b for ids in effect.target_block_ids for b in ids]
+            chosen = {b for b in flat if rng is None or rng.random() < 0.5} or {flat[0]}
+            job.failed |= chosen
+        self._copy(job)
+        job.pending.discard(worker)
+        last = not job.pending
+        if last:
+            del self.jobs[job_id]
+        if isinstance(effect, fx.StartStore):
+            if fail:
+                self.emit(ev.StoreFailed(job_id=job_id, worker_index=worker))
+            else:
+                self.emit(ev.StoreCompleted(job_id=job_id, worker_index=worker))
+            return
+        if fail:
+            keys = [k for ks, bs in zip(effect.keys, effect.target_block_ids)
+                    for k, b in zip(ks, bs) if b in job.failed]
+            self.emit(ev.LoadFailed(job_id=job_id, worker_index=worker, block_ids=sorted(job.failed), keys=keys))
+        else:
+            self.emit(ev.LoadCompleted(job_id=job_id, worker_index=worker))
+        if last:
+            self._load_ended(job, effect)
+
+    def _load_ended(self, job: SimJob, effect: fx.StartLoad) -> None:
+        request = self.requests.get(effect.request_id)
+        if request is None or request.load_job != effect.job_id:
+            return
+        request.load_job = -1
+        if request.status == "aborting":
+            self._free_table(request)
+            del self.requests[request.rid]
+            return
+        request.status = "running"
+        if job.failed:
+            self.load_failures += 1
+            if len(self.groups) > 1:  # vLLM 0.32: failed_recving; blocks freed, admitted again
+                self._free_table(request)
+                request.computed = 0
+                request.status = "waiting"
+                return
+            else:
+                group = self.groups[0]
+                first = min(request.table[0].index(b) for b in job.failed)
+                request.computed = min(request.computed, first * group.block_size)
+        for group, blocks, keys in zip(self.groups, effect.target_block_ids, effect.keys):
+            for block, key in zip(blocks, keys):
+                if block not in job.failed:
+                    self._cache(key, block)
+
+    # The model check.
+
+    def check(self) -> None:
+        check(self.state)
+        core = self.state.core
+        status_map = {"waiting": RequestStatus.WAITING, "running": RequestStatus.RUNNING,
+                      "loading": RequestStatus.LOADING, "preempted": RequestStatus.PREEMPTED,
+                      "aborting": RequestStatus.ABORTING}
+        if set(core.requests) != set(self.requests):
+            raise SimulationError(f"requests differ: {sorted(set(core.requests) ^ set(self.requests))}")
+        for rid, request in self.requests.items():
+            mine = core.requests[rid]
+            if mine.status is not status_map[request.status]:
+                raise SimulationError(f"{rid}: engine says {mine.status.value}, vLLM says {request.status}")
+            if mine.table != request.table:
+                raise SimulationError(f"{rid}: block tables differ")
+        for block in range(1, self.config.num_device_blocks):
+            if core.block_refs[block] + core.block_pins[block] != self.holders[block]:
+                raise SimulationError(f"block {block}: engine refs+pins != vLLM holders")
+        if set(core.jobs) != set(self.jobs):
+            raise SimulationError("in-flight jobs differ")
+        for key, slot in core.slot_of_key.items():
+            if core.slot_state[slot] == SlotState.STORED and self.slot_content.get(slot) != key:
+                raise SimulationError(f"slot {slot} is offered for a key it does not hold")
+
+
+def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: float = 0.5,
+               docs: int = 3, max_prompt_blocks: int = 6, max_tokens: int = 6, fail_rate: float = 0.05,
+               reset_rate: float = 0.0, abort_rate: float = 0.02, completion_rate: float = 0.4,
+               check_every: int = 0) -> None:
+    """A seeded workload: arrivals, admissions, steps and completions in random order."""
+    size = sim.config.hash_block_size
+    for n in range(steps):
+        if rng.random() < arrivals:
+            prompt = rng.randint(1, max_prompt_blocks) * size + rng.randrange(size)
+            sim.add_request(rng.randrange(docs), prompt, rng.randint(1, max_tokens))
+        for rid in sim.waiting():
+            if not sim.admit(rid):
+                break
+        if rng.random() < abort_rate and sim.requests:
+            sim.abort(rng.choice(sorted(sim.requests)))
+        sim.step(sim.running())
+        for job_id in sorted(sim.jobs):
+            if rng.random() < completion_rate:
+                job = sim.jobs[job_id]
+                worker = rng.choice(sorted(job.pending))
+                sim.complete(job_id, worker, rng.random() < fail_rate, rng)
+        if reset_rate and rng.random() < reset_rate:
+            sim.reset()
+        if check_every and n % check_every == 0:
+            sim.check()
