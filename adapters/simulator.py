@@ -466,7 +466,7 @@ class Simulator:
                 group = self.groups[0]
                 first = min(request.table[0].index(b) for b in job.failed)
                 request.computed = min(request.computed, first * group.block_size)
-        for group, blocks, keys in zip(self.groups, effect.target_block_ids, effect.keys):
+        for blocks, keys in zip(effect.target_block_ids, effect.keys):
             for block, key in zip(blocks, keys):
                 if block not in job.failed:
                     self._cache(key, block)

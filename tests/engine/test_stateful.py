@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import event
+from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -109,7 +109,7 @@ class Protocol(RuleBasedStateMachine):
             stats = self.sim.state.core.stats
             for name in ("loads", "jobs_flushed", "preemptions", "load_failures", "evictions"):
                 if getattr(stats, name):
-                    event(f"reached {name}")
+                    note_event(f"reached {name}")
 
 
 TestProtocol = Protocol.TestCase
