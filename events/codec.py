@@ -92,17 +92,21 @@ _WRITERS = {schema.cls: _make_writer(schema) for schema in SCHEMAS.values()}
 _READERS = {kind: _make_reader(schema) for kind, schema in SCHEMAS.items()}
 
 
-def write_fields(event: Event, into: dict) -> dict:
-    """Add the event's fields, in JSON form, to `into` (so callers choose the key order)."""
+def _writer(event: Event) -> Callable[[Event, dict], dict]:
     writer = _WRITERS.get(type(event))
     if writer is None:
         raise CodecError(f"not an event: {type(event).__name__}")
-    return writer(event, into)
+    return writer
+
+
+def write_fields(event: Event, into: dict) -> dict:
+    """Add the event's fields, in JSON form, to `into` (so callers choose the key order)."""
+    return _writer(event)(event, into)
 
 
 def to_record(event: Event) -> dict:
     """The event as a JSON-ready dict: kind, version, then fields in attrs order."""
-    return write_fields(event, {"kind": event.kind, "v": event.version})
+    return _writer(event)(event, {"kind": event.kind, "v": event.version})
 
 
 def from_record(record: dict) -> Event:

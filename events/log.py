@@ -141,7 +141,7 @@ def header_from_dict(data: object, *, extra_keys: Iterable[str] = (), line: int 
     try:
         config = EngineConfig.from_dict(data["config"])
     except (TypeError, ValueError) as exc:
-        raise fail(f"bad config: {exc}") from None
+        raise fail(f"config: {exc}") from None
     return LogHeader(
         schema_version=schema_version,
         engine_version=data["engine_version"],

@@ -6,9 +6,9 @@ the per-event work to a loop over prepared functions instead of re-inspecting
 types (or calling `attrs.asdict`) on every event.
 
 Two value forms exist. The JSON form writes bytes as lowercase hex and tuples
-as lists. The binary form keeps bytes as bytes and tuples as tuples, and
-passes strings through a `Strings` table so a repeated request id costs a
-small int instead of its text.
+as lists. The binary form keeps bytes as bytes and tuples as arrays (or, for ints and
+equal-length bytes, packed bins: see `packed`), and passes strings through a
+`Strings` table so a repeated request id costs a small int, not its text.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from kvledger.events import packed
 from kvledger.events.types import EVENT_TYPES
 
 Encode = Callable[[Any], Any]
@@ -201,6 +202,52 @@ def _tuple_codecs(inner: tuple) -> tuple:
     return json_encode, json_decode, (None if bin_enc is None else binary_encode), binary_decode
 
 
+def _unpacked(unpack: Callable[[bytes], tuple], value: bytes) -> tuple:
+    try:
+        return unpack(value)
+    except ValueError as exc:
+        raise InvalidValue(str(exc)) from None
+
+
+def _packed_tuple_codecs(
+    inner: tuple, pack: Callable[[tuple], bytes | None], unpack: Callable[[bytes], tuple], item: type
+) -> tuple:
+    """tuple[int] and tuple[bytes]: in binary, one packed bin where that is shorter."""
+    json_encode, json_decode, _bin_enc, _bin_dec = _tuple_codecs(inner)
+    item_name = item.__name__
+
+    def binary_encode(value: tuple, _strings: Strings) -> bytes | tuple:
+        packed = pack(value)
+        return value if packed is None else packed
+
+    def binary_decode(value: object, _strings: Strings) -> tuple:
+        if type(value) is bytes:
+            return _unpacked(unpack, value)
+        for entry in _array(value):
+            if type(entry) is not item:
+                raise InvalidValue(f"expected {item_name}, got {_type_name(entry)} {entry!r}")
+        return tuple(value)  # type: ignore[arg-type]
+
+    return json_encode, json_decode, binary_encode, binary_decode
+
+
+def _str_tuple_codecs(inner: tuple) -> tuple:
+    """tuple[str]: in binary, table references packed like ints once every item is one."""
+    json_encode, json_decode, _bin_enc, _bin_dec = _tuple_codecs(inner)
+
+    def binary_encode(value: tuple, strings: Strings) -> list | bytes:
+        items = [strings.encode(text) for text in value]
+        if len(items) >= packed.MIN_PACKED_ITEMS and all(type(item) is int for item in items):
+            return packed.pack_ints(items) or items  # type: ignore[arg-type]
+        return items
+
+    def binary_decode(value: object, strings: Strings) -> tuple:
+        items = _unpacked(packed.unpack_ints, value) if type(value) is bytes else _array(value)
+        return tuple([strings.decode(item) for item in items])
+
+    return json_encode, json_decode, binary_encode, binary_decode
+
+
 def value_codecs(tp: object) -> tuple:
     """(json_encode, json_decode, binary_encode, binary_decode) for an event field type."""
     if tp is int:
@@ -213,7 +260,14 @@ def value_codecs(tp: object) -> tuple:
         return _enum_codecs(tp)
     args = typing.get_args(tp)
     if typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return _tuple_codecs(value_codecs(args[0]))
+        inner = value_codecs(args[0])
+        if args[0] is int:
+            return _packed_tuple_codecs(inner, packed.pack_ints, packed.unpack_ints, int)
+        if args[0] is bytes:
+            return _packed_tuple_codecs(inner, packed.pack_bytes, packed.unpack_bytes, bytes)
+        if args[0] is str:
+            return _str_tuple_codecs(inner)
+        return _tuple_codecs(inner)
     raise TypeError(f"event field type {tp!r} has no log form; use int, str, bytes, an enum or tuple[X, ...]")
 
 
@@ -238,6 +292,12 @@ def json_form_decoder(tag: str) -> Callable[[Any, Strings], Any]:
         return lambda value, _strings: value.hex() if type(value) is bytes else value
     if tag in ("int", "enum"):
         return lambda value, _strings: value
+    if tag in ("tuple[int]", "tuple[bytes]", "tuple[str]"):
+        unpack = packed.unpack_bytes if tag == "tuple[bytes]" else packed.unpack_ints
+        item = json_form_decoder(tag[len("tuple[") : -1])
+        return lambda value, strings: [
+            item(entry, strings) for entry in (_unpacked(unpack, value) if type(value) is bytes else _array(value))
+        ]
     if tag.startswith("tuple[") and tag.endswith("]"):
         inner = json_form_decoder(tag[len("tuple[") : -1])
         return lambda value, strings: [inner(item, strings) for item in _array(value)]

@@ -1,0 +1,199 @@
+"""Event logs on disk: the only place the log format meets files.
+
+`open_log` reads either form, telling binary from JSONL by the magic (and a
+gzip-compressed copy of either by its own magic). `LogWriter` buffers one
+step's events and writes them with one `write` and a flush at `end_step`, so
+a crash loses at most the step in progress, and a reader sees whole steps.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+from kvledger.events.binary import MAGIC_PREFIX, encode_binary_frame, encode_binary_header, read_binary
+from kvledger.events.log import (
+    DigestRecord,
+    EventRecord,
+    LogError,
+    LogHeader,
+    Record,
+    encode_jsonl_header,
+    encode_jsonl_record,
+    read_jsonl,
+)
+from kvledger.events.schema import Strings
+from kvledger.events.types import Event
+
+Format = Literal["jsonl", "binary"]
+_GZIP_MAGIC = b"\x1f\x8b"
+_CHUNK_BYTES = 1 << 16
+# What a damaged gzip stream raises while it is read.
+_GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)
+
+
+def _open(path: Path) -> BinaryIO:
+    try:
+        file: BinaryIO = path.open("rb")
+    except FileNotFoundError:
+        raise LogError("no such log", source=str(path)) from None
+    except IsADirectoryError:
+        raise LogError("is a directory, not a log", source=str(path)) from None
+    except OSError as exc:
+        raise LogError(f"cannot open: {exc.strerror or exc}", source=str(path)) from None
+    try:
+        if file.read(len(_GZIP_MAGIC)) == _GZIP_MAGIC:
+            file.close()
+            file = gzip.open(path, "rb")  # type: ignore[assignment]
+        else:
+            file.seek(0)
+        return file
+    except OSError as exc:
+        file.close()
+        raise LogError(f"cannot read: {exc.strerror or exc}", source=str(path)) from None
+
+
+def _records(records: Iterator[Record], file: BinaryIO, source: str) -> Iterator[Record]:
+    with file:
+        try:
+            yield from records
+        except LogError as exc:
+            raise exc.at(source) from None
+        except _GZIP_ERRORS as exc:
+            raise LogError(f"corrupt gzip stream: {exc}", source=source) from None
+
+
+def open_log(path: str | os.PathLike) -> tuple[LogHeader, Iterator[Record]]:
+    """The log's header now, and an iterator over its records (which closes the file at its end).
+
+    Every problem, from a missing file to a bad record, is a LogError naming the path.
+    """
+    path = Path(path)
+    source = str(path)
+    file = _open(path)
+    try:
+        head = file.read(len(MAGIC_PREFIX))
+        if not head:
+            raise LogError("empty log: no header")
+        file.seek(0)
+        if head == MAGIC_PREFIX:
+            header, records = read_binary(iter(lambda: file.read(_CHUNK_BYTES), b""))
+        else:
+            header, records = read_jsonl(file)
+    except LogError as exc:
+        file.close()
+        raise exc.at(source) from None
+    except _GZIP_ERRORS as exc:
+        file.close()
+        raise LogError(f"corrupt gzip stream: {exc}", source=source) from None
+    except BaseException:
+        file.close()
+        raise
+    return header, _records(records, file, source)
+
+
+class LogWriter:
+    """Write a log one step at a time: `append` events, then `end_step`.
+
+    Seq numbers are assigned here. Each step is written as one frame (binary)
+    or one run of lines (JSONL), followed by its digest record if one is
+    given, then flushed. `close` (and leaving the `with` block, even on an
+    exception) writes a step still buffered. A step that fails to encode or
+    write leaves the writer failed: later calls raise, since the log on disk
+    can no longer be continued without a gap.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, header: LogHeader, fmt: Format = "jsonl", *, overwrite: bool = False
+    ) -> None:
+        if fmt not in ("jsonl", "binary"):
+            raise ValueError(f"fmt must be 'jsonl' or 'binary', got {fmt!r}")
+        self.path = Path(path)
+        self.header = header
+        self.fmt = fmt
+        self._strings = Strings()
+        self._pending: list[EventRecord] = []
+        self._next_seq = 0
+        self._step_index = 0
+        self._failure: LogError | None = None
+        head = encode_binary_header(header) if fmt == "binary" else encode_jsonl_header(header)
+        self._file: BinaryIO | None = self.path.open("wb" if overwrite else "xb")
+        try:
+            self._write(head)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next appended event gets (= events appended so far)."""
+        return self._next_seq
+
+    def append(self, event: Event, step_index: int) -> EventRecord:
+        """Buffer an event of step `step_index`; all events of one step go before its `end_step`."""
+        self._check_open()
+        if step_index < self._step_index or (self._pending and step_index != self._step_index):
+            raise ValueError(
+                f"event of step {step_index} appended while at step {self._step_index}; "
+                "steps go forward, and each ends with end_step"
+            )
+        record = EventRecord(seq=self._next_seq, step_index=step_index, event=event)
+        self._pending.append(record)
+        self._next_seq += 1
+        self._step_index = step_index
+        return record
+
+    def end_step(self, digest: str | None = None) -> None:
+        """Write the buffered step, then `digest` (hex) if given, and flush the file."""
+        self._check_open()
+        records: list[Record] = list(self._pending)
+        if digest is not None:
+            records.append(DigestRecord(seq=self._next_seq, step_index=self._step_index, digest=digest))
+        self._pending.clear()
+        if not records:
+            return
+        try:
+            if self.fmt == "binary":
+                data = encode_binary_frame(records[0].seq, self._step_index, records, strings=self._strings)
+            else:
+                data = b"".join([encode_jsonl_record(r) for r in records])
+        except LogError as exc:
+            self._failure = exc
+            raise
+        self._write(data)
+
+    def close(self) -> None:
+        """Write any buffered step, then close the file. Closing twice is harmless."""
+        if self._file is None:
+            return
+        try:
+            if self._pending and self._failure is None:
+                self.end_step()
+        finally:
+            file, self._file = self._file, None
+            file.close()
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._file is None:
+            raise ValueError(f"{self.path}: the log writer is closed")
+        if self._failure is not None:
+            raise LogError(f"an earlier step failed to write ({self._failure.detail})", source=str(self.path))
+
+    def _write(self, data: bytes) -> None:
+        assert self._file is not None
+        try:
+            self._file.write(data)
+            self._file.flush()
+        except OSError as exc:
+            self._failure = LogError(f"write failed: {exc}", source=str(self.path))
+            raise self._failure from exc
