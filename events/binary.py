@@ -124,6 +124,18 @@ def encode_binary_frame(
     return _frame(payload)
 
 
+def encode_binary(header: LogHeader, records: Iterable[Record]) -> bytes:
+    """A whole log in memory, one frame per run of records of one step (tests, benchmarks)."""
+    strings, parts, run = Strings(), [encode_binary_header(header)], []
+    for record in [*records, None]:
+        if run and (record is None or record.step_index != run[0].step_index):
+            parts.append(encode_binary_frame(run[0].seq, run[0].step_index, run, strings=strings))
+            run = []
+        if record is not None:
+            run.append(record)
+    return b"".join(parts)
+
+
 # --- reading -------------------------------------------------------------
 
 

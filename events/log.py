@@ -201,6 +201,11 @@ def encode_jsonl_record(record: Record) -> bytes:
     return _dumps(write_fields(event, line))
 
 
+def encode_jsonl(header: LogHeader, records: Iterable[Record]) -> bytes:
+    """A whole log in memory (tests, benchmarks)."""
+    return encode_jsonl_header(header) + b"".join([encode_jsonl_record(r) for r in records])
+
+
 def _parse_line(line: bytes, number: int) -> dict:
     if not line.endswith(b"\n"):
         raise LogError("truncated: the last line has no newline", line=number)

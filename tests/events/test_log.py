@@ -11,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvledger.events import types as ev
-from kvledger.events.config import EngineConfig, GroupSpec
 from kvledger.events.log import (
     LOG_SCHEMA_VERSION,
     DigestRecord,
@@ -22,41 +21,10 @@ from kvledger.events.log import (
     encode_jsonl_record,
     read_jsonl,
 )
+from tests.events.logs import CONFIG, DIGEST, EXAMPLE_RECORDS, HEADER, records_of
 from tests.strategies import EXAMPLE_EVENTS, events_strategy
 
 GOLDEN = Path(__file__).parent.parent / "golden"
-
-CONFIG = EngineConfig(
-    groups=(
-        GroupSpec(group_id=0, kind="full", block_size=16),
-        GroupSpec(group_id=1, kind="sliding", block_size=16, window=64),
-    ),
-    hash_block_size=16,
-    num_device_blocks=1000,
-    num_tier_slots=4000,
-)
-HEADER = LogHeader(engine_version="0.1.0", config=CONFIG, digest_interval=4)
-DIGEST = "0f" * 16
-
-
-def records_of(steps: list[list[ev.Event]], digest_every: int = 0) -> list[EventRecord | DigestRecord]:
-    """Number the events of each step the way a writer does, digests at step ends."""
-    records: list[EventRecord | DigestRecord] = []
-    seq = 0
-    for step_index, events in enumerate(steps):
-        for event in events:
-            if isinstance(event, ev.StepScheduled):
-                event = ev.StepScheduled(
-                    step_index=step_index,
-                    request_ids=event.request_ids,
-                    num_computed_tokens=event.num_computed_tokens,
-                    num_scheduled_tokens=event.num_scheduled_tokens,
-                )
-            records.append(EventRecord(seq=seq, step_index=step_index, event=event))
-            seq += 1
-        if digest_every and step_index % digest_every == 0:
-            records.append(DigestRecord(seq=seq, step_index=step_index, digest=DIGEST))
-    return records
 
 
 def jsonl(records: list, header: LogHeader = HEADER) -> list[bytes]:
@@ -66,9 +34,6 @@ def jsonl(records: list, header: LogHeader = HEADER) -> list[bytes]:
 def read_all(lines: list[bytes]) -> tuple[LogHeader, list]:
     header, records = read_jsonl(lines)
     return header, list(records)
-
-
-EXAMPLE_RECORDS = records_of([list(EXAMPLE_EVENTS.values())[:8], list(EXAMPLE_EVENTS.values())[8:]], 1)
 
 
 def test_header_line() -> None:
