@@ -27,6 +27,8 @@ from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, GroupKind
 from kvledger.events.types import NULL_BLOCK_ID
 
+from .recorder import Recorder
+
 
 class SimulationError(AssertionError):
     """The engine did something the contract forbids, seen from vLLM's side."""
@@ -67,14 +69,17 @@ class SimJob:
 
 class Simulator:
     def __init__(self, config: EngineConfig, *, prefix_caching: bool = True, chunk_tokens: int = 0,
-                 record: Callable[[ev.Event], None] | None = None, check_every_event: bool = False) -> None:
+                 record: Callable[[ev.Event], None] | None = None, check_every_event: bool = False,
+                 check_content: bool = True, recorder: Recorder | None = None) -> None:
         self.config = config
         self.groups = config.groups
         self.prefix_caching = prefix_caching
         self.chunk_tokens = chunk_tokens  # 0: prefill in one step
         self.record = record
         self.check_every_event = check_every_event
-        self.state: State = initial_state(config)
+        self.check_content = check_content  # off only for large benchmark traces
+        self.recorder = recorder  # when set, it runs the engine and writes the log
+        self.state: State = recorder.state if recorder is not None else initial_state(config)
         n = config.num_device_blocks
         self.free: dict[int, None] = dict.fromkeys(range(1, n))  # vLLM's free queue, eviction end first
         self.holders = [0] * n  # request references + pins
@@ -95,7 +100,11 @@ class Simulator:
 
     def emit(self, event: ev.Event) -> tuple[fx.Effect, ...]:
         before = self.state.core.next_job_id
-        self.state, effects = reduce(self.state, event, strict=True)
+        if self.recorder is not None:
+            effects = self.recorder.apply(event)
+            self.state = self.recorder.state
+        else:
+            self.state, effects = reduce(self.state, event, strict=True)
         self.events += 1
         if self.record is not None:
             self.record(event)
@@ -320,7 +329,8 @@ class Simulator:
             self.content[block] = None
         self.dirty.clear()
         for request, count in scheduled:
-            self._check_inputs(request)
+            if self.check_content:
+                self._check_inputs(request)
             self._forward(request, count)
         for request, _ in scheduled:
             self._sample(request)

@@ -1,0 +1,297 @@
+"""The `kvledger` command: replay and inspect event logs, simulate workloads.
+
+Exit status: 0 when the log replays cleanly, 1 when it shows a problem (a
+protocol violation, a broken invariant, a digest mismatch), 2 when the input
+cannot be used (a missing, truncated or corrupt file, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+from kvledger.engine import effects as fx
+from kvledger.engine.replay import ReplayResult, replay
+from kvledger.engine.state import RequestStatus, State
+from kvledger.events import types as ev
+from kvledger.events.log import EventRecord, LogError, LogHeader, Record
+
+from .logfile import open_log
+
+EXIT_OK, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _load(path: str) -> tuple[LogHeader, list[Record]]:
+    header, records = open_log(path)
+    return header, list(records)
+
+
+def _parse_key(text: str) -> bytes:
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise SystemExit(f"kvledger: --key must be hex, got {text!r}") from None
+
+
+def _mentions(event: ev.Event, effects: tuple[fx.Effect, ...], request_id: str | None,
+              key: bytes | None, state: State) -> list[str]:
+    """Lines worth printing for a request or key timeline."""
+    lines = []
+    if request_id is not None:
+        if getattr(event, "request_id", None) == request_id or (
+                isinstance(event, ev.StepScheduled) and request_id in event.request_ids):
+            lines.append(_describe(event, request_id))
+        for effect in effects:
+            if getattr(effect, "request_id", None) == request_id:
+                lines.append(f"  -> {_describe_effect(effect)}")
+    if key is not None:
+        for effect in effects:
+            keys = getattr(effect, "keys", ())
+            flat = [k for group in keys for k in (group if isinstance(group, tuple) else (group,))]
+            if key in flat:
+                lines.append(f"{event.kind}: -> {_describe_effect(effect)}")
+        if key in getattr(event, "keys", ()):
+            lines.append(_describe(event, None))
+    return lines
+
+
+def _describe(event: ev.Event, request_id: str | None) -> str:
+    if isinstance(event, ev.StepScheduled) and request_id is not None:
+        i = event.request_ids.index(request_id)
+        return (f"step_scheduled step={event.step_index} computed={event.num_computed_tokens[i]} "
+                f"scheduled={event.num_scheduled_tokens[i]}")
+    fields = {k: v for k, v in _fields(event).items() if k != "request_id"}
+    text = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+    return f"{event.kind} {text}".rstrip()
+
+
+def _describe_effect(effect: fx.Effect) -> str:
+    name = type(effect).__name__
+    if isinstance(effect, (fx.StartStore, fx.StartLoad)):
+        n = sum(len(k) for k in effect.keys)
+        return f"{name} job={effect.job_id} keys={n}"
+    return f"{name} " + " ".join(f"{k}={_short(v)}" for k, v in _fields(effect).items())
+
+
+def _fields(obj: object) -> dict:
+    return {a.name: getattr(obj, a.name) for a in obj.__attrs_attrs__}  # type: ignore[attr-defined]
+
+
+def _short(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.hex()[:12]
+    if isinstance(value, tuple):
+        text = ",".join(_short(v) for v in value[:6])
+        return f"({text}{',…' if len(value) > 6 else ''})"
+    return str(value)
+
+
+def summary(header: LogHeader, result: ReplayResult) -> dict:
+    core = result.state.core
+    problem = result.first_problem
+    return {
+        "engine_version": header.engine_version,
+        "events": result.events,
+        "steps": result.steps,
+        "last_seq": result.last_seq,
+        "events_by_kind": dict(sorted(result.by_kind.items())),
+        "stats": core.stats.as_dict(),
+        "violations": len(result.violations),
+        "digests_checked": result.digests_checked,
+        "tier": {"used_slots": core.num_used_slots(), "capacity_slots": core.config.num_tier_slots,
+                 "offered_keys": len(core.slot_of_key), "evictable_keys": len(core.policy)},
+        "requests_live": len(core.requests),
+        "jobs_in_flight": len(core.jobs),
+        "ok": problem is None,
+        "first_problem": None if problem is None else {"seq": problem.seq, "kind": problem.kind,
+                                                       "detail": problem.detail},
+    }
+
+
+def _print_summary(data: dict) -> None:
+    stats = data["stats"]
+    tier = data["tier"]
+    print(f"events      {data['events']} in {data['steps']} steps (last seq {data['last_seq']})")
+    for kind, count in data["events_by_kind"].items():
+        print(f"  {kind:<22} {count}")
+    print(f"hits        {stats['hit_tokens']} tokens restored by {stats['loads']} loads "
+          f"({stats['keys_loaded']} blocks)")
+    print(f"stores      {stats['stores']} jobs, {stats['keys_stored']} blocks stored, "
+          f"{stats['store_rejections']} not admitted (tier full)")
+    print(f"failures    {stats['store_failures']} stores, {stats['load_failures']} loads, "
+          f"{stats['keys_failed']} keys dropped")
+    print(f"flushes     {stats['flushes']} ({stats['jobs_flushed']} jobs waited for)")
+    print(f"evictions   {stats['evictions']}; preemptions {stats['preemptions']}")
+    print(f"tier        {tier['used_slots']}/{tier['capacity_slots']} slots used, "
+          f"{tier['offered_keys']} keys offered")
+    print(f"digests     {data['digests_checked']} checked")
+    problem = data["first_problem"]
+    if problem is None:
+        print("result      ok")
+    else:
+        print(f"result      FIRST PROBLEM at seq {problem['seq']} ({problem['kind']}): {problem['detail']}")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    header, records = _load(args.log)
+    key = _parse_key(args.key) if args.key else None
+    timeline: list[str] = []
+
+    def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
+        for line in _mentions(event, effects, args.request, key, state):
+            timeline.append(f"{seq:>8}  {line}")
+
+    watching = args.request is not None or key is not None
+    result = replay(header.config, records, check_invariants=args.check, until_seq=args.until,
+                    observe=observe if watching else None)
+    data = summary(header, result)
+    if args.json:
+        if watching:
+            data["timeline"] = timeline
+        print(json.dumps(data, indent=2))
+    else:
+        if watching:
+            print("\n".join(timeline) or "(no events mention it)")
+            print()
+        _print_summary(data)
+    return EXIT_OK if result.ok else EXIT_PROBLEM
+
+
+def state_view(state: State) -> dict:
+    core = state.core
+    requests = {}
+    for rid in sorted(core.requests):
+        r = core.requests[rid]
+        requests[rid] = {
+            "status": r.status.value, "num_tokens": r.num_tokens, "num_computed_tokens": r.num_computed_tokens,
+            "blocks_per_group": [sum(1 for b in t if b) for t in r.table],
+            "table_positions": [len(t) for t in r.table], "load_job_id": r.load_job_id,
+            "next_store_position": list(r.next_store), "preemptions": r.num_preemptions,
+        }
+    jobs = {}
+    for jid in sorted(core.jobs):
+        j = core.jobs[jid]
+        jobs[str(jid)] = {
+            "kind": j.kind.value, "request_id": j.request_id, "blocks": [len(k) for k in j.keys],
+            "pending_workers": bin(j.pending_workers), "flushed": j.flushed, "stale": j.stale,
+        }
+    return {
+        "step_index": core.step_index, "epoch": core.epoch, "next_job_id": core.next_job_id,
+        "requests": requests, "jobs": jobs,
+        "by_status": {s.value: sum(1 for r in core.requests.values() if r.status is s) for s in RequestStatus},
+        "device": {"held_blocks": sum(1 for c in core.block_refs if c), "pinned_blocks": sum(1 for c in core.block_pins if c),
+                   "blocks_read_by_stores": len(core.block_readers), "blocks_being_loaded": len(core.block_writer)},
+        "tier": {"used_slots": core.num_used_slots(), "offered_keys": len(core.slot_of_key),
+                 "loading_slots": len(core.slot_loads), "evictable_keys": len(core.policy)},
+        "stats": core.stats.as_dict(),
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    header, records = _load(args.log)
+    last = max((r.seq for r in records if isinstance(r, EventRecord)), default=-1)
+    if not 0 <= args.at <= last:
+        print(f"kvledger: --at {args.at} is outside the log (seq 0..{last})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    result = replay(header.config, [r for r in records if isinstance(r, EventRecord)], until_seq=args.at)
+    view = state_view(result.state)
+    view["at_seq"] = args.at
+    view["violations_so_far"] = len(result.violations)
+    if args.json:
+        print(json.dumps(view, indent=2))
+        return EXIT_OK
+    print(f"state after seq {args.at}: step {view['step_index']}, epoch {view['epoch']}")
+    print(f"requests    {len(view['requests'])} " + ", ".join(f"{k}={v}" for k, v in view["by_status"].items() if v))
+    for rid, r in view["requests"].items():
+        print(f"  {rid:<16} {r['status']:<9} tokens={r['num_tokens']} computed={r['num_computed_tokens']} "
+              f"blocks={r['blocks_per_group']} load_job={r['load_job_id']}")
+    print(f"jobs        {len(view['jobs'])} in flight")
+    for jid, j in view["jobs"].items():
+        print(f"  job {jid:<6} {j['kind']:<5} {j['request_id']:<16} blocks={j['blocks']} "
+              f"pending={j['pending_workers']} flushed={j['flushed']} stale={j['stale']}")
+    d, t = view["device"], view["tier"]
+    print(f"device      {d['held_blocks']} held, {d['pinned_blocks']} pinned, {d['blocks_read_by_stores']} read "
+          f"by stores, {d['blocks_being_loaded']} being loaded")
+    print(f"tier        {t['used_slots']} slots used, {t['offered_keys']} keys offered, {t['loading_slots']} "
+          f"loading, {t['evictable_keys']} evictable")
+    return EXIT_OK
+
+
+SCENARIOS = {
+    "full": dict(groups=[{"group_id": 0, "kind": "full", "block_size": 16}], hash_block_size=16,
+                 num_device_blocks=40, num_tier_slots=24),
+    "hybrid": dict(groups=[{"group_id": 0, "kind": "full", "block_size": 32},
+                           {"group_id": 1, "kind": "sliding", "block_size": 32, "window": 64}],
+                   hash_block_size=32, num_device_blocks=48, num_tier_slots=30),
+    "mamba": dict(groups=[{"group_id": 0, "kind": "full", "block_size": 32},
+                          {"group_id": 1, "kind": "mamba", "block_size": 64}],
+                  hash_block_size=32, num_device_blocks=48, num_tier_slots=30, policy="arc"),
+}
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from kvledger.events.config import EngineConfig
+
+    from .recorder import Recorder
+    from .simulator import Simulator, run_random
+
+    data = dict(SCENARIOS[args.scenario])
+    if args.protection:
+        data["protection"] = args.protection
+    config = EngineConfig.from_dict(data)
+    with Recorder(config, log_path=args.out, fmt=args.format, digest_interval=args.digest_interval,
+                  strict=True, overwrite=args.force) as recorder:
+        sim = Simulator(config, recorder=recorder)
+        run_random(sim, random.Random(args.seed), steps=args.steps, arrivals=0.9, max_tokens=30,
+                   completion_rate=0.3, fail_rate=args.fail_rate, check_every=1)
+    print(f"wrote {sim.events} events in {sim.step_index + 1} steps to {args.out}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvledger", description="kvledger: KV-cache offloading for vLLM, "
+                                     "as a replayable event log.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("replay", help="fold a log through the engine and summarize it")
+    p.add_argument("log")
+    p.add_argument("--check", action="store_true", help="check invariants after every event and at digests")
+    p.add_argument("--until", type=int, metavar="SEQ", help="stop after this sequence number")
+    p.add_argument("--request", metavar="ID", help="print the timeline of one request")
+    p.add_argument("--key", metavar="HEX", help="print the timeline of one block key")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_replay)
+    p = sub.add_parser("inspect", help="show the state at a point in a log")
+    p.add_argument("log")
+    p.add_argument("--at", type=int, required=True, metavar="SEQ")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("simulate", help="run a seeded simulated vLLM workload and record its log")
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="hybrid")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--fail-rate", type=float, default=0.05)
+    p.add_argument("--protection", choices=["flush", "pin"])
+    p.add_argument("--format", choices=["binary", "jsonl"], default="binary")
+    p.add_argument("--digest-interval", type=int, default=16)
+    p.add_argument("--out", required=True)
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except LogError as exc:
+        print(f"kvledger: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except FileExistsError as exc:
+        print(f"kvledger: {exc.filename} exists (use --force to overwrite)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

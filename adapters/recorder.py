@@ -1,0 +1,66 @@
+"""Runs the engine and records its inputs: the one place a live system (the
+vLLM connector, the simulator) turns events into state, effects and a log."""
+
+from __future__ import annotations
+
+import os
+
+from kvledger import __version__
+from kvledger.engine import effects as fx
+from kvledger.engine.digest import digest
+from kvledger.engine.reducer import reduce
+from kvledger.engine.state import State, initial_state
+from kvledger.events import types as ev
+from kvledger.events.config import EngineConfig
+from kvledger.events.log import LogHeader
+
+from .logfile import LogWriter
+
+
+class Recorder:
+    """`apply(event)` reduces it and, when a log is open, appends it.
+
+    Events before a `step_scheduled` belong to that step; the step's records
+    are written as one unit when it is scheduled, with a state digest every
+    `digest_interval` steps.
+    """
+
+    def __init__(self, config: EngineConfig, *, log_path: str | os.PathLike | None = None,
+                 fmt: str = "binary", digest_interval: int = 64, strict: bool = False,
+                 overwrite: bool = False) -> None:
+        self.state: State = initial_state(config)
+        self.strict = strict
+        self.digest_interval = digest_interval
+        self.next_step = 0
+        self._pending: list[ev.Event] = []  # this step's events, written when it is scheduled
+        self.writer: LogWriter | None = None
+        if log_path is not None:
+            header = LogHeader(engine_version=__version__, config=config, digest_interval=digest_interval)
+            self.writer = LogWriter(log_path, header, fmt, overwrite=overwrite)  # type: ignore[arg-type]
+
+    def apply(self, event: ev.Event) -> tuple[fx.Effect, ...]:
+        self.state, effects = reduce(self.state, event, strict=self.strict)
+        if self.writer is None:
+            return effects
+        self._pending.append(event)
+        if isinstance(event, ev.StepScheduled):
+            for pending in self._pending:
+                self.writer.append(pending, event.step_index)
+            self._pending.clear()
+            self.next_step = event.step_index + 1
+            due = self.digest_interval and event.step_index % self.digest_interval == 0
+            self.writer.end_step(digest(self.state) if due else None)
+        return effects
+
+    def close(self) -> None:
+        if self.writer is not None:
+            for pending in self._pending:
+                self.writer.append(pending, self.next_step)
+            self._pending.clear()
+            self.writer.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

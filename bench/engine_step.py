@@ -1,0 +1,157 @@
+"""Engine cost per scheduler step, replay speed and log size, on one trace.
+
+The trace comes from the simulator standing in for vLLM: 256 running
+requests over 2 KV groups (full attention + a 1024-token sliding window,
+16-token blocks), 100k device blocks, 1M tier slots, prompts of 1k-8k tokens
+drawn from shared documents, 256 decoded tokens each, chunked prefill, and
+preemptions when the pool runs short. The engine's time is then measured by
+re-running the recorded events from a fresh state, one `reduce_step` per
+scheduler step.
+
+    python bench/engine_step.py [--steps N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import random
+import statistics
+import time
+
+from kvledger.adapters.simulator import Simulator
+from kvledger.engine.invariants import check, check_event
+from kvledger.engine.reducer import reduce, reduce_step
+from kvledger.engine.state import initial_state
+from kvledger.events.config import EngineConfig, GroupSpec
+
+
+def config(num_device_blocks: int, num_tier_slots: int) -> EngineConfig:
+    return EngineConfig(
+        groups=(GroupSpec(group_id=0, kind="full", block_size=16),
+                GroupSpec(group_id=1, kind="sliding", block_size=16, window=1024)),
+        hash_block_size=16, num_device_blocks=num_device_blocks, num_tier_slots=num_tier_slots)
+
+
+def make_trace(cfg: EngineConfig, *, steps: int, running: int, seed: int) -> list[list]:
+    """Events grouped per scheduler step (each group ends with its step_scheduled)."""
+    rng = random.Random(seed)
+    events: list = []
+    sim = Simulator(cfg, prefix_caching=True, chunk_tokens=2048, record=events.append, check_content=False)
+    steps_out: list[list] = []
+    mark = 0
+    for _ in range(steps):
+        while len(sim.requests) < running:
+            sim.add_request(rng.randrange(32), rng.randint(1024, 8192), 256)
+        for rid in sim.waiting():
+            if not sim.admit(rid):
+                break
+        sim.step(sim.running())
+        steps_out.append(events[mark:])
+        mark = len(events)
+        for job_id in sorted(sim.jobs):
+            if rng.random() < 0.5:
+                job = sim.jobs[job_id]
+                sim.complete(job_id, min(job.pending), rng.random() < 0.01, rng)
+    steps_out[-1].extend(events[mark:])
+    return steps_out
+
+
+def time_steps(cfg: EngineConfig, trace: list[list]) -> list[float]:
+    state = initial_state(cfg)
+    gc.collect()
+    gc.freeze()
+    times = []
+    clock = time.perf_counter
+    for step_events in trace:
+        start = clock()
+        state, _ = reduce_step(state, step_events)
+        times.append(clock() - start)
+    gc.unfreeze()
+    return times
+
+
+def replay_speed(cfg: EngineConfig, events: list, *, invariants: bool) -> float:
+    state = initial_state(cfg)
+    start = time.perf_counter()
+    for event in events:
+        before = state.core.next_job_id
+        state, _ = reduce(state, event)
+        if invariants:
+            check_event(state, event, before)
+    elapsed = time.perf_counter() - start
+    if invariants:
+        check(state)
+    return len(events) / elapsed
+
+
+def log_size(cfg: EngineConfig, trace: list[list]) -> tuple[float, float] | None:
+    try:
+        from kvledger.events.binary import encode_binary_frame
+    except ImportError:
+        return None
+    from kvledger.events.log import EventRecord
+
+    total, seq, jsonl = 0, 0, 0
+    from kvledger.events.log import encode_jsonl_record
+
+    step_index = 0
+    for step_events in trace:
+        records = []
+        for event in step_events:
+            step_index = getattr(event, "step_index", step_index)
+            records.append(EventRecord(seq=seq, step_index=step_index, event=event))
+            seq += 1
+        total += len(encode_binary_frame(records[0].seq, step_index, records)) if records else 0
+        jsonl += sum(len(encode_jsonl_record(r)) for r in records)
+    return total / seq, jsonl / seq
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--device-blocks", type=int, default=100_000)
+    parser.add_argument("--tier-slots", type=int, default=1_000_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a small run to check the script works")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.running, args.device_blocks, args.tier_slots = 60, 16, 4000, 20000
+    cfg = config(args.device_blocks, args.tier_slots)
+    t0 = time.perf_counter()
+    trace = make_trace(cfg, steps=args.steps, running=args.running, seed=args.seed)
+    events = [e for step in trace for e in step]
+    print(f"trace: {len(trace)} steps, {len(events)} events ({len(events) / len(trace):.1f}/step), "
+          f"built in {time.perf_counter() - t0:.1f} s")
+    times = sorted(time_steps(cfg, trace))
+    # Warm-up (admitting the first 256 prompts at once) is in the tail, not hidden.
+    median = statistics.median(times) * 1e3
+    p99 = times[int(len(times) * 0.99) - 1] * 1e3
+    final = initial_state(cfg)
+    final, _ = reduce_step(final, events)
+    stats = final.core.stats
+    print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
+    print(f"engine per step: median {median:.3f} ms, p99 {p99:.3f} ms, max {times[-1] * 1e3:.1f} ms "
+          f"(target median <= 0.5 ms)")
+    print(f"trace outcome: {stats.as_dict()}")
+    plain = replay_speed(cfg, events, invariants=False)
+    checked = replay_speed(cfg, events, invariants=True)
+    print(f"replay: {plain:,.0f} events/s without invariants (target >= 200k), "
+          f"{checked:,.0f} events/s with per-event invariant checks (target >= 50k)")
+    start = time.perf_counter()
+    check(final)
+    print(f"full invariant check of the final state: {(time.perf_counter() - start) * 1e3:.0f} ms")
+    from kvledger.engine.digest import digest
+
+    start = time.perf_counter()
+    digest(final)
+    print(f"state digest of the final state: {(time.perf_counter() - start) * 1e3:.0f} ms")
+    sizes = log_size(cfg, trace)
+    if sizes:
+        print(f"log size: {sizes[0]:.1f} bytes/event binary (target <= 64), {sizes[1]:.1f} bytes/event JSONL")
+
+
+if __name__ == "__main__":
+    main()
