@@ -70,7 +70,7 @@ def test_every_kind_round_trips() -> None:
     assert {r.event.kind for r in records if isinstance(r, EventRecord)} == set(ev.KIND_TO_TYPE)
 
 
-@given(st.lists(st.lists(events_strategy(), max_size=5), max_size=6), st.integers(0, 3))
+@given(st.lists(st.lists(events_strategy(), max_size=4), max_size=4), st.integers(0, 3))
 def test_arbitrary_logs_round_trip(steps: list[list[ev.Event]], digest_every: int) -> None:
     records = records_of(steps, digest_every)
     assert read_all(jsonl(records)) == (HEADER, records)

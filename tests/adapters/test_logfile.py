@@ -1,0 +1,211 @@
+"""Log files: write a step at a time, read either form back, and errors that name the path."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pytest
+
+from kvledger.adapters.logfile import LogWriter, open_log
+from kvledger.events import types as ev
+from kvledger.events.log import DigestRecord, EventRecord, LogError
+from tests.events.logs import DIGEST, HEADER
+from tests.strategies import EXAMPLE_EVENTS
+
+FORMATS = ("jsonl", "binary")
+
+
+def step_events(step_index: int) -> list[ev.Event]:
+    return [
+        ev.RequestAdded(request_id=f"r{step_index}", num_prompt_tokens=16, block_hashes=(b"\x07" * 32,)),
+        ev.StepScheduled(
+            step_index=step_index, request_ids=(f"r{step_index}",), num_computed_tokens=(0,), num_scheduled_tokens=(16,)
+        ),
+        ev.StoreCompleted(job_id=step_index),
+    ]
+
+
+def write_steps(writer: LogWriter, steps: range, digest_every: int = 2) -> list:
+    expected: list = []
+    for step_index in steps:
+        for event in step_events(step_index):
+            expected.append(writer.append(event, step_index))
+        digest = DIGEST if step_index % digest_every == 0 else None
+        writer.end_step(digest)
+        if digest:
+            expected.append(DigestRecord(seq=writer.next_seq, step_index=step_index, digest=DIGEST))
+    return expected
+
+
+def read(path: Path) -> list:
+    header, records = open_log(path)
+    assert header == HEADER
+    return list(records)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_written_logs_read_back(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / f"run.{fmt}"
+    with LogWriter(path, HEADER, fmt=fmt) as writer:  # type: ignore[arg-type]
+        expected = write_steps(writer, range(5))
+    assert [r.seq for r in expected if isinstance(r, EventRecord)] == list(range(15))
+    assert read(path) == expected
+
+
+def test_the_format_is_told_by_the_magic_not_the_name(tmp_path: Path) -> None:
+    binary, jsonl = tmp_path / "a.jsonl", tmp_path / "b.bin"
+    for path, fmt in ((binary, "binary"), (jsonl, "jsonl")):
+        with LogWriter(path, HEADER, fmt=fmt) as writer:  # type: ignore[arg-type]
+            write_steps(writer, range(2))
+    assert binary.read_bytes().startswith(b"KVLEDGER\x01")
+    assert jsonl.read_bytes().startswith(b'{"kind":"header"')
+    assert read(binary) == read(jsonl)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gzip_copies_read_too(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / "run.log"
+    with LogWriter(path, HEADER, fmt=fmt) as writer:  # type: ignore[arg-type]
+        expected = write_steps(writer, range(3))
+    zipped = tmp_path / "run.log.gz"
+    zipped.write_bytes(gzip.compress(path.read_bytes()))
+    assert read(zipped) == expected
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_end_step_is_on_disk_before_close(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / "run.log"
+    with LogWriter(path, HEADER, fmt=fmt) as writer:  # type: ignore[arg-type]
+        expected = write_steps(writer, range(2))
+        writer.append(EXAMPLE_EVENTS["cache_reset"], 2)  # buffered, not yet written
+        assert read(path) == expected
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_close_writes_the_buffered_step(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / "run.log"
+    writer = LogWriter(path, HEADER, fmt=fmt)  # type: ignore[arg-type]
+    record = writer.append(EXAMPLE_EVENTS["cache_reset"], 0)
+    writer.close()
+    writer.close()
+    assert read(path) == [record]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_leaving_the_block_on_an_exception_keeps_the_buffered_step(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / "run.log"
+    with pytest.raises(RuntimeError), LogWriter(path, HEADER, fmt=fmt) as writer:  # type: ignore[arg-type]
+        record = writer.append(EXAMPLE_EVENTS["cache_reset"], 0)
+        raise RuntimeError("the engine crashed")
+    assert read(path) == [record]
+
+
+def test_a_digest_alone_ends_a_step(tmp_path: Path) -> None:
+    path = tmp_path / "run.log"
+    with LogWriter(path, HEADER, fmt="binary") as writer:
+        writer.end_step(DIGEST)
+        record = writer.append(EXAMPLE_EVENTS["cache_reset"], 0)
+        writer.end_step()
+        writer.end_step()  # nothing buffered: nothing written
+    assert read(path) == [DigestRecord(seq=0, step_index=0, digest=DIGEST), record]
+
+
+def test_steps_go_forward_and_end_before_the_next(tmp_path: Path) -> None:
+    with LogWriter(tmp_path / "run.log", HEADER) as writer:
+        writer.append(EXAMPLE_EVENTS["cache_reset"], 3)
+        with pytest.raises(ValueError, match="event of step 4 appended while at step 3"):
+            writer.append(EXAMPLE_EVENTS["cache_reset"], 4)
+        writer.end_step()
+        with pytest.raises(ValueError, match="event of step 2 appended while at step 3"):
+            writer.append(EXAMPLE_EVENTS["cache_reset"], 2)
+        with pytest.raises(ValueError, match="step_scheduled of step 7 recorded under step_index 4"):
+            writer.append(EXAMPLE_EVENTS["step_scheduled"], 4)
+        assert writer.next_seq == 1
+
+
+def test_an_existing_log_is_not_overwritten_unless_asked(tmp_path: Path) -> None:
+    path = tmp_path / "run.log"
+    path.write_bytes(b"precious")
+    with pytest.raises(FileExistsError):
+        LogWriter(path, HEADER)
+    assert path.read_bytes() == b"precious"
+    LogWriter(path, HEADER, overwrite=True).close()
+    assert read(path) == []
+
+
+def test_a_step_that_cannot_be_encoded_fails_the_writer(tmp_path: Path) -> None:
+    path = tmp_path / "run.log"
+    writer = LogWriter(path, HEADER, fmt="binary")
+    writer.append(ev.CacheReset(epoch=2**70), 0)
+    with pytest.raises(LogError, match="cannot encode step 0"):
+        writer.end_step()
+    with pytest.raises(LogError, match="an earlier step failed to write"):
+        writer.append(EXAMPLE_EVENTS["cache_reset"], 1)
+    writer.close()
+    assert read(path) == []
+
+
+def test_bad_format_name() -> None:
+    with pytest.raises(ValueError, match="fmt must be 'jsonl' or 'binary'"):
+        LogWriter("unused", HEADER, fmt="xml")  # type: ignore[arg-type]
+
+
+# --- errors name the path --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: None, "no such log"),
+        (lambda p: p.mkdir(), "is a directory, not a log"),
+        (lambda p: p.write_bytes(b""), "empty log: no header"),
+        (lambda p: p.write_bytes(gzip.compress(b"")), "empty log: no header"),
+        (lambda p: p.write_bytes(b"\x1f\x8bnot really gzip"), "corrupt gzip stream"),
+        (lambda p: p.write_bytes(b"KVLEDGER\x01\x00"), "truncated: frame head"),
+        (lambda p: p.write_bytes(b"hello\n"), "line 1: corrupt: bad JSON"),
+    ],
+)
+def test_unreadable_logs_name_the_path(tmp_path: Path, make: object, message: str) -> None:
+    path = tmp_path / "run.log"
+    make(path)  # type: ignore[operator]
+    with pytest.raises(LogError, match=message) as caught:
+        open_log(path)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert caught.value.source == str(path)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_bad_record_names_path_and_place(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / "run.log"
+    with LogWriter(path, HEADER, fmt=fmt) as writer:  # type: ignore[arg-type]
+        write_steps(writer, range(3))
+    path.write_bytes(path.read_bytes()[:-4])
+    header, records = open_log(path)
+    with pytest.raises(LogError, match="truncated") as caught:
+        list(records)
+    where = "line 12" if fmt == "jsonl" else "seq 6"  # header + 9 events + 2 digests; step 2 starts at seq 6
+    assert str(caught.value).startswith(f"{path}: {where}: ")
+
+
+def test_a_damaged_gzip_stream_is_a_log_error(tmp_path: Path) -> None:
+    path = tmp_path / "run.log"
+    with LogWriter(path, HEADER) as writer:
+        write_steps(writer, range(20))
+    zipped = tmp_path / "run.log.gz"
+    zipped.write_bytes(gzip.compress(path.read_bytes())[:-30])
+    header, records = open_log(zipped)
+    with pytest.raises(LogError, match="corrupt gzip stream|truncated") as caught:
+        list(records)
+    assert str(caught.value).startswith(f"{zipped}: ")
+
+
+def test_abandoning_the_iterator_closes_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.log"
+    with LogWriter(path, HEADER) as writer:
+        write_steps(writer, range(3))
+    header, records = open_log(path)
+    next(records)
+    records.close()  # a generator: closing it closes the file
+    with pytest.raises(StopIteration):
+        next(records)
