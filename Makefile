@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint bench clean
+.PHONY: venv demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Until the vLLM connector lands, the demo records a simulated hybrid-model
+# workload (vLLM's scheduler, block pool and workers, with injected failures)
+# and replays its log with every invariant checked.
+demo: $(STAMP)
+	mkdir -p bench/out
+	$(VENV)/bin/kvledger simulate --scenario hybrid --steps 300 --fail-rate 0.1 --out bench/out/demo.log --force
+	$(VENV)/bin/kvledger replay bench/out/demo.log --check
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -13,6 +13,7 @@ import random
 import sys
 
 from kvledger.engine import effects as fx
+from kvledger.engine.digest import digest
 from kvledger.engine.replay import ReplayResult, replay
 from kvledger.engine.state import RequestStatus, State
 from kvledger.events import types as ev
@@ -104,6 +105,7 @@ def summary(header: LogHeader, result: ReplayResult) -> dict:
                  "offered_keys": len(core.slot_of_key), "evictable_keys": len(core.policy)},
         "requests_live": len(core.requests),
         "jobs_in_flight": len(core.jobs),
+        "final_digest": digest(result.state),
         "ok": problem is None,
         "first_problem": None if problem is None else {"seq": problem.seq, "kind": problem.kind,
                                                        "detail": problem.detail},

@@ -1,0 +1,66 @@
+"""Golden logs: small recorded workloads whose replay outcome is pinned.
+
+Each scenario is a seeded simulator run recorded as JSONL. The test replays
+the committed log with every invariant check on and compares the summary
+with the committed `.expected.json`. A change in engine behaviour shows up
+here as a diff to review. To accept it:
+
+    KVLEDGER_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from kvledger.adapters.cli import SCENARIOS, summary
+from kvledger.adapters.logfile import open_log
+from kvledger.adapters.recorder import Recorder
+from kvledger.adapters.simulator import Simulator, run_random
+from kvledger.engine.replay import replay
+from kvledger.events.config import EngineConfig
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("KVLEDGER_UPDATE_GOLDEN") == "1"
+
+CASES = {
+    "full_flush": dict(scenario="full", seed=1, steps=60, fail_rate=0.05),
+    "hybrid_flush": dict(scenario="hybrid", seed=2, steps=60, fail_rate=0.05),
+    "hybrid_pin": dict(scenario="hybrid", seed=3, steps=60, fail_rate=0.05, protection="pin"),
+    "mamba_arc": dict(scenario="mamba", seed=4, steps=60, fail_rate=0.05),
+    "hybrid_failures_reset": dict(scenario="hybrid", seed=5, steps=60, fail_rate=0.3, reset_rate=0.05),
+}
+
+
+def record(name: str) -> None:
+    case = dict(CASES[name])
+    data = dict(SCENARIOS[case.pop("scenario")])
+    if "protection" in case:
+        data["protection"] = case.pop("protection")
+    config = EngineConfig.from_dict(data)
+    with Recorder(config, log_path=GOLDEN / f"{name}.jsonl", fmt="jsonl", digest_interval=8,
+                  strict=True, overwrite=True) as recorder:
+        sim = Simulator(config, recorder=recorder)
+        run_random(sim, random.Random(case["seed"]), steps=case["steps"], arrivals=0.9, max_tokens=30,
+                   completion_rate=0.3, fail_rate=case["fail_rate"], reset_rate=case.get("reset_rate", 0.0),
+                   check_every=1)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_log_replays_as_recorded(name: str) -> None:
+    if UPDATE:
+        record(name)
+    header, records = open_log(GOLDEN / f"{name}.jsonl")
+    result = replay(header.config, records, check_invariants=True)
+    data = summary(header, result)
+    data.pop("engine_version")
+    expected_path = GOLDEN / f"{name}.expected.json"
+    if UPDATE:
+        expected_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    assert data["ok"], data["first_problem"]
+    assert data["digests_checked"] > 0
+    assert data == json.loads(expected_path.read_text())
