@@ -1,0 +1,54 @@
+"""Builds the whole transfer side from what vLLM registers: one call for the adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from kvledger.transfers.backend import CopyBackend
+from kvledger.transfers.cpu_backend import CpuBackend
+from kvledger.transfers.faults import FaultInjectingBackend, FaultPlan
+from kvledger.transfers.host_tier import HostTier
+from kvledger.transfers.layout import CanonicalKVCaches, LayerCaches, canonicalize
+from kvledger.transfers.runner import TransferRunner
+from kvledger.transfers.specs import KVCacheConfig
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Transfers:
+    layout: CanonicalKVCaches
+    tier: HostTier
+    runner: TransferRunner
+
+
+def open_transfers(
+    kv_caches: Mapping[str, LayerCaches],
+    config: KVCacheConfig,
+    *,
+    capacity_bytes: int,
+    worker_index: int = 0,
+    faults: FaultPlan | None = None,
+    timeout_s: float = 60.0,
+) -> Transfers:
+    """Canonical layout, host tier and runner, with the backend the device calls for."""
+    layout = canonicalize(kv_caches, config)
+    tier = HostTier(capacity_bytes=capacity_bytes, slot_bytes=layout.slot_bytes)
+    backend: CopyBackend
+    if layout.device.type == "cuda":
+        from kvledger.transfers.cuda_backend import CudaBackend
+
+        backend = CudaBackend(layout, tier)
+    else:
+        backend = CpuBackend(layout, tier)
+    if faults is not None:
+        backend = FaultInjectingBackend(backend, faults, layout)
+    runner = TransferRunner(
+        backend,
+        num_groups=layout.num_groups,
+        num_device_blocks=layout.num_blocks,
+        num_slots=tier.num_slots,
+        worker_index=worker_index,
+        timeout_s=timeout_s,
+    )
+    return Transfers(layout=layout, tier=tier, runner=runner)

@@ -1,0 +1,85 @@
+"""The small interface every copy backend offers the runner.
+
+A backend moves bytes for jobs that already passed the runner's checks and
+reports, per job, which (group, index) positions failed. It knows nothing of
+keys or events; the runner turns outcomes into events. Backends never raise
+for a failed copy: the failure is an outcome. They raise only for a wait
+that ran out of time, or a submit after shutdown.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Protocol
+
+import attrs
+
+Positions = tuple[tuple[int, int], ...]
+"""(group, index) pairs into a job's per-group id tuples."""
+
+
+class Direction(enum.Enum):
+    STORE = "store"  # device blocks -> tier slots
+    LOAD = "load"  # tier slots -> device blocks
+
+
+class TransferTimeout(TimeoutError):
+    """A bounded wait for copies ran out of time."""
+
+
+class BackendClosed(RuntimeError):
+    """The backend was shut down and takes no more jobs."""
+
+
+def _id_table(value: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(i) for i in ids) for ids in value)
+
+
+@attrs.frozen(kw_only=True)
+class CopyJob:
+    """Per group g: block `block_ids[g][i]` pairs with slot `slot_ids[g][i]`."""
+
+    job_id: int
+    direction: Direction
+    block_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=_id_table)
+    slot_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=_id_table)
+
+    def positions(self) -> Positions:
+        return tuple((g, i) for g, ids in enumerate(self.block_ids) for i in range(len(ids)))
+
+    def without(self, drop: set[tuple[int, int]]) -> tuple[CopyJob, tuple[tuple[int, ...], ...]]:
+        """This job minus `drop`, and for each group the original index of each kept entry."""
+        kept = tuple(tuple(i for i in range(len(ids)) if (g, i) not in drop) for g, ids in enumerate(self.block_ids))
+        job = attrs.evolve(
+            self,
+            block_ids=[[self.block_ids[g][i] for i in idx] for g, idx in enumerate(kept)],
+            slot_ids=[[self.slot_ids[g][i] for i in idx] for g, idx in enumerate(kept)],
+        )
+        return job, kept
+
+
+@attrs.frozen(kw_only=True)
+class JobOutcome:
+    job_id: int
+    direction: Direction
+    failed: Positions = ()
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+class CopyBackend(Protocol):
+    def submit(self, job: CopyJob) -> None:
+        """Start the copies; returns before they finish."""
+
+    def poll(self) -> list[JobOutcome]:
+        """Outcomes of jobs that finished since the last poll; never blocks."""
+
+    def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        """Block until these jobs finished (unknown ids count as finished)."""
+
+    def shutdown(self, *, drain: bool, timeout_s: float) -> None:
+        """Finish (drain) or cancel queued jobs, then release threads and streams."""

@@ -1,0 +1,138 @@
+"""Copies on CPU, where vLLM keeps the KV cache in host memory.
+
+One worker thread per direction, like one CUDA stream per direction: a
+long store never delays a load that a forward waits for. Each job is a few
+batched torch ops per group (see block_copy). Any exception in a copy is
+caught and becomes that job's failure; the thread lives on, and a waiter is
+always released.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable
+
+import structlog
+import torch
+
+from kvledger.transfers.backend import BackendClosed, CopyJob, Direction, JobOutcome, TransferTimeout
+from kvledger.transfers.block_copy import Piece, copy_rows
+from kvledger.transfers.host_tier import HostTier
+from kvledger.transfers.layout import CanonicalKVCaches
+
+_log = structlog.get_logger("kvledger.transfers.cpu")
+_STOP = None
+
+
+class CpuBackend:
+    def __init__(self, layout: CanonicalKVCaches, tier: HostTier) -> None:
+        if layout.device.type != "cpu":
+            raise ValueError(f"CpuBackend needs KV caches in host memory, got {layout.device}")
+        if tier.slot_bytes < layout.slot_bytes:
+            raise ValueError(f"tier slots of {tier.slot_bytes} bytes cannot hold {layout.slot_bytes}-byte blocks")
+        self._layout = layout
+        self._tier = tier
+        self._pieces = {
+            Direction.STORE: [self._group_pieces(g, store=True) for g in range(layout.num_groups)],
+            Direction.LOAD: [self._group_pieces(g, store=False) for g in range(layout.num_groups)],
+        }
+        self._lock = threading.Lock()
+        self._finished: dict[int, JobOutcome] = {}
+        self._pending: dict[int, threading.Event] = {}
+        self._closed = False
+        self._queues: dict[Direction, queue.SimpleQueue] = {d: queue.SimpleQueue() for d in Direction}
+        self._threads = [
+            threading.Thread(target=self._work, args=(d,), name=f"kvledger-{d.value}", daemon=True)
+            for d in Direction
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _group_pieces(self, group: int, *, store: bool) -> list[Piece]:
+        pieces = []
+        for span in self._layout.group_spans[group]:
+            device = self._layout.span_view(span)
+            host = self._tier.rows[:, span.slot_offset : span.slot_offset + span.nbytes]
+            pieces.append((device, host) if store else (host, device))
+        return pieces
+
+    def submit(self, job: CopyJob) -> None:
+        with self._lock:
+            if self._closed:
+                raise BackendClosed("the CPU copy backend was shut down")
+            self._pending[job.job_id] = threading.Event()
+        self._queues[job.direction].put(job)
+
+    def _work(self, direction: Direction) -> None:
+        jobs = self._queues[direction]
+        while (job := jobs.get()) is not _STOP:
+            outcome = JobOutcome(job_id=job.job_id, direction=job.direction, failed=job.positions(), error="not run")
+            try:
+                self._execute(job)
+                outcome = JobOutcome(job_id=job.job_id, direction=job.direction)
+            except Exception as exc:
+                _log.error("copy_failed", job_id=job.job_id, direction=direction.value, error=repr(exc))
+                outcome = JobOutcome(
+                    job_id=job.job_id, direction=job.direction, failed=job.positions(), error=repr(exc)
+                )
+            finally:
+                self._finish(outcome)
+
+    def _execute(self, job: CopyJob) -> None:
+        """Copy every group of the job; raises on any failure."""
+        pieces = self._pieces[job.direction]
+        for group, (blocks, slots) in enumerate(zip(job.block_ids, job.slot_ids)):
+            if not blocks:
+                continue
+            block_ids = torch.tensor(blocks, dtype=torch.long)
+            slot_ids = torch.tensor(slots, dtype=torch.long)
+            if job.direction is Direction.STORE:
+                copy_rows(pieces[group], block_ids, slot_ids)
+            else:
+                copy_rows(pieces[group], slot_ids, block_ids)
+
+    def _finish(self, outcome: JobOutcome) -> None:
+        with self._lock:
+            self._finished[outcome.job_id] = outcome
+            done = self._pending.pop(outcome.job_id, None)
+        if done is not None:
+            done.set()
+
+    def poll(self) -> list[JobOutcome]:
+        with self._lock:
+            outcomes = list(self._finished.values())
+            self._finished.clear()
+        return outcomes
+
+    def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for job_id in job_ids:
+            with self._lock:
+                done = self._pending.get(job_id)
+            if done is not None and not done.wait(max(0.0, deadline - time.monotonic())):
+                raise TransferTimeout(f"copy job {job_id} did not finish within {timeout_s:.3g} s")
+
+    def shutdown(self, *, drain: bool, timeout_s: float) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not drain:
+            for direction, jobs in self._queues.items():
+                while True:
+                    try:
+                        job = jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._finish(
+                        JobOutcome(job_id=job.job_id, direction=direction, failed=job.positions(), error="cancelled")
+                    )
+        for jobs in self._queues.values():
+            jobs.put(_STOP)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                raise TransferTimeout(f"copy thread {thread.name} did not stop within {timeout_s:.3g} s")

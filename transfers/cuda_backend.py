@@ -1,0 +1,177 @@
+"""Copies between a CUDA device and the pinned host tier.
+
+One stream per direction, each made to wait for the compute stream at
+submit: a store then reads KV the step's forward already wrote, and a load
+writes its blocks after any zeroing vLLM queued for them. Per group, a job
+gathers its blocks' spans into a device staging buffer laid out as slots
+(one `index_select` per span, on the GPU), then moves whole slot rows over
+DMA, one `cudaMemcpyAsync` per run of consecutive slots (loads run the same
+steps backwards). Completion is an event per job, polled with `query()`,
+which never blocks; `wait` polls with a deadline and also orders the
+caller's stream after the job, so a forward that follows reads loaded bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import attrs
+import structlog
+import torch
+
+from kvledger.transfers.backend import BackendClosed, CopyJob, Direction, JobOutcome, TransferTimeout
+from kvledger.transfers.block_copy import as_wide, widest_dtype
+from kvledger.transfers.host_tier import HostTier
+from kvledger.transfers.layout import CanonicalKVCaches, CopySpan
+
+_log = structlog.get_logger("kvledger.transfers.cuda")
+
+STAGING_BYTES = 256 << 20
+"""Device staging per group and job; larger jobs reuse it chunk by chunk."""
+
+
+@attrs.frozen(eq=False)
+class _Launched:
+    job: CopyJob
+    done: torch.cuda.Event
+    keepalive: tuple[torch.Tensor, ...]  # staging and index tensors the stream still reads
+    error: str
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, first slot) for each run of consecutive ids in a sorted list."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, i, slots[start]))
+            start = i
+    return runs
+
+
+class CudaBackend:
+    def __init__(self, layout: CanonicalKVCaches, tier: HostTier) -> None:
+        if layout.device.type != "cuda":
+            raise ValueError(f"CudaBackend needs KV caches on a CUDA device, got {layout.device}")
+        if tier.slot_bytes < layout.slot_bytes:
+            raise ValueError(f"tier slots of {tier.slot_bytes} bytes cannot hold {layout.slot_bytes}-byte blocks")
+        if not tier.pinned:
+            _log.warning("host_tier_not_pinned", effect="copies run synchronously")
+        self._device = layout.device
+        self._tier = tier
+        self._spans: list[list[tuple[CopySpan, torch.Tensor]]] = [
+            [(span, layout.span_view(span)) for span in layout.group_spans[g]] for g in range(layout.num_groups)
+        ]
+        with torch.cuda.device(self._device):
+            self._streams = {d: torch.cuda.Stream(device=self._device) for d in Direction}
+        self._launched: dict[int, _Launched] = {}
+        self._closed = False
+
+    def submit(self, job: CopyJob) -> None:
+        if self._closed:
+            raise BackendClosed("the CUDA copy backend was shut down")
+        stream = self._streams[job.direction]
+        keep: list[torch.Tensor] = []
+        error = ""
+        with torch.cuda.device(self._device):
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(stream):
+                try:
+                    if job.direction is Direction.STORE:
+                        self._store(job, keep)
+                    else:
+                        self._load(job, keep)
+                except Exception as exc:
+                    error = repr(exc)
+                    _log.error("copy_launch_failed", job_id=job.job_id, direction=job.direction.value, error=error)
+                # The outcome waits for this event even after an error, so no
+                # half-launched copy can still be writing once it is reported.
+                done = torch.cuda.Event()
+                done.record(stream)
+        self._launched[job.job_id] = _Launched(job, done, tuple(keep), error)
+
+    def _device_ids(self, ids: list[int], keep: list[torch.Tensor]) -> torch.Tensor:
+        host = torch.tensor(ids, dtype=torch.long).pin_memory()
+        device = host.to(self._device, non_blocking=True)
+        keep += [host, device]
+        return device
+
+    def _chunks(self, job: CopyJob, keep: list[torch.Tensor]):
+        """Per group, slot-sorted pieces of at most STAGING_BYTES, with a staging buffer.
+
+        One buffer per group is reused chunk after chunk: the stream orders each
+        chunk's writes to it after the previous chunk's reads.
+        """
+        rows_max = max(1, STAGING_BYTES // self._tier.slot_bytes)
+        for group in range(len(job.block_ids)):
+            if not job.block_ids[group]:
+                continue
+            pairs = sorted(zip(job.slot_ids[group], job.block_ids[group]))
+            rows = min(rows_max, len(pairs))
+            staging = torch.empty((rows, self._tier.slot_bytes), dtype=torch.int8, device=self._device)
+            keep.append(staging)
+            for begin in range(0, len(pairs), rows):
+                chunk = pairs[begin : begin + rows]
+                slots = [s for s, _ in chunk]
+                ids = self._device_ids([b for _, b in chunk], keep)
+                yield group, slots, ids, staging[: len(chunk)]
+
+    def _store(self, job: CopyJob, keep: list[torch.Tensor]) -> None:
+        for group, slots, ids, staging in self._chunks(job, keep):
+            for span, view in self._spans[group]:
+                part = staging[:, span.slot_offset : span.slot_offset + span.nbytes]
+                dtype = widest_dtype(view, part)
+                as_wide(part, dtype).copy_(as_wide(view, dtype).index_select(0, ids))
+            for start, end, first in slot_runs(slots):
+                self._tier.rows[first : first + end - start].copy_(staging[start:end], non_blocking=True)
+
+    def _load(self, job: CopyJob, keep: list[torch.Tensor]) -> None:
+        for group, slots, ids, staging in self._chunks(job, keep):
+            for start, end, first in slot_runs(slots):
+                staging[start:end].copy_(self._tier.rows[first : first + end - start], non_blocking=True)
+            for span, view in self._spans[group]:
+                part = staging[:, span.slot_offset : span.slot_offset + span.nbytes]
+                dtype = widest_dtype(view, part)
+                as_wide(view, dtype).index_copy_(0, ids, as_wide(part, dtype))
+
+    def poll(self) -> list[JobOutcome]:
+        outcomes = []
+        for job_id, launched in list(self._launched.items()):
+            error = launched.error
+            try:
+                finished = launched.done.query()
+            except Exception as exc:  # an asynchronous CUDA error surfaced here
+                finished, error = True, error or repr(exc)
+            if finished:
+                del self._launched[job_id]
+                job = launched.job
+                failed = job.positions() if error else ()
+                outcomes.append(JobOutcome(job_id=job_id, direction=job.direction, failed=failed, error=error))
+        return outcomes
+
+    def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        current = torch.cuda.current_stream(self._device)
+        for job_id in job_ids:
+            launched = self._launched.get(job_id)
+            if launched is None:
+                continue
+            pause = 1e-5
+            while True:
+                try:
+                    if launched.done.query():
+                        break
+                except Exception:
+                    break  # poll() reports it as the job's failure
+                if time.monotonic() >= deadline:
+                    raise TransferTimeout(f"copy job {job_id} did not finish within {timeout_s:.3g} s")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+            current.wait_event(launched.done)
+
+    def shutdown(self, *, drain: bool, timeout_s: float) -> None:
+        """Launched copies cannot be recalled, so both modes wait for them."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait(list(self._launched), timeout_s)

@@ -1,0 +1,165 @@
+"""The effect runner: performs StartStore, StartLoad and FlushStores.
+
+The engine describes work; this is where it happens. Outcomes come back as
+events from `poll()`, never as callbacks, one per job, carrying this
+worker's index. Nothing that goes wrong in a copy escapes as an exception:
+a failed precondition or copy is a failure event. The only exceptions are
+for waits that run out of time, because then the caller cannot go on
+safely (a forward would read blocks still being written).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import structlog
+
+from kvledger.engine.effects import FlushStores, StartLoad, StartStore
+from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
+from kvledger.transfers.backend import CopyBackend, CopyJob, Direction, JobOutcome, TransferTimeout
+from kvledger.transfers.preconditions import Limits, precondition_error
+
+_log = structlog.get_logger("kvledger.transfers.runner")
+
+TransferEvent = StoreCompleted | StoreFailed | LoadCompleted | LoadFailed
+
+
+@attrs.frozen
+class _Job:
+    effect: StartStore | StartLoad
+    copy: CopyJob
+
+
+class TransferRunner:
+    def __init__(
+        self,
+        backend: CopyBackend,
+        *,
+        num_groups: int,
+        num_device_blocks: int,
+        num_slots: int,
+        worker_index: int = 0,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self._backend = backend
+        self._limits = Limits(num_groups=num_groups, num_device_blocks=num_device_blocks, num_slots=num_slots)
+        self.worker_index = worker_index
+        self.timeout_s = timeout_s
+        self._jobs: dict[int, _Job] = {}
+        self._ready: list[TransferEvent] = []
+        self._closed = False
+
+    @property
+    def in_flight(self) -> frozenset[int]:
+        """Jobs started whose completion event has not been returned yet."""
+        return frozenset(self._jobs)
+
+    def submit(self, effects: Iterable[object]) -> None:
+        """Run the transfer effects in order; other effect kinds are not ours."""
+        for effect in effects:
+            if isinstance(effect, (StartStore, StartLoad)):
+                self._start(effect)
+            elif isinstance(effect, FlushStores):
+                self._wait(effect.job_ids, self.timeout_s, "flush of stores")
+
+    def _start(self, effect: StartStore | StartLoad) -> None:
+        if self._closed:
+            self._reject(effect, "the runner was shut down")
+            return
+        if effect.job_id in self._jobs:
+            self._reject(effect, f"job {effect.job_id} is already in flight")
+            return
+        problem = precondition_error(effect, self._limits)
+        if problem is not None:
+            self._reject(effect, problem)
+            return
+        if isinstance(effect, StartStore):
+            copy = CopyJob(
+                job_id=effect.job_id,
+                direction=Direction.STORE,
+                block_ids=effect.source_block_ids,
+                slot_ids=effect.target_slot_ids,
+            )
+        else:
+            copy = CopyJob(
+                job_id=effect.job_id,
+                direction=Direction.LOAD,
+                block_ids=effect.target_block_ids,
+                slot_ids=effect.source_slot_ids,
+            )
+        try:
+            self._backend.submit(copy)
+        except Exception as exc:
+            self._reject(effect, f"the copy backend refused the job: {exc!r}")
+            return
+        self._jobs[effect.job_id] = _Job(effect, copy)
+
+    def _reject(self, effect: StartStore | StartLoad, problem: str) -> None:
+        """Every block of a job that never ran has failed."""
+        _log.warning(
+            "transfer_rejected",
+            job_id=effect.job_id,
+            request_id=effect.request_id,
+            kind=type(effect).__name__,
+            problem=problem,
+        )
+        keys = tuple(k for group in effect.keys for k in group)
+        if isinstance(effect, StartStore):
+            self._ready.append(StoreFailed(job_id=effect.job_id, worker_index=self.worker_index, keys=keys))
+        else:
+            blocks = tuple(b for group in effect.target_block_ids for b in group)
+            self._ready.append(
+                LoadFailed(job_id=effect.job_id, worker_index=self.worker_index, block_ids=blocks, keys=keys)
+            )
+
+    def poll(self) -> list[TransferEvent]:
+        """Completion events since the last poll, in the order jobs finished."""
+        events, self._ready = self._ready, []
+        for outcome in self._backend.poll():
+            job = self._jobs.pop(outcome.job_id, None)
+            if job is None:
+                _log.warning("unknown_job_outcome", job_id=outcome.job_id)
+                continue
+            if not outcome.ok:
+                _log.error(
+                    "transfer_failed",
+                    job_id=outcome.job_id,
+                    request_id=job.effect.request_id,
+                    direction=outcome.direction.value,
+                    failed=len(outcome.failed),
+                    error=outcome.error,
+                )
+            events.append(self._event(job.effect, outcome))
+        return events
+
+    def _event(self, effect: StartStore | StartLoad, outcome: JobOutcome) -> TransferEvent:
+        job_id, worker = effect.job_id, self.worker_index
+        keys = tuple(effect.keys[g][i] for g, i in outcome.failed)
+        if isinstance(effect, StartStore):
+            if outcome.ok:
+                return StoreCompleted(job_id=job_id, worker_index=worker)
+            return StoreFailed(job_id=job_id, worker_index=worker, keys=keys)
+        if outcome.ok:
+            return LoadCompleted(job_id=job_id, worker_index=worker)
+        blocks = tuple(effect.target_block_ids[g][i] for g, i in outcome.failed)
+        return LoadFailed(job_id=job_id, worker_index=worker, block_ids=blocks, keys=keys)
+
+    def wait_for_loads(self, job_ids: Iterable[int], timeout_s: float | None = None) -> None:
+        """Block until these loads finished, so a forward may read their blocks."""
+        self._wait(job_ids, self.timeout_s if timeout_s is None else timeout_s, "loads")
+
+    def _wait(self, job_ids: Iterable[int], timeout_s: float, what: str) -> None:
+        job_ids = tuple(job_ids)
+        try:
+            self._backend.wait(job_ids, timeout_s)
+        except TransferTimeout as exc:
+            _log.error("transfer_wait_timed_out", what=what, job_ids=job_ids, timeout_s=timeout_s)
+            raise TransferTimeout(f"waiting for {what} {list(job_ids)} timed out: {exc}") from exc
+
+    def shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Finish (drain) or cancel outstanding copies; `poll()` still returns their events."""
+        if self._closed:
+            return
+        self._closed = True
+        self._backend.shutdown(drain=drain, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
