@@ -16,7 +16,7 @@ stops at the first problem with a `LogError` naming the line.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Union
 
 import attrs
@@ -61,12 +61,22 @@ class LogError(ValueError):
         return LogError(self.detail, line=self.line, seq=self.seq, source=source)
 
 
+def _int_at_least(lowest: int) -> Callable[[object, attrs.Attribute, object], None]:
+    def check(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+        if type(value) is not int or value < lowest:
+            raise ValueError(f"{attribute.name} must be an int >= {lowest}, got {value!r}")
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class LogHeader:
-    schema_version: int = LOG_SCHEMA_VERSION
-    engine_version: str
-    config: EngineConfig
-    digest_interval: int  # steps between state digests; 0 = none
+    """What a log was recorded under; a log means nothing without its config."""
+
+    schema_version: int = attrs.field(default=LOG_SCHEMA_VERSION, validator=_int_at_least(1))
+    engine_version: str = attrs.field(validator=attrs.validators.instance_of(str))
+    config: EngineConfig = attrs.field(validator=attrs.validators.instance_of(EngineConfig))
+    digest_interval: int = attrs.field(validator=_int_at_least(0))  # steps between state digests; 0 = none
 
 
 def _check_step_index(instance: EventRecord, _attribute: object, step_index: int) -> None:

@@ -80,6 +80,13 @@ class Strings:
             return value
         raise InvalidValue(f"expected str, got {_type_name(value)}")
 
+    def decode_refs(self, refs: tuple[int, ...]) -> tuple[str, ...]:
+        """Many references at once (a packed column of request ids)."""
+        texts = self._texts
+        if refs and (min(refs) < 0 or max(refs) >= len(texts)):
+            raise InvalidValue(f"string references {refs} are not all in the table ({len(texts)} entries)")
+        return tuple([texts[i] for i in refs])
+
 
 @attrs.frozen
 class FieldCodec:
@@ -242,8 +249,9 @@ def _str_tuple_codecs(inner: tuple) -> tuple:
         return items
 
     def binary_decode(value: object, strings: Strings) -> tuple:
-        items = _unpacked(packed.unpack_ints, value) if type(value) is bytes else _array(value)
-        return tuple([strings.decode(item) for item in items])
+        if type(value) is bytes:
+            return strings.decode_refs(_unpacked(packed.unpack_ints, value))
+        return tuple([strings.decode(item) for item in _array(value)])
 
     return json_encode, json_decode, binary_encode, binary_decode
 

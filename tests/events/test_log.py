@@ -229,3 +229,10 @@ def test_log_error_message_names_source_line_and_seq() -> None:
     assert str(LogError("boom", line=3, source="a.log")) == "a.log: line 3: boom"
     assert str(LogError("boom", seq=12).at("b.bin")) == "b.bin: seq 12: boom"
     assert isinstance(LogError("x"), ValueError)
+
+
+def test_headers_are_checked_when_built() -> None:
+    with pytest.raises(ValueError, match="digest_interval must be an int >= 0, got -1"):
+        LogHeader(engine_version="0.1.0", config=CONFIG, digest_interval=-1)
+    with pytest.raises(TypeError, match="engine_version"):
+        LogHeader(engine_version=1, config=CONFIG, digest_interval=0)  # type: ignore[arg-type]
