@@ -84,7 +84,9 @@ class Strings:
         """Many references at once (a packed column of request ids)."""
         texts = self._texts
         if refs and (min(refs) < 0 or max(refs) >= len(texts)):
-            raise InvalidValue(f"string references {refs} are not all in the table ({len(texts)} entries)")
+            raise InvalidValue(
+                f"string references {min(refs)}..{max(refs)} are not all in the table ({len(texts)} entries)"
+            )
         return tuple([texts[i] for i in refs])
 
 
@@ -191,14 +193,19 @@ def _array(value: object) -> list | tuple:
     return value
 
 
-def _tuple_codecs(inner: tuple) -> tuple:
+def _tuple_codecs(inner: tuple, item: type | None = None) -> tuple:
+    """Tuples of any field type; `item`, where given, is a scalar type whose JSON
+    form is the value itself, so a whole list is checked in one pass."""
     json_enc, json_dec, bin_enc, bin_dec = inner
 
     def json_encode(value: tuple) -> list:
         return list(value) if json_enc is None else [json_enc(item) for item in value]
 
     def json_decode(value: object) -> tuple:
-        return tuple([json_dec(item) for item in _array(value)])
+        items = _array(value)
+        if item is not None and all(type(entry) is item for entry in items):
+            return tuple(items)
+        return tuple([json_dec(entry) for entry in items])
 
     def binary_encode(value: tuple, strings: Strings) -> list:
         return [bin_enc(item, strings) for item in value]
@@ -220,7 +227,7 @@ def _packed_tuple_codecs(
     inner: tuple, pack: Callable[[tuple], bytes | None], unpack: Callable[[bytes], tuple], item: type
 ) -> tuple:
     """tuple[int] and tuple[bytes]: in binary, one packed bin where that is shorter."""
-    json_encode, json_decode, _bin_enc, _bin_dec = _tuple_codecs(inner)
+    json_encode, json_decode, _bin_enc, _bin_dec = _tuple_codecs(inner, item if item is int else None)
     item_name = item.__name__
 
     def binary_encode(value: tuple, _strings: Strings) -> bytes | tuple:
@@ -240,7 +247,7 @@ def _packed_tuple_codecs(
 
 def _str_tuple_codecs(inner: tuple) -> tuple:
     """tuple[str]: in binary, table references packed like ints once every item is one."""
-    json_encode, json_decode, _bin_enc, _bin_dec = _tuple_codecs(inner)
+    json_encode, json_decode, _bin_enc, _bin_dec = _tuple_codecs(inner, str)
 
     def binary_encode(value: tuple, strings: Strings) -> list | bytes:
         items = [strings.encode(text) for text in value]
