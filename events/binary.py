@@ -10,11 +10,14 @@
                                             of events before it (first_seq + rows so far)
 
 Kind codes and layouts live in the header, so the file describes itself and
-reading never depends on class order. Bytes are msgpack bin, tuples arrays,
-and every string goes through a `Strings` table shared by all frames: a
-request id costs its text once and a 1-3 byte index afterwards. That table
-is why frames are read in order from the start, and why the writer passes
-the same `Strings` to every `encode_binary_frame` call of one log.
+reading never depends on class order. Bytes are msgpack bin, tuples arrays;
+tuples of >= 4 ints or equal-length bytes are packed bins (see `packed`).
+Every string goes through a `Strings` table shared by all frames: a request
+id costs its text once and a 1-3 byte index afterwards (a packed column of
+indices, in a step_scheduled row). That table is why frames are read in
+order from the start, and why a writer passes the same `Strings` to every
+`encode_binary_frame` call of one log (`encode_binary` does this for a log
+held in memory).
 """
 
 from __future__ import annotations
