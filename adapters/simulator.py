@@ -199,6 +199,10 @@ class Simulator:
     def waiting(self) -> list[str]:
         return [r.rid for r in self.requests.values() if r.status in ("waiting", "preempted")]
 
+    def abortable(self) -> list[str]:
+        """Requests a client may still cancel (an aborting one already was)."""
+        return sorted(r.rid for r in self.requests.values() if r.status != "aborting")
+
     def running(self) -> list[str]:
         return [r.rid for r in self.requests.values() if r.status == "running"]
 
@@ -520,8 +524,8 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
         for rid in sim.waiting():
             if not sim.admit(rid):
                 break
-        if rng.random() < abort_rate and sim.requests:
-            sim.abort(rng.choice(sorted(sim.requests)))
+        if rng.random() < abort_rate and sim.abortable():
+            sim.abort(rng.choice(sim.abortable()))
         sim.step(sim.running())
         for job_id in sorted(sim.jobs):
             if rng.random() < completion_rate:

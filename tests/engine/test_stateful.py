@@ -77,10 +77,10 @@ class Protocol(RuleBasedStateMachine):
     def preempt(self, data: st.DataObject) -> None:
         self.sim.preempt(data.draw(st.sampled_from(self.sim.running())))
 
-    @precondition(lambda self: self.sim.requests)
+    @precondition(lambda self: self.sim.abortable())
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        self.sim.abort(data.draw(st.sampled_from(sorted(self.sim.requests))))
+        self.sim.abort(data.draw(st.sampled_from(self.sim.abortable())))
 
     @rule(data=st.data(), doc=st.integers(0, 2), blocks=st.integers(1, 5), max_tokens=st.integers(1, 6))
     def round(self, data: st.DataObject, doc: int, blocks: int, max_tokens: int) -> None:
