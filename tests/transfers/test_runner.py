@@ -1,0 +1,210 @@
+"""The runner on the CPU backend: exact bytes, exact events, bounded waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
+
+from kvledger.engine.effects import EvictKeys, FlushStores, StartLoad
+from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
+from kvledger.transfers.backend import TransferTimeout
+from tests.transfers import layouts
+from tests.transfers.harness import GatedBackend, RaisingBackend, keys_for, load, make_rig, store
+
+BUILDERS = [
+    lambda: layouts.cpu_attention(packing="layer"),
+    lambda: layouts.cpu_attention(packing="block", num_layers=3),
+    lambda: layouts.cpu_attention(kernel=2),
+    lambda: layouts.flash_attention(kv_outer=True, hnd=True),
+    lambda: layouts.flash_attention(kv_outer=False, hnd=False, kernel=2),
+    lambda: layouts.mla(padded_bytes=256),
+    lambda: layouts.mamba(),
+    lambda: layouts.hybrid_sliding(packing="layer"),
+    lambda: layouts.hybrid_sliding(packing="block"),
+    lambda: layouts.hybrid_mamba(),
+    lambda: layouts.packed_uniform(),
+]
+
+
+@st.composite
+def round_trips(draw):
+    case = draw(st.sampled_from(BUILDERS))()
+    groups = len(case.config.kv_cache_groups)
+    usable = list(range(1, case.num_blocks))
+    order = draw(st.permutations(usable))
+    slots = draw(st.permutations(range(16)))
+    blocks_by_group, slots_by_group, taken = [], [], 0
+    for _ in range(groups):
+        n = draw(st.integers(0, (len(usable) // groups)))
+        blocks_by_group.append(order[taken : taken + n])
+        slots_by_group.append(slots[taken : taken + n])
+        taken += n
+    return case, blocks_by_group, slots_by_group
+
+
+@settings(max_examples=40, deadline=None)
+@given(round_trips())
+def test_device_host_device_round_trip_is_byte_exact(example) -> None:
+    case, blocks, slots = example
+    rig = make_rig(case)
+    original = rig.snapshot()
+    rig.runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
+    assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
+    scrambled = rig.scramble(seed=99)
+    rig.runner.submit([load(2, slots, blocks)])
+    rig.runner.wait_for_loads([2])
+    assert rig.runner.poll() == [LoadCompleted(job_id=2, worker_index=3)]
+    masks = rig.block_mask(dict(enumerate(blocks)))
+    for raw, mask, before, after in zip(case.raws, masks, original, scrambled):
+        assert torch.equal(raw[mask], before[mask]), "restored bytes differ"
+        assert torch.equal(raw[~mask], after[~mask]), "bytes outside the loaded blocks changed"
+    rig.runner.shutdown()
+
+
+def test_flush_waits_for_the_named_jobs_only() -> None:
+    gate = threading.Event()
+    rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={2: gate}, timeout_s=0.3)
+    runner = rig.runner
+    runner.submit([store(1, [[1, 2]], [[0, 1]]), store(2, [[3]], [[2]]), FlushStores(job_ids=(1,))])
+    assert runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
+    assert runner.in_flight == {2}
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout, match=r"flush of stores \[2\]"):
+        runner.submit([FlushStores(job_ids=(2,))])
+    assert time.monotonic() - started < 3
+    assert runner.poll() == []
+    gate.set()
+    runner.submit([FlushStores(job_ids=(2, 1, 77))])  # finished and unknown ids are fine
+    assert runner.poll() == [StoreCompleted(job_id=2, worker_index=3)]
+    runner.shutdown()
+
+
+def test_a_slow_store_does_not_hold_back_a_load() -> None:
+    gate = threading.Event()
+    rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={5: gate}, timeout_s=5)
+    rig.runner.submit([store(5, [[1]], [[0]]), load(6, [[3]], [[2]])])
+    rig.runner.wait_for_loads([6], timeout_s=5)
+    assert rig.runner.poll() == [LoadCompleted(job_id=6, worker_index=3)]
+    gate.set()
+    rig.runner.submit([FlushStores(job_ids=(5,))])
+    assert rig.runner.poll() == [StoreCompleted(job_id=5, worker_index=3)]
+    rig.runner.shutdown()
+
+
+def test_an_exception_in_a_copy_is_a_failure_event_and_the_thread_lives_on() -> None:
+    rig = make_rig(layouts.hybrid_sliding(), backend_cls=RaisingBackend, failing={1, 3})
+    runner = rig.runner
+    with capture_logs() as logs:
+        runner.submit([store(1, [[1], [2, 3]], [[0], [1, 2]]), store(2, [[4], []], [[3], []]), FlushStores(job_ids=(1, 2))])
+        runner.submit([load(3, [[0], [1]], [[5], [6]]), load(4, [[3], []], [[7], []])])
+        runner.wait_for_loads([3, 4])
+        events = runner.poll()
+    assert sorted(events, key=lambda e: e.job_id) == [
+        StoreFailed(job_id=1, worker_index=3, keys=keys_for(1, [[1], [2, 3]])[0] + keys_for(1, [[1], [2, 3]])[1]),
+        StoreCompleted(job_id=2, worker_index=3),
+        LoadFailed(job_id=3, worker_index=3, block_ids=(5, 6), keys=(b"k3-0-0", b"k3-1-0")),
+        LoadCompleted(job_id=4, worker_index=3),
+    ]
+    assert any(log["event"] == "copy_failed" and "disk on fire" in log["error"] for log in logs)
+    assert any(log["event"] == "transfer_failed" and log["job_id"] == 3 for log in logs)
+    runner.shutdown()
+
+
+BAD_EFFECTS = {
+    "too few groups": store(10, [], []),
+    "misaligned": store(10, [[1, 2]], [[0]]),
+    "null block": store(10, [[0, 1]], [[0, 1]]),
+    "block past the pool": store(10, [[6]], [[0]]),
+    "slot past the tier": store(10, [[1]], [[16]]),
+    "negative slot": load(10, [[-1]], [[1]]),
+    "duplicate target slot": store(10, [[1, 2]], [[4, 4]]),
+    "duplicate target block": load(10, [[1, 2]], [[3, 3]]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_EFFECTS))
+def test_a_failed_precondition_is_a_failure_event_and_moves_nothing(name: str) -> None:
+    rig = make_rig(layouts.cpu_attention())
+    tier_before, device_before = rig.tier.rows.clone(), rig.snapshot()
+    effect = BAD_EFFECTS[name]
+    with capture_logs() as logs:
+        rig.runner.submit([effect])
+    keys = tuple(k for group in effect.keys for k in group)
+    if isinstance(effect, StartLoad):
+        blocks = tuple(b for group in effect.target_block_ids for b in group)
+        expected = [LoadFailed(job_id=10, worker_index=3, block_ids=blocks, keys=keys)]
+    else:
+        expected = [StoreFailed(job_id=10, worker_index=3, keys=keys)]
+    assert rig.runner.poll() == expected
+    assert [log["event"] for log in logs] == ["transfer_rejected"]
+    assert logs[0]["log_level"] == "warning" and logs[0]["job_id"] == 10
+    assert torch.equal(rig.tier.rows, tier_before)
+    assert all(torch.equal(a, b) for a, b in zip(rig.case.raws, device_before))
+    assert rig.runner.in_flight == frozenset()
+    rig.runner.shutdown()
+
+
+def test_a_job_id_already_in_flight_is_rejected() -> None:
+    gate = threading.Event()
+    rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={1: gate})
+    rig.runner.submit([store(1, [[1]], [[0]]), store(1, [[2]], [[1]])])
+    assert rig.runner.poll() == [StoreFailed(job_id=1, worker_index=3, keys=(b"k1-0-0",))]
+    gate.set()
+    rig.runner.submit([FlushStores(job_ids=(1,))])
+    assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
+    rig.runner.shutdown()
+
+
+def test_other_effects_are_ignored_and_empty_jobs_complete() -> None:
+    rig = make_rig(layouts.cpu_attention())
+    rig.runner.submit([EvictKeys(keys=(b"x",)), store(1, [[]], [[]]), FlushStores(job_ids=(1,))])
+    assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
+    rig.runner.shutdown()
+
+
+def test_shutdown_drains_queued_jobs() -> None:
+    rig = make_rig(layouts.cpu_attention())
+    rig.runner.submit([store(i, [[i]], [[i]]) for i in range(1, 5)])
+    rig.runner.shutdown(drain=True)
+    assert sorted(e.job_id for e in rig.runner.poll()) == [1, 2, 3, 4]
+    rig.runner.submit([store(9, [[1]], [[0]])])
+    assert rig.runner.poll() == [StoreFailed(job_id=9, worker_index=3, keys=(b"k9-0-0",))]
+
+
+def test_shutdown_without_drain_cancels_queued_jobs_within_its_timeout() -> None:
+    gate = threading.Event()
+    rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={1: gate})
+    rig.runner.submit([store(1, [[1]], [[0]]), store(2, [[2]], [[1]]), store(3, [[3]], [[2]])])
+    time.sleep(0.05)  # job 1 is now running and blocked on its gate
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout, match="did not stop"):
+        rig.runner.shutdown(drain=False, timeout_s=0.2)
+    assert time.monotonic() - started < 3
+    gate.set()
+    rig.backend.wait([1], timeout_s=5)
+    events = sorted(rig.runner.poll(), key=lambda e: e.job_id)
+    assert events == [
+        StoreCompleted(job_id=1, worker_index=3),
+        StoreFailed(job_id=2, worker_index=3, keys=(b"k2-0-0",)),
+        StoreFailed(job_id=3, worker_index=3, keys=(b"k3-0-0",)),
+    ]
+
+
+def test_wait_for_loads_is_bounded() -> None:
+    gate = threading.Event()
+    rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={4: gate})
+    rig.runner.submit([load(4, [[0]], [[1]])])
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout, match=r"loads \[4\]"):
+        rig.runner.wait_for_loads([4], timeout_s=0.1)
+    assert time.monotonic() - started < 3
+    gate.set()
+    rig.runner.wait_for_loads([4])
+    assert rig.runner.poll() == [LoadCompleted(job_id=4, worker_index=3)]
+    rig.runner.shutdown()
