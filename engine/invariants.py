@@ -215,6 +215,8 @@ def _check_tier(core: Core, problems: list[str]) -> None:
         if slot in free:
             if state != SlotState.FREE:
                 problems.append(f"slot {slot}: on the free list but {SlotState(state).name}")
+            else:
+                _check_slot(core, slot, problems)  # a free slot holds no key and no load
             continue
         if state == SlotState.FREE:
             problems.append(f"slot {slot}: FREE but neither fresh nor on the free list")

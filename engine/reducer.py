@@ -599,6 +599,7 @@ def _store_ended(core: Core, job: Job, out: Effects) -> None:
 
 
 def _load_ended(core: Core, job: Job, out: Effects) -> None:
+    dropped: list[bytes] = []  # failed keys this load takes out of the index
     for group_keys, group_slots, group_blocks in zip(job.keys, job.slot_ids, job.block_ids):
         for key, slot, block in zip(group_keys, group_slots, group_blocks):
             del core.block_writer[block]
@@ -612,6 +613,7 @@ def _load_ended(core: Core, job: Job, out: Effects) -> None:
             indexed = core.slot_of_key.get(key) == slot
             if indexed and key in job.failed_keys:
                 del core.slot_of_key[key]
+                dropped.append(key)
                 indexed = False
             if loads:
                 continue
@@ -622,8 +624,8 @@ def _load_ended(core: Core, job: Job, out: Effects) -> None:
     if job.failed_keys or job.failed_blocks:
         core.stats.load_failures += 1
         core.stats.keys_failed += len(job.failed_keys)
-        if job.failed_keys:
-            out.append(fx.EvictKeys(keys=tuple(sorted(job.failed_keys))))
+        if dropped:  # a failed key already gone, or stored again since, is not reported
+            out.append(fx.EvictKeys(keys=tuple(sorted(dropped))))
     request = core.requests.get(job.request_id)
     if request is None or request.load_job_id != job.job_id:
         return
