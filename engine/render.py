@@ -1,0 +1,92 @@
+"""Render the transition tables of `transitions.py` as Markdown.
+
+Pure: `render()` returns the text of `docs/transitions.md`;
+`tests/engine/test_transitions.py` checks the committed file equals it
+(`KVLEDGER_UPDATE_GOLDEN=1` rewrites it).
+"""
+
+from __future__ import annotations
+
+from .state import RequestStatus, SlotState
+from .transitions import REQUEST_MOVES, SLOT_MOVES
+
+_ILLEGAL = "·"
+
+# What the pseudo-kinds stand for: one outcome of an event that has two.
+_NOTES = {
+    "blocks_allocated+load": "a `blocks_allocated` that admits a tier hit (`num_external_tokens > 0`)",
+    "load_ended": "the last worker's `load_completed` or `load_failed` for the request's load",
+    "load_failed+recompute": "a load that ended failed, with several KV groups: vLLM recomputes the "
+                             "request from scratch",
+}
+
+
+def _status(status: RequestStatus | None, *, left: bool) -> str:
+    if status is None:
+        return "(new)" if left else "gone"
+    return status.value
+
+
+def _request_table() -> list[str]:
+    columns: list[RequestStatus | None] = [None, *RequestStatus]
+    kinds = list(dict.fromkeys(kind for _, kind in REQUEST_MOVES))
+    lines = [
+        "| event \\ from | " + " | ".join(f"`{_status(s, left=True)}`" for s in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for kind in kinds:
+        cells = []
+        for status in columns:
+            if (status, kind) in REQUEST_MOVES:
+                cells.append(f"→ `{_status(REQUEST_MOVES[(status, kind)], left=False)}`")
+            else:
+                cells.append(_ILLEGAL)
+        lines.append(f"| `{kind}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _notes() -> list[str]:
+    kinds = dict.fromkeys(kind for _, kind in REQUEST_MOVES)
+    return ["Pseudo-kinds, chosen by a fact of the event:", ""] + [
+        f"- `{kind}`: {note}." for kind, note in _NOTES.items() if kind in kinds
+    ]
+
+
+def _slot_table() -> list[str]:
+    lines = ["| from | action | to |", "|---|---|---|"]
+    for (state, action), target in SLOT_MOVES.items():
+        lines.append(f"| `{SlotState(state).name.lower()}` | `{action}` | `{SlotState(target).name.lower()}` |")
+    return lines
+
+
+def render() -> str:
+    lines = [
+        "# Transitions",
+        "",
+        "<!-- Rendered by engine/render.py from engine/transitions.py; do not edit by hand.",
+        "     KVLEDGER_UPDATE_GOLDEN=1 pytest tests/engine/test_transitions.py rewrites it. -->",
+        "",
+        "Every legal state move of the engine, as data. The reducer consults these tables before it",
+        "changes anything: a move that is not here is a protocol violation, reported as",
+        "`ReportViolation(code=\"illegal_request_event\")` with the state unchanged (strict mode raises).",
+        "",
+        "## Requests",
+        "",
+        "Rows are events, columns the request's status before it; a cell is the status after it.",
+        f"`(new)` is a request the engine does not know, `gone` one it forgets, and `{_ILLEGAL}` an",
+        "illegal move.",
+        "",
+        *_request_table(),
+        "",
+        *_notes(),
+        "",
+        "## Tier slots",
+        "",
+        "A slot leaves the index (stops being offered) on eviction, failure or reset, but it is freed",
+        "only when no job still reads or writes it. A slot being loaded is `stored` with a load count",
+        "above zero.",
+        "",
+        *_slot_table(),
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""The transition tables, cell by cell, against the reducer; and the rendered doc."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvledger.engine.invariants import check
+from kvledger.engine.render import render
+from kvledger.engine.state import RequestStatus as R
+from kvledger.engine.state import SlotState as S
+from kvledger.engine.transitions import REQUEST_MOVES, SLOT_MOVES, request_move, slot_move
+from kvledger.events import types as ev
+from tests.engine.builders import Engine, chain, full_only_config, key
+
+A = chain(5, "a")
+STATUSES: list[R | None] = [None, *R]
+LOAD_JOB = 2  # the donor's store is job 1
+
+
+def reach(status: R | None) -> Engine:
+    """Prefix "a" in the tier, and request "r" (129 tokens of it) in `status`."""
+    e = Engine()
+    e.run_and_store("d", 128, (1, 2, 3, 4), (5, 6, 7, 8))
+    e.finish("d")
+    if status is None:
+        return e
+    e.add("r", 129, A[:4])
+    if status is R.WAITING:
+        return e
+    if status in (R.LOADING, R.ABORTING):
+        e.alloc("r", (9, 10, 11, 12, 13), (0, 0, 14, 15, 16), ext=128)
+        if status is R.ABORTING:
+            e.abort("r")
+        return e
+    e.alloc("r", (9, 10, 11, 12, 13), (14, 15, 16, 17, 18))
+    if status is R.PREEMPTED:
+        e.preempt("r")
+    return e
+
+
+def event_for(kind: str, e: Engine) -> ev.Event:
+    """A well-formed event of `kind` for request "r", legal wherever the table allows it."""
+    request = e.core.requests.get("r")
+    running = request is not None and request.status is R.RUNNING
+    if kind == "request_added":
+        return ev.RequestAdded(request_id="r", num_prompt_tokens=129, block_hashes=A[:4])
+    if kind == "block_hashes_appended":
+        return ev.BlockHashesAppended(request_id="r", num_tokens=160, block_hashes=A[4:])
+    if kind == "blocks_touched":
+        return ev.BlocksTouched(request_id="r", block_ids=((1,), (5,)))
+    if kind == "blocks_allocated":
+        table = ((20,), (21,)) if running else ((9, 10, 11, 12, 13), (14, 15, 16, 17, 18))
+        return ev.BlocksAllocated(request_id="r", block_ids=table)
+    if kind == "blocks_allocated+load":
+        return ev.BlocksAllocated(request_id="r", block_ids=((9, 10, 11, 12, 13), (0, 0, 14, 15, 16)),
+                                  num_external_tokens=128)
+    if kind == "blocks_freed":
+        return ev.BlocksFreed(request_id="r", block_ids=((), (14,)))
+    if kind == "step_scheduled":
+        return e.next_step_event(("r", 0, 129))
+    if kind == "request_preempted":
+        return ev.RequestPreempted(request_id="r")
+    if kind == "request_resumed":
+        return ev.RequestResumed(request_id="r")
+    if kind == "request_finished":
+        table = tuple(tuple(t) for t in request.table) if request else ((), ())
+        return ev.RequestFinished(request_id="r", block_ids=table)
+    if kind == "request_aborted":
+        return ev.RequestAborted(request_id="r")
+    if kind == "load_ended":
+        return ev.LoadCompleted(job_id=LOAD_JOB)
+    if kind == "load_failed+recompute":
+        return ev.LoadFailed(job_id=LOAD_JOB, block_ids=(9,), keys=())
+    raise AssertionError(f"no event builder for {kind!r}: teach test_transitions about it")
+
+
+def status_of(e: Engine) -> R | None:
+    request = e.core.requests.get("r")
+    return request.status if request else None
+
+
+def name(pair: tuple) -> str:
+    status, kind = pair
+    return f"{status.value if status else 'new'}-{kind}"
+
+
+@pytest.mark.parametrize("pair", list(REQUEST_MOVES), ids=name)
+def test_every_legal_request_move(pair):
+    status, kind = pair
+    e = reach(status)
+    assert status_of(e) is status
+    e.apply(event_for(kind, e))  # strict: a legal move must not raise
+    assert status_of(e) is REQUEST_MOVES[pair]
+    check(e.state)
+
+
+JOB_KINDS = {"load_ended", "load_failed+recompute"}  # need a load job: see below
+KINDS = list(dict.fromkeys(kind for _, kind in REQUEST_MOVES))
+ILLEGAL = [(s, k) for s in STATUSES for k in KINDS if (s, k) not in REQUEST_MOVES and k not in JOB_KINDS]
+
+
+@pytest.mark.parametrize("pair", ILLEGAL, ids=name)
+def test_every_illegal_request_move_is_a_violation(pair):
+    status, kind = pair
+    e = reach(status)
+    assert e.reject(event_for(kind, e)) == "illegal_request_event"
+    assert status_of(e) is status
+
+
+@pytest.mark.parametrize("status", [None, R.WAITING, R.RUNNING, R.PREEMPTED], ids=str)
+def test_a_load_outcome_without_a_load_is_an_unknown_job(status):
+    e = reach(status)
+    assert e.reject(ev.LoadCompleted(job_id=LOAD_JOB)) == "unknown_job"
+    assert e.reject(ev.LoadFailed(job_id=LOAD_JOB, block_ids=(9,), keys=())) == "unknown_job"
+
+
+def test_a_failed_load_while_aborting_also_forgets_the_request():
+    e = reach(R.ABORTING)
+    e.apply(event_for("load_failed+recompute", e))
+    assert status_of(e) is None
+
+
+def test_a_failed_load_with_one_group_is_an_ordinary_load_end():
+    e = Engine(full_only_config())
+    e.run_and_store("d", 128, (1, 2, 3, 4))
+    e.finish("d")
+    e.add("r", 129, A[:4])
+    e.alloc("r", (9, 10, 11, 12, 13), ext=128)
+    e.apply(ev.LoadFailed(job_id=LOAD_JOB, block_ids=(9,), keys=()))
+    assert status_of(e) is REQUEST_MOVES[(R.LOADING, "load_ended")]
+
+
+def test_request_move_lookup():
+    assert request_move(R.RUNNING, "request_finished") == (True, None)
+    assert request_move(R.WAITING, "request_finished") == (False, R.WAITING)
+    assert request_move(None, "request_aborted") == (False, None)
+
+
+# Slots
+
+
+def slot_scenarios():
+    """For each slot action, a run that performs it once on one slot: (engine, slot, before, act)."""
+    k0 = key(A[0], 0)
+
+    def stored_and_loading() -> Engine:
+        e = Engine(full_only_config(num_tier_slots=4))
+        e.run_and_store("d", 128, (1, 2, 3, 4))
+        e.finish("d")
+        e.add("l", 33, A[:1])
+        return e
+
+    def running() -> Engine:
+        e = Engine(full_only_config(num_tier_slots=4))
+        e.add("d", 128, A[:4])
+        e.alloc("d", (1, 2, 3, 4))
+        return e
+
+    scenarios = {}
+
+    e = running()
+    scenarios["store_planned"] = (e, 0, lambda e: e.step(("d", 0, 128)))
+    e = running()
+    e.step(("d", 0, 128))
+    scenarios["store_succeeded"] = (e, 0, lambda e: e.store_done(1))
+    e = running()
+    e.step(("d", 0, 128))
+    scenarios["store_failed"] = (e, 0, lambda e: e.apply(ev.StoreFailed(job_id=1, keys=(k0,))))
+    e = running()
+    e.step(("d", 0, 128))
+    e.apply(ev.CacheReset(epoch=1))
+    scenarios["store_ended_stale"] = (e, 0, lambda e: e.store_done(1))
+    e = stored_and_loading()
+    scenarios["load_planned"] = (e, 0, lambda e: e.alloc("l", (5, 6), ext=32))
+    e = stored_and_loading()
+    e.alloc("l", (5, 6), ext=32)
+    scenarios["load_ended"] = (e, 0, lambda e: e.load_done(2))
+    e = stored_and_loading()
+    scenarios["evicted"] = (e, 0, lambda e: e.apply(ev.CacheReset(epoch=1)))  # see also below
+    e = stored_and_loading()
+    e.alloc("l", (5, 6), ext=32)
+    e.apply(ev.CacheReset(epoch=1))  # drops the key from the index; the load still reads it
+    scenarios["released_orphan"] = (e, 0, lambda e: e.load_done(2))
+    return scenarios
+
+
+SCENARIOS = slot_scenarios()
+
+
+def test_every_slot_action_has_a_scenario():
+    assert {action for _, action in SLOT_MOVES} == set(SCENARIOS)
+
+
+@pytest.mark.parametrize("pair", list(SLOT_MOVES), ids=lambda p: p[1])
+def test_every_slot_move(pair):
+    state, action = pair
+    e, slot, act = slot_scenarios()[action]
+    assert e.core.slot_state[slot] == state
+    loads = e.core.slot_loads.get(slot, 0)
+    act(e)
+    assert e.core.slot_state[slot] == slot_move(state, action) == SLOT_MOVES[pair]
+    delta = {"load_planned": 1, "load_ended": -1, "released_orphan": -1}.get(action, 0)
+    assert e.core.slot_loads.get(slot, 0) == loads + delta
+    check(e.state)
+
+
+def test_a_slot_evicted_for_room_is_freed_and_taken_in_the_same_event():
+    e, slot, _ = slot_scenarios()["evicted"]
+    old = e.core.slot_key[slot]
+    e.add("b", 32, tag="b")
+    e.alloc("b", (7,))
+    (evict, store) = e.step(("b", 0, 32))
+    assert evict.keys == (old,) and store.target_slot_ids == ((slot,),)
+    assert old not in e.core.slot_of_key
+    assert e.core.slot_state[slot] == slot_move(slot_move(S.STORED, "evicted"), "store_planned")
+    check(e.state)
+
+
+def test_an_orphaned_slot_stays_stored_until_its_last_load_ends():
+    e, slot, _ = slot_scenarios()["released_orphan"]
+    assert e.core.slot_key[slot] not in e.core.slot_of_key
+    assert e.core.slot_state[slot] == S.STORED and e.core.slot_loads[slot] == 1
+    check(e.state)
+
+
+# The rendered doc
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "transitions.md"
+
+
+def test_render_is_deterministic_and_covers_every_cell():
+    text = render()
+    assert text == render()
+    rows = {line.split(" | ")[0][3:-1]: line.split(" | ")[1:] for line in text.splitlines()
+            if line.startswith("| `") and line.count("|") == len(STATUSES) + 2}
+    assert set(rows) == set(KINDS)
+    for kind in KINDS:
+        for status, cell in zip(STATUSES, rows[kind]):
+            cell = cell.rstrip(" |")
+            if (status, kind) in REQUEST_MOVES:
+                target = REQUEST_MOVES[(status, kind)]
+                assert cell == f"→ `{target.value if target else 'gone'}`", (status, kind)
+            else:
+                assert cell == "·", (status, kind)
+    for _, action in SLOT_MOVES:
+        assert f"| `{action}` |" in text
+
+
+def test_committed_doc_matches_the_tables():
+    expected = render()
+    if os.environ.get("KVLEDGER_UPDATE_GOLDEN") == "1":
+        DOC.parent.mkdir(parents=True, exist_ok=True)
+        DOC.write_text(expected, encoding="utf-8")
+    assert DOC.exists(), f"{DOC} is missing: run with KVLEDGER_UPDATE_GOLDEN=1"
+    assert DOC.read_text(encoding="utf-8") == expected, (
+        "docs/transitions.md is out of date: rerun with KVLEDGER_UPDATE_GOLDEN=1")
