@@ -28,8 +28,8 @@ def extend_keys(keys: list[bytes], hashes: list[bytes], group: GroupSpec, hash_b
     """Append the keys of every block whose last hash is now known."""
     per_block = group.block_size // hash_block_size
     suffix = group_suffix(group.group_id)
-    for index in range(len(keys), len(hashes) // per_block):
-        keys.append(hashes[(index + 1) * per_block - 1] + suffix)
+    first_hash = (len(keys) + 1) * per_block - 1
+    keys.extend([h + suffix for h in hashes[first_hash::per_block]])
 
 
 def window_blocks(group: GroupSpec) -> int:

@@ -175,6 +175,7 @@ def _blocks_touched(core: Core, event: ev.BlocksTouched, out: Effects) -> None:
                 if position < len(keys):
                     core.block_key[block] = keys[position]
         request.table[group.group_id].extend(ids)
+    request.table_changed(core.groups)
     request.num_computed_tokens = spans.pop()
 
 
@@ -183,12 +184,16 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: Effects) -> No
     ext = event.num_external_tokens
     kind = "blocks_allocated+load" if ext else "blocks_allocated"
     request = _request(core, rid, kind)
-    _check_group_shape(core, event.block_ids, rid)
+    if len(event.block_ids) != len(core.groups):
+        _check_group_shape(core, event.block_ids, rid)
     seen: set[int] = set()
+    limit = core.config.num_device_blocks
     for ids in event.block_ids:
         for block in ids:
             if block == NULL_BLOCK_ID:
                 continue
+            if not 0 < block < limit:
+                _check_group_shape(core, event.block_ids, rid)
             if block in seen:
                 raise ProtocolViolation("duplicate_block", f"block {block} allocated twice", request_id=rid)
             seen.add(block)
@@ -215,6 +220,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: Effects) -> No
             core.block_group[block] = group.group_id
             core.block_key[block] = None
         request.table[group.group_id].extend(ids)
+    request.table_changed(core.groups)
     if to_flush:
         _flush(core, sorted(set(to_flush)), out)
     if load is None:
@@ -311,11 +317,12 @@ def _blocks_freed(core: Core, event: ev.BlocksFreed, out: Effects) -> None:
     positions: list[tuple[int, int]] = []
     for group, ids in zip(core.groups, event.block_ids):
         table = request.table[group.group_id]
+        floor = request.free_floor[group.group_id]
         for block in ids:
             if block == NULL_BLOCK_ID:
                 continue
             try:
-                positions.append((group.group_id, table.index(block)))
+                positions.append((group.group_id, table.index(block, floor)))
             except ValueError:
                 raise ProtocolViolation(
                     "free_unheld_block", f"block {block} is not in group {group.group_id} of the request",
@@ -326,6 +333,11 @@ def _blocks_freed(core: Core, event: ev.BlocksFreed, out: Effects) -> None:
         table = request.table[group_id]
         core.block_refs[table[position]] -= 1
         table[position] = NULL_BLOCK_ID
+    for group_id, table in enumerate(request.table):
+        floor = request.free_floor[group_id]
+        while floor < len(table) and table[floor] == NULL_BLOCK_ID:
+            floor += 1
+        request.free_floor[group_id] = floor
 
 
 def _free_table(core: Core, request: RequestState) -> None:
@@ -333,6 +345,8 @@ def _free_table(core: Core, request: RequestState) -> None:
         core.block_refs[block] -= 1
         assert core.block_refs[block] >= 0, f"block {block} ref count went negative"
     request.table = [[] for _ in core.groups]
+    request.free_floor = [0] * len(core.groups)
+    request.capacity_tokens = 0
 
 
 def _request_preempted(core: Core, event: ev.RequestPreempted, out: Effects) -> None:
@@ -387,7 +401,6 @@ def _step_scheduled(core: Core, event: ev.StepScheduled, out: Effects) -> None:
     if len(set(event.request_ids)) != len(event.request_ids):
         raise ProtocolViolation("duplicate_request", "a request is scheduled twice in one step")
     requests = core.requests
-    groups = core.groups
     scheduled: list[tuple[RequestState, int]] = []
     for rid, computed, count in zip(event.request_ids, event.num_computed_tokens, event.num_scheduled_tokens):
         request = requests.get(rid)
@@ -397,11 +410,10 @@ def _step_scheduled(core: Core, event: ev.StepScheduled, out: Effects) -> None:
         horizon = computed + count
         if computed < 0 or count < 0:
             raise ProtocolViolation("bad_token_count", f"computed={computed} scheduled={count}", request_id=rid)
-        for group in groups:
-            if horizon > len(request.table[group.group_id]) * group.block_size:
-                raise ProtocolViolation(
-                    "unallocated_tokens", f"{horizon} tokens scheduled but group {group.group_id} holds "
-                    f"{len(request.table[group.group_id])} blocks", request_id=rid)
+        if horizon > request.capacity_tokens:
+            raise ProtocolViolation(
+                "unallocated_tokens", f"{horizon} tokens scheduled but the block table covers "
+                f"{request.capacity_tokens}", request_id=rid)
         scheduled.append((request, horizon))
     core.step_index = event.step_index
     for (request, horizon), computed in zip(scheduled, event.num_computed_tokens):

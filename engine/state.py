@@ -49,7 +49,7 @@ class RequestState:
     __slots__ = (
         "request_id", "status", "num_prompt_tokens", "num_tokens", "hashes", "keys",
         "table", "num_computed_tokens", "next_store", "next_store_tokens", "load_job_id",
-        "num_preemptions",
+        "num_preemptions", "capacity_tokens", "free_floor",
     )
 
     def __init__(self, request_id: str, num_prompt_tokens: int, groups: tuple[GroupSpec, ...]) -> None:
@@ -65,6 +65,8 @@ class RequestState:
         self.next_store_tokens = 0  # no block can become storable below this horizon
         self.load_job_id = -1
         self.num_preemptions = 0
+        self.capacity_tokens = 0  # tokens the table covers in every group (derived, kept for speed)
+        self.free_floor = [0] * len(groups)  # positions below are all null (sliding frees go in order)
 
     def clone(self) -> RequestState:
         other = RequestState.__new__(RequestState)
@@ -74,11 +76,15 @@ class RequestState:
         other.keys = [list(k) for k in self.keys]
         other.table = [list(t) for t in self.table]
         other.next_store = list(self.next_store)
+        other.free_floor = list(self.free_floor)
         return other
 
     def table_tokens(self, groups: tuple[GroupSpec, ...]) -> int:
         """Tokens the table covers in every group."""
         return min(len(self.table[g.group_id]) * g.block_size for g in groups)
+
+    def table_changed(self, groups: tuple[GroupSpec, ...]) -> None:
+        self.capacity_tokens = self.table_tokens(groups)
 
     def held_blocks(self) -> list[int]:
         return [b for ids in self.table for b in ids if b != NULL_BLOCK_ID]
