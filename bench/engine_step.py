@@ -94,7 +94,7 @@ def log_size(cfg: EngineConfig, trace: list[list]) -> tuple[float, float]:
     header = LogHeader(engine_version=__version__, config=cfg, digest_interval=0)
     records, seq = [], 0
     for step_events in trace:
-        step_index = step_events[-1].step_index  # each group ends with its step_scheduled
+        step_index = next(e.step_index for e in step_events if e.kind == "step_scheduled")
         for event in step_events:
             records.append(EventRecord(seq=seq, step_index=step_index, event=event))
             seq += 1
