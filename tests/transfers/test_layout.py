@@ -164,3 +164,40 @@ def test_two_layers_of_one_group_sharing_memory_are_refused() -> None:
     tensor = torch.zeros(6, 2, 4, 16)
     with pytest.raises(LayoutError, match="share memory"):
         canonicalize({"a": tensor, "b": tensor}, _config(6, names=("a", "b")))
+
+
+def test_canonical_rows_hold_only_registered_bytes(case: Case) -> None:
+    layout = canonicalize(case.kv_caches, case.config)
+    registered = torch.cat(
+        [layer_block_addresses(case, g, b) for g in range(layout.num_groups) for b in range(case.num_blocks)]
+    ).unique()
+    rows = torch.cat([byte_addresses(t.tensor) for t in layout.tensors])
+    assert torch.isin(rows, registered).all()
+
+
+def _two_layers(offset_elems: int) -> tuple[dict, KVCacheConfig]:
+    """Two 256-byte-per-block layers in one allocation at a 512-byte block stride."""
+    spec = FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    raw = torch.zeros(6 * 128 + 256)
+    a = torch.as_strided(raw, (6, 1, 1, 64), (128, 64, 64, 1), 0)
+    b = torch.as_strided(raw, (6, 1, 1, 64), (128, 64, 64, 1), offset_elems)
+    return {"a": a, "b": b}, _config(6, names=("a", "b"), spec=spec)
+
+
+def test_layers_whose_blocks_interleave_are_refused() -> None:
+    kv_caches, config = _two_layers(offset_elems=160)  # b's block 0 overlaps a's block 1
+    with pytest.raises(LayoutError, match="blocks of different ids overlap"):
+        canonicalize(kv_caches, config)
+
+
+def test_layers_of_one_group_overlapping_in_a_block_are_refused() -> None:
+    kv_caches, config = _two_layers(offset_elems=32)
+    with pytest.raises(LayoutError, match="overlap within a block"):
+        canonicalize(kv_caches, config)
+
+
+def test_layers_side_by_side_in_a_block_are_accepted() -> None:
+    kv_caches, config = _two_layers(offset_elems=64)
+    layout = canonicalize(kv_caches, config)
+    assert len(layout.tensors) == 1 and layout.tensors[0].page_size_bytes == 512
+    assert layout.group_spans[0] == (layout.group_spans[0][0],) and layout.group_spans[0][0].nbytes == 512

@@ -1,0 +1,49 @@
+"""The host tier sizes itself from bytes and refuses what memory cannot hold."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvledger.transfers.host_tier import HostTier, HostTierError, available_memory_bytes
+
+
+def test_slots_are_capacity_over_aligned_slot_bytes() -> None:
+    tier = HostTier(capacity_bytes=10_000, slot_bytes=1000, pin=False)
+    assert (tier.slot_bytes, tier.num_slots) == (1024, 9)
+    assert tier.rows.shape == (9, 1024) and tier.rows.dtype == torch.int8
+    assert tier.rows.data_ptr() % 64 == 0 or tier.rows.stride(0) % 64 == 0
+
+
+def test_a_tier_larger_than_available_memory_fails_at_start() -> None:
+    with pytest.raises(HostTierError, match=r"needs 4096 bytes .* only 4000 bytes of memory are available"):
+        HostTier(capacity_bytes=4096, slot_bytes=1024, available_bytes=4000, pin=False)
+    with pytest.raises(HostTierError, match="needs .* available"):
+        HostTier(capacity_bytes=available_memory_bytes() * 2, slot_bytes=1 << 20, pin=False)
+
+
+def test_a_capacity_below_one_slot_is_refused() -> None:
+    with pytest.raises(HostTierError, match="smaller than one slot"):
+        HostTier(capacity_bytes=100, slot_bytes=1000, pin=False)
+
+
+def test_a_big_tier_starts_fast_because_pages_are_not_touched() -> None:
+    started = time.monotonic()
+    tier = HostTier(capacity_bytes=2 << 30, slot_bytes=1 << 20, pin=False)
+    assert time.monotonic() - started < 1.0
+    assert tier.num_slots == 2048
+
+
+def test_available_memory_reads_meminfo(tmp_path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1000 kB\nMemAvailable:     512 kB\n")
+    assert available_memory_bytes(str(meminfo)) == 512 * 1024
+    assert available_memory_bytes(str(tmp_path / "missing")) > 0
+
+
+def test_no_pinning_without_cuda() -> None:
+    tier = HostTier(capacity_bytes=1 << 20, slot_bytes=4096)
+    assert tier.pinned is torch.cuda.is_available()
+    tier.close()
