@@ -51,8 +51,7 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 class CudaBackend:
     def __init__(self, layout: CanonicalKVCaches, tier: HostTier) -> None:
-        if layout.device.type != "cuda":
-            raise ValueError(f"CudaBackend needs KV caches on a CUDA device, got {layout.device}")
+        self._check_device(layout)
         if tier.slot_bytes < layout.slot_bytes:
             raise ValueError(f"tier slots of {tier.slot_bytes} bytes cannot hold {layout.slot_bytes}-byte blocks")
         if not tier.pinned:
@@ -66,6 +65,11 @@ class CudaBackend:
             self._streams = {d: torch.cuda.Stream(device=self._device) for d in Direction}
         self._launched: dict[int, _Launched] = {}
         self._closed = False
+
+    @staticmethod
+    def _check_device(layout: CanonicalKVCaches) -> None:
+        if layout.device.type != "cuda":
+            raise ValueError(f"CudaBackend needs KV caches on a CUDA device, got {layout.device}")
 
     def submit(self, job: CopyJob) -> None:
         if self._closed:

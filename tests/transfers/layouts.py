@@ -330,3 +330,30 @@ def byte_addresses(view: torch.Tensor) -> torch.Tensor:
 def layer_block_addresses(case: Case, group: int, block: int) -> torch.Tensor:
     parts = [byte_addresses(v) for name in case.group_layers(group) for v in case.block_views[name](block)]
     return torch.cat(parts)
+
+
+def on_device(case: Case, device: str) -> Case:
+    """The same layout, with every allocation copied to `device` and every view rebuilt over it."""
+    raws = [raw.to(device, copy=True) for raw in case.raws]
+
+    def move(view: torch.Tensor) -> torch.Tensor:
+        for cpu_raw, raw in zip(case.raws, raws):
+            offset = view.data_ptr() - cpu_raw.data_ptr()
+            if 0 <= offset < cpu_raw.numel():
+                size = view.element_size()
+                return torch.as_strided(raw.view(view.dtype), view.shape, view.stride(), offset // size)
+        raise ValueError("view outside the case's allocations")
+
+    def moved_views(views: BlockViews) -> BlockViews:
+        return lambda b: [move(v) for v in views(b)]
+
+    kv_caches = {
+        name: move(t) if isinstance(t, torch.Tensor) else [move(x) for x in t] for name, t in case.kv_caches.items()
+    }
+    return Case(
+        name=f"{case.name}@{device}",
+        kv_caches=kv_caches,
+        config=case.config,
+        raws=raws,
+        block_views={name: moved_views(v) for name, v in case.block_views.items()},
+    )

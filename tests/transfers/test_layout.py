@@ -7,6 +7,7 @@ import torch
 
 from kvledger.transfers.layout import CanonicalKVCaches, LayoutError, canonicalize
 from kvledger.transfers.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from tests.transfers import layouts
 from tests.transfers.layouts import Case, all_cases, byte_addresses, cpu_attention, layer_block_addresses
 
 CASES = all_cases()
@@ -201,3 +202,13 @@ def test_layers_side_by_side_in_a_block_are_accepted() -> None:
     layout = canonicalize(kv_caches, config)
     assert len(layout.tensors) == 1 and layout.tensors[0].page_size_bytes == 512
     assert layout.group_spans[0] == (layout.group_spans[0][0],) and layout.group_spans[0][0].nbytes == 512
+
+
+def test_relocated_cases_keep_their_geometry(case: Case) -> None:
+    """The helper that rebuilds cases on a GPU, checked here on the CPU."""
+    moved = layouts.on_device(case, "cpu")
+    layout = canonicalize(moved.kv_caches, moved.config)
+    for group in range(layout.num_groups):
+        canonical = canonical_addresses(layout, group, 1).sort().values
+        assert torch.equal(canonical, layer_block_addresses(moved, group, 1).unique())
+        assert not torch.isin(canonical, layer_block_addresses(case, group, 1)).any()

@@ -1,0 +1,251 @@
+"""The CUDA backend: streams ordered after compute, events polled, DMA to a pinned tier.
+
+Skipped without a CUDA device; written to run unchanged on one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvledger.engine.effects import FlushStores
+from kvledger.events.types import LoadCompleted, StoreCompleted
+from kvledger.transfers.backend import TransferTimeout
+from kvledger.transfers.cuda_backend import CudaBackend, slot_runs
+from kvledger.transfers.faults import FaultInjectingBackend, FaultPlan
+from kvledger.transfers.host_tier import HostTier
+from kvledger.transfers.layout import canonicalize
+from kvledger.transfers.runner import TransferRunner
+from tests.transfers import layouts
+from tests.transfers.harness import load, make_rig, store
+
+
+def needs_cuda(test):
+    """Marked cuda, and skipped where no CUDA device is present."""
+    test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test)
+    return pytest.mark.cuda(test)
+
+SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time: keeps the compute stream busy
+
+
+def cuda_rig(build, plan: FaultPlan | None = None, timeout_s: float = 30.0):
+    cpu_case = build()
+    masks_of = make_rig(cpu_case).block_mask  # byte positions depend on geometry only
+    case = layouts.on_device(cpu_case, "cuda")
+    layout = canonicalize(case.kv_caches, case.config)
+    tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=True)
+    assert tier.pinned
+    backend = CudaBackend(layout, tier)
+    if plan is not None:
+        backend = FaultInjectingBackend(backend, plan, layout)
+    runner = TransferRunner(
+        backend,
+        num_groups=layout.num_groups,
+        num_device_blocks=layout.num_blocks,
+        num_slots=tier.num_slots,
+        worker_index=1,
+        timeout_s=timeout_s,
+    )
+    return case, runner, masks_of
+
+
+BUILDERS = [
+    lambda: layouts.cpu_attention(num_blocks=8),
+    lambda: layouts.flash_attention(num_blocks=8, kv_outer=True, hnd=True),
+    lambda: layouts.flash_attention(num_blocks=8, kv_outer=False, kernel=2),
+    lambda: layouts.mamba(num_blocks=8),
+    lambda: layouts.hybrid_sliding(num_blocks=8),
+    lambda: layouts.hybrid_mamba(num_blocks=8),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("build", BUILDERS)
+def test_round_trip_through_the_pinned_tier_is_byte_exact(build) -> None:
+    case, runner, masks_of = cuda_rig(build)
+    groups = len(case.config.kv_cache_groups)
+    blocks = [[1, 3, 2], [5, 4]][:groups] if groups == 2 else [[1, 3, 2, 6]]
+    slots = [[7, 0, 1], [3, 12]][:groups] if groups == 2 else [[7, 0, 1, 9]]
+    original = [raw.cpu() for raw in case.raws]
+    runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
+    assert runner.poll() == [StoreCompleted(job_id=1, worker_index=1)]
+    for raw in case.raws:
+        raw.random_(-128, 128)
+    scrambled = [raw.cpu() for raw in case.raws]
+    runner.submit([load(2, slots, blocks)])
+    runner.wait_for_loads([2])
+    torch.cuda.synchronize()
+    assert runner.poll() == [LoadCompleted(job_id=2, worker_index=1)]
+    for raw, mask, before, after in zip(case.raws, masks_of(dict(enumerate(blocks))), original, scrambled):
+        got = raw.cpu()
+        assert torch.equal(got[mask], before[mask])
+        assert torch.equal(got[~mask], after[~mask])
+    runner.shutdown()
+
+
+@needs_cuda
+def test_a_store_reads_what_the_compute_stream_wrote_before_it() -> None:
+    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8))
+    torch.cuda._sleep(SLEEP_CYCLES)
+    for raw in case.raws:
+        raw.fill_(7)  # queued behind the sleep on the compute stream
+    runner.submit([store(1, [[2, 3]], [[0, 1]])])
+    runner.submit([FlushStores(job_ids=(1,))])
+    for raw in case.raws:
+        raw.fill_(0)
+    runner.submit([load(2, [[0, 1]], [[4, 5]])])
+    runner.wait_for_loads([2])
+    for raw, mask in zip(case.raws, masks_of({0: [4, 5]})):
+        assert bool((raw.cpu()[mask] == 7).all())
+    runner.shutdown()
+
+
+@needs_cuda
+def test_a_load_lands_after_the_compute_stream_zeroed_its_blocks() -> None:
+    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8))
+    for raw in case.raws:
+        raw.fill_(5)
+    runner.submit([store(1, [[2]], [[0]]), FlushStores(job_ids=(1,))])
+    torch.cuda._sleep(SLEEP_CYCLES)
+    for raw in case.raws:
+        raw.zero_()  # vLLM zeroing new blocks, queued behind the sleep
+    runner.submit([load(2, [[0]], [[6]])])
+    runner.wait_for_loads([2])
+    (mask,) = masks_of({0: [6]})
+    assert bool((case.raws[0].cpu()[mask] == 5).all())
+    runner.shutdown()
+
+
+@needs_cuda
+def test_poll_never_blocks_and_flush_waits_for_named_jobs_only() -> None:
+    case, runner, _ = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8), timeout_s=0.2)
+    runner.submit([store(1, [[1]], [[0]])])
+    runner.submit([FlushStores(job_ids=(1,))])
+    torch.cuda._sleep(SLEEP_CYCLES)
+    runner.submit([store(2, [[2]], [[1]])])  # waits for the sleeping compute stream
+    started = time.monotonic()
+    events = runner.poll()
+    assert time.monotonic() - started < 0.05
+    assert events == [StoreCompleted(job_id=1, worker_index=1)]
+    runner.submit([FlushStores(job_ids=(1,))])  # already done: returns at once
+    assert runner.in_flight == {2}
+    with pytest.raises(TransferTimeout):
+        runner.submit([FlushStores(job_ids=(2,))])
+    torch.cuda.synchronize()
+    assert runner.poll() == [StoreCompleted(job_id=2, worker_index=1)]
+    runner.shutdown()
+
+
+@needs_cuda
+def test_corrupt_mode_flips_device_bytes() -> None:
+    plan = FaultPlan(block_ids={4}, corrupt=True, directions={"load"})
+    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8), plan)
+    original = [raw.cpu() for raw in case.raws]
+    runner.submit([store(1, [[2]], [[0]]), FlushStores(job_ids=(1,))])
+    runner.submit([load(2, [[0]], [[4]])])
+    runner.wait_for_loads([2])
+    (block_4,), (block_2,) = masks_of({0: [4]}), masks_of({0: [2]})
+    assert torch.equal(case.raws[0].cpu()[block_4], original[0][block_2].bitwise_not())
+    assert runner.poll() == [LoadCompleted(job_id=2, worker_index=1)]
+    runner.shutdown()
+
+
+def test_a_cpu_layout_is_refused() -> None:
+    case = layouts.cpu_attention()
+    layout = canonicalize(case.kv_caches, case.config)
+    with pytest.raises(ValueError, match="needs KV caches on a CUDA device"):
+        CudaBackend(layout, HostTier(capacity_bytes=1 << 16, slot_bytes=layout.slot_bytes, pin=False))
+
+
+def test_slot_runs() -> None:
+    """Runs of consecutive slots, one DMA each (planning needs no device)."""
+    assert slot_runs([0, 1, 2, 5, 7, 8]) == [(0, 3, 0), (3, 4, 5), (4, 6, 7)]
+    assert slot_runs([]) == []
+
+
+class _FakeStream:
+    def __init__(self, device=None) -> None:
+        self.waits: list[object] = []
+
+    def wait_stream(self, other) -> None:
+        self.waits.append(other)
+
+    def wait_event(self, event) -> None:
+        self.waits.append(event)
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.recorded_on = None
+
+    def record(self, stream) -> None:
+        self.recorded_on = stream
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStandIn(CudaBackend):
+    """The CUDA data path with host tensors, for checking its bookkeeping without a GPU."""
+
+    @staticmethod
+    def _check_device(layout) -> None:
+        pass
+
+    def _device_ids(self, ids, keep):
+        tensor = torch.tensor(ids, dtype=torch.long)
+        keep.append(tensor)
+        return tensor
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeStream:
+    import contextlib
+
+    compute = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    return compute
+
+
+@pytest.mark.parametrize("build", BUILDERS)
+@pytest.mark.parametrize("staging_bytes", [1 << 20, 1])
+def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, build, staging_bytes) -> None:
+    from kvledger.transfers import cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "STAGING_BYTES", staging_bytes)  # 1: one slot per chunk
+    rig = make_rig(build(), backend_cls=_HostStandIn)
+    groups = len(rig.case.config.kv_cache_groups)
+    blocks = [[1, 3, 2], [5, 4]][:groups] if groups == 2 else [[1, 3, 2, 6]]
+    slots = [[7, 0, 1], [3, 12]][:groups] if groups == 2 else [[8, 0, 1, 9]]
+    original = rig.snapshot()
+    rig.runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
+    assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
+    scrambled = rig.scramble(seed=3)
+    rig.runner.submit([load(2, slots, blocks)])
+    rig.runner.wait_for_loads([2])
+    assert rig.runner.poll() == [LoadCompleted(job_id=2, worker_index=3)]
+    for raw, mask, before, after in zip(rig.case.raws, rig.block_mask(dict(enumerate(blocks))), original, scrambled):
+        assert torch.equal(raw[mask], before[mask])
+        assert torch.equal(raw[~mask], after[~mask])
+    streams = rig.backend._streams
+    assert all(fake_cuda in s.waits for s in streams.values()), "copy streams must follow the compute stream"
+    assert sum(isinstance(w, _FakeEvent) for w in fake_cuda.waits) >= 2, "waits order the caller's stream"
+
+
+def test_a_launch_error_is_a_failure_once_the_stream_passes_it(fake_cuda) -> None:
+    class Exploding(_HostStandIn):
+        def _load(self, job, keep):
+            raise RuntimeError("CUDA out of memory")
+
+    rig = make_rig(layouts.cpu_attention(), backend_cls=Exploding)
+    rig.runner.submit([load(1, [[0, 1]], [[2, 3]])])
+    rig.runner.wait_for_loads([1])
+    events = rig.runner.poll()
+    assert [type(e).__name__ for e in events] == ["LoadFailed"]
+    assert events[0].block_ids == (2, 3)
