@@ -80,6 +80,11 @@ class CpuBackend:
             finally:
                 self._finish(outcome)
 
+    def copy_now(self, job: CopyJob) -> None:
+        """Run a job's copies in the calling thread; raises on failure. For
+        benchmarks and callers that must not hand work to another thread."""
+        self._execute(job)
+
     def _execute(self, job: CopyJob) -> None:
         """Copy every group of the job; raises on any failure."""
         pieces = self._pieces[job.direction]

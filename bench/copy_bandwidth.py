@@ -1,0 +1,203 @@
+"""Block copy bandwidth: the transfer backends' gather/scatter vs one contiguous copy_.
+
+For each page size, N blocks move between a "device" int8 tensor (host
+memory on CPU, as vLLM-CPU keeps its KV cache; GPU memory on CUDA) and the
+host tier, through the real backend (CpuBackend or CudaBackend). Beside each
+it times a single contiguous `copy_` of the same number of bytes, interleaved
+repetition by repetition so both see the same machine, and prints the ratio.
+
+Id patterns: "scattered" draws random device blocks and random slots (the
+worst case: no two neighbours); "slot runs" keeps random device blocks but
+consecutive slots, as a store into a fresh stretch of the tier sees.
+
+On CPU the copies are timed in the calling thread, like the baseline, with
+the backend's own copy routine (`CpuBackend.copy_now`). The column "via
+worker" goes through submit/wait on the backend's thread: there the calling
+thread's OpenMP workers, still spinning after the baseline, compete with the
+copy for the same cores, as a forward pass does in vLLM-CPU.
+
+    python bench/copy_bandwidth.py [--device cpu|cuda] [--total-mib 256] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import statistics
+import time
+
+import structlog
+import torch
+
+from kvledger.transfers.backend import CopyJob, Direction
+from kvledger.transfers.host_tier import HostTier
+from kvledger.transfers.layout import CanonicalKVCaches, CanonicalRef, CanonicalTensor, CopySpan
+
+PAGES_KIB = (16, 64, 256, 1024, 2048)
+
+
+def single_span_layout(rows: torch.Tensor) -> CanonicalKVCaches:
+    """One canonical tensor, one group, whole rows: the copy path with nothing else around it."""
+    page = rows.shape[1]
+    return CanonicalKVCaches(
+        num_blocks=rows.shape[0],
+        tensors=(CanonicalTensor(tensor=rows, page_size_bytes=page, block_stride_bytes=page),),
+        group_refs=((CanonicalRef(layer_name="bench", tensor_index=0, offset_bytes=0, page_size_bytes=page,
+                                  payload_bytes=page),),),
+        group_spans=((CopySpan(tensor_index=0, row_offset=0, slot_offset=0, nbytes=page),),),
+    )
+
+
+def make_backend(layout: CanonicalKVCaches, tier: HostTier):
+    if layout.device.type == "cuda":
+        from kvledger.transfers.cuda_backend import CudaBackend
+
+        return CudaBackend(layout, tier)
+    from kvledger.transfers.cpu_backend import CpuBackend
+
+    return CpuBackend(layout, tier)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def interleaved(cases: dict, repeats: int, device: torch.device) -> dict[str, list[float]]:
+    """Round after round, each case once, so drifts in machine speed hit all alike."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for fn in cases.values():  # warm up
+        fn()
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            samples[name].append(timed(fn, device))
+    return samples
+
+
+def measure(device: torch.device, page: int, total: int, repeats: int) -> dict[str, float]:
+    n = max(1, total // page)
+    pool = 2 * n + 1
+    rows = torch.empty((pool, page), dtype=torch.int8, device=device).random_(-128, 127)
+    tier = HostTier(capacity_bytes=pool * page, slot_bytes=page)
+    tier.rows.random_(-128, 127)
+    backend = make_backend(single_span_layout(rows), tier)
+    g = torch.Generator().manual_seed(page)
+    scattered_blocks = (torch.randperm(pool - 1, generator=g)[:n] + 1).tolist()
+    scattered_slots = torch.randperm(tier.num_slots, generator=g)[:n].tolist()
+    first = int(torch.randint(0, tier.num_slots - n + 1, (), generator=g))
+    run_slots = list(range(first, first + n))
+    contiguous_src, contiguous_dst = rows[:n], tier.rows[:n]
+    contiguous_back = rows[n : 2 * n]
+    job_ids = iter(range(1, 1 << 30))
+
+    def job(direction: Direction, blocks, slots, *, threaded: bool = False):
+        def run() -> None:
+            copy = CopyJob(job_id=next(job_ids), direction=direction, block_ids=[blocks], slot_ids=[slots])
+            if device.type == "cpu" and not threaded:
+                backend.copy_now(copy)
+                return
+            backend.submit(copy)
+            backend.wait([copy.job_id], 600)
+            outcomes = backend.poll()
+            assert outcomes and all(o.ok for o in outcomes), outcomes
+        return run
+
+    def both() -> None:
+        store_id, load_id = next(job_ids), next(job_ids)
+        half = n // 2
+        backend.submit(CopyJob(job_id=store_id, direction=Direction.STORE,
+                               block_ids=[scattered_blocks[:half]], slot_ids=[scattered_slots[:half]]))
+        backend.submit(CopyJob(job_id=load_id, direction=Direction.LOAD,
+                               block_ids=[scattered_blocks[half:]], slot_ids=[scattered_slots[half:]]))
+        backend.wait([store_id, load_id], 600)
+        assert all(o.ok for o in backend.poll())
+
+    cases = {
+        "copy_ to host": lambda: contiguous_dst.copy_(contiguous_src, non_blocking=True),
+        "copy_ to device": lambda: contiguous_back.copy_(contiguous_dst, non_blocking=True),
+        "store scattered": job(Direction.STORE, scattered_blocks, scattered_slots),
+        "store slot runs": job(Direction.STORE, scattered_blocks, run_slots),
+        "load scattered": job(Direction.LOAD, scattered_blocks, scattered_slots),
+    }
+    if device.type == "cuda":
+        cases["store+load scattered"] = both
+    nbytes = n * page
+    gbps = lambda times: nbytes / statistics.median(times) / 1e9  # noqa: E731
+    samples = interleaved(cases, repeats, device)
+    results = {"blocks": n, **{name: gbps(t) for name, t in samples.items()}}
+    ratios = {
+        name: results[name] / results["copy_ to device" if name.startswith("load") else "copy_ to host"]
+        for name in samples
+        if not name.startswith("copy_")
+    }
+    if device.type == "cpu":
+        # A phase of its own: the worker's OpenMP team would slow what runs after it.
+        worker = interleaved(
+            {
+                "copy_ to host": cases["copy_ to host"],
+                "via worker": job(Direction.STORE, scattered_blocks, scattered_slots, threaded=True),
+            },
+            repeats,
+            device,
+        )
+        results["store scattered via worker"] = gbps(worker["via worker"])
+        ratios["store scattered via worker"] = gbps(worker["via worker"]) / gbps(worker["copy_ to host"])
+    backend.shutdown(drain=True, timeout_s=60)
+    tier.close()
+    return {"results": results, "ratios": ratios}
+
+
+def describe(device: torch.device) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} intra-op threads)")
+    if device.type == "cuda":
+        text += f", GPU {torch.cuda.get_device_name(device)}"
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per timed copy")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--pages-kib", type=int, nargs="*", default=list(PAGES_KIB))
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    device = torch.device(args.device)
+    print(f"machine: {describe(device)}")
+    print(f"device: {device}; {args.total_mib} MiB per copy; median of {args.repeats}; GB/s = 1e9 bytes/s")
+    rows = []
+    for page_kib in args.pages_kib:
+        result = measure(device, page_kib << 10, args.total_mib << 20, args.repeats)
+        rows.append((page_kib, result))
+    names = [k for k in rows[0][1]["results"] if k != "blocks"]
+    header = ["page", "blocks", *(n if n.startswith("copy_") else f"{n} (ratio)" for n in names)]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for page_kib, measured in rows:
+        results, ratios = measured["results"], measured["ratios"]
+        cells = [f"{page_kib} KiB", str(results["blocks"])]
+        for name in names:
+            cell = f"{results[name]:.1f}"
+            cells.append(cell if name not in ratios else f"{cell} ({ratios[name]:.2f}x)")
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
