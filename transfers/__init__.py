@@ -8,6 +8,7 @@ backend     the interface backends offer: submit, poll, wait, shutdown
 cpu_backend worker threads, for vLLM-CPU's host-resident caches
 cuda_backend streams and events, for GPU caches and a pinned tier
 faults      fault and corruption injection around any backend
+preconditions what an effect must satisfy before any byte moves
 runner      effects in, completion events out
 assemble    all of the above from what vLLM registers
 """

@@ -208,3 +208,21 @@ def test_wait_for_loads_is_bounded() -> None:
     rig.runner.wait_for_loads([4])
     assert rig.runner.poll() == [LoadCompleted(job_id=4, worker_index=3)]
     rig.runner.shutdown()
+
+
+def test_open_transfers_builds_a_working_runner_from_what_vllm_registers() -> None:
+    from kvledger.transfers.assemble import open_transfers
+    from kvledger.transfers.faults import FaultPlan
+
+    case = layouts.hybrid_sliding()
+    transfers = open_transfers(
+        case.kv_caches, case.config, capacity_bytes=8 * 1024, worker_index=2, faults=FaultPlan(job_ids={2})
+    )
+    assert (transfers.tier.num_slots, transfers.layout.num_groups) == (8, 2)
+    runner = transfers.runner
+    runner.submit([store(1, [[1], [2]], [[0], [1]]), store(2, [[3], []], [[2], []]), FlushStores(job_ids=(1, 2))])
+    assert sorted(runner.poll(), key=lambda e: e.job_id) == [
+        StoreCompleted(job_id=1, worker_index=2),
+        StoreFailed(job_id=2, worker_index=2, keys=(b"k2-0-0",)),
+    ]
+    runner.shutdown()
