@@ -68,6 +68,8 @@ class TransferRunner:
             self._reject(effect, "the runner was shut down")
             return
         if effect.job_id in self._jobs:
+            # The running job keeps going and reports too: two events for one id
+            # let the engine see its own protocol error rather than lose a job.
             self._reject(effect, f"job {effect.job_id} is already in flight")
             return
         problem = precondition_error(effect, self._limits)
