@@ -37,7 +37,7 @@ def _parse_key(text: str) -> bytes:
 
 
 def _mentions(event: ev.Event, effects: tuple[fx.Effect, ...], request_id: str | None,
-              key: bytes | None, state: State) -> list[str]:
+              key: bytes | None) -> list[str]:
     """Lines worth printing for a request or key timeline."""
     lines = []
     if request_id is not None:
@@ -142,7 +142,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     timeline: list[str] = []
 
     def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
-        for line in _mentions(event, effects, args.request, key, state):
+        for line in _mentions(event, effects, args.request, key):
             timeline.append(f"{seq:>8}  {line}")
 
     watching = args.request is not None or key is not None

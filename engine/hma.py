@@ -13,7 +13,7 @@ hash at the block's last hash boundary, followed by `g` as 4 big-endian bytes.
 
 from __future__ import annotations
 
-from kvledger.events.config import EngineConfig, GroupKind, GroupSpec
+from kvledger.events.config import GroupKind, GroupSpec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -67,6 +67,3 @@ def is_reachable(group: GroupSpec, index: int, alignment_tokens: int) -> bool:
     boundary_blocks = cdiv(block_end, alignment_tokens) * alignment_tokens // group.block_size
     return boundary_blocks - window_blocks(group) <= index
 
-
-def validate_alignment(config: EngineConfig, tokens: int) -> bool:
-    return tokens % config.alignment_tokens == 0

@@ -1,7 +1,9 @@
 """Every legal state move, as data.
 
-The reducer consults these tables before it changes anything; a pair that is
-missing is a protocol violation. `tests/engine/test_transitions.py` checks the
+The reducer consults `REQUEST_MOVES` before it changes anything; a pair that
+is missing is a protocol violation. `SLOT_MOVES` is not consulted at run
+time (slot changes are internal, never caller-driven); the tests check the
+reducer's slot changes against it cell by cell. `tests/engine/test_transitions.py` checks the
 tables cell by cell, and `docs/transitions.md` is rendered from them.
 
 Request moves are keyed by (status, event kind); `None` is "no such request"

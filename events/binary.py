@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgpack
 
-from kvledger.events.codec import CodecError, from_record
+from kvledger.events.codec import CodecError, construct, from_record
 from kvledger.events.log import (
     Cursor,
     DigestRecord,
@@ -157,10 +157,7 @@ def _current_row_reader(schema: KindSchema) -> RowReader:
                 kwargs[name] = decode(value, strings)
         except InvalidValue as exc:
             raise CodecError(str(exc), kind=kind, field=name) from None
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as exc:
-            raise CodecError(str(exc), kind=kind) from None
+        return construct(cls, kind, kwargs)
 
     return read
 

@@ -80,12 +80,17 @@ def _make_reader(schema: KindSchema) -> Callable[[dict], Event]:
             raise _field_set_error(schema, record) from None
         except InvalidValue as exc:
             raise CodecError(str(exc), kind=kind, field=name) from None
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as exc:
-            raise CodecError(str(exc), kind=kind) from None
+        return construct(cls, kind, kwargs)
 
     return read
+
+
+def construct(cls: type, kind: str, kwargs: dict) -> Event:
+    """Build the event; a value its class refuses becomes a CodecError naming the kind."""
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise CodecError(str(exc), kind=kind) from None
 
 
 _WRITERS = {schema.cls: _make_writer(schema) for schema in SCHEMAS.values()}

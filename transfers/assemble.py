@@ -41,9 +41,18 @@ def open_transfers(
         backend = CudaBackend(layout, tier)
     else:
         backend = CpuBackend(layout, tier)
+    runner = make_runner(layout, tier, backend, faults=faults, worker_index=worker_index, timeout_s=timeout_s)
+    return Transfers(layout=layout, tier=tier, runner=runner)
+
+
+def make_runner(
+    layout: CanonicalKVCaches, tier: HostTier, backend: CopyBackend, *, faults: FaultPlan | None = None,
+    worker_index: int = 0, timeout_s: float = 60.0,
+) -> TransferRunner:
+    """Wraps `backend` in fault injection when asked, then in the runner."""
     if faults is not None:
         backend = FaultInjectingBackend(backend, faults, layout)
-    runner = TransferRunner(
+    return TransferRunner(
         backend,
         num_groups=layout.num_groups,
         num_device_blocks=layout.num_blocks,
@@ -51,4 +60,3 @@ def open_transfers(
         worker_index=worker_index,
         timeout_s=timeout_s,
     )
-    return Transfers(layout=layout, tier=tier, runner=runner)

@@ -51,6 +51,11 @@ class TransferRunner:
         self._closed = False
 
     @property
+    def backend(self) -> CopyBackend:
+        """The backend the runner drives (fault injection included)."""
+        return self._backend
+
+    @property
     def in_flight(self) -> frozenset[int]:
         """Jobs started whose completion event has not been returned yet."""
         return frozenset(self._jobs)

@@ -8,9 +8,10 @@ import attrs
 import torch
 
 from kvledger.engine.effects import StartLoad, StartStore
+from kvledger.transfers.assemble import make_runner
 from kvledger.transfers.backend import CopyJob
 from kvledger.transfers.cpu_backend import CpuBackend
-from kvledger.transfers.faults import FaultInjectingBackend, FaultPlan
+from kvledger.transfers.faults import FaultPlan
 from kvledger.transfers.host_tier import HostTier
 from kvledger.transfers.layout import CanonicalKVCaches, canonicalize
 from kvledger.transfers.runner import TransferRunner
@@ -88,18 +89,9 @@ def make_rig(
 ) -> Rig:
     layout = canonicalize(case.kv_caches, case.config)
     tier = HostTier(capacity_bytes=num_slots * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=False)
-    backend = backend_cls(layout, tier, **backend_kwargs)
-    if faults is not None:
-        backend = FaultInjectingBackend(backend, faults, layout)
-    runner = TransferRunner(
-        backend,
-        num_groups=layout.num_groups,
-        num_device_blocks=layout.num_blocks,
-        num_slots=tier.num_slots,
-        worker_index=worker_index,
-        timeout_s=timeout_s,
-    )
-    return Rig(case=case, layout=layout, tier=tier, backend=backend, runner=runner)
+    runner = make_runner(layout, tier, backend_cls(layout, tier, **backend_kwargs), faults=faults,
+                         worker_index=worker_index, timeout_s=timeout_s)
+    return Rig(case=case, layout=layout, tier=tier, backend=runner.backend, runner=runner)
 
 
 def keys_for(job_id: int, ids_by_group) -> tuple[tuple[bytes, ...], ...]:

@@ -12,12 +12,12 @@ import torch
 
 from kvledger.engine.effects import FlushStores
 from kvledger.events.types import LoadCompleted, StoreCompleted
+from kvledger.transfers.assemble import make_runner
 from kvledger.transfers.backend import TransferTimeout
 from kvledger.transfers.cuda_backend import CudaBackend, slot_runs
-from kvledger.transfers.faults import FaultInjectingBackend, FaultPlan
+from kvledger.transfers.faults import FaultPlan
 from kvledger.transfers.host_tier import HostTier
 from kvledger.transfers.layout import canonicalize
-from kvledger.transfers.runner import TransferRunner
 from tests.transfers import layouts
 from tests.transfers.harness import load, make_rig, store
 
@@ -37,17 +37,7 @@ def cuda_rig(build, plan: FaultPlan | None = None, timeout_s: float = 30.0):
     layout = canonicalize(case.kv_caches, case.config)
     tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=True)
     assert tier.pinned
-    backend = CudaBackend(layout, tier)
-    if plan is not None:
-        backend = FaultInjectingBackend(backend, plan, layout)
-    runner = TransferRunner(
-        backend,
-        num_groups=layout.num_groups,
-        num_device_blocks=layout.num_blocks,
-        num_slots=tier.num_slots,
-        worker_index=1,
-        timeout_s=timeout_s,
-    )
+    runner = make_runner(layout, tier, CudaBackend(layout, tier), faults=plan, worker_index=1, timeout_s=timeout_s)
     return case, runner, masks_of
 
 
