@@ -476,10 +476,14 @@ class Simulator:
                 request.computed = 0
                 request.status = "waiting"
                 return
-            else:
-                group = self.groups[0]
-                first = min(request.table[0].index(b) for b in job.failed)
-                request.computed = min(request.computed, first * group.block_size)
+            group = self.groups[0]
+            first = min(request.table[0].index(b) for b in job.failed)
+            if first == 0:  # no valid token left: vLLM frees the table too
+                self._free_table(request)
+                request.computed = 0
+                request.status = "waiting"
+                return
+            request.computed = min(request.computed, first * group.block_size)
         for blocks, keys in zip(effect.target_block_ids, effect.keys):
             for block, key in zip(blocks, keys):
                 if block not in job.failed:

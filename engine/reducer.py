@@ -648,15 +648,26 @@ def _load_ended(core: Core, job: Job, out: Effects) -> None:
         return
     if job.failed_keys or job.failed_blocks:
         _restart_stores(request)  # the failed blocks are recomputed: store them again
-    if (job.failed_keys or job.failed_blocks) and len(core.groups) > 1:
+    if (job.failed_keys or job.failed_blocks) and (
+            len(core.groups) > 1 or _first_failed_position(request, job) == 0):
         # vLLM 0.32 cannot take block-level errors with several groups: the
         # request is reported failed, its blocks are freed and it is admitted
-        # again from scratch (with the failed keys gone from the tier).
+        # again from scratch (with the failed keys gone from the tier). With
+        # one group it recomputes from the first failed block, and frees the
+        # table when that leaves no valid token.
         _free_table(core, request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         return
     request.status = RequestStatus.RUNNING  # one group: vLLM recomputes from the first failed block
+
+
+def _first_failed_position(request: RequestState, job: Job) -> int:
+    bad = set(job.failed_blocks)
+    for key, block in zip(job.keys[0], job.block_ids[0]):
+        if key in job.failed_keys:
+            bad.add(block)
+    return min(i for i, block in enumerate(request.table[0]) if block in bad)
 
 
 def _cache_reset(core: Core, event: ev.CacheReset, out: Effects) -> None:

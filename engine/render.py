@@ -16,8 +16,8 @@ _ILLEGAL = "·"
 _NOTES = {
     "blocks_allocated+load": "a `blocks_allocated` that admits a tier hit (`num_external_tokens > 0`)",
     "load_ended": "the last worker's `load_completed` or `load_failed` for the request's load",
-    "load_failed+recompute": "a load that ended failed, with several KV groups: vLLM recomputes the "
-                             "request from scratch",
+    "load_failed+recompute": "a load that ended failed with several KV groups, or with one group at "
+                             "its first block: vLLM frees the blocks and recomputes the request",
 }
 
 

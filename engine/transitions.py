@@ -39,7 +39,7 @@ REQUEST_MOVES: dict[tuple[R | None, str], R | None] = {
     (R.PREEMPTED, "request_aborted"): GONE,
     (R.LOADING, "request_aborted"): R.ABORTING,
     (R.LOADING, "load_ended"): R.RUNNING,
-    (R.LOADING, "load_failed+recompute"): R.WAITING,  # several KV groups: start over
+    (R.LOADING, "load_failed+recompute"): R.WAITING,  # several groups, or no valid token left
     (R.ABORTING, "load_ended"): GONE,
 }
 

@@ -123,14 +123,28 @@ def test_a_failed_load_while_aborting_also_forgets_the_request():
     assert status_of(e) is None
 
 
-def test_a_failed_load_with_one_group_is_an_ordinary_load_end():
+def test_a_failed_load_with_one_group_past_its_first_block_is_an_ordinary_load_end():
+    e = Engine(full_only_config())
+    e.run_and_store("d", 128, (1, 2, 3, 4))
+    e.finish("d")
+    e.add("r", 129, A[:4])
+    e.alloc("r", (9, 10, 11, 12, 13), ext=128)
+    e.apply(ev.LoadFailed(job_id=LOAD_JOB, block_ids=(10,), keys=()))
+    assert status_of(e) is REQUEST_MOVES[(R.LOADING, "load_ended")]
+    assert e.state.core.requests["r"].table == [[9, 10, 11, 12, 13]]
+
+
+def test_a_failed_first_block_with_one_group_frees_the_table_as_vllm_does():
+    # vLLM recomputes from the first failed block; at position 0 no token is
+    # valid, so it frees the blocks and admits the request again.
     e = Engine(full_only_config())
     e.run_and_store("d", 128, (1, 2, 3, 4))
     e.finish("d")
     e.add("r", 129, A[:4])
     e.alloc("r", (9, 10, 11, 12, 13), ext=128)
     e.apply(ev.LoadFailed(job_id=LOAD_JOB, block_ids=(9,), keys=()))
-    assert status_of(e) is REQUEST_MOVES[(R.LOADING, "load_ended")]
+    assert status_of(e) is REQUEST_MOVES[(R.LOADING, "load_failed+recompute")]
+    assert e.state.core.requests["r"].table == [[]]
 
 
 def test_request_move_lookup():
