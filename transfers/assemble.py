@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -28,7 +28,7 @@ def open_transfers(
     *,
     capacity_bytes: int,
     worker_index: int = 0,
-    faults: FaultPlan | None = None,
+    faults: FaultPlan | Sequence[FaultPlan] | None = None,
     timeout_s: float = 60.0,
 ) -> Transfers:
     """Canonical layout, host tier and runner, with the backend the device calls for."""
@@ -46,12 +46,13 @@ def open_transfers(
 
 
 def make_runner(
-    layout: CanonicalKVCaches, tier: HostTier, backend: CopyBackend, *, faults: FaultPlan | None = None,
-    worker_index: int = 0, timeout_s: float = 60.0,
+    layout: CanonicalKVCaches, tier: HostTier, backend: CopyBackend, *,
+    faults: FaultPlan | Sequence[FaultPlan] | None = None, worker_index: int = 0, timeout_s: float = 60.0,
 ) -> TransferRunner:
-    """Wraps `backend` in fault injection when asked, then in the runner."""
-    if faults is not None:
-        backend = FaultInjectingBackend(backend, faults, layout)
+    """Wraps `backend` in fault injection when asked (one layer per plan), then in the runner."""
+    plans = (faults,) if isinstance(faults, FaultPlan) else tuple(faults or ())
+    for plan in plans:
+        backend = FaultInjectingBackend(backend, plan, layout)
     return TransferRunner(
         backend,
         num_groups=layout.num_groups,

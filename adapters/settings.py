@@ -1,0 +1,147 @@
+"""The connector's settings: `kv_connector_extra_config`, checked once at start.
+
+A typo in a deployment's JSON must stop vLLM with a message that names the
+key, not run with a default nobody chose. Both roles parse the same dict, so
+the scheduler and the worker agree on the tier size and the fault plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvledger.events.config import ConfigError, PolicyName
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("binary", "jsonl")
+
+# vLLM's own offloading connectors name the tier size `cpu_bytes_to_use`;
+# accepting it lets a deployment switch connectors without renaming keys.
+_CAPACITY_ALIASES = ("capacity_bytes", "cpu_bytes_to_use")
+
+
+@attrs.frozen(kw_only=True)
+class FaultSettings:
+    """Injected transfer failures, for end-to-end tests of recovery."""
+
+    load_rate: float = 0.0  # fraction of load jobs that fail whole
+    store_rate: float = 0.0  # fraction of store jobs that fail whole
+    load_block_rate: float = 0.0  # fraction of loaded blocks that fail
+    seed: int = 0
+    corrupt: bool = False  # a failed load still writes garbage into its blocks, and reports success
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.load_rate or self.store_rate or self.load_block_rate)
+
+
+@attrs.frozen(kw_only=True)
+class ConnectorSettings:
+    capacity_bytes: int
+    eviction_policy: PolicyName = PolicyName.LRU
+    event_log: str | None = None
+    event_log_format: str = "binary"
+    digest_interval: int = 64
+    log_level: str = "warning"
+    log_json: bool = False
+    faults: FaultSettings = FaultSettings()
+
+
+_FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "capacity_bytes": (int, "tier capacity in bytes"),
+    "cpu_bytes_to_use": (int, "tier capacity in bytes (vLLM's name)"),
+    "eviction_policy": (str, "'lru' or 'arc'"),
+    "event_log": (str, "path of the event log the scheduler writes"),
+    "event_log_format": (str, "'binary' or 'jsonl'"),
+    "digest_interval": (int, "a state digest every this many steps"),
+    "log_level": (str, "one of " + ", ".join(LOG_LEVELS)),
+    "log_json": (bool, "structured logs as JSON lines"),
+    "fault_injection": (dict, "injected transfer failures, for tests"),
+}
+
+_FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "load_rate": (int, float),
+    "store_rate": (int, float),
+    "load_block_rate": (int, float),
+    "seed": int,
+    "corrupt": bool,
+}
+
+
+def _typed(name: str, value: Any, expected: type | tuple[type, ...]) -> Any:
+    types = expected if isinstance(expected, tuple) else (expected,)
+    if isinstance(value, bool) and bool not in types:
+        ok = False
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        names = " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"kv_connector_extra_config[{name!r}] must be {names}, got {value!r}")
+    return value
+
+
+def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    """Validate vLLM's `kv_connector_extra_config` for kvledger."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"unknown kv_connector_extra_config key(s) {', '.join(map(repr, unknown))}; "
+            f"kvledger knows: {', '.join(sorted(_FIELDS))}")
+    for name, (expected, _) in _FIELDS.items():
+        if name in extra:
+            _typed(name, extra[name], expected)
+
+    given = [k for k in _CAPACITY_ALIASES if k in extra]
+    if not given:
+        raise ConfigError("kv_connector_extra_config needs the tier size: 'capacity_bytes' (bytes of host "
+                          "memory for offloaded KV; vLLM's name 'cpu_bytes_to_use' also works)")
+    if len(given) == 2 and extra["capacity_bytes"] != extra["cpu_bytes_to_use"]:
+        raise ConfigError("'capacity_bytes' and 'cpu_bytes_to_use' are the same setting and disagree")
+    capacity = extra[given[0]]
+    if capacity <= 0:
+        raise ConfigError(f"{given[0]} must be positive, got {capacity}")
+
+    policy = extra.get("eviction_policy", "lru")
+    if policy not in {p.value for p in PolicyName}:
+        raise ConfigError(f"eviction_policy must be 'lru' or 'arc', got {policy!r}")
+    fmt = extra.get("event_log_format", "binary")
+    if fmt not in LOG_FORMATS:
+        raise ConfigError(f"event_log_format must be 'binary' or 'jsonl', got {fmt!r}")
+    level = extra.get("log_level", "warning")
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    interval = extra.get("digest_interval", 64)
+    if interval < 0:
+        raise ConfigError(f"digest_interval must be >= 0 (0: no digests), got {interval}")
+    event_log = extra.get("event_log") or None
+
+    return ConnectorSettings(
+        capacity_bytes=capacity,
+        eviction_policy=PolicyName(policy),
+        event_log=event_log,
+        event_log_format=fmt,
+        digest_interval=interval,
+        log_level=level,
+        log_json=extra.get("log_json", False),
+        faults=_parse_faults(extra.get("fault_injection", {})),
+    )
+
+
+def _parse_faults(raw: Mapping[str, Any]) -> FaultSettings:
+    unknown = sorted(set(raw) - set(_FAULT_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"unknown fault_injection key(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(_FAULT_FIELDS))}")
+    values = {}
+    for name, expected in _FAULT_FIELDS.items():
+        if name in raw:
+            values[name] = _typed(f"fault_injection.{name}", raw[name], expected)
+    for name in ("load_rate", "store_rate", "load_block_rate"):
+        rate = values.get(name, 0.0)
+        if not 0.0 <= rate <= 1.0:
+            raise ConfigError(f"fault_injection.{name} must be within [0, 1], got {rate}")
+    return FaultSettings(**values)

@@ -1,0 +1,214 @@
+"""The scheduler half of the connector: vLLM's calls in, engine events out.
+
+vLLM tells a connector about a step piecemeal: lookups and admissions while
+`schedule()` runs, then `build_connector_meta` once at its end. Block frees
+(preemption, sliding-window blocks leaving the window) happen inside
+`schedule()` without any call. So admissions are held until
+`build_connector_meta`, where the step's events are emitted in one order
+that is always legal: preemptions, frees, admissions, growth, the step.
+Frees and growth come from diffing vLLM's block tables against the engine's
+own, so nothing is inferred.
+
+`get_num_new_matched_tokens` is a pure query of the engine state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from kvledger.adapters.recorder import Recorder
+from kvledger.adapters.settings import ConnectorSettings
+from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
+from kvledger.engine import effects as fx
+from kvledger.engine.lookup import lookup
+from kvledger.engine.state import RequestState, RequestStatus
+from kvledger.events import types as ev
+from kvledger.events.config import EngineConfig
+from kvledger.events.types import NULL_BLOCK_ID
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_log = structlog.get_logger("kvledger.adapters.vllm.scheduler")
+
+_ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class LedgerScheduler:
+    def __init__(self, config: EngineConfig, settings: ConnectorSettings) -> None:
+        self.config = config
+        self.recorder = Recorder(
+            config, log_path=settings.event_log, fmt=settings.event_log_format,
+            digest_interval=settings.digest_interval, overwrite=True)
+        self._manager: KVCacheManager | None = None
+        self._requests: dict[str, Request] = {}
+        self._local_hit: dict[str, int] = {}  # the local hit vLLM passed to the last lookup
+        self._admitted: list[tuple[str, int, int]] = []  # (request, local tokens, external tokens)
+        self._step = 0
+        self._epoch = 0
+        self.violations = 0
+
+    # Engine access.
+
+    def _engine_request(self, rid: str) -> RequestState | None:
+        return self.recorder.state.core.requests.get(rid)
+
+    def _apply(self, event: ev.Event, effects: list[fx.Effect]) -> None:
+        produced = self.recorder.apply(event)
+        for effect in produced:
+            if isinstance(effect, fx.ReportViolation):
+                self.violations += 1
+                _log.error("protocol_violation", code=effect.code, message=effect.message,
+                           event_kind=effect.event_kind, request_id=effect.request_id,
+                           job_id=effect.job_id, step=self._step)
+        effects.extend(produced)
+
+    # vLLM's scheduler-side calls.
+
+    def bind(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+
+    def on_new_request(self, request: Request) -> None:
+        rid = request.request_id
+        self._requests[rid] = request
+        effects: list[fx.Effect] = []
+        self._apply(ev.RequestAdded(request_id=rid, num_prompt_tokens=request.num_prompt_tokens,
+                                    block_hashes=tuple(request.block_hashes)), effects)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        self._local_hit[rid] = num_computed_tokens
+        self._sync_hashes(request, [])
+        result = lookup(self.recorder.state, rid, num_computed_tokens)
+        if not result.ready:
+            return None, False  # a needed key is still being stored or loaded: ask next step
+        hit = result.num_hit_tokens
+        return hit, hit > 0  # loads are asynchronous: the request waits for them in WAITING_FOR_REMOTE_KVS
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        rid = request.request_id
+        engine_request = self._engine_request(rid)
+        if engine_request is not None and engine_request.status in _ADMITTABLE:
+            self._admitted.append((rid, self._local_hit.pop(rid, 0), num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLedgerMetadata:
+        effects: list[fx.Effect] = []
+        admitted = {rid for rid, _, _ in self._admitted}
+        for rid in sorted(scheduler_output.preempted_req_ids or ()):
+            engine_request = self._engine_request(rid)
+            if engine_request is not None and engine_request.status is RequestStatus.RUNNING:
+                self._apply(ev.RequestPreempted(request_id=rid), effects)
+
+        scheduled = scheduler_output.num_scheduled_tokens
+        running = [rid for rid in scheduled if rid not in admitted]
+        for rid in (*running, *admitted):
+            self._sync_hashes(self._requests[rid], effects)
+
+        tables = {rid: self._table(rid) for rid in running}
+        for rid in running:
+            freed = self._freed(rid, tables[rid])
+            if freed is not None:
+                self._apply(ev.BlocksFreed(request_id=rid, block_ids=freed), effects)
+        for rid, local, external in self._admitted:
+            self._admit(rid, local, external, effects)
+        self._admitted.clear()
+        for rid in running:
+            grown = self._grown(rid, tables[rid])
+            if grown is not None:
+                self._apply(ev.BlocksAllocated(request_id=rid, block_ids=grown), effects)
+
+        if scheduled:
+            self._step += 1
+            rids = tuple(scheduled)
+            self._apply(ev.StepScheduled(
+                step_index=self._step, request_ids=rids,
+                num_computed_tokens=tuple(self._requests[r].num_computed_tokens for r in rids),
+                num_scheduled_tokens=tuple(scheduled[r] for r in rids)), effects)
+        return KVLedgerMetadata.from_effects(effects)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, KVLedgerWorkerMetadata):
+            return
+        effects: list[fx.Effect] = []
+        for event in meta.events:
+            self._apply(event, effects)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, None]:
+        rid = request.request_id
+        engine_request = self._engine_request(rid)
+        effects: list[fx.Effect] = []
+        if engine_request is not None:
+            if engine_request.status is RequestStatus.RUNNING:
+                self._apply(ev.RequestFinished(request_id=rid, block_ids=block_ids), effects)
+            else:  # never ran, preempted, or still loading: vLLM frees a loading one when its load ends
+                self._apply(ev.RequestAborted(request_id=rid), effects)
+        self._requests.pop(rid, None)
+        self._local_hit.pop(rid, None)
+        return False, None  # blocks are freed now; the engine flushes stores that still read them
+
+    def has_pending_work(self) -> bool:
+        """Keep vLLM stepping while transfers run, or their completions never arrive."""
+        return bool(self.recorder.state.core.jobs)
+
+    def reset_cache(self) -> bool:
+        self._epoch += 1
+        self._apply(ev.CacheReset(epoch=self._epoch), [])
+        return True
+
+    def shutdown(self) -> None:
+        self.recorder.close()
+
+    # Table diffs.
+
+    def _table(self, rid: str) -> tuple[list[int], ...]:
+        assert self._manager is not None, "bind_kv_cache_manager was not called"
+        return self._manager.get_block_ids(rid)
+
+    def _sync_hashes(self, request: Request, effects: list[fx.Effect]) -> None:
+        engine_request = self._engine_request(request.request_id)
+        if engine_request is None:
+            return
+        known = len(engine_request.hashes)
+        hashes = request.block_hashes
+        if len(hashes) > known:
+            self._apply(ev.BlockHashesAppended(request_id=request.request_id, num_tokens=request.num_tokens,
+                                               block_hashes=tuple(hashes[known:])), effects)
+
+    def _freed(self, rid: str, table: tuple[list[int], ...]) -> ev.BlockIdsByGroup | None:
+        """Blocks the engine holds that vLLM has since replaced by the null block."""
+        mine = self._engine_request(rid)
+        if mine is None:
+            return None
+        freed = []
+        for g, (known, now) in enumerate(zip(mine.table, table)):
+            start = mine.free_floor[g]
+            freed.append(tuple(b for b, n in zip(known[start:], now[start:len(known)])
+                               if b != NULL_BLOCK_ID and n == NULL_BLOCK_ID))
+        return tuple(freed) if any(freed) else None
+
+    def _grown(self, rid: str, table: tuple[list[int], ...]) -> ev.BlockIdsByGroup | None:
+        mine = self._engine_request(rid)
+        if mine is None:
+            return None
+        grown = tuple(tuple(now[len(known):]) for known, now in zip(mine.table, table))
+        return grown if any(grown) else None
+
+    def _admit(self, rid: str, local: int, external: int, effects: list[fx.Effect]) -> None:
+        mine = self._engine_request(rid)
+        if mine is None:
+            return
+        if mine.status is RequestStatus.PREEMPTED:
+            self._apply(ev.RequestResumed(request_id=rid), effects)
+        table = self._table(rid)
+        if local:
+            touched = tuple(tuple(ids[: local // g.block_size]) for ids, g in zip(table, self.config.groups))
+            self._apply(ev.BlocksTouched(request_id=rid, block_ids=touched), effects)
+        fresh = tuple(tuple(ids[local // g.block_size:]) for ids, g in zip(table, self.config.groups))
+        self._apply(ev.BlocksAllocated(request_id=rid, block_ids=fresh, num_external_tokens=external), effects)
+

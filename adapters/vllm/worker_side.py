@@ -1,0 +1,129 @@
+"""The worker half of the connector: runs the step's transfers.
+
+Per step, in vLLM's order: `handle_preemptions` waits for exactly the stores
+whose source blocks this step reuses; `start_load_kv` starts loads (their
+requests wait outside the batch); `wait_for_save` starts stores of the
+blocks the forward just wrote; `get_transfer_results` polls, and the
+outcomes travel back as worker metadata for the engine.
+
+A failed load is reported the way vLLM 0.32 can take it: with one KV group,
+the exact failed block ids (vLLM recomputes from the first); with several,
+the request in `failed_recving` (vLLM recomputes all of it), since vLLM
+cannot map flat block ids back to groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import structlog
+import torch
+
+from kvledger.adapters.settings import ConnectorSettings
+from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
+from kvledger.engine.effects import FlushStores
+from kvledger.events.config import ConfigError
+from kvledger.events.types import LoadCompleted, LoadFailed
+from kvledger.transfers.assemble import Transfers, open_transfers
+from kvledger.transfers.backend import Direction
+from kvledger.transfers.faults import FaultPlan
+from kvledger.transfers.runner import TransferEvent
+from kvledger.transfers.specs import KVCacheConfig
+
+from .specs import slot_bytes
+
+_log = structlog.get_logger("kvledger.adapters.vllm.worker")
+
+
+def fault_plans(settings: ConnectorSettings) -> tuple[FaultPlan, ...]:
+    faults = settings.faults
+    plans = []
+    if faults.load_rate or faults.load_block_rate:
+        plans.append(FaultPlan(job_rate=faults.load_rate, block_rate=faults.load_block_rate, seed=faults.seed,
+                               corrupt=faults.corrupt, directions=(Direction.LOAD,)))
+    if faults.store_rate:
+        plans.append(FaultPlan(job_rate=faults.store_rate, seed=faults.seed + 1, directions=(Direction.STORE,)))
+    return tuple(plans)
+
+
+class LedgerWorker:
+    def __init__(self, config: KVCacheConfig, settings: ConnectorSettings, *, worker_index: int) -> None:
+        self.config = config
+        self.settings = settings
+        self.worker_index = worker_index
+        self.transfers: Transfers | None = None
+        self._load_requests: dict[int, str] = {}  # load job -> request
+        self._events: list[TransferEvent] = []  # outcomes not yet sent to the scheduler
+        self._invalid_blocks: set[int] = set()
+        self.flushes = 0
+        self.jobs_flushed = 0
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        self.transfers = open_transfers(
+            kv_caches, self.config, capacity_bytes=self.settings.capacity_bytes,
+            worker_index=self.worker_index, faults=fault_plans(self.settings))
+        expected = slot_bytes(self.config)
+        if self.transfers.layout.slot_bytes != expected:
+            raise ConfigError(
+                f"the registered KV caches give {self.transfers.layout.slot_bytes} bytes per block, the KV "
+                f"cache config {expected}: the scheduler would size the tier differently")
+        _log.info("worker_ready", worker_index=self.worker_index, num_slots=self.transfers.tier.num_slots,
+                  slot_bytes=self.transfers.tier.slot_bytes, groups=self.transfers.layout.num_groups)
+
+    @property
+    def _runner(self):
+        if self.transfers is None:
+            raise RuntimeError("register_kv_caches was not called before the first step")
+        return self.transfers.runner
+
+    def handle_preemptions(self, meta: KVLedgerMetadata) -> None:
+        if meta.flush:
+            self._runner.submit([FlushStores(job_ids=meta.flush)])
+            self.flushes += 1
+            self.jobs_flushed += len(meta.flush)
+            _log.debug("stores_flushed", job_ids=meta.flush)
+
+    def start_loads(self, meta: KVLedgerMetadata) -> None:
+        for load in meta.loads:
+            self._load_requests[load.job_id] = load.request_id
+        self._runner.submit(meta.loads)
+
+    def start_stores(self, meta: KVLedgerMetadata) -> None:
+        self._runner.submit(meta.stores)
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving) since the last call."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        multi_group = len(self.config.kv_cache_groups) > 1
+        for event in self._runner.poll():
+            self._events.append(event)
+            if not isinstance(event, (LoadCompleted, LoadFailed)):
+                continue
+            rid = self._load_requests.pop(event.job_id, None)
+            if rid is None:
+                continue
+            finished.add(rid)  # a failed load ends too: vLLM releases the request with both sets
+            if isinstance(event, LoadFailed):
+                if multi_group:
+                    failed.add(rid)
+                else:
+                    self._invalid_blocks.update(event.block_ids)
+                _log.warning("load_failed", request_id=rid, job_id=event.job_id, blocks=len(event.block_ids),
+                             keys=[k.hex()[:16] for k in event.keys[:4]], worker_index=self.worker_index)
+        return finished, failed
+
+    def take_invalid_blocks(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def take_worker_meta(self) -> KVLedgerWorkerMetadata | None:
+        if not self._events:
+            return None
+        events, self._events = tuple(self._events), []
+        return KVLedgerWorkerMetadata(events=events)
+
+    def shutdown(self) -> None:
+        if self.transfers is not None:
+            self.transfers.runner.shutdown(drain=True)
+            self.transfers.tier.close()
