@@ -42,6 +42,7 @@ class CpuBackend:
         self._finished: dict[int, JobOutcome] = {}
         self._pending: dict[int, threading.Event] = {}
         self._closed = False
+        self._cancelled = False  # shut down without drain: jobs not yet copied are cancelled
         self._queues: dict[Direction, queue.SimpleQueue] = {d: queue.SimpleQueue() for d in Direction}
         self._threads = [
             threading.Thread(target=self._work, args=(d,), name=f"kvledger-{d.value}", daemon=True)
@@ -67,7 +68,44 @@ class CpuBackend:
 
     def _work(self, direction: Direction) -> None:
         jobs = self._queues[direction]
-        while (job := jobs.get()) is not _STOP:
+        stopping = False
+        while not stopping:
+            job = jobs.get()
+            if job is _STOP:
+                return
+            batch = [job]
+            while True:  # everything queued behind it goes in the same copy
+                try:
+                    queued = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if queued is _STOP:
+                    stopping = True
+                    break
+                batch.append(queued)
+            self._run_batch(direction, batch)
+
+    def _run_batch(self, direction: Direction, batch: list[CopyJob]) -> None:
+        """One copy for all queued jobs: vLLM queues a store per request per
+        step, and each copy costs a few torch calls however small it is. If
+        the merged copy fails, each job runs alone, so a failure names its job."""
+        if len(batch) > 1 and not self._cancelled:
+            try:
+                self._execute_many(batch)
+            except Exception as exc:
+                _log.warning("batched_copy_failed", direction=direction.value, jobs=len(batch), error=repr(exc))
+            else:
+                for job in batch:
+                    self._finish(JobOutcome(job_id=job.job_id, direction=job.direction))
+                return
+        self._run_each(direction, batch)
+
+    def _run_each(self, direction: Direction, batch: list[CopyJob]) -> None:
+        for job in batch:
+            if self._cancelled:
+                self._finish(JobOutcome(job_id=job.job_id, direction=direction, failed=job.positions(),
+                                        error="cancelled"))
+                continue
             outcome = JobOutcome(job_id=job.job_id, direction=job.direction, failed=job.positions(), error="not run")
             try:
                 self._execute(job)
@@ -80,6 +118,11 @@ class CpuBackend:
             finally:
                 self._finish(outcome)
 
+    def _execute_many(self, batch: list[CopyJob]) -> None:
+        merged_blocks = [[b for job in batch for b in job.block_ids[g]] for g in range(self._layout.num_groups)]
+        merged_slots = [[s for job in batch for s in job.slot_ids[g]] for g in range(self._layout.num_groups)]
+        self._copy(batch[0].direction, merged_blocks, merged_slots)
+
     def copy_now(self, job: CopyJob) -> None:
         """Run a job's copies in the calling thread; raises on failure. For
         benchmarks and callers that must not hand work to another thread."""
@@ -87,13 +130,16 @@ class CpuBackend:
 
     def _execute(self, job: CopyJob) -> None:
         """Copy every group of the job; raises on any failure."""
-        pieces = self._pieces[job.direction]
-        for group, (blocks, slots) in enumerate(zip(job.block_ids, job.slot_ids)):
+        self._copy(job.direction, job.block_ids, job.slot_ids)
+
+    def _copy(self, direction: Direction, block_ids_by_group, slot_ids_by_group) -> None:
+        pieces = self._pieces[direction]
+        for group, (blocks, slots) in enumerate(zip(block_ids_by_group, slot_ids_by_group)):
             if not blocks:
                 continue
             block_ids = torch.tensor(blocks, dtype=torch.long)
             slot_ids = torch.tensor(slots, dtype=torch.long)
-            if job.direction is Direction.STORE:
+            if direction is Direction.STORE:
                 copy_rows(pieces[group], block_ids, slot_ids)
             else:
                 copy_rows(pieces[group], slot_ids, block_ids)
@@ -125,6 +171,7 @@ class CpuBackend:
                 return
             self._closed = True
         if not drain:
+            self._cancelled = True
             for direction, jobs in self._queues.items():
                 while True:
                     try:

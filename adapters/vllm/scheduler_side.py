@@ -25,7 +25,7 @@ from kvledger.engine import effects as fx
 from kvledger.engine.lookup import lookup
 from kvledger.engine.state import RequestState, RequestStatus
 from kvledger.events import types as ev
-from kvledger.events.config import EngineConfig
+from kvledger.events.config import EngineConfig, GroupKind
 from kvledger.events.types import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class LedgerScheduler:
         for rid in (*running, *admitted):
             self._sync_hashes(self._requests[rid], effects)
 
-        tables = {rid: self._table(rid) for rid in running}
+        tables = {rid: self._blocks(rid) for rid in running}
         for rid in running:
             freed = self._freed(rid, tables[rid])
             if freed is not None:
@@ -166,9 +166,14 @@ class LedgerScheduler:
 
     # Table diffs.
 
-    def _table(self, rid: str) -> tuple[list[int], ...]:
+    def _blocks(self, rid: str) -> tuple[list, ...]:
+        """vLLM's own per-group block lists for the request (read, never copied)."""
         assert self._manager is not None, "bind_kv_cache_manager was not called"
-        return self._manager.get_block_ids(rid)
+        managers = self._manager.coordinator.single_type_managers
+        return tuple(m.req_to_blocks.get(rid, ()) for m in managers)
+
+    def _table(self, rid: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(b.block_id for b in blocks) for blocks in self._blocks(rid))
 
     def _sync_hashes(self, request: Request, effects: list[fx.Effect]) -> None:
         engine_request = self._engine_request(request.request_id)
@@ -180,23 +185,35 @@ class LedgerScheduler:
             self._apply(ev.BlockHashesAppended(request_id=request.request_id, num_tokens=request.num_tokens,
                                                block_hashes=tuple(hashes[known:])), effects)
 
-    def _freed(self, rid: str, table: tuple[list[int], ...]) -> ev.BlockIdsByGroup | None:
-        """Blocks the engine holds that vLLM has since replaced by the null block."""
+    def _freed(self, rid: str, blocks: tuple[list, ...]) -> ev.BlockIdsByGroup | None:
+        """Blocks the engine holds that vLLM has since replaced by the null block.
+
+        Only window groups lose blocks mid-request, and always from the front,
+        so the scan starts at the engine's free floor and stops at the first
+        block vLLM still holds.
+        """
         mine = self._engine_request(rid)
         if mine is None:
             return None
-        freed = []
-        for g, (known, now) in enumerate(zip(mine.table, table)):
-            start = mine.free_floor[g]
-            freed.append(tuple(b for b, n in zip(known[start:], now[start:len(known)])
-                               if b != NULL_BLOCK_ID and n == NULL_BLOCK_ID))
+        freed: list[tuple[int, ...]] = []
+        for g, group in enumerate(self.config.groups):
+            known, now = mine.table[g], blocks[g]
+            gone: list[int] = []
+            if group.kind is not GroupKind.FULL:
+                for position in range(mine.free_floor[g], min(len(known), len(now))):
+                    if not now[position].is_null:
+                        break
+                    if known[position] != NULL_BLOCK_ID:
+                        gone.append(known[position])
+            freed.append(tuple(gone))
         return tuple(freed) if any(freed) else None
 
-    def _grown(self, rid: str, table: tuple[list[int], ...]) -> ev.BlockIdsByGroup | None:
+    def _grown(self, rid: str, blocks: tuple[list, ...]) -> ev.BlockIdsByGroup | None:
         mine = self._engine_request(rid)
         if mine is None:
             return None
-        grown = tuple(tuple(now[len(known):]) for known, now in zip(mine.table, table))
+        grown = tuple(tuple(b.block_id for b in now[len(known):]) if len(now) > len(known) else ()
+                      for known, now in zip(mine.table, blocks))
         return grown if any(grown) else None
 
     def _admit(self, rid: str, local: int, external: int, effects: list[fx.Effect]) -> None:

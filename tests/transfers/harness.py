@@ -18,7 +18,14 @@ from kvledger.transfers.runner import TransferRunner
 from tests.transfers.layouts import Case, layer_block_addresses
 
 
-class GatedBackend(CpuBackend):
+class _OneByOne(CpuBackend):
+    """Jobs queued together still run one at a time, so a test can hold or fail one."""
+
+    def _run_batch(self, direction, batch: list[CopyJob]) -> None:
+        self._run_each(direction, batch)
+
+
+class GatedBackend(_OneByOne):
     """Copies of a gated job wait until its gate opens; others run at once."""
 
     def __init__(self, *args, gates: dict[int, threading.Event], **kwargs) -> None:
@@ -32,7 +39,7 @@ class GatedBackend(CpuBackend):
         super()._execute(job)
 
 
-class RaisingBackend(CpuBackend):
+class RaisingBackend(_OneByOne):
     """A copy of a job in `failing` raises inside the worker thread."""
 
     def __init__(self, *args, failing: set[int], **kwargs) -> None:

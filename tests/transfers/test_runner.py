@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from kvledger.engine.effects import EvictKeys, FlushStores, StartLoad
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
-from kvledger.transfers.backend import TransferTimeout
+from kvledger.transfers.backend import CopyJob, Direction, TransferTimeout
 from tests.transfers import layouts
 from tests.transfers.harness import GatedBackend, RaisingBackend, keys_for, load, make_rig, store
 
@@ -226,3 +226,29 @@ def test_open_transfers_builds_a_working_runner_from_what_vllm_registers() -> No
         StoreFailed(job_id=2, worker_index=2, keys=(b"k2-0-0",)),
     ]
     runner.shutdown()
+
+
+def test_jobs_queued_together_copy_as_one_batch_and_each_reports() -> None:
+    # vLLM queues a store per request per step; the CPU thread merges what is
+    # queued, and a merged copy that fails falls back to one job at a time.
+    rig = make_rig(layouts.cpu_attention())
+    original = rig.snapshot()
+    backend = rig.backend
+    jobs = [1, 2, 3]
+    batch = [CopyJob(job_id=i, direction=Direction.STORE, block_ids=((i,),), slot_ids=((i,),)) for i in jobs]
+    backend._run_batch(Direction.STORE, batch)
+    outcomes = sorted(backend.poll(), key=lambda o: o.job_id)
+    assert [(o.job_id, o.ok) for o in outcomes] == [(1, True), (2, True), (3, True)]
+    rig.scramble(seed=5)
+    backend._run_batch(Direction.LOAD, [CopyJob(job_id=10 + i, direction=Direction.LOAD, block_ids=((i,),),
+                                                slot_ids=((i,),)) for i in jobs])
+    assert all(o.ok for o in backend.poll())
+    masks = rig.block_mask({0: jobs})
+    for raw, mask, before in zip(rig.case.raws, masks, original):
+        assert torch.equal(raw.flatten()[mask], before.flatten()[mask])
+
+    bad = CopyJob(job_id=20, direction=Direction.STORE, block_ids=((10**6,),), slot_ids=((2,),))
+    good = CopyJob(job_id=21, direction=Direction.STORE, block_ids=((3,),), slot_ids=((3,),))
+    backend._run_batch(Direction.STORE, [bad, good])
+    outcomes = {o.job_id: o.ok for o in backend.poll()}
+    assert outcomes == {20: False, 21: True}
