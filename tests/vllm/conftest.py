@@ -44,3 +44,21 @@ def replay_summary(log: Path) -> dict:
     )
     assert proc.returncode == 0, f"replay --check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout)
+
+
+def loads_in_log(log: Path) -> tuple[object, list]:
+    """The log's config and every StartLoad the engine planned, by replaying it."""
+    from kvledger.adapters.logfile import open_log
+    from kvledger.engine import effects as fx
+    from kvledger.engine.reducer import reduce
+    from kvledger.engine.state import initial_state
+    from kvledger.events.log import EventRecord
+
+    header, records = open_log(log)
+    state = initial_state(header.config)
+    loads = []
+    for record in records:
+        if isinstance(record, EventRecord):
+            state, effects = reduce(state, record.event, strict=True)
+            loads.extend(e for e in effects if isinstance(e, fx.StartLoad))
+    return header.config, loads

@@ -8,9 +8,13 @@ its tokens equal a full recompute. Every run's event log must replay with
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from .conftest import replay_summary, run_engine
+from kvledger.events.config import GroupKind
+
+from .conftest import loads_in_log, replay_summary, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -42,6 +46,24 @@ def test_restored_prefixes_give_the_recomputed_output(models, tmp_path, model):
     # vLLM's count of cached tokens is exactly what the log says was restored.
     assert stats["hit_tokens"] == sum(result["again"]["cached"]) + sum(result["shifted"]["cached"])
     assert summary["violations"] == 0
+    if model == "tiny-gemma3":
+        _sliding_loads_stay_inside_the_window(tmp_path / "events.log")
+
+
+def _sliding_loads_stay_inside_the_window(log) -> None:
+    # HMA precision: a sliding-window group restores only the blocks its
+    # layers read at the hit's end, while full attention restores the prefix.
+    config, loads = loads_in_log(log)
+    assert loads
+    for load in loads:
+        for group, keys in zip(config.groups, load.keys):
+            if group.kind is GroupKind.SLIDING:
+                assert 0 < len(keys) <= math.ceil(group.window / group.block_size) + 1
+            else:
+                assert len(keys) >= 2  # every load here restores 64+ tokens of full attention
+    full = [len(load.keys[g.group_id]) for load in loads for g in config.groups if g.kind is GroupKind.FULL]
+    window = [len(load.keys[g.group_id]) for load in loads for g in config.groups if g.kind is GroupKind.SLIDING]
+    assert sum(window) < sum(full)
 
 
 @pytest.mark.parametrize("model", MODELS)
