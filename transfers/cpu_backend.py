@@ -67,6 +67,10 @@ class CpuBackend:
         self._queues[job.direction].put(job)
 
     def _work(self, direction: Direction) -> None:
+        # One OpenMP thread for copies (the setting is per thread): they are
+        # bound by memory, and a team of OpenMP threads spinning after each op
+        # would take the cores the model's forward is running on.
+        torch.set_num_threads(1)
         jobs = self._queues[direction]
         stopping = False
         while not stopping:
