@@ -31,10 +31,11 @@ class FaultSettings:
     load_block_rate: float = 0.0  # fraction of loaded blocks that fail
     seed: int = 0
     corrupt: bool = False  # a failed load still writes garbage into its blocks, and reports success
+    store_hold_steps: int = 0  # each store starts this many steps late (unless flushed): a slow transfer
 
     @property
     def enabled(self) -> bool:
-        return bool(self.load_rate or self.store_rate or self.load_block_rate)
+        return bool(self.load_rate or self.store_rate or self.load_block_rate or self.store_hold_steps)
 
 
 @attrs.frozen(kw_only=True)
@@ -67,6 +68,7 @@ _FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "load_block_rate": (int, float),
     "seed": int,
     "corrupt": bool,
+    "store_hold_steps": int,
 }
 
 
@@ -144,4 +146,6 @@ def _parse_faults(raw: Mapping[str, Any]) -> FaultSettings:
         rate = values.get(name, 0.0)
         if not 0.0 <= rate <= 1.0:
             raise ConfigError(f"fault_injection.{name} must be within [0, 1], got {rate}")
+    if values.get("store_hold_steps", 0) < 0:
+        raise ConfigError(f"fault_injection.store_hold_steps must be >= 0, got {values['store_hold_steps']}")
     return FaultSettings(**values)

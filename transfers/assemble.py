@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from kvledger.transfers.backend import CopyBackend
+from kvledger.transfers.backend import CopyBackend, Direction
 from kvledger.transfers.cpu_backend import CpuBackend
-from kvledger.transfers.faults import FaultInjectingBackend, FaultPlan
+from kvledger.transfers.faults import DelayingBackend, FaultInjectingBackend, FaultPlan
 from kvledger.transfers.host_tier import HostTier
 from kvledger.transfers.layout import CanonicalKVCaches, LayerCaches, canonicalize
 from kvledger.transfers.runner import TransferRunner
@@ -29,6 +29,7 @@ def open_transfers(
     capacity_bytes: int,
     worker_index: int = 0,
     faults: FaultPlan | Sequence[FaultPlan] | None = None,
+    store_hold_polls: int = 0,
     timeout_s: float = 60.0,
 ) -> Transfers:
     """Canonical layout, host tier and runner, with the backend the device calls for."""
@@ -41,6 +42,8 @@ def open_transfers(
         backend = CudaBackend(layout, tier)
     else:
         backend = CpuBackend(layout, tier)
+    if store_hold_polls:
+        backend = DelayingBackend(backend, Direction.STORE, store_hold_polls)
     runner = make_runner(layout, tier, backend, faults=faults, worker_index=worker_index, timeout_s=timeout_s)
     return Transfers(layout=layout, tier=tier, runner=runner)
 

@@ -150,3 +150,49 @@ class FaultInjectingBackend:
 
     def shutdown(self, *, drain: bool, timeout_s: float) -> None:
         self._inner.shutdown(drain=drain, timeout_s=timeout_s)
+
+
+class DelayingBackend:
+    """Holds jobs of one direction back for `polls` polls before they start.
+
+    A slow transfer, made on purpose: a store that outlives the reuse of its
+    source block is exactly what the flush protocol exists for, and on a CPU
+    copies finish too fast for end-to-end tests to meet one otherwise. A
+    held job waited for starts at once, as a flush makes it.
+    """
+
+    def __init__(self, inner: CopyBackend, direction: Direction, polls: int) -> None:
+        self._inner = inner
+        self._direction = direction
+        self._polls = polls
+        self._held: dict[int, tuple[CopyJob, int]] = {}
+
+    def submit(self, job: CopyJob) -> None:
+        if job.direction is self._direction and self._polls > 0:
+            self._held[job.job_id] = (job, self._polls)
+        else:
+            self._inner.submit(job)
+
+    def _release(self, job_id: int) -> None:
+        job, _ = self._held.pop(job_id)
+        self._inner.submit(job)
+
+    def poll(self) -> list[JobOutcome]:
+        for job_id, (job, left) in list(self._held.items()):
+            if left <= 1:
+                self._release(job_id)
+            else:
+                self._held[job_id] = (job, left - 1)
+        return self._inner.poll()
+
+    def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        job_ids = list(job_ids)
+        for job_id in job_ids:
+            if job_id in self._held:
+                self._release(job_id)
+        self._inner.wait(job_ids, timeout_s)
+
+    def shutdown(self, *, drain: bool, timeout_s: float) -> None:
+        for job_id in list(self._held):
+            self._release(job_id)  # the inner backend drains or cancels them with the rest
+        self._inner.shutdown(drain=drain, timeout_s=timeout_s)

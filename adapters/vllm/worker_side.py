@@ -61,7 +61,8 @@ class LedgerWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.transfers = open_transfers(
             kv_caches, self.config, capacity_bytes=self.settings.capacity_bytes,
-            worker_index=self.worker_index, faults=fault_plans(self.settings))
+            worker_index=self.worker_index, faults=fault_plans(self.settings),
+            store_hold_polls=self.settings.faults.store_hold_steps)
         expected = slot_bytes(self.config)
         if self.transfers.layout.slot_bytes != expected:
             raise ConfigError(

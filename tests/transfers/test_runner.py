@@ -252,3 +252,19 @@ def test_jobs_queued_together_copy_as_one_batch_and_each_reports() -> None:
     backend._run_batch(Direction.STORE, [bad, good])
     outcomes = {o.job_id: o.ok for o in backend.poll()}
     assert outcomes == {20: False, 21: True}
+
+
+def test_a_held_store_starts_after_its_polls_or_at_once_when_flushed() -> None:
+    from kvledger.transfers.faults import DelayingBackend
+
+    rig = make_rig(layouts.cpu_attention())
+    runner = rig.runner
+    runner._backend = DelayingBackend(rig.backend, Direction.STORE, polls=3)
+    runner.submit([store(1, [[1]], [[0]]), store(2, [[2]], [[1]])])
+    assert runner.poll() == [] and runner.poll() == []  # held: two polls, nothing started
+    runner.submit([FlushStores(job_ids=(2,))])  # a flush starts it and waits for it
+    events = runner.poll()  # the third poll also releases job 1
+    assert StoreCompleted(job_id=2, worker_index=3) in events
+    rig.backend.wait([1], timeout_s=5)
+    events += runner.poll()
+    assert sorted(e.job_id for e in events) == [1, 2]

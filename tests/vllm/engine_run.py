@@ -41,6 +41,11 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
+    if spec.get("mutant_no_flush"):  # negative control, in-process only: the worker never flushes
+        from kvledger.adapters.vllm.connector import KVLedgerConnector
+
+        KVLedgerConnector.handle_preemptions = lambda self, meta: None
+
     extra = {"capacity_bytes": 32 << 20, "event_log": spec["log"], "log_level": "warning", **spec.get("extra", {})}
     engine_args = dict(
         model=spec["model"], dtype="float32", max_model_len=1024, block_size=32, enforce_eager=True,

@@ -105,3 +105,28 @@ def test_failed_loads_are_recomputed(models, tmp_path, model):
     stats = summary["stats"]
     assert stats["load_failures"] > 0
     assert stats["loads"] > stats["load_failures"]
+
+
+SLOW_STORES = dict(count=16, prefix_words=90, tail_words=40,
+                   engine={"num_gpu_blocks_override": 48, "max_num_seqs": 16, "max_model_len": 512},
+                   extra={"capacity_bytes": 48 * 32768, "fault_injection": {"store_hold_steps": 4}})
+
+
+def test_slow_stores_are_flushed_exactly_when_their_blocks_are_reused(models, tmp_path):
+    # Stores start four steps late, so vLLM reuses blocks that stores still
+    # have to read; the worker must wait for exactly those stores first.
+    result, summary = _run(models, tmp_path, "tiny-gemma3", **SLOW_STORES)
+    _restored_equal_recomputed(result)
+    stats = summary["stats"]
+    assert stats["flushes"] > 0
+    assert 0 < stats["jobs_flushed"] < stats["stores"] / 2  # the reused blocks' stores, not every store
+    assert stats["loads"] > 0
+
+
+def test_without_the_flush_slow_stores_restore_wrong_kv(models, tmp_path):
+    # Negative control for the test above: a worker that ignores the flush
+    # lets late stores copy blocks already rewritten, and restores go wrong.
+    result, _ = _run(models, tmp_path, "tiny-gemma3", mutant_no_flush=True, **SLOW_STORES)
+    pairs = list(zip(result["shifted"]["tokens"], result["reference"]["tokens"]))
+    pairs += list(zip(result["again"]["tokens"], result["first"]["tokens"]))
+    assert any(restored != recomputed for restored, recomputed in pairs)
