@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from kvledger.events.config import ConfigError, PolicyName
+from kvledger.events.config import ConfigError, PolicyName, Protection
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("binary", "jsonl")
@@ -42,6 +42,7 @@ class FaultSettings:
 class ConnectorSettings:
     capacity_bytes: int
     eviction_policy: PolicyName = PolicyName.LRU
+    protection: Protection = Protection.FLUSH
     event_log: str | None = None
     event_log_format: str = "binary"
     digest_interval: int = 64
@@ -54,6 +55,7 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "capacity_bytes": (int, "tier capacity in bytes"),
     "cpu_bytes_to_use": (int, "tier capacity in bytes (vLLM's name)"),
     "eviction_policy": (str, "'lru' or 'arc'"),
+    "protection": (str, "'flush' or 'pin': how a store's source blocks are kept intact"),
     "event_log": (str, "path of the event log the scheduler writes"),
     "event_log_format": (str, "'binary' or 'jsonl'"),
     "digest_interval": (int, "a state digest every this many steps"),
@@ -109,6 +111,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     policy = extra.get("eviction_policy", "lru")
     if policy not in {p.value for p in PolicyName}:
         raise ConfigError(f"eviction_policy must be 'lru' or 'arc', got {policy!r}")
+    protection = extra.get("protection", "flush")
+    if protection not in {p.value for p in Protection}:
+        raise ConfigError(f"protection must be 'flush' or 'pin', got {protection!r}")
     fmt = extra.get("event_log_format", "binary")
     if fmt not in LOG_FORMATS:
         raise ConfigError(f"event_log_format must be 'binary' or 'jsonl', got {fmt!r}")
@@ -123,6 +128,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     return ConnectorSettings(
         capacity_bytes=capacity,
         eviction_policy=PolicyName(policy),
+        protection=Protection(protection),
         event_log=event_log,
         event_log_format=fmt,
         digest_interval=interval,

@@ -64,3 +64,25 @@ def test_golden_log_replays_as_recorded(name: str) -> None:
     assert data["ok"], data["first_problem"]
     assert data["digests_checked"] > 0
     assert data == json.loads(expected_path.read_text())
+
+
+VLLM_LOGS = sorted((GOLDEN / "vllm").glob("*.jsonl.gz"))
+
+
+@pytest.mark.parametrize("path", VLLM_LOGS, ids=lambda p: p.name.split(".")[0])
+def test_logs_recorded_on_real_vllm_replay_clean(path: Path) -> None:
+    # Recorded by the end-to-end tests (tests/vllm) with KVLEDGER_UPDATE_GOLDEN=1:
+    # vLLM's own call sequences, replayed with every invariant checked.
+    header, records = open_log(path)
+    result = replay(header.config, records, check_invariants=True)
+    data = summary(header, result)
+    assert data["ok"], data["first_problem"]
+    assert data["violations"] == 0
+    assert data["stats"]["stores"] > 0
+
+
+def test_every_vllm_scenario_has_a_regression_log() -> None:
+    names = {p.name.split(".")[0] for p in VLLM_LOGS}
+    for model in ("tiny-llama", "tiny-gemma3"):
+        assert {f"restore_{model}", f"small_pool_{model}", f"load_failures_{model}"} <= names
+    assert {"multiprocess_tiny-gemma3", "slow_stores_flushed_tiny-gemma3", "pin_mode_tiny-gemma3"} <= names

@@ -54,7 +54,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             config = engine_config(
                 kv_cache_config, capacity_bytes=settings.capacity_bytes, policy=settings.eviction_policy,
-                world_size=vllm_config.parallel_config.world_size,
+                protection=settings.protection, world_size=vllm_config.parallel_config.world_size,
                 block_size=vllm_config.cache_config.block_size)
             self._scheduler = LedgerScheduler(config, settings)
         else:
@@ -139,6 +139,9 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler.has_pending_block_frees()
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler.has_pending_work()

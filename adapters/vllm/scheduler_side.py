@@ -20,6 +20,7 @@ import structlog
 
 from kvledger.adapters.recorder import Recorder
 from kvledger.adapters.settings import ConnectorSettings
+from kvledger.adapters.vllm.block_pool import BlockPoolView
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.engine import effects as fx
 from kvledger.engine.lookup import lookup
@@ -46,6 +47,7 @@ class LedgerScheduler:
             config, log_path=settings.event_log, fmt=settings.event_log_format,
             digest_interval=settings.digest_interval, overwrite=True)
         self._manager: KVCacheManager | None = None
+        self._pool: BlockPoolView | None = None
         self._requests: dict[str, Request] = {}
         self._local_hit: dict[str, int] = {}  # the local hit vLLM passed to the last lookup
         self._admitted: list[tuple[str, int, int]] = []  # (request, local tokens, external tokens)
@@ -61,7 +63,11 @@ class LedgerScheduler:
     def _apply(self, event: ev.Event, effects: list[fx.Effect]) -> None:
         produced = self.recorder.apply(event)
         for effect in produced:
-            if isinstance(effect, fx.ReportViolation):
+            if isinstance(effect, fx.PinDeviceBlocks):
+                self._block_pool.touch(effect.block_ids)
+            elif isinstance(effect, fx.UnpinDeviceBlocks):
+                self._block_pool.free_blocks(effect.block_ids)
+            elif isinstance(effect, fx.ReportViolation):
                 self.violations += 1
                 _log.error("protocol_violation", code=effect.code, message=effect.message,
                            event_kind=effect.event_kind, request_id=effect.request_id,
@@ -72,6 +78,12 @@ class LedgerScheduler:
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
+        self._pool = BlockPoolView(manager.block_pool)
+
+    @property
+    def _block_pool(self) -> BlockPoolView:
+        assert self._pool is not None, "bind_kv_cache_manager was not called"
+        return self._pool
 
     def on_new_request(self, request: Request) -> None:
         rid = request.request_id
@@ -155,6 +167,11 @@ class LedgerScheduler:
     def has_pending_work(self) -> bool:
         """Keep vLLM stepping while transfers run, or their completions never arrive."""
         return bool(self.recorder.state.core.jobs)
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks kvledger holds for stores come back when those end: vLLM
+        should wait for them rather than preempt a request."""
+        return self._pool is not None and self._pool.pinned > 0
 
     def reset_cache(self) -> bool:
         self._epoch += 1

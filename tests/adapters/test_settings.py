@@ -6,7 +6,7 @@ import pytest
 
 from kvledger.adapters.settings import parse_settings
 from kvledger.adapters.vllm_version import UnsupportedVLLMVersion, check_vllm_version
-from kvledger.events.config import ConfigError, PolicyName
+from kvledger.events.config import ConfigError, PolicyName, Protection
 
 
 def test_defaults_and_the_vllm_alias_for_capacity():
@@ -19,13 +19,14 @@ def test_defaults_and_the_vllm_alias_for_capacity():
 
 def test_every_key_is_read():
     settings = parse_settings({
-        "capacity_bytes": 4096, "eviction_policy": "arc", "event_log": "/tmp/x.log", "event_log_format": "jsonl",
+        "capacity_bytes": 4096, "eviction_policy": "arc", "protection": "pin", "event_log": "/tmp/x.log", "event_log_format": "jsonl",
         "digest_interval": 8, "log_level": "debug", "log_json": True,
         "fault_injection": {"load_rate": 0.5, "store_rate": 0.25, "load_block_rate": 0.1, "seed": 7,
                             "corrupt": True},
     })
     assert (settings.eviction_policy, settings.event_log, settings.event_log_format) == (
         PolicyName.ARC, "/tmp/x.log", "jsonl")
+    assert settings.protection is Protection.PIN
     assert (settings.digest_interval, settings.log_level, settings.log_json) == (8, "debug", True)
     faults = settings.faults
     assert (faults.load_rate, faults.store_rate, faults.load_block_rate, faults.seed, faults.corrupt) == (
@@ -41,6 +42,8 @@ def test_every_key_is_read():
     ({"capacity_bytes": 1, "cpu_bytes_to_use": 2}, "disagree"),
     ({"capacity_bytes": 1, "eviction_policy": "fifo"}, "'lru' or 'arc'"),
     ({"capacity_bytes": 1, "event_log_format": "csv"}, "event_log_format"),
+    ({"capacity_bytes": 1, "protection": "lock"}, "'flush' or 'pin'"),
+    ({"capacity_bytes": 1, "fault_injection": {"store_hold_steps": -1}}, "store_hold_steps"),
     ({"capacity_bytes": 1, "log_level": "loud"}, "log_level"),
     ({"capacity_bytes": 1, "digest_interval": -1}, "digest_interval"),
     ({"capacity_bytes": 1, "fault_injection": {"load_rate": 2}}, "within [0, 1]"),

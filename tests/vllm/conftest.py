@@ -62,3 +62,27 @@ def loads_in_log(log: Path) -> tuple[object, list]:
             state, effects = reduce(state, record.event, strict=True)
             loads.extend(e for e in effects if isinstance(e, fx.StartLoad))
     return header.config, loads
+
+
+GOLDEN = REPO / "tests" / "golden" / "vllm"
+
+
+def keep_as_golden(log: Path, name: str) -> None:
+    """With KVLEDGER_UPDATE_GOLDEN=1, keep this run's log as a regression log.
+
+    It is stored as gzipped JSONL (diffable once unzipped); tests/test_golden.py
+    replays every one of them with all checks on, on every CI run.
+    """
+    if os.environ.get("KVLEDGER_UPDATE_GOLDEN") != "1":
+        return
+    import gzip
+
+    from kvledger.adapters.logfile import open_log
+    from kvledger.events.log import encode_jsonl_header, encode_jsonl_record
+
+    header, records = open_log(log)
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    with gzip.GzipFile(GOLDEN / f"{name}.jsonl.gz", "wb", mtime=0) as out:  # mtime 0: same bytes, same file
+        out.write(encode_jsonl_header(header))
+        for record in records:
+            out.write(encode_jsonl_record(record))

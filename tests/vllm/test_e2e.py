@@ -14,17 +14,20 @@ import pytest
 
 from kvledger.events.config import GroupKind
 
-from .conftest import loads_in_log, replay_summary, run_engine
+from .conftest import keep_as_golden, loads_in_log, replay_summary, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MODELS = ["tiny-llama", "tiny-gemma3"]
 
 
-def _run(models, tmp_path, model: str, **spec) -> tuple[dict, dict]:
+def _run(models, tmp_path, model: str, golden: str | None = None, **spec) -> tuple[dict, dict]:
     log = tmp_path / "events.log"
     result = run_engine({"model": str(models[model]), "log": str(log), **spec})
-    return result, replay_summary(log)
+    summary = replay_summary(log)
+    if golden is not None:
+        keep_as_golden(log, golden)
+    return result, summary
 
 
 def _restored_equal_recomputed(result: dict) -> None:
@@ -37,7 +40,7 @@ def _restored_equal_recomputed(result: dict) -> None:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_restored_prefixes_give_the_recomputed_output(models, tmp_path, model):
-    result, summary = _run(models, tmp_path, model)
+    result, summary = _run(models, tmp_path, model, golden=f"restore_{model}")
     _restored_equal_recomputed(result)
     assert all(c > 0 for c in result["again"]["cached"])
     assert all(c >= 96 for c in result["shifted"]["cached"])  # 100+ shared words: 3 blocks at least
@@ -79,7 +82,7 @@ def test_corrupted_restores_change_the_output(models, tmp_path, model):
 
 def test_multiprocess_mode_restores_the_hybrid_model(models, tmp_path):
     # vLLM's default: the scheduler and the worker in different processes.
-    result, summary = _run(models, tmp_path, "tiny-gemma3", multiprocess=True)
+    result, summary = _run(models, tmp_path, "tiny-gemma3", golden="multiprocess_tiny-gemma3", multiprocess=True)
     _restored_equal_recomputed(result)
     assert summary["stats"]["loads"] > 0
 
@@ -87,7 +90,7 @@ def test_multiprocess_mode_restores_the_hybrid_model(models, tmp_path):
 @pytest.mark.parametrize("model", MODELS)
 def test_a_small_pool_preempts_and_evicts_and_outputs_still_match(models, tmp_path, model):
     result, summary = _run(
-        models, tmp_path, model, count=16, prefix_words=90, tail_words=40,
+        models, tmp_path, model, golden=f"small_pool_{model}", count=16, prefix_words=90, tail_words=40,
         engine={"num_gpu_blocks_override": 48, "max_num_seqs": 16, "max_model_len": 512},
         extra={"capacity_bytes": 48 * 32768})
     _restored_equal_recomputed(result)
@@ -99,7 +102,7 @@ def test_a_small_pool_preempts_and_evicts_and_outputs_still_match(models, tmp_pa
 
 @pytest.mark.parametrize("model", MODELS)
 def test_failed_loads_are_recomputed(models, tmp_path, model):
-    result, summary = _run(models, tmp_path, model,
+    result, summary = _run(models, tmp_path, model, golden=f"load_failures_{model}",
                            extra={"fault_injection": {"load_rate": 0.5, "seed": 3}})
     _restored_equal_recomputed(result)
     stats = summary["stats"]
@@ -115,7 +118,8 @@ SLOW_STORES = dict(count=16, prefix_words=90, tail_words=40,
 def test_slow_stores_are_flushed_exactly_when_their_blocks_are_reused(models, tmp_path):
     # Stores start four steps late, so vLLM reuses blocks that stores still
     # have to read; the worker must wait for exactly those stores first.
-    result, summary = _run(models, tmp_path, "tiny-gemma3", **SLOW_STORES)
+    result, summary = _run(models, tmp_path, "tiny-gemma3", golden="slow_stores_flushed_tiny-gemma3",
+                           **SLOW_STORES)
     _restored_equal_recomputed(result)
     stats = summary["stats"]
     assert stats["flushes"] > 0
@@ -130,3 +134,15 @@ def test_without_the_flush_slow_stores_restore_wrong_kv(models, tmp_path):
     pairs = list(zip(result["shifted"]["tokens"], result["reference"]["tokens"]))
     pairs += list(zip(result["again"]["tokens"], result["first"]["tokens"]))
     assert any(restored != recomputed for restored, recomputed in pairs)
+
+
+def test_pin_mode_holds_store_sources_instead_of_flushing(models, tmp_path):
+    # Pin mode: a store takes a block-pool reference on its sources, so vLLM
+    # never reuses them mid-copy and no flush is ever needed; each reference
+    # is released once, when the store ends (replay checks the balance).
+    spec = {**SLOW_STORES, "extra": {**SLOW_STORES["extra"], "protection": "pin"}}
+    result, summary = _run(models, tmp_path, "tiny-gemma3", golden="pin_mode_tiny-gemma3", **spec)
+    _restored_equal_recomputed(result)
+    stats = summary["stats"]
+    assert stats["flushes"] == 0
+    assert stats["stores"] > 0 and stats["loads"] > 0
