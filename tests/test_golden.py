@@ -71,7 +71,7 @@ VLLM_LOGS = sorted((GOLDEN / "vllm").glob("*.jsonl.gz"))
 
 @pytest.mark.parametrize("path", VLLM_LOGS, ids=lambda p: p.name.split(".")[0])
 def test_logs_recorded_on_real_vllm_replay_clean(path: Path) -> None:
-    # Recorded by the end-to-end tests (tests/vllm) with KVLEDGER_UPDATE_GOLDEN=1:
+    # Recorded by the end-to-end tests (tests/on_vllm) with KVLEDGER_UPDATE_GOLDEN=1:
     # vLLM's own call sequences, replayed with every invariant checked.
     header, records = open_log(path)
     result = replay(header.config, records, check_invariants=True)

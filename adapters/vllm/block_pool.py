@@ -11,12 +11,27 @@ holds after its request let go is freed by kvledger, which is what
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
+
+import attrs
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+
+@attrs.frozen
+class Cursor:
+    """A place in the free queue: a block, as of its `generation`.
+
+    The generation is the engine's count of the block's allocations; a
+    cursor whose block was allocated since no longer marks a place in the
+    queue, and iteration starts over from the eviction end.
+    """
+
+    block_id: int
+    generation: int
 
 
 class BlockPoolView:
@@ -38,3 +53,19 @@ class BlockPoolView:
             raise RuntimeError(f"kvledger would free blocks it does not hold: {[b.block_id for b in blocks]}")
         self._pool.free_blocks(blocks)
         self.pinned -= len(blocks)
+
+    def iter_free_blocks(self, after: Cursor | None, generation_of) -> Iterator[KVCacheBlock]:
+        """Free blocks in eviction order (least recently used first), after `after`.
+
+        `generation_of(block_id)` is the engine's current generation of a
+        block. The cursor is used only if its block is still free and was not
+        allocated since the cursor was taken.
+        """
+        queue = self._pool.free_block_queue
+        start = None
+        if after is not None:
+            block = self._pool.blocks[after.block_id]
+            linked = block.prev_free_block is not None and block.next_free_block is not None
+            if block.ref_cnt == 0 and linked and generation_of(after.block_id) == after.generation:
+                start = block
+        yield from queue.iter_blocks_after(start)
