@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from kvledger.events.config import ConfigError, PolicyName, Protection
+from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("binary", "jsonl")
@@ -43,6 +43,8 @@ class ConnectorSettings:
     capacity_bytes: int
     eviction_policy: PolicyName = PolicyName.LRU
     protection: Protection = Protection.FLUSH
+    store_mode: StoreMode = StoreMode.EAGER
+    lazy_target_blocks: int = 64
     event_log: str | None = None
     event_log_format: str = "binary"
     digest_interval: int = 64
@@ -56,6 +58,8 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "cpu_bytes_to_use": (int, "tier capacity in bytes (vLLM's name)"),
     "eviction_policy": (str, "'lru' or 'arc'"),
     "protection": (str, "'flush' or 'pin': how a store's source blocks are kept intact"),
+    "store_mode": (str, "'eager' or 'lazy': store every full block, or only blocks about to be reused"),
+    "lazy_target_blocks": (int, "lazy mode: how far from the eviction end of the free queue to store"),
     "event_log": (str, "path of the event log the scheduler writes"),
     "event_log_format": (str, "'binary' or 'jsonl'"),
     "digest_interval": (int, "a state digest every this many steps"),
@@ -114,6 +118,15 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     protection = extra.get("protection", "flush")
     if protection not in {p.value for p in Protection}:
         raise ConfigError(f"protection must be 'flush' or 'pin', got {protection!r}")
+    store_mode = extra.get("store_mode", "eager")
+    if store_mode not in {m.value for m in StoreMode}:
+        raise ConfigError(f"store_mode must be 'eager' or 'lazy', got {store_mode!r}")
+    if store_mode == "lazy" and protection != "flush":
+        raise ConfigError("store_mode 'lazy' needs protection 'flush': pinning free blocks would reorder "
+                          "vLLM's LRU")
+    target = extra.get("lazy_target_blocks", 64)
+    if target <= 0:
+        raise ConfigError(f"lazy_target_blocks must be positive, got {target}")
     fmt = extra.get("event_log_format", "binary")
     if fmt not in LOG_FORMATS:
         raise ConfigError(f"event_log_format must be 'binary' or 'jsonl', got {fmt!r}")
@@ -129,6 +142,8 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         capacity_bytes=capacity,
         eviction_policy=PolicyName(policy),
         protection=Protection(protection),
+        store_mode=StoreMode(store_mode),
+        lazy_target_blocks=target,
         event_log=event_log,
         event_log_format=fmt,
         digest_interval=interval,

@@ -14,6 +14,7 @@ Used by the stateful property tests, the benchmarks and the golden logs.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from collections.abc import Callable
 
@@ -24,7 +25,7 @@ from kvledger.engine.lookup import lookup
 from kvledger.engine.reducer import reduce
 from kvledger.engine.state import RequestStatus, SlotState, State, initial_state
 from kvledger.events import types as ev
-from kvledger.events.config import EngineConfig, GroupKind
+from kvledger.events.config import EngineConfig, GroupKind, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
 from .recorder import Recorder
@@ -70,7 +71,8 @@ class SimJob:
 class Simulator:
     def __init__(self, config: EngineConfig, *, prefix_caching: bool = True, chunk_tokens: int = 0,
                  record: Callable[[ev.Event], None] | None = None, check_every_event: bool = False,
-                 check_content: bool = True, recorder: Recorder | None = None) -> None:
+                 check_content: bool = True, recorder: Recorder | None = None,
+                 lazy_target_blocks: int = 8) -> None:
         self.config = config
         self.groups = config.groups
         self.prefix_caching = prefix_caching
@@ -78,6 +80,7 @@ class Simulator:
         self.record = record
         self.check_every_event = check_every_event
         self.check_content = check_content  # off only for large benchmark traces
+        self.lazy_target_blocks = lazy_target_blocks  # lazy mode: free blocks offered per step
         self.recorder = recorder  # when set, it runs the engine and writes the log
         self.state: State = recorder.state if recorder is not None else initial_state(config)
         n = config.num_device_blocks
@@ -324,6 +327,10 @@ class Simulator:
             if not self._grow(request, request.computed + count, pending, scheduled):
                 continue
             scheduled.append((request, count))
+        if self.config.store_mode is StoreMode.LAZY:
+            near = tuple(itertools.islice(self.free, self.lazy_target_blocks))
+            if near:
+                self.emit(ev.BlocksNearEviction(block_ids=near))
         self.step_index += 1
         self.emit(ev.StepScheduled(
             step_index=self.step_index, request_ids=[r.rid for r, _ in scheduled],

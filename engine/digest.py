@@ -29,6 +29,8 @@ def digest(state: State) -> str:
     h.update(b"".join(k or b"\x00" for k in core.block_key))
     put(sorted(core.block_writer.items()))
     put(sorted((b, sorted(j)) for b, j in core.block_readers.items()))
+    if core.lazy_keys:  # empty in eager mode: eager logs keep their digests
+        put(sorted(core.lazy_keys.items()))
     used = core.next_fresh_slot
     h.update(bytes(core.slot_state[:used]))
     h.update(b"".join(k or b"\x00" for k in core.slot_key[:used]))

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvledger.events import types as ev
-from kvledger.events.config import Protection
+from kvledger.events.config import Protection, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
 from . import effects as fx
@@ -217,6 +217,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: Effects) -> No
                 to_flush.extend(readers)
             core.block_refs[block] = 1
             core.block_generation[block] += 1
+            core.lazy_keys.pop(block, None)
             core.block_group[block] = group.group_id
             core.block_key[block] = None
         request.table[group.group_id].extend(ids)
@@ -416,14 +417,16 @@ def _step_scheduled(core: Core, event: ev.StepScheduled, out: Effects) -> None:
                 f"{request.capacity_tokens}", request_id=rid)
         scheduled.append((request, horizon))
     core.step_index = event.step_index
+    lazy = core.config.store_mode is StoreMode.LAZY
     for (request, horizon), computed in zip(scheduled, event.num_computed_tokens):
         request.num_computed_tokens = computed
         if horizon >= request.next_store_tokens:
-            _plan_stores(core, request, horizon, out)
+            _plan_stores(core, request, horizon, out, lazy=lazy)
 
 
-def _plan_stores(core: Core, request: RequestState, horizon: int, out: Effects) -> None:
-    """Store every block that is full after this step and not yet in the tier."""
+def _plan_stores(core: Core, request: RequestState, horizon: int, out: Effects, *, lazy: bool = False) -> None:
+    """Store every block that is full after this step and not yet in the tier;
+    in lazy mode, only note its key, for when the block nears eviction."""
     candidates: list[tuple[int, int, bytes]] = []  # (group, block, key)
     slot_of_key = core.slot_of_key
     writer = core.block_writer
@@ -447,11 +450,14 @@ def _plan_stores(core: Core, request: RequestState, horizon: int, out: Effects) 
         reach = (request.next_store[gid] + 1) * group.block_size
         next_tokens = reach if next_tokens is None else min(next_tokens, reach)
     request.next_store_tokens = next_tokens or 0
-    if candidates:
-        _admit_store(core, request, candidates, out)
+    if lazy:
+        for _, block, key in candidates:
+            core.lazy_keys[block] = key
+    elif candidates:
+        _admit_store(core, request.request_id, candidates, out)
 
 
-def _admit_store(core: Core, request: RequestState, candidates: list[tuple[int, int, bytes]],
+def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, bytes]],
                  out: Effects) -> None:
     """Reserve slots, evicting if needed; what cannot fit is not stored."""
     wanted = len(candidates)
@@ -490,7 +496,7 @@ def _admit_store(core: Core, request: RequestState, candidates: list[tuple[int, 
         blocks[gid].append(block)
         slots[gid].append(slot)
         gens[gid].append(core.block_generation[block])
-    job = Job(job_id=job_id, kind=JobKind.STORE, request_id=request.request_id,
+    job = Job(job_id=job_id, kind=JobKind.STORE, request_id=request_id,
               keys=tuple(map(tuple, keys)), block_ids=tuple(map(tuple, blocks)),
               slot_ids=tuple(map(tuple, slots)), generations=tuple(map(tuple, gens)),
               pending_workers=(1 << core.config.world_size) - 1)
@@ -503,8 +509,27 @@ def _admit_store(core: Core, request: RequestState, candidates: list[tuple[int, 
         for block in flat:
             core.block_pins[block] += 1
         out.append(fx.PinDeviceBlocks(block_ids=flat))
-    out.append(fx.StartStore(job_id=job_id, request_id=request.request_id, keys=job.keys,
+    out.append(fx.StartStore(job_id=job_id, request_id=request_id, keys=job.keys,
                              source_block_ids=job.block_ids, target_slot_ids=job.slot_ids))
+
+
+def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: Effects) -> None:
+    """Lazy mode: store the free blocks vLLM is about to reuse, if their content is known."""
+    limit = core.config.num_device_blocks
+    for block in event.block_ids:
+        if not 0 < block < limit:
+            raise ProtocolViolation("block_out_of_range", f"block {block} not in (0, {limit})")
+        if core.block_refs[block] or core.block_pins[block] or block in core.block_writer:
+            raise ProtocolViolation("near_eviction_in_use", f"block {block} is held, not free")
+    if core.config.store_mode is not StoreMode.LAZY:
+        return
+    candidates: list[tuple[int, int, bytes]] = []
+    for block in event.block_ids:
+        key = core.lazy_keys.pop(block, None)
+        if key is not None and key not in core.slot_of_key:
+            candidates.append((core.block_group[block], block, key))
+    if candidates:
+        _admit_store(core, "", candidates, out)
 
 
 def _take_slot(core: Core) -> int:
@@ -694,6 +719,7 @@ _HANDLERS: dict[type, Callable[[Core, object, Effects], None]] = {
     ev.BlocksTouched: _blocks_touched,
     ev.BlocksAllocated: _blocks_allocated,
     ev.BlocksFreed: _blocks_freed,
+    ev.BlocksNearEviction: _blocks_near_eviction,
     ev.RequestPreempted: _request_preempted,
     ev.RequestResumed: _request_resumed,
     ev.RequestFinished: _request_finished,

@@ -172,7 +172,7 @@ class Core:
         "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
         # device pool, indexed by block id (the null block is index 0)
         "block_refs", "block_pins", "block_generation", "block_group", "block_key",
-        "block_readers", "block_writer",
+        "block_readers", "block_writer", "lazy_keys",
         # tier
         "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot",
         "policy",
@@ -195,6 +195,7 @@ class Core:
         self.block_key: list[bytes | None] = [None] * n
         self.block_readers: dict[int, list[int]] = {}  # block -> unflushed store jobs reading it
         self.block_writer: dict[int, int] = {}  # block -> load job writing it
+        self.lazy_keys: dict[int, bytes] = {}  # lazy mode: block -> key of its full, reachable content
         m = config.num_tier_slots
         self.slot_of_key: dict[bytes, int] = {}
         self.slot_key: list[bytes | None] = [None] * m
@@ -216,6 +217,7 @@ class Core:
             setattr(other, name, list(getattr(self, name)))
         other.block_readers = {b: list(j) for b, j in self.block_readers.items()}
         other.block_writer = dict(self.block_writer)
+        other.lazy_keys = dict(self.lazy_keys)
         other.slot_of_key = dict(self.slot_of_key)
         other.slot_state = bytearray(self.slot_state)
         other.slot_loads = dict(self.slot_loads)

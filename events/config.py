@@ -36,6 +36,18 @@ class Protection(enum.Enum):
     PIN = "pin"
 
 
+class StoreMode(enum.Enum):
+    """When blocks are copied to the tier.
+
+    EAGER: every full block, in the step that completes it.
+    LAZY: only free blocks that reach the eviction end of vLLM's free queue,
+    so a workload that fits in device memory moves no bytes.
+    """
+
+    EAGER = "eager"
+    LAZY = "lazy"
+
+
 class PolicyName(enum.Enum):
     LRU = "lru"
     ARC = "arc"
@@ -73,10 +85,15 @@ class EngineConfig:
     policy: PolicyName = attrs.field(default=PolicyName.LRU, converter=PolicyName)
     protection: Protection = attrs.field(default=Protection.FLUSH, converter=Protection)
     world_size: int = attrs.field(default=1, validator=_positive)
+    store_mode: StoreMode = attrs.field(default=StoreMode.EAGER, converter=StoreMode)
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
             raise ConfigError("at least one KV group is required")
+        if self.store_mode is StoreMode.LAZY and self.protection is not Protection.FLUSH:
+            # Pinning a free block takes it out of vLLM's free queue and puts it
+            # back at the most recent end: lazy stores would reorder vLLM's LRU.
+            raise ConfigError("lazy store mode needs flush protection")
         for index, group in enumerate(self.groups):
             if group.group_id != index:
                 raise ConfigError(f"groups must be numbered 0..n-1 in order; got {group.group_id} at {index}")
@@ -92,7 +109,7 @@ class EngineConfig:
         return _fold(math.lcm, (g.block_size for g in self.groups))
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "groups": [
                 {"group_id": g.group_id, "kind": g.kind.value, "block_size": g.block_size, "window": g.window}
                 for g in self.groups
@@ -104,6 +121,9 @@ class EngineConfig:
             "protection": self.protection.value,
             "world_size": self.world_size,
         }
+        if self.store_mode is not StoreMode.EAGER:  # only when set: older logs keep their digests
+            data["store_mode"] = self.store_mode.value
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> EngineConfig:

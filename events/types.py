@@ -95,6 +95,19 @@ class BlocksFreed:
 
 
 @attrs.frozen(kw_only=True)
+class BlocksNearEviction:
+    """Free blocks at the eviction end of vLLM's free queue, in eviction order.
+
+    In lazy store mode this is when the engine stores a block: only once it
+    is about to be reused, so a workload that fits in the pool never copies.
+    """
+
+    kind: ClassVar[str] = "blocks_near_eviction"
+    version: ClassVar[int] = 1
+    block_ids: tuple[int, ...] = attrs.field(converter=_ints)
+
+
+@attrs.frozen(kw_only=True)
 class RequestPreempted:
     """vLLM preempted the request and freed every block it held."""
 
@@ -205,6 +218,7 @@ Event = Union[
     BlocksTouched,
     BlocksAllocated,
     BlocksFreed,
+    BlocksNearEviction,
     RequestPreempted,
     RequestResumed,
     RequestFinished,

@@ -22,6 +22,7 @@ EXAMPLE_EVENTS: dict[str, ev.Event] = {
         ev.BlocksTouched(request_id="cmpl-7f3a-0", block_ids=((11, 12), (0, 12))),
         ev.BlocksAllocated(request_id="cmpl-7f3a-0", block_ids=((13, 14), (13, 14)), num_external_tokens=16),
         ev.BlocksFreed(request_id="cmpl-7f3a-0", block_ids=((), (12,))),
+        ev.BlocksNearEviction(block_ids=(7, 3, 12)),
         ev.RequestPreempted(request_id="cmpl-7f3a-0"),
         ev.RequestResumed(request_id="cmpl-7f3a-0"),
         ev.RequestFinished(request_id="cmpl-7f3a-0", block_ids=((11, 12, 13, 14), (0, 0, 13, 14))),
@@ -79,6 +80,7 @@ _BY_KIND: dict[str, st.SearchStrategy] = {
         ev.BlocksAllocated, request_id=request_ids, block_ids=block_tables, num_external_tokens=small_ints
     ),
     "blocks_freed": st.builds(ev.BlocksFreed, request_id=request_ids, block_ids=block_tables),
+    "blocks_near_eviction": st.builds(ev.BlocksNearEviction, block_ids=st.lists(small_ints, max_size=5)),
     "request_preempted": st.builds(ev.RequestPreempted, request_id=request_ids),
     "request_resumed": st.builds(ev.RequestResumed, request_id=request_ids),
     "request_finished": st.builds(ev.RequestFinished, request_id=request_ids, block_ids=block_tables),

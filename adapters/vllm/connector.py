@@ -54,7 +54,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             config = engine_config(
                 kv_cache_config, capacity_bytes=settings.capacity_bytes, policy=settings.eviction_policy,
-                protection=settings.protection, world_size=vllm_config.parallel_config.world_size,
+                protection=settings.protection, store_mode=settings.store_mode,
+                world_size=vllm_config.parallel_config.world_size,
                 block_size=vllm_config.cache_config.block_size)
             self._scheduler = LedgerScheduler(config, settings)
         else:

@@ -26,7 +26,7 @@ from kvledger.engine import effects as fx
 from kvledger.engine.lookup import lookup
 from kvledger.engine.state import RequestState, RequestStatus
 from kvledger.events import types as ev
-from kvledger.events.config import EngineConfig, GroupKind
+from kvledger.events.config import EngineConfig, GroupKind, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ _ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 class LedgerScheduler:
     def __init__(self, config: EngineConfig, settings: ConnectorSettings) -> None:
         self.config = config
+        self.settings = settings
         self.recorder = Recorder(
             config, log_path=settings.event_log, fmt=settings.event_log_format,
             digest_interval=settings.digest_interval, overwrite=True)
@@ -134,6 +135,11 @@ class LedgerScheduler:
             if grown is not None:
                 self._apply(ev.BlocksAllocated(request_id=rid, block_ids=grown), effects)
 
+        if self.config.store_mode is StoreMode.LAZY:
+            near = self._near_eviction()
+            if near:
+                self._apply(ev.BlocksNearEviction(block_ids=near), effects)
+
         if scheduled:
             self._step += 1
             rids = tuple(scheduled)
@@ -182,6 +188,17 @@ class LedgerScheduler:
         self.recorder.close()
 
     # Table diffs.
+
+    def _near_eviction(self) -> tuple[int, ...]:
+        """The first free blocks vLLM will hand out, in the order it will."""
+        generation = self.recorder.state.core.block_generation
+        near = []
+        for block in self._block_pool.iter_free_blocks(None, generation.__getitem__):
+            if len(near) >= self.settings.lazy_target_blocks:
+                break
+            if not block.is_null:
+                near.append(block.block_id)
+        return tuple(near)
 
     def _blocks(self, rid: str) -> tuple[list, ...]:
         """vLLM's own per-group block lists for the request (read, never copied)."""

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from vllm.v1 import kv_cache_interface as vk
 
-from kvledger.events.config import ConfigError, EngineConfig, GroupKind, GroupSpec, PolicyName, Protection
+from kvledger.events.config import (
+    ConfigError,
+    EngineConfig,
+    GroupKind,
+    GroupSpec,
+    PolicyName,
+    Protection,
+    StoreMode,
+)
 from kvledger.transfers import specs as ks
 from kvledger.transfers.host_tier import ROW_ALIGN_BYTES, round_up
 
@@ -94,7 +102,8 @@ def _engine_group(group_id: int, spec: vk.KVCacheSpec) -> GroupSpec:
 
 
 def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: PolicyName,
-                  world_size: int, block_size: int, protection: Protection = Protection.FLUSH) -> EngineConfig:
+                  world_size: int, block_size: int, protection: Protection = Protection.FLUSH,
+                  store_mode: StoreMode = StoreMode.EAGER) -> EngineConfig:
     groups = tuple(_engine_group(i, g.kv_cache_spec) for i, g in enumerate(config.kv_cache_groups))
     hash_block_size = config.hash_block_size or block_size
     return EngineConfig(
@@ -105,4 +114,5 @@ def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: Poli
         policy=policy,
         protection=protection,
         world_size=world_size,
+        store_mode=store_mode,
     )

@@ -6,7 +6,7 @@ import pytest
 
 from kvledger.adapters.settings import parse_settings
 from kvledger.adapters.vllm_version import UnsupportedVLLMVersion, check_vllm_version
-from kvledger.events.config import ConfigError, PolicyName, Protection
+from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
 
 
 def test_defaults_and_the_vllm_alias_for_capacity():
@@ -27,6 +27,8 @@ def test_every_key_is_read():
     assert (settings.eviction_policy, settings.event_log, settings.event_log_format) == (
         PolicyName.ARC, "/tmp/x.log", "jsonl")
     assert settings.protection is Protection.PIN
+    lazy = parse_settings({"capacity_bytes": 1, "store_mode": "lazy", "lazy_target_blocks": 8})
+    assert (lazy.store_mode, lazy.lazy_target_blocks) == (StoreMode.LAZY, 8)
     assert (settings.digest_interval, settings.log_level, settings.log_json) == (8, "debug", True)
     faults = settings.faults
     assert (faults.load_rate, faults.store_rate, faults.load_block_rate, faults.seed, faults.corrupt) == (
@@ -43,6 +45,9 @@ def test_every_key_is_read():
     ({"capacity_bytes": 1, "eviction_policy": "fifo"}, "'lru' or 'arc'"),
     ({"capacity_bytes": 1, "event_log_format": "csv"}, "event_log_format"),
     ({"capacity_bytes": 1, "protection": "lock"}, "'flush' or 'pin'"),
+    ({"capacity_bytes": 1, "store_mode": "never"}, "'eager' or 'lazy'"),
+    ({"capacity_bytes": 1, "store_mode": "lazy", "protection": "pin"}, "needs protection 'flush'"),
+    ({"capacity_bytes": 1, "lazy_target_blocks": 0}, "lazy_target_blocks"),
     ({"capacity_bytes": 1, "fault_injection": {"store_hold_steps": -1}}, "store_hold_steps"),
     ({"capacity_bytes": 1, "log_level": "loud"}, "log_level"),
     ({"capacity_bytes": 1, "digest_interval": -1}, "digest_interval"),

@@ -37,6 +37,9 @@ CONFIGS = [
     EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),
                          GroupSpec(group_id=1, kind="sliding", block_size=32, window=48)),
                  hash_block_size=16, num_device_blocks=40, num_tier_slots=20),
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
+                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
+                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, store_mode="lazy"),
 ]
 
 
@@ -125,7 +128,7 @@ def _trace(config: EngineConfig, seed: int) -> list:
     return log
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["full", "swa", "swa-pin-arc", "mamba", "swa-mixed"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["full", "swa", "swa-pin-arc", "mamba", "swa-mixed", "swa-lazy"])
 def test_reduce_step_equals_fold_of_reduce(config: EngineConfig) -> None:
     from kvledger.engine.digest import digest
     from kvledger.engine.state import initial_state

@@ -146,3 +146,31 @@ def test_pin_mode_holds_store_sources_instead_of_flushing(models, tmp_path):
     stats = summary["stats"]
     assert stats["flushes"] == 0
     assert stats["stores"] > 0 and stats["loads"] > 0
+
+
+LAZY = {"store_mode": "lazy", "lazy_target_blocks": 16}
+
+
+def test_lazy_mode_stores_little_while_the_pool_has_room(models, tmp_path):
+    # vLLM's own prefix cache on, 2,048 blocks: vLLM serves every repeat itself.
+    # Only blocks already at the eviction end are copied (vLLM puts blocks it
+    # cannot cache there, to be reused first), never the working set.
+    result, summary = _run(models, tmp_path, "tiny-gemma3", golden="lazy_roomy_tiny-gemma3",
+                           engine={"enable_prefix_caching": True}, extra=LAZY)
+    _restored_equal_recomputed(result)
+    assert all(c > 0 for c in result["again"]["cached"])  # served by vLLM's own cache
+    stats = summary["stats"]
+    assert stats["loads"] == 0
+    assert stats["keys_stored"] <= LAZY["lazy_target_blocks"]
+
+
+def test_lazy_mode_stores_under_pressure_and_restores_what_vllm_evicted(models, tmp_path):
+    result, summary = _run(
+        models, tmp_path, "tiny-gemma3", golden="lazy_pressure_tiny-gemma3", count=16, prefix_words=90,
+        tail_words=40, engine={"enable_prefix_caching": True, "num_gpu_blocks_override": 48, "max_num_seqs": 16,
+                               "max_model_len": 512},
+        extra={**LAZY, "capacity_bytes": 96 * 32768})
+    _restored_equal_recomputed(result)
+    stats = summary["stats"]
+    assert stats["stores"] > 0
+    assert stats["loads"] > 0
