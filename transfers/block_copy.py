@@ -75,6 +75,8 @@ def copy_rows(pieces: Sequence[Piece], src_ids: torch.Tensor, dst_ids: torch.Ten
     n = int(dst_ids.numel())
     if n == 0 or not pieces:
         return
+    _check_ids(src_ids, pieces[0][0].shape[0], "source")
+    _check_ids(dst_ids, pieces[0][1].shape[0], "target")
     dst_sorted, order = torch.sort(dst_ids)
     src_sorted = src_ids.index_select(0, order)
     breaks = torch.nonzero(dst_sorted[1:] - dst_sorted[:-1] != 1).flatten() + 1
@@ -85,6 +87,14 @@ def copy_rows(pieces: Sequence[Piece], src_ids: torch.Tensor, dst_ids: torch.Ten
         _copy_direct(pieces, src_sorted, dst_sorted, breaks)
     else:
         _copy_staged(pieces, src_sorted, dst_sorted, row_bytes)
+
+
+def _check_ids(ids: torch.Tensor, rows: int, what: str) -> None:
+    """An out-of-range target would slice to an empty `out=` view and write
+    nothing, silently; refuse it (and sources too) before any byte moves."""
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= rows:
+        raise IndexError(f"{what} row ids span [{low}, {high}], outside [0, {rows})")
 
 
 def _copy_direct(pieces: Sequence[Piece], src: torch.Tensor, dst: torch.Tensor, breaks: torch.Tensor) -> None:

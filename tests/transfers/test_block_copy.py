@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -88,3 +90,13 @@ def test_merge_columns_only_merges_neighbours() -> None:
     assert merged is not None and merged.data_ptr() == rows.data_ptr() and merged.shape == (4, 40)
     assert merge_columns([rows[:, 0:16], rows[:, 24:40]]) is None
     assert merge_columns([rows[:, 0:16], torch.zeros(4, 16, dtype=torch.int8)]) is None
+
+
+@pytest.mark.parametrize("src_ids, dst_ids, words", [([0, 1], [2, 9], "target row ids span [2, 9]"),
+                                                     ([-1, 1], [2, 3], "source row ids span [-1, 1]")])
+def test_out_of_range_rows_are_refused_before_any_byte_moves(src_ids, dst_ids, words) -> None:
+    src = torch.arange(8 * 16, dtype=torch.int8).reshape(8, 16)
+    dst = torch.zeros((4, 16), dtype=torch.int8)
+    with pytest.raises(IndexError, match=re.escape(words)):
+        copy_rows([(src, dst)], torch.tensor(src_ids), torch.tensor(dst_ids))
+    assert not dst.any()
