@@ -40,6 +40,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/engine_step.py
+	$(PY) bench/e2e_vllm_cpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
