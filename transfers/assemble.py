@@ -30,6 +30,7 @@ def open_transfers(
     worker_index: int = 0,
     faults: FaultPlan | Sequence[FaultPlan] | None = None,
     store_hold_polls: int = 0,
+    inline_cpu_copies: bool = False,
     timeout_s: float = 60.0,
 ) -> Transfers:
     """Canonical layout, host tier and runner, with the backend the device calls for."""
@@ -41,7 +42,7 @@ def open_transfers(
 
         backend = CudaBackend(layout, tier)
     else:
-        backend = CpuBackend(layout, tier)
+        backend = CpuBackend(layout, tier, inline=inline_cpu_copies)
     if store_hold_polls:
         backend = DelayingBackend(backend, Direction.STORE, store_hold_polls)
     runner = make_runner(layout, tier, backend, faults=faults, worker_index=worker_index, timeout_s=timeout_s)

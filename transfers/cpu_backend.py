@@ -27,7 +27,11 @@ _STOP = None
 
 
 class CpuBackend:
-    def __init__(self, layout: CanonicalKVCaches, tier: HostTier) -> None:
+    """`inline=True` copies in the caller's thread at submit. vLLM-CPU uses it:
+    there the model's forward already runs on every core, a copy thread only
+    competes with it, and a block copy in host memory costs microseconds."""
+
+    def __init__(self, layout: CanonicalKVCaches, tier: HostTier, *, inline: bool = False) -> None:
         if layout.device.type != "cpu":
             raise ValueError(f"CpuBackend needs KV caches in host memory, got {layout.device}")
         if tier.slot_bytes < layout.slot_bytes:
@@ -41,6 +45,7 @@ class CpuBackend:
         self._lock = threading.Lock()
         self._finished: dict[int, JobOutcome] = {}
         self._pending: dict[int, threading.Event] = {}
+        self._inline = inline
         self._closed = False
         self._cancelled = False  # shut down without drain: jobs not yet copied are cancelled
         self._queues: dict[Direction, queue.SimpleQueue] = {d: queue.SimpleQueue() for d in Direction}
@@ -64,7 +69,10 @@ class CpuBackend:
             if self._closed:
                 raise BackendClosed("the CPU copy backend was shut down")
             self._pending[job.job_id] = threading.Event()
-        self._queues[job.direction].put(job)
+        if self._inline:
+            self._run_each(job.direction, [job])
+        else:
+            self._queues[job.direction].put(job)
 
     def _work(self, direction: Direction) -> None:
         # One OpenMP thread for copies (the setting is per thread): they are

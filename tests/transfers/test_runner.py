@@ -268,3 +268,17 @@ def test_a_held_store_starts_after_its_polls_or_at_once_when_flushed() -> None:
     rig.backend.wait([1], timeout_s=5)
     events += runner.poll()
     assert sorted(e.job_id for e in events) == [1, 2]
+
+
+def test_an_inline_cpu_backend_has_copied_by_the_time_submit_returns() -> None:
+    from kvledger.transfers.cpu_backend import CpuBackend
+
+    rig = make_rig(layouts.cpu_attention(), backend_cls=CpuBackend, inline=True)
+    original = rig.snapshot()
+    rig.runner.submit([store(1, [[1, 2]], [[0, 1]])])
+    assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]  # no wait needed
+    rig.scramble(seed=3)
+    rig.runner.submit([load(2, [[0, 1]], [[1, 2]])])
+    assert rig.runner.poll() == [LoadCompleted(job_id=2, worker_index=3)]
+    for raw, mask, before in zip(rig.case.raws, rig.block_mask({0: [1, 2]}), original):
+        assert torch.equal(raw.flatten()[mask], before.flatten()[mask])
