@@ -45,6 +45,7 @@ def run_demo(out_dir: str | Path, *, model: str = "small-llama", docs: int = 3, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "demo-events.log"
+    log_path.unlink(missing_ok=True)  # the demo's own log from an earlier run; the connector never overwrites
     _say(f"building the local model {model!r} (random weights, no download)", started)
     model_dir = build_model(model, out / "models")
 

@@ -67,6 +67,18 @@ def _records(records: Iterator[Record], file: BinaryIO, source: str) -> Iterator
             raise LogError(f"corrupt gzip stream: {exc}", source=source) from None
 
 
+def unused_path(path: str) -> str:
+    """`path`, or `name.1.ext`, `name.2.ext`, ... if taken: a restarted server,
+    or a second engine, must never overwrite the log of an earlier run."""
+    if not os.path.exists(path):
+        return path
+    root, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(f"{root}.{n}{ext}"):
+        n += 1
+    return f"{root}.{n}{ext}"
+
+
 def open_log(path: str | os.PathLike) -> tuple[LogHeader, Iterator[Record]]:
     """The log's header now, and an iterator over its records (which closes the file at its end).
 

@@ -98,6 +98,7 @@ def ttft(model: Path, docs: int, doc_words: int, log: Path) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     rng = random.Random(2)
+    log.unlink(missing_ok=True)  # this benchmark's log from an earlier run
     llm = _llm(model, doc_words + 64, _connector(log, 1 << 30))
     llm.generate([words(rng, 64)], params, use_tqdm=False)  # warm up
     recomputed, restored, cached, equal = [], [], [], []

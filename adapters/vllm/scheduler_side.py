@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from kvledger.adapters.logfile import unused_path
 from kvledger.adapters.recorder import Recorder
 from kvledger.adapters.settings import ConnectorSettings
 from kvledger.adapters.vllm.block_pool import BlockPoolView
@@ -44,9 +45,12 @@ class LedgerScheduler:
     def __init__(self, config: EngineConfig, settings: ConnectorSettings) -> None:
         self.config = config
         self.settings = settings
+        self.log_path = unused_path(settings.event_log) if settings.event_log else None
         self.recorder = Recorder(
-            config, log_path=settings.event_log, fmt=settings.event_log_format,
-            digest_interval=settings.digest_interval, overwrite=True)
+            config, log_path=self.log_path, fmt=settings.event_log_format,
+            digest_interval=settings.digest_interval)
+        if self.log_path is not None:
+            _log.info("event_log_opened", path=self.log_path)
         self._manager: KVCacheManager | None = None
         self._pool: BlockPoolView | None = None
         self._requests: dict[str, Request] = {}

@@ -209,3 +209,14 @@ def test_abandoning_the_iterator_closes_the_file(tmp_path: Path) -> None:
     records.close()  # a generator: closing it closes the file
     with pytest.raises(StopIteration):
         next(records)
+
+
+def test_an_existing_event_log_is_never_overwritten(tmp_path):
+    from kvledger.adapters.logfile import unused_path
+
+    log = tmp_path / "events.log"
+    assert unused_path(str(log)) == str(log)
+    log.write_bytes(b"an earlier run")
+    assert unused_path(str(log)) == str(tmp_path / "events.1.log")
+    (tmp_path / "events.1.log").write_bytes(b"another")
+    assert unused_path(str(log)) == str(tmp_path / "events.2.log")

@@ -76,3 +76,4 @@ def test_other_vllm_versions_are_refused_by_name(version):
 def test_an_unreadable_version_is_refused():
     with pytest.raises(UnsupportedVLLMVersion, match="cannot read the vLLM version 'dev'"):
         check_vllm_version("dev")
+
