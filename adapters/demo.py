@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvledger.adapters.settings import kv_transfer_config
 from kvledger.adapters.tiny_models import build_model
 
 
@@ -57,11 +58,7 @@ def run_demo(out_dir: str | Path, *, model: str = "small-llama", docs: int = 3, 
         model=str(model_dir), dtype="float32", max_model_len=doc_words + 256, block_size=32,
         enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
         max_num_seqs=4, seed=0, disable_log_stats=False,
-        kv_transfer_config={
-            "kv_connector": "KVLedgerConnector", "kv_connector_module_path": "kvledger.adapters.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"capacity_bytes": 256 << 20, "event_log": str(log_path)},
-        },
+        kv_transfer_config=kv_transfer_config(capacity_bytes=256 << 20, event_log=str(log_path)),
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rng = random.Random(0)

@@ -33,10 +33,6 @@ class FaultSettings:
     corrupt: bool = False  # a failed load still writes garbage into its blocks, and reports success
     store_hold_steps: int = 0  # each store starts this many steps late (unless flushed): a slow transfer
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.load_rate or self.store_rate or self.load_block_rate or self.store_hold_steps)
-
 
 @attrs.frozen(kw_only=True)
 class ConnectorSettings:
@@ -88,6 +84,14 @@ def _typed(name: str, value: Any, expected: type | tuple[type, ...]) -> Any:
         names = " or ".join(t.__name__ for t in types)
         raise ConfigError(f"kv_connector_extra_config[{name!r}] must be {names}, got {value!r}")
     return value
+
+
+def kv_transfer_config(**extra: Any) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for kvledger, with `extra` as its
+    `kv_connector_extra_config`. Failed loads are recomputed (vLLM's default
+    policy, "fail", would return an error for the request instead)."""
+    return {"kv_connector": "KVLedgerConnector", "kv_connector_module_path": "kvledger.adapters.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -26,15 +26,14 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # noop_connector, loaded by module name
 
 from kvledger.adapters.demo import ask, words  # noqa: E402
+from kvledger.adapters.settings import kv_transfer_config  # noqa: E402
 from kvledger.adapters.tiny_models import build_model  # noqa: E402
 
 
 def _connector(log: Path | None, capacity: int) -> dict:
-    extra = {"capacity_bytes": capacity}
-    if log is not None:
-        extra["event_log"] = str(log)
-    return {"kv_connector": "KVLedgerConnector", "kv_connector_module_path": "kvledger.adapters.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    if log is None:
+        return kv_transfer_config(capacity_bytes=capacity)
+    return kv_transfer_config(capacity_bytes=capacity, event_log=str(log))
 
 
 def _llm(model: Path, max_model_len: int, transfer: dict | None):

@@ -208,6 +208,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: Effects) -> No
     # Apply. A block some store still reads is being handed out: in flush
     # mode that store must finish before this step's forward writes it.
     to_flush: list[int] = []
+    lazy_keys = core.lazy_keys  # lazy mode: a reallocated block's old content is gone
     for group, ids in zip(core.groups, event.block_ids):
         for block in ids:
             if block == NULL_BLOCK_ID:
@@ -217,7 +218,8 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: Effects) -> No
                 to_flush.extend(readers)
             core.block_refs[block] = 1
             core.block_generation[block] += 1
-            core.lazy_keys.pop(block, None)
+            if lazy_keys:
+                lazy_keys.pop(block, None)
             core.block_group[block] = group.group_id
             core.block_key[block] = None
         request.table[group.group_id].extend(ids)

@@ -49,7 +49,7 @@ class CpuBackend:
         self._closed = False
         self._cancelled = False  # shut down without drain: jobs not yet copied are cancelled
         self._queues: dict[Direction, queue.SimpleQueue] = {d: queue.SimpleQueue() for d in Direction}
-        self._threads = [
+        self._threads = [] if inline else [  # inline: every copy runs in submit, no thread waits for work
             threading.Thread(target=self._work, args=(d,), name=f"kvledger-{d.value}", daemon=True)
             for d in Direction
         ]

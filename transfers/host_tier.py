@@ -42,6 +42,16 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def slots_for(capacity_bytes: int, slot_bytes: int) -> tuple[int, int]:
+    """(number of slots, bytes per slot row) for a tier of `capacity_bytes`.
+
+    The scheduler sizes the engine's tier with it and the worker allocates
+    with it, so both agree without talking to each other.
+    """
+    row_bytes = round_up(slot_bytes, ROW_ALIGN_BYTES)
+    return capacity_bytes // row_bytes, row_bytes
+
+
 class HostTier:
     """`rows[s]` is slot `s`: `slot_bytes` bytes, of which a group uses a prefix."""
 
@@ -55,8 +65,7 @@ class HostTier:
     ) -> None:
         if slot_bytes <= 0:
             raise HostTierError(f"slot_bytes must be positive, got {slot_bytes}")
-        row_bytes = round_up(slot_bytes, ROW_ALIGN_BYTES)
-        num_slots = capacity_bytes // row_bytes
+        num_slots, row_bytes = slots_for(capacity_bytes, slot_bytes)
         if num_slots < 1:
             raise HostTierError(
                 f"host tier capacity {capacity_bytes} bytes is smaller than one slot of {row_bytes} bytes"

@@ -82,19 +82,10 @@ class TransferRunner:
             self._reject(effect, problem)
             return
         if isinstance(effect, StartStore):
-            copy = CopyJob(
-                job_id=effect.job_id,
-                direction=Direction.STORE,
-                block_ids=effect.source_block_ids,
-                slot_ids=effect.target_slot_ids,
-            )
+            direction, blocks, slots = Direction.STORE, effect.source_block_ids, effect.target_slot_ids
         else:
-            copy = CopyJob(
-                job_id=effect.job_id,
-                direction=Direction.LOAD,
-                block_ids=effect.target_block_ids,
-                slot_ids=effect.source_slot_ids,
-            )
+            direction, blocks, slots = Direction.LOAD, effect.target_block_ids, effect.source_slot_ids
+        copy = CopyJob(job_id=effect.job_id, direction=direction, block_ids=blocks, slot_ids=slots)
         try:
             self._backend.submit(copy)
         except Exception as exc:

@@ -54,12 +54,12 @@ class BlockPoolView:
         self._pool.free_blocks(blocks)
         self.pinned -= len(blocks)
 
-    def iter_free_blocks(self, after: Cursor | None, generation_of) -> Iterator[KVCacheBlock]:
+    def iter_free_blocks(self, after: Cursor | None = None, generation_of=None) -> Iterator[KVCacheBlock]:
         """Free blocks in eviction order (least recently used first), after `after`.
 
-        `generation_of(block_id)` is the engine's current generation of a
-        block. The cursor is used only if its block is still free and was not
-        allocated since the cursor was taken.
+        With a cursor, `generation_of(block_id)` gives the engine's current
+        generation of a block; the cursor is used only if its block is still
+        free and was not allocated since the cursor was taken.
         """
         queue = self._pool.free_block_queue
         start = None

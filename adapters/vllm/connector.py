@@ -80,10 +80,13 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(kv_connector_metadata, KVLedgerMetadata)
         self.worker.handle_preemptions(kv_connector_metadata)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def _step_meta(self) -> KVLedgerMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVLedgerMetadata)
-        self.worker.start_loads(meta)
+        return meta
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_loads(self._step_meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete before their request is scheduled
@@ -92,9 +95,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         return  # stores copy whole blocks after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVLedgerMetadata)
-        self.worker.start_stores(meta)
+        self.worker.start_stores(self._step_meta())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         finished, failed = self.worker.transfer_results()

@@ -58,7 +58,6 @@ class LedgerScheduler:
         self._admitted: list[tuple[str, int, int]] = []  # (request, local tokens, external tokens)
         self._step = 0
         self._epoch = 0
-        self.violations = 0
 
     # Engine access.
 
@@ -73,7 +72,6 @@ class LedgerScheduler:
             elif isinstance(effect, fx.UnpinDeviceBlocks):
                 self._block_pool.free_blocks(effect.block_ids)
             elif isinstance(effect, fx.ReportViolation):
-                self.violations += 1
                 _log.error("protocol_violation", code=effect.code, message=effect.message,
                            event_kind=effect.event_kind, request_id=effect.request_id,
                            job_id=effect.job_id, step=self._step)
@@ -195,9 +193,8 @@ class LedgerScheduler:
 
     def _near_eviction(self) -> tuple[int, ...]:
         """The first free blocks vLLM will hand out, in the order it will."""
-        generation = self.recorder.state.core.block_generation
         near = []
-        for block in self._block_pool.iter_free_blocks(None, generation.__getitem__):
+        for block in self._block_pool.iter_free_blocks():
             if len(near) >= self.settings.lazy_target_blocks:
                 break
             if not block.is_null:

@@ -19,19 +19,19 @@ from kvledger.events.config import (
     StoreMode,
 )
 from kvledger.transfers import specs as ks
-from kvledger.transfers.host_tier import ROW_ALIGN_BYTES, round_up
+from kvledger.transfers.host_tier import slots_for
 
 
 def _layer_spec(spec: vk.KVCacheSpec, where: str) -> ks.LayerSpec:
     if isinstance(spec, vk.MambaSpec):
         return ks.MambaSpec(block_size=spec.block_size, shapes=spec.shapes, dtypes=spec.dtypes,
                             page_size_padded=spec.page_size_padded, mamba_cache_mode=spec.mamba_cache_mode)
-    if isinstance(spec, vk.SlidingWindowSpec) and type(spec) is vk.SlidingWindowSpec:
+    if type(spec) is vk.SlidingWindowSpec:
         return ks.SlidingWindowSpec(
             block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
             dtype=spec.dtype, head_size_v=spec.head_size_v, page_size_padded=spec.page_size_padded,
             sliding_window=spec.sliding_window, extra_retained_tokens=spec.extra_retained_tokens)
-    if isinstance(spec, vk.MLAAttentionSpec) and type(spec) is vk.MLAAttentionSpec:
+    if type(spec) is vk.MLAAttentionSpec:
         return ks.MLAAttentionSpec(
             block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
             dtype=spec.dtype, page_size_padded=spec.page_size_padded, cache_dtype_str=spec.cache_dtype_str)
@@ -74,9 +74,8 @@ def slot_bytes(config: ks.KVCacheConfig) -> int:
 
 
 def num_tier_slots(capacity_bytes: int, config: ks.KVCacheConfig) -> int:
-    """Slots the host tier holds; the same arithmetic as `HostTier`."""
-    row = round_up(slot_bytes(config), ROW_ALIGN_BYTES)
-    slots = capacity_bytes // row
+    """Slots the host tier holds (`HostTier` allocates with the same function)."""
+    slots, row = slots_for(capacity_bytes, slot_bytes(config))
     if slots < 1:
         raise ConfigError(f"capacity_bytes={capacity_bytes} holds no slot: one block of every layer of a "
                           f"group takes {row} bytes")

@@ -55,8 +55,6 @@ class LedgerWorker:
         self._load_requests: dict[int, str] = {}  # load job -> request
         self._events: list[TransferEvent] = []  # outcomes not yet sent to the scheduler
         self._invalid_blocks: set[int] = set()
-        self.flushes = 0
-        self.jobs_flushed = 0
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.transfers = open_transfers(
@@ -83,8 +81,6 @@ class LedgerWorker:
     def handle_preemptions(self, meta: KVLedgerMetadata) -> None:
         if meta.flush:
             self._runner.submit([FlushStores(job_ids=meta.flush)])
-            self.flushes += 1
-            self.jobs_flushed += len(meta.flush)
             _log.debug("stores_flushed", job_ids=meta.flush)
 
     def start_loads(self, meta: KVLedgerMetadata) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.adapters.settings import parse_settings
+from kvledger.adapters.settings import FaultSettings, parse_settings
 from kvledger.adapters.vllm_version import UnsupportedVLLMVersion, check_vllm_version
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
 
@@ -14,7 +14,16 @@ def test_defaults_and_the_vllm_alias_for_capacity():
     assert settings.capacity_bytes == 1 << 30
     assert settings.eviction_policy is PolicyName.LRU
     assert settings.event_log is None
-    assert not settings.faults.enabled
+    assert settings.faults == FaultSettings()  # no injected faults unless asked
+
+
+def test_the_transfer_config_builder_gives_settings_the_connector_accepts():
+    from kvledger.adapters.settings import kv_transfer_config
+
+    config = kv_transfer_config(capacity_bytes=4096, store_mode="lazy")
+    assert config["kv_connector_module_path"] == "kvledger.adapters.vllm"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert parse_settings(config["kv_connector_extra_config"]).store_mode.value == "lazy"
 
 
 def test_every_key_is_read():

@@ -123,28 +123,20 @@ def test_a_failed_load_while_aborting_also_forgets_the_request():
     assert status_of(e) is None
 
 
-def test_a_failed_load_with_one_group_past_its_first_block_is_an_ordinary_load_end():
+@pytest.mark.parametrize("failed_block, move, table", [
+    (10, "load_ended", [[9, 10, 11, 12, 13]]),  # recomputed from the second block: the table stays
+    # At position 0 no token is valid: vLLM frees the blocks and admits the request again.
+    (9, "load_failed+recompute", [[]]),
+], ids=["past-the-first-block", "at-the-first-block"])
+def test_a_failed_load_with_one_group_ends_as_vllm_recomputes_it(failed_block, move, table):
     e = Engine(full_only_config())
     e.run_and_store("d", 128, (1, 2, 3, 4))
     e.finish("d")
     e.add("r", 129, A[:4])
     e.alloc("r", (9, 10, 11, 12, 13), ext=128)
-    e.apply(ev.LoadFailed(job_id=LOAD_JOB, block_ids=(10,), keys=()))
-    assert status_of(e) is REQUEST_MOVES[(R.LOADING, "load_ended")]
-    assert e.state.core.requests["r"].table == [[9, 10, 11, 12, 13]]
-
-
-def test_a_failed_first_block_with_one_group_frees_the_table_as_vllm_does():
-    # vLLM recomputes from the first failed block; at position 0 no token is
-    # valid, so it frees the blocks and admits the request again.
-    e = Engine(full_only_config())
-    e.run_and_store("d", 128, (1, 2, 3, 4))
-    e.finish("d")
-    e.add("r", 129, A[:4])
-    e.alloc("r", (9, 10, 11, 12, 13), ext=128)
-    e.apply(ev.LoadFailed(job_id=LOAD_JOB, block_ids=(9,), keys=()))
-    assert status_of(e) is REQUEST_MOVES[(R.LOADING, "load_failed+recompute")]
-    assert e.state.core.requests["r"].table == [[]]
+    e.apply(ev.LoadFailed(job_id=LOAD_JOB, block_ids=(failed_block,), keys=()))
+    assert status_of(e) is REQUEST_MOVES[(R.LOADING, move)]
+    assert e.state.core.requests["r"].table == table
 
 
 def test_request_move_lookup():

@@ -50,17 +50,14 @@ def loads_in_log(log: Path) -> tuple[object, list]:
     """The log's config and every StartLoad the engine planned, by replaying it."""
     from kvledger.adapters.logfile import open_log
     from kvledger.engine import effects as fx
-    from kvledger.engine.reducer import reduce
-    from kvledger.engine.state import initial_state
-    from kvledger.events.log import EventRecord
+    from kvledger.engine.replay import replay
 
     header, records = open_log(log)
-    state = initial_state(header.config)
-    loads = []
-    for record in records:
-        if isinstance(record, EventRecord):
-            state, effects = reduce(state, record.event, strict=True)
-            loads.extend(e for e in effects if isinstance(e, fx.StartLoad))
+    loads: list = []
+    result = replay(header.config, records,
+                    observe=lambda seq, event, state, effects: loads.extend(
+                        e for e in effects if isinstance(e, fx.StartLoad)))
+    assert result.first_problem is None, result.first_problem
     return header.config, loads
 
 

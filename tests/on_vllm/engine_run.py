@@ -41,6 +41,8 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
+    from kvledger.adapters.settings import kv_transfer_config
+
     if spec.get("mutant_no_flush"):  # negative control, in-process only: the worker never flushes
         from kvledger.adapters.vllm.connector import KVLedgerConnector
 
@@ -50,10 +52,7 @@ def main() -> None:
     engine_args = dict(
         model=spec["model"], dtype="float32", max_model_len=1024, block_size=32, enforce_eager=True,
         enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, max_num_seqs=8, seed=0,
-        # "recompute": a failed load is recomputed; vLLM's default fails the request.
-        kv_transfer_config={"kv_connector": "KVLedgerConnector", "kv_connector_module_path": "kvledger.adapters.vllm",
-                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                            "kv_connector_extra_config": extra},
+        kv_transfer_config=kv_transfer_config(**extra),
     )
     engine_args.update(spec.get("engine", {}))
     llm = LLM(**engine_args)

@@ -22,9 +22,9 @@ def _ids(blocks) -> list[int]:
 
 def test_a_touched_free_block_leaves_the_queue_and_comes_back_once(view):
     pool = view._pool
-    assert _ids(view.iter_free_blocks(None, lambda b: 0)) == list(range(1, 8))  # block 0 is the null block
+    assert _ids(view.iter_free_blocks()) == list(range(1, 8))  # block 0 is the null block
     view.touch([3])
-    assert 3 not in _ids(view.iter_free_blocks(None, lambda b: 0))
+    assert 3 not in _ids(view.iter_free_blocks())
     assert view.pinned == 1
     view.free_blocks([3])
     assert view.pinned == 0 and pool.blocks[3].ref_cnt == 0

@@ -14,6 +14,8 @@ import urllib.request
 
 import pytest
 
+from kvledger.adapters.settings import kv_transfer_config
+
 from .conftest import REPO, replay_summary
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -49,9 +51,7 @@ def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
 def test_two_identical_completions_the_second_restored(models, tmp_path):
     port = _free_port()
     log = tmp_path / "server-events.log"
-    transfer = {"kv_connector": "KVLedgerConnector", "kv_connector_module_path": "kvledger.adapters.vllm",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"capacity_bytes": 32 << 20, "event_log": str(log)}}
+    transfer = kv_transfer_config(capacity_bytes=32 << 20, event_log=str(log))
     server_log = (tmp_path / "server.out").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["tiny-llama"]),

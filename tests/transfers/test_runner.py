@@ -282,3 +282,14 @@ def test_an_inline_cpu_backend_has_copied_by_the_time_submit_returns() -> None:
     assert rig.runner.poll() == [LoadCompleted(job_id=2, worker_index=3)]
     for raw, mask, before in zip(rig.case.raws, rig.block_mask({0: [1, 2]}), original):
         assert torch.equal(raw.flatten()[mask], before.flatten()[mask])
+
+
+def test_an_inline_cpu_backend_starts_no_copy_thread_and_shuts_down_clean() -> None:
+    from kvledger.transfers.cpu_backend import CpuBackend
+
+    before = set(threading.enumerate())
+    rig = make_rig(layouts.cpu_attention(), backend_cls=CpuBackend, inline=True)
+    assert not set(threading.enumerate()) - before
+    rig.runner.submit([store(1, [[1]], [[0]])])
+    rig.runner.shutdown(drain=True, timeout_s=1)
+    assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
