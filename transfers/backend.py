@@ -65,6 +65,8 @@ class JobOutcome:
     direction: Direction
     failed: Positions = ()
     error: str = ""
+    seconds: float = 0.0
+    """Copy time the backend measured (for metrics); 0.0 when it did not run."""
 
     @property
     def ok(self) -> bool:

@@ -102,13 +102,18 @@ class CpuBackend:
         step, and each copy costs a few torch calls however small it is. If
         the merged copy fails, each job runs alone, so a failure names its job."""
         if len(batch) > 1 and not self._cancelled:
+            started = time.perf_counter()
             try:
                 self._execute_many(batch)
             except Exception as exc:
                 _log.warning("batched_copy_failed", direction=direction.value, jobs=len(batch), error=repr(exc))
             else:
+                # Each job is charged the merged copy's time in proportion to its blocks.
+                seconds = time.perf_counter() - started
+                total = sum(len(job.positions()) for job in batch) or 1
                 for job in batch:
-                    self._finish(JobOutcome(job_id=job.job_id, direction=job.direction))
+                    share = seconds * len(job.positions()) / total
+                    self._finish(JobOutcome(job_id=job.job_id, direction=job.direction, seconds=share))
                 return
         self._run_each(direction, batch)
 
@@ -119,9 +124,11 @@ class CpuBackend:
                                         error="cancelled"))
                 continue
             outcome = JobOutcome(job_id=job.job_id, direction=job.direction, failed=job.positions(), error="not run")
+            started = time.perf_counter()
             try:
                 self._execute(job)
-                outcome = JobOutcome(job_id=job.job_id, direction=job.direction)
+                outcome = JobOutcome(job_id=job.job_id, direction=job.direction,
+                                     seconds=time.perf_counter() - started)
             except Exception as exc:
                 _log.error("copy_failed", job_id=job.job_id, direction=direction.value, error=repr(exc))
                 outcome = JobOutcome(

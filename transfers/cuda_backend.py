@@ -34,6 +34,7 @@ STAGING_BYTES = 256 << 20
 @attrs.frozen(eq=False)
 class _Launched:
     job: CopyJob
+    started: torch.cuda.Event
     done: torch.cuda.Event
     keepalive: tuple[torch.Tensor, ...]  # staging and index tensors the stream still reads
     error: str
@@ -79,6 +80,8 @@ class CudaBackend:
         error = ""
         with torch.cuda.device(self._device):
             stream.wait_stream(torch.cuda.current_stream(self._device))
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(stream)
             with torch.cuda.stream(stream):
                 try:
                     if job.direction is Direction.STORE:
@@ -90,9 +93,9 @@ class CudaBackend:
                     _log.error("copy_launch_failed", job_id=job.job_id, direction=job.direction.value, error=error)
                 # The outcome waits for this event even after an error, so no
                 # half-launched copy can still be writing once it is reported.
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(enable_timing=True)
                 done.record(stream)
-        self._launched[job.job_id] = _Launched(job, done, tuple(keep), error)
+        self._launched[job.job_id] = _Launched(job, started, done, tuple(keep), error)
 
     def _device_ids(self, ids: list[int], keep: list[torch.Tensor]) -> torch.Tensor:
         host = torch.tensor(ids, dtype=torch.long).pin_memory()
@@ -150,7 +153,9 @@ class CudaBackend:
                 del self._launched[job_id]
                 job = launched.job
                 failed = job.positions() if error else ()
-                outcomes.append(JobOutcome(job_id=job_id, direction=job.direction, failed=failed, error=error))
+                seconds = 0.0 if error else launched.started.elapsed_time(launched.done) / 1e3
+                outcomes.append(JobOutcome(job_id=job_id, direction=job.direction, failed=failed, error=error,
+                                           seconds=seconds))
         return outcomes
 
     def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:

@@ -16,6 +16,7 @@ import attrs
 import structlog
 
 from kvledger.engine.effects import FlushStores, StartLoad, StartStore
+from kvledger.events.keys import hex_keys
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
 from kvledger.transfers.backend import CopyBackend, CopyJob, Direction, JobOutcome, TransferTimeout
 from kvledger.transfers.preconditions import Limits, precondition_error
@@ -23,6 +24,16 @@ from kvledger.transfers.preconditions import Limits, precondition_error
 _log = structlog.get_logger("kvledger.transfers.runner")
 
 TransferEvent = StoreCompleted | StoreFailed | LoadCompleted | LoadFailed
+
+
+@attrs.frozen
+class TransferStat:
+    """One finished job, for metrics: blocks moved per group and the copy time."""
+
+    direction: Direction
+    blocks_per_group: tuple[int, ...]
+    seconds: float
+    ok: bool
 
 
 @attrs.frozen
@@ -48,6 +59,7 @@ class TransferRunner:
         self.timeout_s = timeout_s
         self._jobs: dict[int, _Job] = {}
         self._ready: list[TransferEvent] = []
+        self._stats: list[TransferStat] = []
         self._closed = False
 
     @property
@@ -95,14 +107,15 @@ class TransferRunner:
 
     def _reject(self, effect: StartStore | StartLoad, problem: str) -> None:
         """Every block of a job that never ran has failed."""
+        keys = tuple(k for group in effect.keys for k in group)
         _log.warning(
             "transfer_rejected",
             job_id=effect.job_id,
             request_id=effect.request_id,
             kind=type(effect).__name__,
+            keys=hex_keys(keys),
             problem=problem,
         )
-        keys = tuple(k for group in effect.keys for k in group)
         if isinstance(effect, StartStore):
             self._ready.append(StoreFailed(job_id=effect.job_id, worker_index=self.worker_index, keys=keys))
         else:
@@ -119,6 +132,10 @@ class TransferRunner:
             if job is None:
                 _log.warning("unknown_job_outcome", job_id=outcome.job_id)
                 continue
+            moved = [len(ids) for ids in job.copy.block_ids]
+            for g, _ in outcome.failed:
+                moved[g] -= 1
+            self._stats.append(TransferStat(outcome.direction, tuple(moved), outcome.seconds, outcome.ok))
             if not outcome.ok:
                 _log.error(
                     "transfer_failed",
@@ -126,10 +143,16 @@ class TransferRunner:
                     request_id=job.effect.request_id,
                     direction=outcome.direction.value,
                     failed=len(outcome.failed),
+                    keys=hex_keys(job.effect.keys[g][i] for g, i in outcome.failed),
                     error=outcome.error,
                 )
             events.append(self._event(job.effect, outcome))
         return events
+
+    def take_stats(self) -> list[TransferStat]:
+        """Jobs that finished since the last call (polled ones only)."""
+        stats, self._stats = self._stats, []
+        return stats
 
     def _event(self, effect: StartStore | StartLoad, outcome: JobOutcome) -> TransferEvent:
         job_id, worker = effect.job_id, self.worker_index

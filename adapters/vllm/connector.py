@@ -7,6 +7,7 @@ bytes); each call is forwarded to the half that owns it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -19,7 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvledger.adapters.logs import configure_logging
 from kvledger.adapters.settings import parse_settings
+from kvledger.adapters.vllm.kv_events import TierEvents, group_event_specs
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata
+from kvledger.adapters.vllm.metrics import KVLedgerPromMetrics, KVLedgerStats
 from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
 from kvledger.adapters.vllm.specs import engine_config, transfer_config
 from kvledger.adapters.vllm.worker_side import LedgerWorker
@@ -27,6 +30,8 @@ from kvledger.adapters.vllm.worker_side import LedgerWorker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -57,7 +62,10 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                 protection=settings.protection, store_mode=settings.store_mode,
                 world_size=vllm_config.parallel_config.world_size,
                 block_size=vllm_config.cache_config.block_size)
-            self._scheduler = LedgerScheduler(config, settings)
+            events = vllm_config.kv_events_config
+            tier_events = (TierEvents(group_event_specs(kv_cache_config))
+                           if events is not None and events.enable_kv_cache_events else None)
+            self._scheduler = LedgerScheduler(config, settings, tier_events=tier_events)
         else:
             self._worker = LedgerWorker(transfer_config(kv_cache_config), settings, worker_index=_worker_index())
 
@@ -107,6 +115,21 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self):
         return self.worker.take_worker_meta()
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Both roles report: workers what they copied, the scheduler what the engine counted."""
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self.scheduler.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVLedgerStats(data=data) if data is not None else KVLedgerStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KVLedgerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -147,6 +170,9 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler.has_pending_work()
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler.take_events()
 
     def reset_cache(self) -> bool | None:
         return self.scheduler.reset_cache()

@@ -14,6 +14,7 @@ own, so nothing is inferred.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import structlog
@@ -21,13 +22,16 @@ import structlog
 from kvledger.adapters.logfile import unused_path
 from kvledger.adapters.recorder import Recorder
 from kvledger.adapters.settings import ConnectorSettings
+from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
+from kvledger.adapters.vllm.kv_events import TierEvents
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.engine import effects as fx
 from kvledger.engine.lookup import lookup
 from kvledger.engine.state import RequestState, RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, GroupKind, StoreMode
+from kvledger.events.keys import hex_keys
 from kvledger.events.types import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
@@ -40,9 +44,18 @@ _log = structlog.get_logger("kvledger.adapters.vllm.scheduler")
 
 _ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
+# Engine totals reported as counters: the stats carry their change since the last report.
+_COUNTED = (("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORES),
+            ("store_rejections", m.ALLOCATION_FAILURE), ("load_failures", m.LOAD_FAILURES),
+            ("store_failures", m.STORE_FAILURES), ("keys_failed", m.FAILED_BLOCKS),
+            ("evictions", m.EVICTIONS), ("flushes", m.FLUSHES), ("jobs_flushed", m.FLUSHED_JOBS))
+
 
 class LedgerScheduler:
-    def __init__(self, config: EngineConfig, settings: ConnectorSettings) -> None:
+    """`tier_events` is given when vLLM publishes KV cache events."""
+
+    def __init__(self, config: EngineConfig, settings: ConnectorSettings, *,
+                 tier_events: TierEvents | None = None) -> None:
         self.config = config
         self.settings = settings
         self.log_path = unused_path(settings.event_log) if settings.event_log else None
@@ -58,6 +71,10 @@ class LedgerScheduler:
         self._admitted: list[tuple[str, int, int]] = []  # (request, local tokens, external tokens)
         self._step = 0
         self._epoch = 0
+        self.tier_events = tier_events
+        self._violations = 0
+        self._reported: dict[str, int] = {}  # engine totals at the last stats report
+        self._lookup_seconds: list[float] = []
 
     # Engine access.
 
@@ -65,6 +82,9 @@ class LedgerScheduler:
         return self.recorder.state.core.requests.get(rid)
 
     def _apply(self, event: ev.Event, effects: list[fx.Effect]) -> None:
+        job_id = getattr(event, "job_id", None)
+        job = None if job_id is None else self.recorder.state.core.jobs.get(job_id)
+        job_keys = [] if job is None else [k for group in job.keys for k in group]
         produced = self.recorder.apply(event)
         for effect in produced:
             if isinstance(effect, fx.PinDeviceBlocks):
@@ -72,9 +92,16 @@ class LedgerScheduler:
             elif isinstance(effect, fx.UnpinDeviceBlocks):
                 self._block_pool.free_blocks(effect.block_ids)
             elif isinstance(effect, fx.ReportViolation):
+                self._violations += 1
+                keys = getattr(event, "keys", ()) or job_keys
                 _log.error("protocol_violation", code=effect.code, message=effect.message,
                            event_kind=effect.event_kind, request_id=effect.request_id,
-                           job_id=effect.job_id, step=self._step)
+                           job_id=effect.job_id, keys=hex_keys(keys), step=self._step)
+        if isinstance(event, (ev.StoreFailed, ev.LoadFailed)):
+            _log.warning(event.kind, request_id=None if job is None else job.request_id, job_id=event.job_id,
+                         worker_index=event.worker_index, keys=hex_keys(event.keys), step=self._step)
+        if self.tier_events is not None:
+            self.tier_events.observe(event, job_keys, produced, self.recorder.state.core)
         effects.extend(produced)
 
     # vLLM's scheduler-side calls.
@@ -96,10 +123,12 @@ class LedgerScheduler:
                                     block_hashes=tuple(request.block_hashes)), effects)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        started = time.perf_counter()
         rid = request.request_id
         self._local_hit[rid] = num_computed_tokens
         self._sync_hashes(request, [])
         result = lookup(self.recorder.state, rid, num_computed_tokens)
+        self._lookup_seconds.append(time.perf_counter() - started)
         if not result.ready:
             return None, False  # a needed key is still being stored or loaded: ask next step
         hit = result.num_hit_tokens
@@ -149,7 +178,7 @@ class LedgerScheduler:
                 step_index=self._step, request_ids=rids,
                 num_computed_tokens=tuple(self._requests[r].num_computed_tokens for r in rids),
                 num_scheduled_tokens=tuple(scheduled[r] for r in rids)), effects)
-        return KVLedgerMetadata.from_effects(effects)
+        return KVLedgerMetadata.from_effects(effects, step_index=self._step)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -171,6 +200,27 @@ class LedgerScheduler:
         self._requests.pop(rid, None)
         self._local_hit.pop(rid, None)
         return False, None  # blocks are freed now; the engine flushes stores that still read them
+
+    def take_stats(self) -> m.KVLedgerStats:
+        """What the engine counted since the last report, and the tier now."""
+        stats = m.KVLedgerStats()
+        core = self.recorder.state.core
+        totals = core.stats.as_dict()
+        for field, metric in _COUNTED:
+            stats.add(metric, totals[field] - self._reported.get(field, 0))
+        self._reported = totals
+        stats.add(m.VIOLATIONS, self._violations)
+        self._violations = 0
+        for seconds in self._lookup_seconds:
+            stats.add(m.LOOKUP_DELAY, seconds)
+        self._lookup_seconds.clear()
+        stats.add(m.TIER_USED, core.num_used_slots())
+        stats.add(m.TIER_CAPACITY, self.config.num_tier_slots)
+        stats.add(m.JOBS_IN_FLIGHT, len(core.jobs))
+        return stats
+
+    def take_events(self) -> list:
+        return [] if self.tier_events is None else self.tier_events.take()
 
     def has_pending_work(self) -> bool:
         """Keep vLLM stepping while transfers run, or their completions never arrive."""

@@ -20,10 +20,12 @@ import structlog
 import torch
 
 from kvledger.adapters.settings import ConnectorSettings
+from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.engine.effects import FlushStores
 from kvledger.events.config import ConfigError
-from kvledger.events.types import LoadCompleted, LoadFailed
+from kvledger.events.keys import hex_keys
+from kvledger.events.types import LoadCompleted, LoadFailed, StoreFailed
 from kvledger.transfers.assemble import Transfers, open_transfers
 from kvledger.transfers.backend import Direction
 from kvledger.transfers.faults import FaultPlan
@@ -55,6 +57,7 @@ class LedgerWorker:
         self._load_requests: dict[int, str] = {}  # load job -> request
         self._events: list[TransferEvent] = []  # outcomes not yet sent to the scheduler
         self._invalid_blocks: set[int] = set()
+        self._step = -1  # the scheduler's step of the last metadata seen, for logs
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.transfers = open_transfers(
@@ -79,11 +82,13 @@ class LedgerWorker:
         return self.transfers.runner
 
     def handle_preemptions(self, meta: KVLedgerMetadata) -> None:
+        self._step = meta.step_index
         if meta.flush:
             self._runner.submit([FlushStores(job_ids=meta.flush)])
-            _log.debug("stores_flushed", job_ids=meta.flush)
+            _log.debug("stores_flushed", job_ids=meta.flush, step=self._step)
 
     def start_loads(self, meta: KVLedgerMetadata) -> None:
+        self._step = meta.step_index
         for load in meta.loads:
             self._load_requests[load.job_id] = load.request_id
         self._runner.submit(meta.loads)
@@ -98,6 +103,9 @@ class LedgerWorker:
         multi_group = len(self.config.kv_cache_groups) > 1
         for event in self._runner.poll():
             self._events.append(event)
+            if isinstance(event, StoreFailed):
+                _log.warning("store_failed", job_id=event.job_id, keys=hex_keys(event.keys),
+                             step=self._step, worker_index=self.worker_index)
             if not isinstance(event, (LoadCompleted, LoadFailed)):
                 continue
             rid = self._load_requests.pop(event.job_id, None)
@@ -110,12 +118,30 @@ class LedgerWorker:
                 else:
                     self._invalid_blocks.update(event.block_ids)
                 _log.warning("load_failed", request_id=rid, job_id=event.job_id, blocks=len(event.block_ids),
-                             keys=[k.hex()[:16] for k in event.keys[:4]], worker_index=self.worker_index)
+                             keys=hex_keys(event.keys), step=self._step, worker_index=self.worker_index)
         return finished, failed
 
     def take_invalid_blocks(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
+
+    def take_stats(self) -> m.KVLedgerStats | None:
+        """Bytes, copy time and sizes of the jobs finished since the last call."""
+        if self.transfers is None:
+            return None
+        stats = m.KVLedgerStats()
+        layout = self.transfers.layout
+        for job in self.transfers.runner.take_stats():
+            nbytes = sum(n * layout.payload_bytes(g) for g, n in enumerate(job.blocks_per_group))
+            if job.direction is Direction.LOAD:
+                stats.add(m.LOAD_BYTES, nbytes)
+                stats.add(m.LOAD_TIME, job.seconds)
+                stats.add(m.LOAD_SIZE, nbytes)
+            else:
+                stats.add(m.STORE_BYTES, nbytes)
+                stats.add(m.STORE_TIME, job.seconds)
+                stats.add(m.STORE_SIZE, nbytes)
+        return None if stats.is_empty() else stats
 
     def take_worker_meta(self) -> KVLedgerWorkerMetadata | None:
         if not self._events:

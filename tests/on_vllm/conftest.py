@@ -24,14 +24,17 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_engine(spec: dict, timeout: float = 300) -> dict:
-    """Run `engine_run.py` with `spec`; its RESULT line, parsed."""
+    """Run `engine_run.py` with `spec`; its RESULT line, parsed, plus the
+    JSON log lines it wrote to stderr under `"logs"`."""
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)],
         capture_output=True, text=True, timeout=timeout, cwd=REPO,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT "):])
+            result["logs"] = [json.loads(x) for x in proc.stderr.splitlines() if x.startswith('{"')]
+            return result
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
     raise AssertionError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
 

@@ -9,6 +9,9 @@ Phases, in order, over the same engine:
 - `shifted`: new prompts sharing prefixes with the workload, restored;
 - `reference`: after `reset_prefix_cache(reset_connector=True)` empties the
   tier, `shifted` again, recomputed from scratch.
+
+With `kv_events`, vLLM publishes KV cache events and every batch the
+connector hands over is checked against the engine state at that moment.
 """
 
 from __future__ import annotations
@@ -35,6 +38,48 @@ def prompts(seed: int, count: int, prefix_words: int, tail_words: int) -> tuple[
     return first, shifted
 
 
+def watch_kv_events(llm) -> dict:
+    """Wrap the scheduler connector's `take_events`: after each call, the CPU
+    blocks advertised so far (stored minus removed) must be exactly those the
+    engine can load right now."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from kvledger.adapters.vllm.kv_events import loadable
+
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    seen = {"stored": 0, "removed": 0, "checks": 0, "problems": []}
+    advertised: set = set()
+    take = connector.take_events
+
+    def checked_take():
+        events = list(take())
+        for event in events:
+            pairs = {(event.group_idx, h) for h in event.block_hashes}
+            if isinstance(event, BlockStored):
+                assert event.medium == "CPU"
+                if pairs & advertised:
+                    seen["problems"].append(f"stored twice: {sorted(pairs & advertised)[:2]}")
+                advertised.update(pairs)
+                seen["stored"] += len(pairs)
+            elif isinstance(event, BlockRemoved):
+                if pairs - advertised:
+                    seen["problems"].append("removed a block never advertised")
+                advertised.difference_update(pairs)
+                seen["removed"] += len(pairs)
+        core = connector.scheduler.recorder.state.core
+        held = {(int.from_bytes(k[-4:], "big"), maybe_convert_block_hash(k[:-4]))
+                for k in core.slot_of_key if loadable(core, k)}
+        if held != advertised:
+            seen["problems"].append(f"advertised {len(advertised)} blocks, {len(held)} loadable, "
+                                    f"{len(advertised - held)} of them not loadable")
+        seen["checks"] += 1
+        return events
+
+    connector.take_events = checked_take
+    return seen
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if not spec.get("multiprocess", False):
@@ -55,7 +100,12 @@ def main() -> None:
         kv_transfer_config=kv_transfer_config(**extra),
     )
     engine_args.update(spec.get("engine", {}))
+    if spec.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        engine_args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     llm = LLM(**engine_args)
+    kv_events = watch_kv_events(llm) if spec.get("kv_events") else None
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     first, shifted = prompts(spec.get("seed", 0), spec.get("count", 4), spec.get("prefix_words", 100),
                              spec.get("tail_words", 10))
@@ -68,6 +118,8 @@ def main() -> None:
     result = {"first": run(first), "again": run(first), "shifted": run(shifted)}
     llm.reset_prefix_cache(reset_connector=True)
     result["reference"] = run(shifted)
+    if kv_events is not None:
+        result["kv_events"] = kv_events
     print("RESULT " + json.dumps(result), flush=True)
 
 

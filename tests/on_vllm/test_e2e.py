@@ -92,22 +92,34 @@ def test_a_small_pool_preempts_and_evicts_and_outputs_still_match(models, tmp_pa
     result, summary = _run(
         models, tmp_path, model, golden=f"small_pool_{model}", count=16, prefix_words=90, tail_words=40,
         engine={"num_gpu_blocks_override": 48, "max_num_seqs": 16, "max_model_len": 512},
-        extra={"capacity_bytes": 48 * 32768})
+        extra={"capacity_bytes": 48 * 32768}, kv_events=True)
     _restored_equal_recomputed(result)
     stats = summary["stats"]
     assert stats["preemptions"] > 0
     assert stats["evictions"] > 0
     assert stats["loads"] > 0
+    # KV events name only loadable blocks, checked at every step's take_events.
+    kv_events = result["kv_events"]
+    assert kv_events["problems"] == []
+    assert kv_events["stored"] == stats["keys_stored"]
+    assert kv_events["removed"] >= stats["evictions"] > 0
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_failed_loads_are_recomputed(models, tmp_path, model):
     result, summary = _run(models, tmp_path, model, golden=f"load_failures_{model}",
-                           extra={"fault_injection": {"load_rate": 0.5, "seed": 3}})
+                           extra={"fault_injection": {"load_rate": 0.5, "seed": 3}, "log_json": True})
     _restored_equal_recomputed(result)
     stats = summary["stats"]
     assert stats["load_failures"] > 0
     assert stats["loads"] > stats["load_failures"]
+    # Each failure is logged, as JSON, with its request, its keys and the step,
+    # by the worker that saw it and by the scheduler that applied it.
+    failures = [x for x in result["logs"] if x.get("event") == "load_failed"]
+    assert len(failures) == 2 * stats["load_failures"]
+    for line in failures:
+        assert line["request_id"] and line["step"] >= 0 and line["level"] == "warning"
+        assert line["keys"] and all(len(bytes.fromhex(k)) == 36 for k in line["keys"] if not k.startswith("+"))
 
 
 SLOW_STORES = dict(count=16, prefix_words=90, tail_words=40,

@@ -68,6 +68,7 @@ def test_two_identical_completions_the_second_restored(models, tmp_path):
         body = {"model": str(models["tiny-llama"]), "prompt": prompt, "max_tokens": 8, "temperature": 0}
         first = _post(f"{base}/v1/completions", body)
         second = _post(f"{base}/v1/completions", body)
+        metrics = _metrics_once_loaded(f"{base}/metrics")
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -81,3 +82,31 @@ def test_two_identical_completions_the_second_restored(models, tmp_path):
     summary = replay_summary(log)
     assert summary["stats"]["loads"] == 1
     assert summary["stats"]["hit_tokens"] == 64
+    # The connector's metrics on the server's /metrics agree with the log.
+    page_bytes = metrics["vllm:kv_offload_load_bytes_total"] / 2  # the load moved two blocks
+    assert page_bytes > 0 and page_bytes == int(page_bytes)
+    assert metrics["vllm:kv_offload_store_bytes_total"] == summary["stats"]["keys_stored"] * page_bytes
+    assert metrics["vllm:kv_offload_load_time_total"] > 0
+    assert metrics["vllm:kv_offload_store_size_count"] == summary["stats"]["stores"]
+    assert metrics["vllm:kvledger_hit_tokens_total"] == 64
+    assert metrics["vllm:kvledger_loads_total"] == 1
+    assert metrics["vllm:kvledger_tier_used_blocks"] == summary["tier"]["used_slots"]
+    assert metrics["vllm:kvledger_tier_capacity_blocks"] == summary["tier"]["capacity_slots"]
+    assert metrics["vllm:kvledger_load_failures_total"] == 0
+
+
+def _metrics_once_loaded(url: str, timeout_s: float = 30) -> dict[str, float]:
+    """kvledger's samples from /metrics, once the load's stats arrived (stats
+    reach the front end with the steps after the response)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if line.startswith(("vllm:kv_offload_", "vllm:kvledger_")):
+                name_labels, value = line.rsplit(" ", 1)
+                samples[name_labels.split("{")[0]] = float(value)
+        if samples.get("vllm:kv_offload_load_bytes_total") or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)

@@ -1,0 +1,151 @@
+"""Connector metrics through vLLM's hooks: stats per step, Prometheus at the end.
+
+Workers report what they measured while copying (bytes, copy time, job
+sizes); the scheduler reports what only the engine knows (hits, lookups,
+evictions, flushes, failures, tier usage). vLLM merges both halves with
+`aggregate()` and hands the result to `KVLedgerPromMetrics.observe`.
+
+Where a meaning matches vLLM's own offloading connector, the name is its
+`vllm:kv_offload_*` name, so dashboards built for it keep working; the rest
+are `vllm:kvledger_*`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+_LOOKUP_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
+
+
+@attrs.frozen
+class Metric:
+    name: str
+    kind: str
+    documentation: str
+    buckets: tuple[float, ...] = ()
+
+
+LOAD_BYTES = Metric("vllm:kv_offload_load_bytes", COUNTER, "Total bytes loaded from offload storage to GPU.")
+LOAD_TIME = Metric("vllm:kv_offload_load_time", COUNTER,
+                   "Total load time from offload storage to GPU, in seconds.")
+LOAD_SIZE = Metric("vllm:kv_offload_load_size", HISTOGRAM,
+                   "Histogram of KV offload load operation size, in bytes.", _SIZE_BUCKETS)
+STORE_BYTES = Metric("vllm:kv_offload_store_bytes", COUNTER, "Total bytes stored from GPU to offload storage.")
+STORE_TIME = Metric("vllm:kv_offload_store_time", COUNTER,
+                    "Total store time from GPU to offload storage, in seconds.")
+STORE_SIZE = Metric("vllm:kv_offload_store_size", HISTOGRAM,
+                    "Histogram of KV offload store operation size, in bytes.", _SIZE_BUCKETS)
+ALLOCATION_FAILURE = Metric("vllm:kv_offload_allocation_failure", COUNTER,
+                            "Number of KV offload store allocation attempts that failed.")
+LOOKUP_DELAY = Metric("vllm:kv_offload_lookup_sync_delay_seconds", HISTOGRAM,
+                      "Histogram of the time spent in a single offload lookup call, in seconds.", _LOOKUP_BUCKETS)
+HIT_TOKENS = Metric("vllm:kvledger_hit_tokens", COUNTER, "Tokens restored from the tier instead of computed.")
+LOADS = Metric("vllm:kvledger_loads", COUNTER, "Load jobs started.")
+STORES = Metric("vllm:kvledger_stores", COUNTER, "Store jobs started.")
+LOAD_FAILURES = Metric("vllm:kvledger_load_failures", COUNTER, "Load jobs that failed, in whole or in part.")
+STORE_FAILURES = Metric("vllm:kvledger_store_failures", COUNTER, "Store jobs that failed, in whole or in part.")
+FAILED_BLOCKS = Metric("vllm:kvledger_failed_blocks", COUNTER,
+                       "Blocks dropped from the tier because a transfer of theirs failed.")
+EVICTIONS = Metric("vllm:kvledger_evictions", COUNTER, "Blocks evicted from the tier to make room.")
+FLUSHES = Metric("vllm:kvledger_flushes", COUNTER,
+                 "Steps that waited for stores before reusing their source blocks.")
+FLUSHED_JOBS = Metric("vllm:kvledger_flushed_jobs", COUNTER, "Store jobs a step waited for.")
+VIOLATIONS = Metric("vllm:kvledger_protocol_violations", COUNTER,
+                    "Connector calls the engine refused as protocol violations (see the logs).")
+TIER_USED = Metric("vllm:kvledger_tier_used_blocks", GAUGE, "Tier slots holding or receiving a block.")
+TIER_CAPACITY = Metric("vllm:kvledger_tier_capacity_blocks", GAUGE, "Tier slots in all.")
+JOBS_IN_FLIGHT = Metric("vllm:kvledger_jobs_in_flight", GAUGE, "Store and load jobs not yet completed.")
+
+METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE, ALLOCATION_FAILURE,
+           LOOKUP_DELAY, HIT_TOKENS, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
+           EVICTIONS, FLUSHES, FLUSHED_JOBS, VIOLATIONS, TIER_USED, TIER_CAPACITY, JOBS_IN_FLIGHT)
+_BY_NAME = {m.name: m for m in METRICS}
+
+
+@dataclass
+class KVLedgerStats(KVConnectorStats):
+    """`data` is `{"counter": {name: n}, "gauge": {name: v}, "histogram": {name: [v]}}`:
+    plain containers, so it crosses processes as vLLM sends it."""
+
+    def __post_init__(self) -> None:
+        for kind in (COUNTER, GAUGE, HISTOGRAM):
+            self.data.setdefault(kind, {})
+
+    def reset(self) -> None:
+        self.data = {COUNTER: {}, GAUGE: {}, HISTOGRAM: {}}
+
+    def add(self, metric: Metric, value: float) -> None:
+        if metric.kind == COUNTER:
+            if value:
+                self.data[COUNTER][metric.name] = self.data[COUNTER].get(metric.name, 0) + value
+        elif metric.kind == GAUGE:
+            self.data[GAUGE][metric.name] = value
+        else:
+            self.data[HISTOGRAM].setdefault(metric.name, []).append(value)
+
+    def aggregate(self, other: KVConnectorStats) -> KVLedgerStats:
+        if not isinstance(other, KVLedgerStats):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into KVLedgerStats")
+        for name, value in other.data[COUNTER].items():
+            self.data[COUNTER][name] = self.data[COUNTER].get(name, 0) + value
+        self.data[GAUGE].update(other.data[GAUGE])
+        for name, values in other.data[HISTOGRAM].items():
+            self.data[HISTOGRAM].setdefault(name, []).extend(values)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """One line's worth for vLLM's periodic log."""
+        out: dict[str, int | float] = {**self.data[COUNTER], **self.data[GAUGE]}
+        for name, values in self.data[HISTOGRAM].items():
+            out[f"{name}_count"] = len(values)
+            out[f"{name}_sum"] = sum(values)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[kind] for kind in (COUNTER, GAUGE, HISTOGRAM))
+
+
+class KVLedgerPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus metric per entry of `METRICS`, with vLLM's engine labels."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._children: dict[tuple[int, str], Any] = {}
+        for metric in METRICS:
+            if metric.kind == COUNTER:
+                family = self._counter_cls(name=metric.name, documentation=metric.documentation,
+                                           labelnames=labelnames)
+            elif metric.kind == GAUGE:
+                family = self._gauge_cls(name=metric.name, documentation=metric.documentation,
+                                         labelnames=labelnames, multiprocess_mode="mostrecent")
+            else:
+                family = self._histogram_cls(name=metric.name, documentation=metric.documentation,
+                                             labelnames=labelnames, buckets=list(metric.buckets))
+            for engine, values in per_engine_labelvalues.items():
+                self._children[(engine, metric.name)] = family.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.get(COUNTER, {}).items():
+            self._child(engine_idx, name).inc(value)
+        for name, value in transfer_stats_data.get(GAUGE, {}).items():
+            self._child(engine_idx, name).set(value)
+        for name, values in transfer_stats_data.get(HISTOGRAM, {}).items():
+            child = self._child(engine_idx, name)
+            for value in values:
+                child.observe(value)
+
+    def _child(self, engine_idx: int, name: str) -> Any:
+        if name not in _BY_NAME:
+            raise KeyError(f"kvledger stats carry an unknown metric {name!r}")
+        return self._children[(engine_idx, name)]

@@ -1,0 +1,109 @@
+"""KV cache events for the tier: advertised exactly while loadable."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+from kvledger.adapters.vllm.kv_events import GroupEventSpec, TierEvents, loadable
+from kvledger.events import types as ev
+from tests.engine.builders import Engine, chain, full_only_config, key, make_config
+
+pytestmark = pytest.mark.fast
+
+SPECS = (GroupEventSpec(block_size=32, kind="full_attention"),
+         GroupEventSpec(block_size=32, kind="sliding_window", sliding_window=64))
+
+
+class Watched(Engine):
+    """An engine whose every transition goes through a `TierEvents`."""
+
+    def __init__(self, config, specs=SPECS) -> None:
+        super().__init__(config)
+        self.tier_events = TierEvents(specs)
+
+    def apply(self, event):
+        job = self.core.jobs.get(getattr(event, "job_id", -1))
+        job_keys = [] if job is None else [k for group in job.keys for k in group]
+        effects = super().apply(event)
+        self.tier_events.observe(event, job_keys, effects, self.core)
+        return effects
+
+    def check_advertised(self) -> None:
+        """Every advertised key can be loaded now, and every loadable key is advertised."""
+        held = {k for k in self.core.slot_of_key if loadable(self.core, k)}
+        assert self.tier_events.advertised == held
+
+
+def hashes_of(events, kind) -> list[bytes]:
+    return [h for e in events if isinstance(e, kind) for h in e.block_hashes]
+
+
+def test_stored_blocks_are_advertised_once_their_store_completes(monkeypatch):
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    e = Watched(make_config())
+    e.add("a", 96)
+    e.alloc("a", (1, 2, 3), (4, 5, 6))
+    e.step(("a", 0, 96))
+    assert e.tier_events.take() == []  # stores started, nothing loadable yet
+    e.finish_all_jobs()
+    events = e.tier_events.take()
+    assert all(isinstance(x, BlockStored) and x.medium == "CPU" for x in events)
+    hashes = chain(3)
+    # Every block of both groups can serve some hit (the window's first block serves one ending at 64).
+    assert sorted((x.group_idx, x.block_hashes[0]) for x in events) == sorted(
+        [(0, h) for h in hashes] + [(1, h) for h in hashes])
+    assert {x.kv_cache_spec_kind for x in events if x.group_idx == 1} == {"sliding_window"}
+    e.check_advertised()
+    e.apply(ev.CacheReset(epoch=1))
+    removed = e.tier_events.take()
+    assert all(isinstance(x, BlockRemoved) for x in removed)
+    assert len(hashes_of(removed, BlockRemoved)) == 6
+    e.check_advertised()
+
+
+def test_a_store_is_advertised_only_after_every_worker_reports():
+    e = Watched(make_config(world_size=2))
+    e.add("a", 64)
+    e.alloc("a", (1, 2), (3, 4))
+    (store,) = e.step(("a", 0, 64))
+    e.store_done(store.job_id, worker=0)
+    assert e.tier_events.take() == []
+    e.store_done(store.job_id, worker=1)
+    assert len(e.tier_events.take()) == 4
+    e.check_advertised()
+
+
+def test_evicted_blocks_are_withdrawn_in_the_same_transition(monkeypatch):
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    e = Watched(full_only_config(num_tier_slots=3), specs=SPECS[:1])
+    e.run_and_store("a", 96, (1, 2, 3), tag="a")
+    assert len(e.tier_events.take()) == 3
+    e.run_and_store("b", 64, (4, 5), tag="b")  # two more blocks: two of a's are evicted
+    events = e.tier_events.take()
+    removed, stored = hashes_of(events, BlockRemoved), hashes_of(events, BlockStored)
+    assert len(removed) == 2 and len(stored) == 2
+    assert set(removed) <= set(chain(3, "a")) and set(stored) == set(chain(2, "b"))
+    e.check_advertised()
+
+
+def test_a_failed_load_withdraws_the_keys_it_dropped(monkeypatch):
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    e = Watched(full_only_config(), specs=SPECS[:1])
+    e.run_and_store("a", 96, (1, 2, 3))
+    e.tier_events.take()
+    e.add("b", 97, chain(3))
+    (load,) = e.alloc("b", (4, 5, 6, 7), ext=96)
+    e.apply(ev.LoadFailed(job_id=load.job_id, block_ids=(5,), keys=()))
+    events = e.tier_events.take()
+    assert hashes_of(events, BlockRemoved) == [chain(3)[1]]
+    assert key(chain(3)[1], 0) not in e.tier_events.advertised
+    e.check_advertised()
+
+
+def test_int_block_hashes_follow_vllms_setting(monkeypatch):
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    e = Watched(full_only_config(), specs=SPECS[:1])
+    e.run_and_store("a", 32, (1,))
+    (stored,) = e.tier_events.take()
+    assert stored.block_hashes == [int.from_bytes(chain(1)[0], "big") & ((1 << 64) - 1)]

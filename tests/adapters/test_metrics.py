@@ -1,0 +1,80 @@
+"""Connector stats: how the halves merge, and what Prometheus ends up holding."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvledger.adapters.vllm import metrics as m
+from kvledger.adapters.vllm.connector import KVLedgerConnector
+
+pytestmark = pytest.mark.fast
+
+LABELS = {"model_name": "tiny", "engine": "0"}
+
+
+def worker_stats(load_bytes: int, store_bytes: int) -> m.KVLedgerStats:
+    stats = m.KVLedgerStats()
+    stats.add(m.LOAD_BYTES, load_bytes)
+    stats.add(m.LOAD_TIME, 0.002)
+    stats.add(m.LOAD_SIZE, load_bytes)
+    stats.add(m.STORE_BYTES, store_bytes)
+    stats.add(m.STORE_TIME, 0.001)
+    stats.add(m.STORE_SIZE, store_bytes)
+    return stats
+
+
+def scheduler_stats(hits: int, used: int) -> m.KVLedgerStats:
+    stats = m.KVLedgerStats()
+    stats.add(m.HIT_TOKENS, hits)
+    stats.add(m.EVICTIONS, 0)  # a zero change adds nothing
+    stats.add(m.TIER_USED, used)
+    stats.add(m.TIER_CAPACITY, 100)
+    stats.add(m.LOOKUP_DELAY, 1e-4)
+    return stats
+
+
+def test_stats_from_workers_and_scheduler_merge_as_vllm_merges_them():
+    merged = worker_stats(4096, 8192).aggregate(worker_stats(4096, 0)).aggregate(scheduler_stats(64, 7))
+    merged = merged.aggregate(scheduler_stats(32, 9))
+    # vLLM ships stats between processes as the data dict and rebuilds them with the class method.
+    rebuilt = KVLedgerConnector.build_kv_connector_stats(pickle.loads(pickle.dumps(merged.to_dict())))
+    reduced = rebuilt.reduce()
+    assert reduced[m.LOAD_BYTES.name] == 8192 and reduced[m.STORE_BYTES.name] == 8192
+    assert reduced[m.HIT_TOKENS.name] == 96
+    assert reduced[m.TIER_USED.name] == 9  # a gauge keeps the latest value
+    assert reduced[f"{m.LOAD_SIZE.name}_count"] == 2 and reduced[f"{m.STORE_SIZE.name}_sum"] == 8192
+    assert m.EVICTIONS.name not in reduced
+    assert m.KVLedgerStats().is_empty() and not rebuilt.is_empty()
+    with pytest.raises(TypeError, match="cannot aggregate"):
+        rebuilt.aggregate(SimpleNamespace())  # type: ignore[arg-type]
+
+
+def test_prometheus_metrics_use_vllm_names_where_the_meaning_matches():
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    config = SimpleNamespace(kv_transfer_config=None)
+    prom = KVLedgerConnector.build_prom_metrics(config, types, list(LABELS), {0: list(LABELS.values())})
+    prom.observe(worker_stats(4096, 8192).aggregate(scheduler_stats(64, 7)).to_dict())
+    prom.observe(scheduler_stats(32, 9).to_dict())
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name, LABELS)
+
+    assert value("vllm:kv_offload_load_bytes_total") == 4096
+    assert value("vllm:kv_offload_store_bytes_total") == 8192
+    assert value("vllm:kv_offload_load_time_total") == pytest.approx(0.002)
+    assert value("vllm:kv_offload_store_size_count") == 1
+    assert value("vllm:kv_offload_lookup_sync_delay_seconds_count") == 2
+    assert value("vllm:kvledger_hit_tokens_total") == 96
+    assert value("vllm:kvledger_tier_used_blocks") == 9
+    assert value("vllm:kvledger_tier_capacity_blocks") == 100
+    # Every metric is registered up front, so dashboards see zeros rather than gaps.
+    assert value("vllm:kvledger_evictions_total") == 0
+    assert value("vllm:kv_offload_allocation_failure_total") == 0
+    with pytest.raises(KeyError, match="unknown metric"):
+        prom.observe({m.COUNTER: {"vllm:something_else": 1}})
