@@ -19,6 +19,7 @@ from kvledger.engine.state import RequestStatus, State
 from kvledger.events import types as ev
 from kvledger.events.log import EventRecord, LogError, LogHeader, Record
 
+from . import report, report_series
 from .logfile import open_log
 
 EXIT_OK, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
@@ -137,18 +138,36 @@ def _print_summary(data: dict) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.report is not None:
+        try:
+            report.check_report_path(args.report)
+        except report.ReportError as exc:
+            print(f"kvledger: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     header, records = _load(args.log)
     key = _parse_key(args.key) if args.key else None
     timeline: list[str] = []
+    fold = report_series.SeriesFold(header.config) if args.report is not None else None
+    watching = args.request is not None or key is not None
 
     def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
-        for line in _mentions(event, effects, args.request, key):
-            timeline.append(f"{seq:>8}  {line}")
+        if watching:
+            for line in _mentions(event, effects, args.request, key):
+                timeline.append(f"{seq:>8}  {line}")
+        if fold is not None:
+            fold.observe(seq, event, state, effects)
 
-    watching = args.request is not None or key is not None
-    result = replay(header.config, records, check_invariants=args.check, until_seq=args.until,
-                    observe=observe if watching else None)
+    result = replay(header.config, records if fold is None else fold.records(records),
+                    check_invariants=args.check, until_seq=args.until,
+                    observe=observe if watching or fold is not None else None)
     data = summary(header, result)
+    if fold is not None:
+        try:
+            size = report.write_report(args.report, fold.finish(result), source=args.log)
+        except report.ReportError as exc:
+            print(f"kvledger: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        data["report"] = {"path": args.report, "bytes": size}
     if args.json:
         if watching:
             data["timeline"] = timeline
@@ -158,6 +177,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print("\n".join(timeline) or "(no events mention it)")
             print()
         _print_summary(data)
+        if fold is not None:
+            print(f"report      {args.report} ({size / 1e6:.1f} MB)")
     return EXIT_OK if result.ok else EXIT_PROBLEM
 
 
@@ -269,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request", metavar="ID", help="print the timeline of one request")
     p.add_argument("--key", metavar="HEX", help="print the timeline of one block key")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--report", metavar="PATH", help="also write an HTML page of plots here (replaced if it exists)")
     p.set_defaults(func=cmd_replay)
     p = sub.add_parser("inspect", help="show the state at a point in a log")
     p.add_argument("log")

@@ -1,0 +1,330 @@
+"""The replay report: one self-contained HTML page of plots, for people who
+would rather look than read.
+
+The series come from `report_series`; this module draws them. plotly.js is
+inlined so the page opens offline, and the series themselves are embedded as
+JSON for anyone who wants the numbers.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+
+# Above this many steps the page sums the per-step series into buckets of
+# steps: a browser draws a few tens of thousands of points per figure well.
+MAX_POINTS = 20_000
+
+# Request states in the timeline, in legend order: the engine's statuses.
+STATUS_LABELS = {
+    "waiting": "waiting",
+    "loading": "waiting for a load",
+    "running": "running",
+    "preempted": "preempted",
+    "aborting": "aborted, load ending",
+}
+STATUS_COLORS = {
+    "waiting": "#bdbdbd", "loading": "#ff7f0e", "running": "#2ca02c", "preempted": "#d62728",
+    "aborting": "#9467bd",
+}
+# Rows of the flushes-and-failures figure: (series name, label, color).
+INCIDENTS = (
+    ("flushes", "flushes", "#1f77b4"),
+    ("cache_resets", "cache resets", "#8c564b"),
+    ("store_failures", "store failures", "#ff7f0e"),
+    ("load_failures", "load failures", "#d62728"),
+    ("violations", "violations", "#000000"),
+)
+
+
+class ReportError(Exception):
+    """The report cannot be written where asked."""
+
+
+def check_report_path(path: str) -> None:
+    """Fail before a long replay, not after it, when the page could not be written."""
+    if not path:
+        raise ReportError("the report needs a file name")
+    if os.path.isdir(path):
+        raise ReportError(f"{path} is a directory; name the report file")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ReportError(f"cannot write {path}: no such directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise ReportError(f"cannot write {path}: directory {folder} is not writable")
+
+
+def write_report(path: str, series: dict, *, source: str, max_points: int = MAX_POINTS) -> int:
+    """Write the page and return its size in bytes.
+
+    An existing file at `path` is replaced: the report is an output the user
+    named, like a compiler's, and rerunning the command should refresh it
+    (event logs, the input, are the ones never overwritten). The page is
+    written to a temporary file and renamed, so a failed write never leaves
+    half a page behind.
+    """
+    check_report_path(path)
+    page = render_html(series, source=source, max_points=max_points).encode()
+    folder = os.path.dirname(path) or "."
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=".kvledger-report-", suffix=".html", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(page)
+            os.chmod(temporary, 0o644)
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    except OSError as exc:
+        raise ReportError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return len(page)
+
+
+def bucketed(series: dict, max_points: int = MAX_POINTS) -> tuple[dict, int]:
+    """The per-step series summed over buckets of k steps so at most `max_points` remain, and k.
+
+    Counts are summed; occupancy is the bucket's last value, so the final
+    occupancy and every total are unchanged.
+    """
+    n = len(series["steps"])
+    k = max(1, math.ceil(n / max_points))
+    if k == 1:
+        return series, 1
+    out = dict(series)
+    starts = range(0, n, k)
+    out["steps"] = [series["steps"][i] for i in starts]
+    out["used_slots"] = [series["used_slots"][min(i + k, n) - 1] for i in starts]
+    for name in ("hit_tokens", "prompt_tokens_computed", "tokens_computed", "store_blocks", "load_blocks",
+                 "keys_failed", *(name for name, _, _ in INCIDENTS)):
+        out[name] = [sum(series[name][i:i + k]) for i in starts]
+    return out, k
+
+
+def _cumulative(values: list[int]) -> list[int]:
+    total, out = 0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
+
+
+def _figures(full: dict, series: dict, k: int) -> dict[str, object]:
+    """The five figures: step plots from `series` (bucketed by k), request timelines from `full`."""
+    import plotly.graph_objects as go
+
+    steps = series["steps"]
+    step_word = "step" if k == 1 else f"{k} steps"
+    x_title = "scheduler step" if k == 1 else f"scheduler step (summed over buckets of {k} steps)"
+    common = dict(template="plotly_white", hovermode="x unified", height=360,
+                  margin=dict(l=70, r=30, t=50, b=50), legend=dict(orientation="h", y=1.12))
+    figures: dict[str, object] = {}
+
+    capacity = series["capacity_slots"]
+    figure = go.Figure()
+    figure.add_trace(go.Scatter(
+        x=steps, y=series["used_slots"], name="used slots", mode="lines", line=dict(shape="hv"),
+        fill="tozeroy", customdata=[round(100 * u / capacity, 1) for u in series["used_slots"]],
+        hovertemplate="%{y} used (%{customdata}%)<extra></extra>"))
+    figure.add_trace(go.Scatter(x=[steps[0], steps[-1]] if steps else [], y=[capacity, capacity] if steps else [],
+                                name=f"capacity ({capacity} slots)", mode="lines",
+                                line=dict(dash="dash", color="#555555"), hoverinfo="skip"))
+    figure.update_layout(title="Tier occupancy at the end of each step", xaxis_title=x_title,
+                         yaxis_title="tier slots", yaxis_rangemode="tozero", **common)
+    figures["occupancy"] = figure
+
+    figure = go.Figure()
+    for name, label, color, dash in (
+            ("hit_tokens", "prompt tokens restored from the tier (hits)", "#2ca02c", "solid"),
+            ("prompt_tokens_computed", "prompt tokens computed (misses)", "#d62728", "solid"),
+            ("tokens_computed", "all tokens computed (prompt and decode)", "#7f7f7f", "dot")):
+        figure.add_trace(go.Scatter(
+            x=steps, y=_cumulative(series[name]), customdata=series[name], name=label, mode="lines",
+            line=dict(color=color, dash=dash),
+            hovertemplate=f"%{{y}} so far (+%{{customdata}} this {step_word})<extra></extra>"))
+    figure.update_layout(title="Hits and misses (cumulative)", xaxis_title=x_title, yaxis_title="tokens",
+                         **common)
+    figures["hits"] = figure
+
+    figure = go.Figure()
+    figure.add_trace(go.Bar(x=steps, y=series["store_blocks"], name="stored (device to tier, started)",
+                            marker_color="#1f77b4"))
+    figure.add_trace(go.Bar(x=steps, y=series["load_blocks"], name="loaded (tier to device, started)",
+                            marker_color="#2ca02c"))
+    figure.add_trace(go.Bar(x=steps, y=series["keys_failed"], name="failed keys (stores and loads)",
+                            marker_color="#d62728"))
+    figure.update_layout(title="Blocks moved per step", barmode="group", bargap=0.1, xaxis_title=x_title,
+                         yaxis_title=f"KV blocks per {step_word} (the log holds no byte sizes)", **common)
+    figures["transfers"] = figure
+
+    figure = go.Figure()
+    for name, label, color in INCIDENTS:
+        points = [(s, c) for s, c in zip(steps, series[name]) if c]
+        figure.add_trace(go.Scatter(
+            x=[s for s, _ in points], y=[label] * len(points), customdata=[c for _, c in points],
+            name=f"{label} ({sum(series[name])})", mode="markers",
+            marker=dict(color=color, symbol="line-ns-open" if name == "flushes" else "circle",
+                        size=[min(24, 7 + 3 * math.sqrt(c)) for _, c in points], line=dict(width=2)),
+            hovertemplate=f"%{{customdata}} {label}<extra>step %{{x}}</extra>"))
+    figure.update_layout(title="Flushes and failures", xaxis_title=x_title,
+                         **{**common, "height": 300, "hovermode": "closest"})
+    figure.update_yaxes(categoryorder="array", categoryarray=[label for _, label, _ in reversed(INCIDENTS)])
+    figures["incidents"] = figure
+
+    timelines = full["requests"]["timelines"]
+    position = _positions(full)
+    figure = go.Figure()
+    for status, label in STATUS_LABELS.items():
+        bars = [(t["request_id"], s, position(s["start"], s["start_seq"]), position(s["end"], s["end_seq"]))
+                for t in timelines for s in t["segments"] if s["status"] == status]
+        figure.add_trace(go.Bar(
+            y=[rid for rid, _, _, _ in bars], x=[end - start for _, _, start, end in bars],
+            base=[start for _, _, start, _ in bars], orientation="h", name=label,
+            marker_color=STATUS_COLORS[status], customdata=[[s["start"], s["end"]] for _, s, _, _ in bars],
+            hovertemplate=f"%{{y}}: {label}, steps %{{customdata[0]}} to %{{customdata[1]}}<extra></extra>"))
+    for end, symbol, color in (("finished", "line-ns-open", "#000000"), ("aborted", "x", "#d62728")):
+        ended = [t for t in timelines if t["end"] == end]
+        figure.add_trace(go.Scatter(
+            y=[t["request_id"] for t in ended], x=[position(t["end_step"], t["end_seq"]) for t in ended],
+            customdata=[t["end_step"] for t in ended], mode="markers", name=end,
+            marker=dict(symbol=symbol, color=color, size=9, line=dict(width=2)),
+            hovertemplate=f"%{{y}}: {end} at step %{{customdata}}<extra></extra>"))
+    figure.update_layout(
+        title="Requests over steps", barmode="overlay", xaxis_title="scheduler step", hovermode="closest",
+        template="plotly_white", height=max(300, 140 + 14 * len(timelines)),
+        margin=dict(l=140, r=30, t=50, b=50), legend=dict(orientation="h", y=1.02, yanchor="bottom"))
+    figure.update_yaxes(autorange="reversed", type="category", automargin=True, categoryorder="array",
+                        categoryarray=[t["request_id"] for t in timelines])
+    figures["requests"] = figure
+    return figures
+
+
+def _positions(series: dict) -> Callable[[int, int | None], float]:
+    """Where an event sits on the step axis: step + its place among the step's events.
+
+    Several transitions can happen in one step (a load admitted and failed
+    at once); spreading them over the step keeps each one visible.
+    """
+    columns = dict(zip(series["steps"], series["seq_ranges"]))
+    end = (series["steps"][-1] + 1) if series["steps"] else 0
+
+    def position(step: int, seq: int | None) -> float:
+        if seq is None:
+            return float(end)
+        first, last = columns[step]
+        return step + (seq - first) / (last - first + 1)
+
+    return position
+
+
+def _script_json(text: str) -> str:
+    """JSON text that cannot end the <script> element it sits in (request ids come from the log)."""
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1400px; color: #222; }
+h1 { font-size: 1.5em; margin-bottom: 0.2em; }
+.note { color: #555; }
+table { border-collapse: collapse; margin: 8px 0 16px; }
+td, th { padding: 2px 12px 2px 0; text-align: left; font-variant-numeric: tabular-nums; }
+.problem { color: #b00020; font-weight: 600; }
+.figure { margin: 12px 0 28px; }
+"""
+
+_DRAW = """
+for (const data of document.querySelectorAll('script.kvledger-figure')) {
+  const figure = JSON.parse(data.textContent);
+  Plotly.newPlot(data.dataset.target, figure.data, figure.layout,
+                 {responsive: true, displaylogo: false});
+}
+"""
+
+
+def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> str:
+    """One self-contained page: the summary, the five figures, and the series as JSON."""
+    from plotly.offline import get_plotlyjs
+
+    shown, k = bucketed(series, max_points)
+    figures = _figures(series, shown, k)
+    totals, config, outcome = series["totals"], series["config"], series["replay"]
+    requests = series["requests"]
+    problem = outcome["first_problem"]
+    e = html.escape
+    groups = ", ".join(f"{g['kind']} ({g['block_size']} tokens{', window ' + str(g['window']) if g['window'] else ''})"
+                       for g in config["groups"])
+    rows = [
+        ("events", f"{outcome['events']} in {outcome['steps']} steps (last seq {outcome['last_seq']})"),
+        ("KV groups", groups),
+        ("tier", f"{config['num_tier_slots']} slots; {config['num_device_blocks']} device blocks; policy "
+                 f"{config['policy']}, protection {config['protection']}, store mode "
+                 f"{config.get('store_mode', 'eager')}, {config['world_size']} worker(s)"),
+        ("hits", f"{totals['hit_tokens']} tokens restored by {totals['loads']} loads ({totals['keys_loaded']} blocks)"),
+        ("stores", f"{totals['stores']} jobs, {totals['keys_stored']} blocks stored, "
+                   f"{totals['store_rejections']} not admitted (tier full)"),
+        ("failures", f"{totals['store_failures']} stores, {totals['load_failures']} loads, "
+                     f"{totals['keys_failed']} keys dropped"),
+        ("flushes", f"{totals['flushes']} ({totals['jobs_flushed']} jobs waited for)"),
+        ("requests", f"{requests['total']} added, {totals['finished']} finished, {totals['aborted']} aborted, "
+                     f"{totals['preemptions']} preemptions"),
+        ("digests", f"{outcome['digests_checked']} checked"),
+    ]
+    table = "\n".join(f"<tr><th>{e(name)}</th><td>{e(value)}</td></tr>" for name, value in rows)
+    if problem is None:
+        verdict = '<p>Replay result: ok.</p>'
+    else:
+        verdict = (f'<p class="problem">First problem at seq {problem["seq"]} ({e(problem["kind"])}): '
+                   f'{e(problem["detail"])}. The plots stop where the replay stopped.</p>')
+    if requests["total"] > len(requests["timelines"]):
+        drawn = (f"Showing the first {len(requests['timelines'])} of {requests['total']} requests, in arrival "
+                 f"order (at most {requests['max_drawn']} are drawn).")
+    else:
+        drawn = f"All {requests['total']} requests, in arrival order."
+    notes = {
+        "occupancy": "Used slots include slots still being written by a store.",
+        "hits": "Restored tokens are a request's prompt prefix loaded from the tier, counted when the load "
+                "is admitted (a load that fails is computed again, and counts as computed too). Computed "
+                "prompt tokens are prompt positions the forward pass computed, recomputation after a "
+                "preemption included. Hover for the per-step numbers.",
+        "transfers": "Counted in KV blocks (one block of one KV group each): the event log records no byte "
+                     "sizes. Stores are counted when started, loads when admitted.",
+        "incidents": "One mark per step with at least one; its size grows with the count (hover for it).",
+        "requests": "Each bar is a request's state in the engine; transitions within one step are spread "
+                    "over it in event order. " + drawn,
+    }
+    bucket_note = (f'<p class="note">This log has {len(series["steps"])} steps: the step plots sum them in '
+                   f'buckets of {k} steps. The embedded series keep every step.</p>' if k > 1 else "")
+    sections = []
+    for name, figure in figures.items():
+        sections.append(
+            f'<div class="figure"><div id="plot-{name}"></div>'
+            f'<p class="note">{e(notes[name])}</p>'
+            f'<script type="application/json" class="kvledger-figure" id="figure-{name}" '
+            f'data-target="plot-{name}">{_script_json(figure.to_json())}</script></div>')  # type: ignore[attr-defined]
+    body = "\n".join(sections)
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>kvledger report: {e(os.path.basename(source))}</title>
+<style>{_STYLE}</style>
+<script>{get_plotlyjs()}</script>
+</head>
+<body>
+<h1>kvledger replay report</h1>
+<p class="note">{e(source)}</p>
+{verdict}
+<table>
+{table}
+</table>
+{bucket_note}
+{body}
+<script type="application/json" id="kvledger-series">{_script_json(json.dumps(series, separators=(",", ":")))}</script>
+<script>{_DRAW}</script>
+</body>
+</html>
+"""

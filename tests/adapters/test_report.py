@@ -1,0 +1,308 @@
+"""The HTML report of a replay: its series add up to the replay's own totals, and the page carries them."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from kvledger.adapters import report, report_series
+from kvledger.adapters.cli import main, summary
+from kvledger.adapters.logfile import open_log
+from kvledger.engine.replay import replay
+from kvledger.events.log import EventRecord
+
+pytestmark = pytest.mark.fast
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+LOGS = {
+    "vllm_load_failures": GOLDEN / "vllm" / "load_failures_tiny-gemma3.jsonl.gz",
+    "vllm_lazy_pressure": GOLDEN / "vllm" / "lazy_pressure_tiny-gemma3.jsonl.gz",
+    "hybrid_failures_reset": GOLDEN / "hybrid_failures_reset.jsonl",  # store and load failures, resets, aborts
+    "full_flush": GOLDEN / "full_flush.jsonl",
+}
+FIGURES = ("occupancy", "hits", "transfers", "incidents", "requests")
+VOID = {"meta", "link", "br", "hr", "img", "input", "area", "base", "col", "embed", "source", "track", "wbr"}
+
+
+def _replayed(path: Path) -> tuple[dict, dict, list]:
+    """The series, and (independently, from a plain replay) the CLI's summary and the records."""
+    header, records = open_log(path)
+    records = list(records)
+    _, series = report_series.collect(header.config, records)
+    plain = summary(header, replay(header.config, records))
+    return series, plain, records
+
+
+class _Page(HTMLParser):
+    """Checks that every element closes in order, and collects scripts, ids and links."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[str] = []
+        self.errors: list[str] = []
+        self.doctype = ""
+        self.seen: list[str] = []
+        self.scripts: list[tuple[dict, str]] = []
+        self.ids: set[str] = set()
+        self.links: list[str] = []
+        self.texts: list[str] = []
+        self._script: dict | None = None
+
+    def handle_decl(self, decl: str) -> None:
+        self.doctype = decl
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        attributes = dict(attrs)
+        self.seen.append(tag)
+        if "id" in attributes:
+            self.ids.add(attributes["id"])
+        self.links += [attributes[a] for a in ("src", "href") if a in attributes]
+        if tag == "script":
+            self._script = attributes
+            self.scripts.append((attributes, ""))
+        if tag not in VOID:
+            self.open.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        if not self.open or self.open[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.open[-1] if self.open else 'nothing'}")
+            return
+        self.open.pop()
+        if tag == "script":
+            self._script = None
+
+    def handle_data(self, data: str) -> None:
+        if self._script is not None:
+            attributes, text = self.scripts[-1]
+            self.scripts[-1] = (attributes, text + data)
+        else:
+            self.texts.append(data)
+
+
+def _parse(page: str) -> _Page:
+    parser = _Page()
+    parser.feed(page)
+    parser.close()
+    assert not parser.errors, parser.errors[:5]
+    assert not parser.open, f"unclosed: {parser.open}"
+    assert parser.doctype.lower() == "doctype html"
+    assert parser.seen[:3] == ["html", "head", "meta"] and "body" in parser.seen and "title" in parser.seen
+    return parser
+
+
+def _figure(parser: _Page, name: str) -> dict:
+    (text,) = [t for a, t in parser.scripts if a.get("id") == f"figure-{name}"]
+    return json.loads(text)
+
+
+def _trace(figure: dict, prefix: str) -> dict:
+    (trace,) = [t for t in figure["data"] if t["name"].startswith(prefix)]
+    return trace
+
+
+@pytest.mark.parametrize("name", sorted(LOGS))
+def test_series_add_up_to_the_replay_totals(name: str) -> None:
+    series, plain, records = _replayed(LOGS[name])
+    stats, events = plain["stats"], [r for r in records if isinstance(r, EventRecord)]
+    assert series["steps"] == sorted({r.step_index for r in events})
+    n = len(series["steps"])
+    for column in ("used_slots", "hit_tokens", "prompt_tokens_computed", "tokens_computed", "store_blocks",
+                   "load_blocks", "store_failures", "load_failures", "flushes", "violations", "cache_resets"):
+        assert len(series[column]) == n, column
+    assert sum(series["hit_tokens"]) == stats["hit_tokens"]
+    assert series["used_slots"][-1] == plain["tier"]["used_slots"]
+    assert max(series["used_slots"]) <= plain["tier"]["capacity_slots"] == series["capacity_slots"]
+    assert sum(series["store_failures"]) == stats["store_failures"]
+    assert sum(series["load_failures"]) == stats["load_failures"]
+    assert sum(series["flushes"]) == stats["flushes"]
+    assert sum(series["load_blocks"]) == stats["keys_loaded"]
+    assert sum(series["store_blocks"]) >= stats["keys_stored"] > 0  # every stored block was started
+    assert sum(series["violations"]) == plain["violations"] == 0
+    assert sum(series["cache_resets"]) == plain["events_by_kind"].get("cache_reset", 0)
+    scheduled = [r.event for r in events if r.event.kind == "step_scheduled"]
+    assert sum(series["tokens_computed"]) == sum(sum(e.num_scheduled_tokens) for e in scheduled)
+    assert 0 < sum(series["prompt_tokens_computed"]) <= sum(series["tokens_computed"])
+
+    requests = series["requests"]
+    assert requests["total"] == plain["events_by_kind"]["request_added"] == len(requests["timelines"])
+    ends = [t["end"] for t in requests["timelines"]]
+    assert ends.count("finished") == stats["finished"] and ends.count("aborted") == stats["aborted"]
+    assert ends.count(None) == plain["requests_live"]
+    preempted = sum(1 for t in requests["timelines"] for s in t["segments"] if s["status"] == "preempted")
+    assert preempted == stats["preemptions"]
+    seqs = dict(zip(series["steps"], series["seq_ranges"]))
+    for timeline in requests["timelines"]:
+        segments = timeline["segments"]
+        assert segments and segments[0]["status"] == "waiting"
+        for segment in segments:  # each change happened in the step it is filed under
+            first, last = seqs[segment["start"]]
+            assert first <= segment["start_seq"] <= last
+        for segment, following in zip(segments, segments[1:]):
+            assert segment["start"] <= segment["end"] == following["start"]
+            assert segment["start_seq"] <= segment["end_seq"] == following["start_seq"]
+        if timeline["end"] is None:  # still live: its state lasts past the log
+            assert (segments[-1]["end"], segments[-1]["end_seq"]) == (series["steps"][-1] + 1, None)
+        else:
+            assert (segments[-1]["end"], segments[-1]["end_seq"]) == (timeline["end_step"], timeline["end_seq"])
+            assert segments[-1]["start_seq"] <= timeline["end_seq"]
+    if stats["load_failures"]:  # a failed load leaves loading for waiting (several groups) or running
+        loaded = [t for t in requests["timelines"] if any(s["status"] == "loading" for s in t["segments"])]
+        assert len(loaded) == sum(1 for r in events if r.event.kind == "blocks_allocated"
+                                  and r.event.num_external_tokens > 0)
+
+
+def test_occupancy_is_the_tier_at_the_end_of_each_step() -> None:
+    header, records = open_log(LOGS["hybrid_failures_reset"])
+    records = list(records)
+    series = report_series.collect(header.config, records)[1]
+    assert len(set(series["used_slots"])) > 5
+    for column in range(len(series["steps"])):
+        last_seq = series["seq_ranges"][column][1]
+        state = replay(header.config, records, until_seq=last_seq).state
+        assert series["used_slots"][column] == state.core.num_used_slots(), series["steps"][column]
+
+
+@pytest.mark.parametrize("name", ["vllm_load_failures", "hybrid_failures_reset"])
+def test_page_is_html_and_embeds_the_series(name: str) -> None:
+    series, plain, _ = _replayed(LOGS[name])
+    page = report.render_html(series, source=str(LOGS[name]))
+    parser = _parse(page)
+    assert parser.links == []  # nothing fetched: the page works offline
+    plotly_js = [t for a, t in parser.scripts if not a and "Plotly" in t and len(t) > 1_000_000]
+    assert len(plotly_js) == 1
+    (embedded,) = [t for a, t in parser.scripts if a.get("id") == "kvledger-series"]
+    assert json.loads(embedded) == json.loads(json.dumps(series))
+
+    for figure_name in FIGURES:
+        (target,) = [a["data-target"] for a, _ in parser.scripts if a.get("id") == f"figure-{figure_name}"]
+        assert target in parser.ids
+    stats = plain["stats"]
+    occupancy = _trace(_figure(parser, "occupancy"), "used slots")
+    assert occupancy["y"][-1] == plain["tier"]["used_slots"]
+    assert occupancy["x"] == series["steps"]
+    hits = _trace(_figure(parser, "hits"), "prompt tokens restored")
+    assert hits["y"][-1] == stats["hit_tokens"] and sum(hits["customdata"]) == stats["hit_tokens"]
+    transfers = _figure(parser, "transfers")
+    assert "no byte sizes" in transfers["layout"]["yaxis"]["title"]["text"]
+    assert sum(_trace(transfers, "loaded")["y"]) == stats["keys_loaded"]
+    incidents = _figure(parser, "incidents")
+    failures = [_trace(incidents, "store failures"), _trace(incidents, "load failures")]
+    assert sum(sum(t["customdata"]) for t in failures) == stats["store_failures"] + stats["load_failures"] > 0
+    assert all(c > 0 for t in failures for c in t["customdata"])  # a point only where something happened
+    assert sum(_trace(incidents, "flushes")["customdata"]) == stats["flushes"]
+    requests = _figure(parser, "requests")
+    drawn = {rid for trace in requests["data"] if trace["type"] == "bar" for rid in trace["y"]}
+    assert len(drawn) == plain["events_by_kind"]["request_added"]
+    finished = _trace(requests, "finished")
+    assert len(finished["y"]) == stats["finished"]
+    text = " ".join(parser.texts)
+    assert f"All {len(drawn)} requests" in text and "Replay result: ok." in text
+
+
+def test_request_timelines_are_capped_and_the_page_says_so() -> None:
+    header, records = open_log(LOGS["vllm_lazy_pressure"])
+    _, series = report_series.collect(header.config, records, max_requests=5)
+    requests = series["requests"]
+    assert len(requests["timelines"]) == 5 and requests["total"] == 64
+    assert [t["request_id"] for t in requests["timelines"]] == [
+        t["request_id"] for t in _replayed(LOGS["vllm_lazy_pressure"])[0]["requests"]["timelines"][:5]]
+    parser = _parse(report.render_html(series, source="log"))
+    assert "Showing the first 5 of 64 requests" in " ".join(parser.texts)
+    drawn = {rid for trace in _figure(parser, "requests")["data"] for rid in trace["y"]}
+    assert len(drawn) == 5
+
+
+def test_long_logs_are_bucketed_without_changing_the_totals() -> None:
+    series, plain, _ = _replayed(LOGS["vllm_lazy_pressure"])
+    shown, k = report.bucketed(series, max_points=25)
+    assert k == 9 and len(shown["steps"]) <= 25
+    for column in ("hit_tokens", "tokens_computed", "store_blocks", "load_blocks", "flushes", "store_failures"):
+        assert sum(shown[column]) == sum(series[column]), column
+    assert shown["used_slots"][-1] == plain["tier"]["used_slots"]
+    parser = _parse(report.render_html(series, source="log", max_points=25))
+    assert "buckets of 9 steps" in " ".join(parser.texts)
+    assert len(_trace(_figure(parser, "occupancy"), "used slots")["x"]) == len(shown["steps"])
+    assert report.bucketed(series)[1] == 1
+
+
+def _recorded(tmp_path: Path, request_id: str, *, violate: bool) -> Path:
+    from kvledger.adapters.recorder import Recorder
+    from kvledger.events import types as ev
+    from kvledger.events.config import EngineConfig, GroupSpec
+
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
+                          num_device_blocks=8, num_tier_slots=8)
+    path = tmp_path / "small.jsonl"
+    with Recorder(config, log_path=path, fmt="jsonl") as recorder:
+        recorder.apply(ev.RequestAdded(request_id=request_id, num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
+        recorder.apply(ev.BlocksAllocated(request_id=request_id, block_ids=((1, 2),)))
+        if violate:
+            recorder.apply(ev.BlocksAllocated(request_id="unknown", block_ids=((3,),)))
+        recorder.apply(ev.StepScheduled(step_index=0, request_ids=[request_id], num_computed_tokens=[0],
+                                        num_scheduled_tokens=[32]))
+    return path
+
+
+def test_violations_are_plotted_and_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    log, out = _recorded(tmp_path, "a", violate=True), tmp_path / "report.html"
+    assert main(["replay", str(log), "--report", str(out)]) == 1  # the report is written all the same
+    capsys.readouterr()
+    parser = _parse(out.read_text())
+    (embedded,) = [t for a, t in parser.scripts if a.get("id") == "kvledger-series"]
+    series = json.loads(embedded)
+    assert series["violations"] == [1] and series["replay"]["first_problem"]["seq"] == 2
+    assert _trace(_figure(parser, "incidents"), "violations")["customdata"] == [1]
+    assert "First problem at seq 2 (violation)" in " ".join(parser.texts)
+    assert series["prompt_tokens_computed"] == series["tokens_computed"] == [32]
+
+
+def test_request_ids_cannot_break_out_of_the_page(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rid = "</script><script>alert(1)</script>&"
+    log, out = _recorded(tmp_path, rid, violate=False), tmp_path / "report.html"
+    assert main(["replay", str(log), "--report", str(out)]) == 0
+    capsys.readouterr()
+    page = out.read_text()
+    assert "alert(1)</script>" not in page
+    parser = _parse(page)
+    (embedded,) = [t for a, t in parser.scripts if a.get("id") == "kvledger-series"]
+    assert [t["request_id"] for t in json.loads(embedded)["requests"]["timelines"]] == [rid]
+
+
+def test_cli_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "report.html"
+    out.write_text("an older report")  # the named output is replaced, like a compiler's
+    log = str(LOGS["hybrid_failures_reset"])
+    assert main(["replay", log, "--check", "--report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "result      ok" in printed and f"report      {out} (" in printed
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert [p.name for p in tmp_path.iterdir()] == ["report.html"]  # no temporary file left behind
+
+    assert main(["replay", log, "--json", "--report", str(out)]) == 0
+    data = json.loads(capsys.readouterr().out)  # the JSON output stays JSON
+    assert data["report"] == {"path": str(out), "bytes": out.stat().st_size}
+    _parse(out.read_text())
+
+
+def test_cli_report_until_stops_the_plots_there(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "report.html"
+    assert main(["replay", str(LOGS["hybrid_failures_reset"]), "--until", "99", "--report", str(out)]) == 0
+    capsys.readouterr()
+    parser = _parse(out.read_text())
+    (embedded,) = [t for a, t in parser.scripts if a.get("id") == "kvledger-series"]
+    series = json.loads(embedded)
+    assert series["seq_ranges"][-1][1] == 99 and series["replay"]["events"] == 100
+
+
+@pytest.mark.parametrize("where", ["missing_folder", "folder", "empty"])
+def test_cli_bad_report_path_exits_2(tmp_path: Path, where: str, capsys: pytest.CaptureFixture) -> None:
+    path = {"missing_folder": str(tmp_path / "nope" / "report.html"), "folder": str(tmp_path), "empty": ""}[where]
+    assert main(["replay", str(LOGS["full_flush"]), "--report", path]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("kvledger: ") and "Traceback" not in captured.err
+    assert captured.out == ""  # refused before the replay
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
