@@ -5,7 +5,8 @@ vLLM tells a connector about a step piecemeal: lookups and admissions while
 (preemption, sliding-window blocks leaving the window) happen inside
 `schedule()` without any call. So admissions are held until
 `build_connector_meta`, where the step's events are emitted in one order
-that is always legal: preemptions, frees, admissions, growth, the step.
+that is always legal: preemptions, frees, growth, admissions, the step
+(vLLM's own order: running requests are scheduled before waiting ones).
 Frees and growth come from diffing vLLM's block tables against the engine's
 own, so nothing is inferred.
 
@@ -158,13 +159,15 @@ class LedgerScheduler:
             freed = self._freed(rid, tables[rid])
             if freed is not None:
                 self._apply(ev.BlocksFreed(request_id=rid, block_ids=freed), effects)
-        for rid, local, external in self._admitted:
-            self._admit(rid, local, external, effects)
-        self._admitted.clear()
+        # Growth before admissions, as vLLM schedules them: an admission may
+        # hit vLLM's prefix cache on blocks a running request allocated this step.
         for rid in running:
             grown = self._grown(rid, tables[rid])
             if grown is not None:
                 self._apply(ev.BlocksAllocated(request_id=rid, block_ids=grown), effects)
+        for rid, local, external in self._admitted:
+            self._admit(rid, local, external, effects)
+        self._admitted.clear()
 
         if self.config.store_mode is StoreMode.LAZY:
             near = self._near_eviction()
