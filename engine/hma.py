@@ -13,6 +13,9 @@ hash at the block's last hash boundary, followed by `g` as 4 big-endian bytes.
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import add
+
 from kvledger.events.config import GroupKind, GroupSpec
 
 
@@ -26,10 +29,14 @@ def group_suffix(group_id: int) -> bytes:
 
 def extend_keys(keys: list[bytes], hashes: list[bytes], group: GroupSpec, hash_block_size: int) -> None:
     """Append the keys of every block whose last hash is now known."""
-    per_block = group.block_size // hash_block_size
-    suffix = group_suffix(group.group_id)
+    append_keys(keys, hashes, group.block_size // hash_block_size, group_suffix(group.group_id))
+
+
+def append_keys(keys: list[bytes], hashes: list[bytes], per_block: int, suffix: bytes) -> None:
+    """`extend_keys` with the group's numbers worked out (the reducer's hot path)."""
     first_hash = (len(keys) + 1) * per_block - 1
-    keys.extend([h + suffix for h in hashes[first_hash::per_block]])
+    if first_hash < len(hashes):
+        keys.extend(map(add, hashes[first_hash::per_block], repeat(suffix)))
 
 
 def window_blocks(group: GroupSpec) -> int:
@@ -66,4 +73,16 @@ def is_reachable(group: GroupSpec, index: int, alignment_tokens: int) -> bool:
         return block_end % alignment_tokens == 0
     boundary_blocks = cdiv(block_end, alignment_tokens) * alignment_tokens // group.block_size
     return boundary_blocks - window_blocks(group) <= index
+
+
+def reach_pattern(group: GroupSpec, alignment_tokens: int) -> tuple[bool, ...] | None:
+    """`is_reachable` as a table: block `i` is reachable iff `pattern[i % len(pattern)]`,
+    or always where None (full attention, and windows that span every boundary gap).
+
+    The rule repeats every `alignment_tokens // block_size` blocks (the alignment
+    is a multiple of every group's block size), so one period decides it.
+    """
+    period = alignment_tokens // group.block_size
+    pattern = tuple(is_reachable(group, index, alignment_tokens) for index in range(period))
+    return None if all(pattern) else pattern
 

@@ -3,13 +3,18 @@ as checks over the state.
 
 `check(state)` verifies everything, recounting every derived table; it costs
 O(blocks + slots) and runs at digest points and in tests. `check_event`
-verifies only what one event touched (its request, its blocks, its job and
-their slots), cheap enough to run after every event of a long replay.
+verifies only what one event touched (its request's O(groups) facts, the
+blocks it names, the jobs it created or reported on and their slots), in
+C-level passes where it can, cheap enough to run after every event of a long
+replay; anything it leaves out (the rest of a request's table, other
+requests, recounts) the next `check` covers.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
+from operator import mul
 
 from kvledger.events import types as ev
 from kvledger.events.config import Protection
@@ -17,6 +22,16 @@ from kvledger.events.types import NULL_BLOCK_ID
 
 from .policies import ARC
 from .state import Core, Job, JobKind, RequestState, RequestStatus, SlotState, State
+
+# Enum members as globals: a member lookup on the class is a descriptor call.
+_LOADING = RequestStatus.LOADING
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_ABORTING = RequestStatus.ABORTING
+_STORE = JobKind.STORE
+_LOAD = JobKind.LOAD
+_STORING = SlotState.STORING
+_PIN = Protection.PIN
 
 
 class InvariantViolation(AssertionError):
@@ -34,25 +49,126 @@ def check(state: State) -> None:
 
 
 def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
-    """Check the footprint of `event`; `first_new_job_id` is `next_job_id` before it."""
+    """Check the footprint of `event`; `first_new_job_id` is `next_job_id` before it.
+
+    The footprint is what the event touched: its request (the O(groups) facts,
+    not every block of its table), the blocks it names, the jobs it created or
+    reported on, and their slots. Each part has a C-level fast check; only a
+    part that fails it is checked item by item, which names the problems. What
+    lies outside the footprint (another request's table, a recount of every
+    reference) is left to `check` at digest points and at the end.
+    """
     core = state.core
     problems: list[str] = []
-    request = core.requests.get(getattr(event, "request_id", ""))
+    request_id = getattr(event, "request_id", None)
+    request = None if request_id is None else core.requests.get(request_id)
     if request is not None:
-        _check_request(core, request, problems)
-    for ids in getattr(event, "block_ids", ()):
-        for block in ids if isinstance(ids, tuple) else (ids,):
-            _check_block(core, block, problems)
-    touched_jobs = [core.jobs.get(j) for j in range(first_new_job_id, core.next_job_id)]
-    job = core.jobs.get(getattr(event, "job_id", -1))
-    for j in [*touched_jobs, job]:
-        if j is not None:
-            _check_job(core, j, problems)
-            for slots in j.slot_ids:
-                for slot in slots:
-                    _check_slot(core, slot, problems)
+        _check_request_facts(core, request, problems, event.kind)
+    named = getattr(event, "block_ids", None)
+    if named:
+        if type(named[0]) is tuple:
+            blocks = list(chain.from_iterable(named))
+            held = request is not None and event.kind in _HOLDING_KINDS and _table_ends_with(request, named)
+        else:
+            blocks, held = list(named), False
+        if not _blocks_look_fine(core, blocks, held):
+            for block in blocks:
+                _check_block(core, block, problems)
+                if held and block != NULL_BLOCK_ID and core.block_refs[block] <= 0:
+                    problems.append(f"request {request.request_id}: holds block {block} whose ref count "
+                                    f"is {core.block_refs[block]}")
+    jobs = core.jobs
+    job_id = getattr(event, "job_id", None)
+    if job_id is not None or first_new_job_id != core.next_job_id:
+        touched = [jobs.get(j) for j in range(first_new_job_id, core.next_job_id)]
+        if job_id is not None:
+            touched.append(jobs.get(job_id))
+        for job in touched:
+            if job is not None and not _store_looks_fine(core, job):
+                _check_job(core, job, problems)
+                for slots in job.slot_ids:
+                    for slot in slots:
+                        _check_slot(core, slot, problems)
     if problems:
         raise InvariantViolation(problems)
+
+
+# Events after which the request holds the blocks it names (if the event was applied:
+# then its tables end with them).
+_HOLDING_KINDS = frozenset({"blocks_allocated", "blocks_touched"})
+
+
+def _table_ends_with(request: RequestState, block_ids: tuple[tuple[int, ...], ...]) -> bool:
+    if len(block_ids) != len(request.table):
+        return False
+    for table, ids in zip(request.table, block_ids):
+        if ids and table[len(table) - len(ids):] != list(ids):
+            return False
+    return True
+
+
+def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
+    """`_check_block` of every block (and, if `held`, a positive count), as C-level passes;
+    pin counts only in pin mode (nothing else changes them, and `check` recounts them)."""
+    if NULL_BLOCK_ID in blocks:  # the null block has rules of its own: never held, pinned or moved
+        if (core.block_refs[0] or core.block_pins[0] or NULL_BLOCK_ID in core.block_readers
+                or NULL_BLOCK_ID in core.block_writer):
+            return False
+        blocks = list(filter(None, blocks))
+    if not blocks:
+        return True
+    if min(map(core.block_refs.__getitem__, blocks)) <= (0 if held else -1):
+        return False
+    # Pins change only with pinning stores (their jobs are checked); in flush mode never.
+    if core.config.protection is _PIN and min(map(core.block_pins.__getitem__, blocks)) < 0:
+        return False
+    readers = core.block_readers
+    if readers and not readers.keys().isdisjoint(blocks):
+        jobs = core.jobs
+        for block in readers.keys() & set(blocks):
+            for job_id in readers[block]:
+                job = jobs.get(job_id)
+                if job is None or job.flushed:
+                    return False
+    writer = core.block_writer
+    if writer and not writer.keys().isdisjoint(blocks):
+        refs_of = core.block_refs
+        if any(refs_of[block] <= 0 for block in writer.keys() & set(blocks)):
+            return False
+    return True
+
+
+def _store_looks_fine(core: Core, job: Job) -> bool:
+    """`_check_job` and `_check_slot` of a store job, as C-level passes; False for a
+    load (checked one by one) or anything a pass does not vouch for."""
+    if job.kind is not _STORE:
+        return False
+    if not 0 < job.pending_workers < 1 << core.config.world_size or not 0 < job.job_id < core.next_job_id:
+        return False
+    job_keys = job.keys
+    shape = list(map(len, job_keys))
+    if shape != list(map(len, job.block_ids)) or shape != list(map(len, job.slot_ids)):
+        return False
+    slots = list(chain.from_iterable(job.slot_ids))
+    if not slots:
+        return True
+    keys = list(chain.from_iterable(job_keys))
+    blocks = list(chain.from_iterable(job.block_ids))
+    if (NULL_BLOCK_ID in blocks
+            or not all(map(_STORING.__eq__, map(core.slot_state.__getitem__, slots)))
+            or list(map(core.slot_key.__getitem__, slots)) != keys
+            or (core.slot_loads and not core.slot_loads.keys().isdisjoint(slots))
+            or core.policy.holds_any(keys)):  # a storing slot is never evictable
+        return False
+    if not job.flushed:
+        if list(map(core.block_generation.__getitem__, blocks)) != list(chain.from_iterable(job.generations)):
+            return False
+        readers = core.block_readers
+        job_id = job.job_id
+        for block in blocks:
+            if job_id not in readers.get(block, ()):
+                return False
+    return True
 
 
 def find_problems(core: Core) -> list[str]:
@@ -67,24 +183,44 @@ def find_problems(core: Core) -> list[str]:
 
 
 def _check_request(core: Core, request: RequestState, problems: list[str]) -> None:
+    _check_request_facts(core, request, problems)
     rid = request.request_id
-    status = request.status
-    has_load = request.load_job_id != -1
-    if (status in (RequestStatus.LOADING, RequestStatus.ABORTING)) != has_load:
-        problems.append(f"request {rid}: status {status.value} with load job {request.load_job_id}")
-    if has_load:
-        job = core.jobs.get(request.load_job_id)
-        if job is None or job.kind is not JobKind.LOAD or job.request_id != rid:
-            problems.append(f"request {rid}: load job {request.load_job_id} is not its open load")
-    if status is RequestStatus.PREEMPTED and any(request.table):
-        problems.append(f"request {rid}: preempted but still holds blocks")
     for group in core.groups:
-        per_block = group.block_size // core.config.hash_block_size
-        if len(request.keys[group.group_id]) != len(request.hashes) // per_block:
-            problems.append(f"request {rid}: group {group.group_id} keys do not match its hashes")
         for block in request.table[group.group_id]:
             if block != NULL_BLOCK_ID and core.block_refs[block] <= 0:
                 problems.append(f"request {rid}: holds block {block} whose ref count is {core.block_refs[block]}")
+
+
+def _check_request_facts(core: Core, request: RequestState, problems: list[str], kind: str = "") -> None:
+    """What holds of a request in O(groups): its status, load, keys and derived counts.
+    With an event `kind`, only the facts that kind can change (all of them without)."""
+    rid = request.request_id
+    status = request.status
+    has_load = request.load_job_id != -1
+    if (status is _LOADING or status is _ABORTING) != has_load:
+        problems.append(f"request {rid}: status {status.value} with load job {request.load_job_id}")
+    if has_load:
+        job = core.jobs.get(request.load_job_id)
+        if job is None or job.kind is not _LOAD or job.request_id != rid:
+            problems.append(f"request {rid}: load job {request.load_job_id} is not its open load")
+    if status is _PREEMPTED and any(request.table):
+        problems.append(f"request {rid}: preempted but still holds blocks")
+    if not kind or kind in _HASHING_KINDS:
+        hashes = len(request.hashes)
+        for group_id, (keys, (per_block, _suffix)) in enumerate(zip(request.keys, core.key_rules)):
+            if len(keys) != hashes // per_block:
+                problems.append(f"request {rid}: group {group_id} keys do not match its hashes")
+    if not kind or kind not in _TABLE_KEEPING_KINDS:
+        capacity = min(map(mul, map(len, request.table), core.block_sizes))  # request.table_tokens
+        limit = capacity if status is _RUNNING else -1
+        if request.capacity_tokens != capacity or request.step_limit != limit:
+            problems.append(f"request {rid}: derived counts (capacity {request.capacity_tokens}, step limit "
+                            f"{request.step_limit}) differ from its table and status ({capacity}, {limit})")
+
+
+# Kinds that change a request's hashes; kinds that change neither its table's length nor its status.
+_HASHING_KINDS = frozenset({"request_added", "block_hashes_appended"})
+_TABLE_KEEPING_KINDS = frozenset({"block_hashes_appended", "blocks_freed"})
 
 
 def _check_block(core: Core, block: int, problems: list[str]) -> None:

@@ -18,6 +18,8 @@ from kvledger.events.config import PolicyName
 
 class Policy(Protocol):
     def insert(self, key: bytes, reused: bool) -> None: ...
+    def insert_many(self, keys: list[bytes], reused: bool) -> None: ...
+    def admit_many(self, keys: list[bytes]) -> None: ...
     def remove(self, key: bytes) -> None: ...
     def admit(self, key: bytes) -> None: ...
     def evict(self, count: int) -> list[bytes] | None: ...
@@ -25,6 +27,7 @@ class Policy(Protocol):
     def clone(self) -> Policy: ...
     def __len__(self) -> int: ...
     def __contains__(self, key: bytes) -> bool: ...
+    def holds_any(self, keys: list[bytes]) -> bool: ...
     def canonical(self) -> tuple: ...
 
 
@@ -39,11 +42,20 @@ class LRU:
     def insert(self, key: bytes, reused: bool) -> None:
         self._order[key] = None
 
+    def insert_many(self, keys: list[bytes], reused: bool) -> None:
+        """`insert` of each key in turn."""
+        order = self._order
+        for key in keys:
+            order[key] = None
+
     def remove(self, key: bytes) -> None:
         del self._order[key]
 
     def admit(self, key: bytes) -> None:
         """A new key is being stored; LRU has nothing to learn from it."""
+
+    def admit_many(self, keys: list[bytes]) -> None:
+        """`admit` of each key in turn."""
 
     def evict(self, count: int) -> list[bytes] | None:
         """Atomic: either `count` victims, or None and no change."""
@@ -72,6 +84,9 @@ class LRU:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._order
+
+    def holds_any(self, keys: list[bytes]) -> bool:
+        return not self._order.keys().isdisjoint(keys)
 
     def canonical(self) -> tuple:
         return ("lru", tuple(self._order))
@@ -103,8 +118,18 @@ class ARC:
             self.p = max(0, self.p - max(len(self.b1) // len(self.b2), 1))
             del self.b2[key]
 
+    def admit_many(self, keys: list[bytes]) -> None:
+        if self.b1 or self.b2:  # nothing to learn while no key was ever evicted
+            for key in keys:
+                self.admit(key)
+
     def insert(self, key: bytes, reused: bool) -> None:
         (self.t2 if reused else self.t1)[key] = None
+
+    def insert_many(self, keys: list[bytes], reused: bool) -> None:
+        target = self.t2 if reused else self.t1
+        for key in keys:
+            target[key] = None
 
     def remove(self, key: bytes) -> None:
         if key in self.t1:
@@ -152,6 +177,9 @@ class ARC:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.t1 or key in self.t2
+
+    def holds_any(self, keys: list[bytes]) -> bool:
+        return not (self.t1.keys().isdisjoint(keys) and self.t2.keys().isdisjoint(keys))
 
     def canonical(self) -> tuple:
         return ("arc", self.p, tuple(self.t1), tuple(self.t2), tuple(self.b1), tuple(self.b2))

@@ -5,11 +5,21 @@ Each handler first validates the event against the state and raises
 change. So a rejected event leaves the state exactly as it was: the default
 mode returns it with a `ReportViolation` effect, strict mode (tests, replay)
 raises. A broken internal invariant is an `assert`.
+
+Cost: a scheduler step carries one `step_scheduled` for every running
+request, and about one `blocks_allocated`, `blocks_freed`, `store_completed`
+and `block_hashes_appended` per 16 of them (one per block boundary crossed).
+So the per-request work of `step_scheduled` runs as C-level passes over its
+columns (`map`, `compress`), and only requests whose horizon crossed a block
+boundary reach the store planner. Where a fast check fails, the handler falls
+back to the plain per-item check, which raises the same violation as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from itertools import chain, compress, repeat
+from operator import add, mul, not_
 from typing import NamedTuple
 
 from kvledger.events import types as ev
@@ -19,7 +29,29 @@ from kvledger.events.types import NULL_BLOCK_ID
 from . import effects as fx
 from . import hma
 from .state import Core, Job, JobKind, RequestState, RequestStatus, SlotState, State
-from .transitions import request_move
+from .transitions import REQUEST_MOVES, request_move
+
+# Enum members as module constants: `RequestStatus.RUNNING` is a descriptor
+# lookup costing ~0.1 µs on the hot paths, a global is ~10 ns.
+_WAITING = RequestStatus.WAITING
+_LOADING = RequestStatus.LOADING
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_ABORTING = RequestStatus.ABORTING
+_STORE = JobKind.STORE
+_LOAD = JobKind.LOAD
+_FREE = SlotState.FREE
+_STORING = SlotState.STORING
+_STORED = SlotState.STORED
+_PIN = Protection.PIN
+_LAZY = StoreMode.LAZY
+
+# REQUEST_MOVES by kind: the statuses a kind may meet, as tuples (membership by
+# identity; an Enum's __hash__ is a Python call). Only the fast path reads this;
+# a miss goes through `request_move`, which names the violation.
+_LEGAL_FROM: dict[str, tuple[RequestStatus, ...]] = {}
+for (_status, _kind) in REQUEST_MOVES:
+    _LEGAL_FROM[_kind] = (*_LEGAL_FROM.get(_kind, ()), *(() if _status is None else (_status,)))
 
 
 class ProtocolViolation(Exception):
@@ -41,8 +73,24 @@ class Transition(NamedTuple):
 Effects = list
 
 
+def _reported(violation: ProtocolViolation, event: ev.Event) -> fx.ReportViolation:
+    return fx.ReportViolation(
+        code=violation.code, message=violation.message, event_kind=event.kind,
+        request_id=violation.request_id, job_id=violation.job_id,
+    )
+
+
+# The per-event wrapper is a measurable share of a replay, so it avoids Python-level
+# calls: `State.take`/`State(core)` and the namedtuple's `__new__`, spelled out.
+_new_tuple = tuple.__new__
+_new_object = object.__new__
+
+
 def reduce(state: State, event: ev.Event, *, strict: bool = False) -> Transition:
-    core = state.take()
+    core = state._core
+    if core is None:
+        state.take()  # raises StaleStateError
+    state._core = None
     out: Effects = []
     try:
         _HANDLERS[type(event)](core, event, out)
@@ -50,20 +98,37 @@ def reduce(state: State, event: ev.Event, *, strict: bool = False) -> Transition
         if strict:
             state.restore(core)
             raise
-        out = [fx.ReportViolation(
-            code=violation.code, message=violation.message, event_kind=event.kind,
-            request_id=violation.request_id, job_id=violation.job_id,
-        )]
-    return Transition(State(core), tuple(out))
+        out = [_reported(violation, event)]
+    handle = _new_object(State)
+    handle._core = core
+    return _new_tuple(Transition, (handle, tuple(out) if out else ()))
 
 
 def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, strict: bool = False) -> Transition:
-    """Apply one scheduler step's events; equal to folding `reduce`."""
-    collected: list[fx.Effect] = []
-    for event in events:
-        state, produced = reduce(state, event, strict=strict)
-        collected.extend(produced)
-    return Transition(state, tuple(collected))
+    """Apply one scheduler step's events; equal to folding `reduce`.
+
+    The fold's intermediate handles are never seen by the caller, so the
+    tables move once, not once per event. As in the fold, a strict violation
+    raises with the caller's handle restored only when the first event failed
+    (later, the fold had consumed it).
+    """
+    core = state.take()
+    out: Effects = []
+    handlers = _HANDLERS
+    for index, event in enumerate(events):
+        mark = len(out)
+        try:
+            handlers[type(event)](core, event, out)
+        except ProtocolViolation as violation:
+            if strict:
+                if index == 0:
+                    state.restore(core)
+                raise
+            del out[mark:]
+            out.append(_reported(violation, event))
+    handle = _new_object(State)
+    handle._core = core
+    return _new_tuple(Transition, (handle, tuple(out) if out else ()))
 
 
 # Validation helpers: they raise, never mutate.
@@ -71,6 +136,8 @@ def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, 
 
 def _request(core: Core, request_id: str, kind: str) -> RequestState:
     request = core.requests.get(request_id)
+    if request is not None and request.status in _LEGAL_FROM[kind]:
+        return request
     legal, _ = request_move(request.status if request else None, kind)
     if not legal:
         status = request.status.value if request else "unknown"
@@ -105,12 +172,20 @@ def _job(core: Core, job_id: int, kind: JobKind, worker: int) -> Job:
     return job
 
 
+def _table_changed(core: Core, request: RequestState) -> None:
+    """`RequestState.table_changed`: the tokens the table covers in every group, and the step limit."""
+    capacity = min(map(mul, map(len, request.table), core.block_sizes))
+    request.capacity_tokens = capacity
+    request.step_limit = capacity if request.status is _RUNNING else -1
+
+
 # Handlers.
 
 
 def _request_added(core: Core, event: ev.RequestAdded, out: Effects) -> None:
     rid = event.request_id
-    _request(core, rid, event.kind)
+    if rid in core.requests:
+        _request(core, rid, event.kind)  # raises: only an unknown request may be added
     if event.num_prompt_tokens <= 0:
         raise ProtocolViolation("bad_prompt", f"num_prompt_tokens={event.num_prompt_tokens}", request_id=rid)
     if len(event.block_hashes) > event.num_prompt_tokens // core.config.hash_block_size:
@@ -123,9 +198,16 @@ def _request_added(core: Core, event: ev.RequestAdded, out: Effects) -> None:
 
 
 def _append_hashes(core: Core, request: RequestState, hashes: tuple[bytes, ...]) -> None:
-    request.hashes.extend(hashes)
-    for group in core.groups:
-        hma.extend_keys(request.keys[group.group_id], request.hashes, group, core.config.hash_block_size)
+    known = request.hashes
+    known.extend(hashes)
+    count = len(known)
+    for keys, (per_block, suffix) in zip(request.keys, core.key_rules):  # hma.append_keys, inlined
+        if per_block == 1:  # a key per hash, and the keys were complete: the new hashes' keys
+            keys.extend(map(add, hashes, repeat(suffix)))
+            continue
+        first_hash = (len(keys) + 1) * per_block - 1
+        if first_hash < count:
+            keys.extend(map(add, known[first_hash::per_block], repeat(suffix)))
 
 
 def _block_hashes_appended(core: Core, event: ev.BlockHashesAppended, out: Effects) -> None:
@@ -142,109 +224,127 @@ def _block_hashes_appended(core: Core, event: ev.BlockHashesAppended, out: Effec
     _append_hashes(core, request, event.block_hashes)
 
 
+def _touch_problem(core: Core, request: RequestState, group_id: int, ids: tuple[int, ...]) -> None:
+    """The per-block check of one group's touched blocks; raises the first problem."""
+    keys = request.keys[group_id]
+    for position, block in enumerate(ids):
+        if block == NULL_BLOCK_ID:
+            continue
+        if block in core.block_writer:
+            raise ProtocolViolation("touch_loading_block", f"block {block} is still being loaded",
+                                    request_id=request.request_id)
+        known = core.block_key[block]
+        if known is not None and position < len(keys) and known != keys[position]:
+            raise ProtocolViolation(
+                "touch_wrong_content",
+                f"block {block} holds {known.hex()[:16]}…, request expects {keys[position].hex()[:16]}…",
+                request_id=request.request_id)
+
+
 def _blocks_touched(core: Core, event: ev.BlocksTouched, out: Effects) -> None:
     rid = event.request_id
     request = _request(core, rid, event.kind)
-    _check_group_shape(core, event.block_ids, rid)
+    block_ids = event.block_ids
+    _check_group_shape(core, block_ids, rid)
     if any(request.table):
         raise ProtocolViolation("touch_after_alloc", "prefix blocks must be touched before allocation",
                                 request_id=rid)
-    spans = {len(ids) * g.block_size for ids, g in zip(event.block_ids, core.groups)}
+    spans = {len(ids) * size for ids, size in zip(block_ids, core.block_sizes)}
     if len(spans) != 1:
         raise ProtocolViolation("unaligned_touch", f"touched spans differ across groups: {sorted(spans)}",
                                 request_id=rid)
-    for group, ids in zip(core.groups, event.block_ids):
-        keys = request.keys[group.group_id]
-        for position, block in enumerate(ids):
-            if block == NULL_BLOCK_ID:
-                continue
-            if block in core.block_writer:
-                raise ProtocolViolation("touch_loading_block", f"block {block} is still being loaded",
-                                        request_id=rid)
-            known = core.block_key[block]
-            if known is not None and position < len(keys) and known != keys[position]:
-                raise ProtocolViolation(
-                    "touch_wrong_content",
-                    f"block {block} holds {known.hex()[:16]}…, request expects {keys[position].hex()[:16]}…",
-                    request_id=rid)
-    for group, ids in zip(core.groups, event.block_ids):
-        keys = request.keys[group.group_id]
-        for position, block in enumerate(ids):
-            if block != NULL_BLOCK_ID:
-                core.block_refs[block] += 1
-                if position < len(keys):
-                    core.block_key[block] = keys[position]
-        request.table[group.group_id].extend(ids)
-    request.table_changed(core.groups)
+    writer = core.block_writer
+    block_key = core.block_key
+    for group_id, ids in enumerate(block_ids):
+        if writer and not writer.keys().isdisjoint(ids):
+            _touch_problem(core, request, group_id, ids)
+        for known, key in zip(map(block_key.__getitem__, ids), request.keys[group_id]):
+            if known is not None and known != key:
+                _touch_problem(core, request, group_id, ids)
+                break
+    refs = core.block_refs
+    for group_id, ids in enumerate(block_ids):
+        keys = request.keys[group_id]
+        for block, key in zip(ids, keys):
+            if block:
+                refs[block] += 1
+                block_key[block] = key
+        for block in ids[len(keys):]:
+            if block:
+                refs[block] += 1
+        request.table[group_id].extend(ids)
+    _table_changed(core, request)
     request.num_computed_tokens = spans.pop()
 
 
 def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: Effects) -> None:
     rid = event.request_id
     ext = event.num_external_tokens
-    kind = "blocks_allocated+load" if ext else "blocks_allocated"
-    request = _request(core, rid, kind)
-    if len(event.block_ids) != len(core.groups):
-        _check_group_shape(core, event.block_ids, rid)
-    seen: set[int] = set()
-    limit = core.config.num_device_blocks
-    for ids in event.block_ids:
-        for block in ids:
-            if block == NULL_BLOCK_ID:
-                continue
-            if not 0 < block < limit:
-                _check_group_shape(core, event.block_ids, rid)
-            if block in seen:
-                raise ProtocolViolation("duplicate_block", f"block {block} allocated twice", request_id=rid)
-            seen.add(block)
-            if core.block_refs[block] or core.block_pins[block] or block in core.block_writer:
-                raise ProtocolViolation(
-                    "block_in_use",
-                    f"block {block} allocated while held (refs={core.block_refs[block]}, "
-                    f"pins={core.block_pins[block]}, loading={block in core.block_writer})",
-                    request_id=rid)
+    request = _request(core, rid, "blocks_allocated+load" if ext else "blocks_allocated")
+    block_ids = event.block_ids
+    if len(block_ids) != len(core.groups):
+        _check_group_shape(core, block_ids, rid)
+    refs = core.block_refs
+    if sum(map(len, block_ids)) < 16:  # a decode step's block per group: a plain loop is cheapest
+        _check_allocation(core, block_ids, rid)
+    else:
+        fresh = list(filter(None, chain.from_iterable(block_ids)))  # every non-null block, in order
+        writer = core.block_writer
+        if (fresh and (min(fresh) <= 0 or max(fresh) >= core.config.num_device_blocks
+                       or len(set(fresh)) != len(fresh) or any(map(refs.__getitem__, fresh))
+                       or any(map(core.block_pins.__getitem__, fresh))
+                       or (writer and not writer.keys().isdisjoint(fresh)))):
+            _check_allocation(core, block_ids, rid)
+            raise AssertionError("an allocation failed its fast check but passes the per-block one")
     load = _plan_load(core, request, event) if ext else None
 
     # Apply. A block some store still reads is being handed out: in flush
     # mode that store must finish before this step's forward writes it.
     to_flush: list[int] = []
+    readers = core.block_readers
+    generation = core.block_generation
+    group_of = core.block_group
+    block_key = core.block_key
     lazy_keys = core.lazy_keys  # lazy mode: a reallocated block's old content is gone
-    for group, ids in zip(core.groups, event.block_ids):
+    for group_id, (ids, table) in enumerate(zip(block_ids, request.table)):
         for block in ids:
-            if block == NULL_BLOCK_ID:
-                continue
-            readers = core.block_readers.get(block)
-            if readers:
-                to_flush.extend(readers)
-            core.block_refs[block] = 1
-            core.block_generation[block] += 1
-            if lazy_keys:
-                lazy_keys.pop(block, None)
-            core.block_group[block] = group.group_id
-            core.block_key[block] = None
-        request.table[group.group_id].extend(ids)
-    request.table_changed(core.groups)
+            if block != NULL_BLOCK_ID:
+                if readers:
+                    reading = readers.get(block)
+                    if reading:
+                        to_flush.extend(reading)
+                refs[block] = 1
+                generation[block] += 1
+                group_of[block] = group_id
+                block_key[block] = None
+                if lazy_keys:
+                    lazy_keys.pop(block, None)
+        table.extend(ids)
+    _table_changed(core, request)
     if to_flush:
         _flush(core, sorted(set(to_flush)), out)
     if load is None:
-        if request.status is RequestStatus.WAITING:
-            request.status = RequestStatus.RUNNING
+        if request.status is _WAITING:
+            request.set_status(_RUNNING)
         return
     keys, slots, targets = load
-    job = Job(job_id=core.next_job_id, kind=JobKind.LOAD, request_id=rid, keys=keys, block_ids=targets,
+    writer = core.block_writer
+    job = Job(job_id=core.next_job_id, kind=_LOAD, request_id=rid, keys=keys, block_ids=targets,
               slot_ids=slots, generations=(), pending_workers=(1 << core.config.world_size) - 1,
               num_tokens=ext)
     core.next_job_id += 1
     core.jobs[job.job_id] = job
+    slot_loads = core.slot_loads
+    policy = core.policy
     for group_keys, group_slots, group_blocks in zip(keys, slots, targets):
         for key, slot, block in zip(group_keys, group_slots, group_blocks):
-            loads = core.slot_loads.get(slot, 0)
+            loads = slot_loads.get(slot, 0)
             if loads == 0:
-                core.policy.remove(key)
-            core.slot_loads[slot] = loads + 1
-            core.block_writer[block] = job.job_id
-            core.block_key[block] = key
-    request.status = RequestStatus.LOADING
+                policy.remove(key)
+            slot_loads[slot] = loads + 1
+            writer[block] = job.job_id
+            block_key[block] = key
+    request.set_status(_LOADING)
     request.load_job_id = job.job_id
     request.num_computed_tokens += ext
     core.stats.loads += 1
@@ -252,6 +352,30 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: Effects) -> No
     core.stats.keys_loaded += sum(len(k) for k in keys)
     out.append(fx.StartLoad(job_id=job.job_id, request_id=rid, keys=keys, source_slot_ids=slots,
                             target_block_ids=targets))
+
+
+def _check_allocation(core: Core, block_ids: ev.BlockIdsByGroup, rid: str) -> None:
+    """The per-block check of an allocation: raises its first problem, if any."""
+    seen: set[int] = set()
+    limit = core.config.num_device_blocks
+    refs = core.block_refs
+    pins = core.block_pins
+    writer = core.block_writer
+    for ids in block_ids:
+        for block in ids:
+            if block == NULL_BLOCK_ID:
+                continue
+            if not 0 < block < limit:
+                _check_group_shape(core, block_ids, rid)
+            if block in seen:
+                raise ProtocolViolation("duplicate_block", f"block {block} allocated twice", request_id=rid)
+            seen.add(block)
+            if refs[block] or pins[block] or block in writer:
+                raise ProtocolViolation(
+                    "block_in_use",
+                    f"block {block} allocated while held (refs={core.block_refs[block]}, "
+                    f"pins={core.block_pins[block]}, loading={block in core.block_writer})",
+                    request_id=rid)
 
 
 def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> tuple[tuple, tuple, tuple]:
@@ -279,7 +403,7 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
                     request_id=rid)
             key = request.keys[group.group_id][position]
             slot = core.slot_of_key.get(key, -1)
-            if slot < 0 or core.slot_state[slot] != SlotState.STORED:
+            if slot < 0 or core.slot_state[slot] != _STORED:
                 raise ProtocolViolation(
                     "load_not_stored", f"group {group.group_id} position {position}: key is not stored",
                     request_id=rid)
@@ -296,7 +420,7 @@ def _flush(core: Core, job_ids: list[int], out: Effects) -> None:
     """The worker waits for these stores before the forward; their sources are free after it."""
     for job_id in job_ids:
         job = core.jobs[job_id]
-        assert job.kind is JobKind.STORE and not job.flushed
+        assert job.kind is _STORE and not job.flushed
         _release_sources(core, job)
         job.flushed = True
     core.stats.flushes += 1
@@ -306,19 +430,78 @@ def _flush(core: Core, job_ids: list[int], out: Effects) -> None:
 
 def _release_sources(core: Core, job: Job) -> None:
     readers = core.block_readers
-    for block in job.flat_blocks():
-        jobs = readers[block]
-        jobs.remove(job.job_id)
-        if not jobs:
-            del readers[block]
+    job_id = job.job_id
+    for ids in job.block_ids:
+        for block in ids:
+            jobs = readers[block]
+            if len(jobs) == 1 and jobs[0] == job_id:
+                del readers[block]
+            else:
+                jobs.remove(job_id)
 
 
 def _blocks_freed(core: Core, event: ev.BlocksFreed, out: Effects) -> None:
     rid = event.request_id
     request = _request(core, rid, event.kind)
-    _check_group_shape(core, event.block_ids, rid)
+    block_ids = event.block_ids
+    if len(block_ids) != len(core.groups):
+        _check_group_shape(core, block_ids, rid)
+    # Per group, the positions of the freed blocks. A block found in a table is in
+    # range (tables hold only checked ids); any miss goes to the per-block check.
+    # vLLM frees a window's blocks oldest first, often many at once: the search
+    # starts past the run of positions that are null or freed by this event, so
+    # each is found where it starts (the first occurrence past the floor, as
+    # `table.index(block, floor)` would find it, since a group names each block once).
+    found: list[list[int]] = []
+    starts: list[int] = []
+    for ids, table, floor in zip(block_ids, request.table, request.free_floor):
+        if len(ids) > 1 and _repeats_a_block(ids):
+            _free_problem(core, request, block_ids)
+        positions = []
+        end = len(table)
+        start = floor
+        for block in ids:
+            if block == NULL_BLOCK_ID:
+                continue
+            try:
+                position = table.index(block, start)
+            except (ValueError, TypeError):
+                _free_problem(core, request, block_ids)
+            positions.append(position)
+            if position == start:
+                start += 1
+                while start < end and table[start] == NULL_BLOCK_ID:
+                    start += 1
+        found.append(positions)
+        starts.append(start)
+    refs = core.block_refs
+    floors = request.free_floor
+    for group_id, (positions, table, start) in enumerate(zip(found, request.table, starts)):
+        if not positions:
+            continue
+        for position in positions:
+            refs[table[position]] -= 1
+            table[position] = NULL_BLOCK_ID
+        # Positions below the floor are all null: `index` starts there. Only a
+        # group that freed a block can move its floor (a lower one stays true).
+        end = len(table)
+        while start < end and table[start] == NULL_BLOCK_ID:
+            start += 1
+        floors[group_id] = start
+
+
+def _repeats_a_block(ids: tuple[int, ...]) -> bool:
+    distinct = set(ids)
+    distinct.discard(NULL_BLOCK_ID)
+    return len(distinct) != len(ids) - ids.count(NULL_BLOCK_ID)
+
+
+def _free_problem(core: Core, request: RequestState, block_ids: ev.BlockIdsByGroup) -> None:
+    """The per-block check of a free; raises the first problem."""
+    rid = request.request_id
+    _check_group_shape(core, block_ids, rid)
     positions: list[tuple[int, int]] = []
-    for group, ids in zip(core.groups, event.block_ids):
+    for group, ids in zip(core.groups, block_ids):
         table = request.table[group.group_id]
         floor = request.free_floor[group.group_id]
         for block in ids:
@@ -332,30 +515,27 @@ def _blocks_freed(core: Core, event: ev.BlocksFreed, out: Effects) -> None:
                     request_id=rid) from None
     if len(set(positions)) != len(positions):
         raise ProtocolViolation("duplicate_block", "a block is freed twice", request_id=rid)
-    for group_id, position in positions:
-        table = request.table[group_id]
-        core.block_refs[table[position]] -= 1
-        table[position] = NULL_BLOCK_ID
-    for group_id, table in enumerate(request.table):
-        floor = request.free_floor[group_id]
-        while floor < len(table) and table[floor] == NULL_BLOCK_ID:
-            floor += 1
-        request.free_floor[group_id] = floor
+    raise AssertionError("a free failed its fast check but passes the per-block one")
 
 
 def _free_table(core: Core, request: RequestState) -> None:
-    for block in request.held_blocks():
-        core.block_refs[block] -= 1
-        assert core.block_refs[block] >= 0, f"block {block} ref count went negative"
+    refs = core.block_refs
+    for table, floor in zip(request.table, request.free_floor):
+        for block in table[floor:] if floor else table:
+            if block != NULL_BLOCK_ID:
+                count = refs[block] - 1
+                refs[block] = count
+                assert count >= 0, f"block {block} ref count went negative"
     request.table = [[] for _ in core.groups]
     request.free_floor = [0] * len(core.groups)
     request.capacity_tokens = 0
+    request.step_limit = 0 if request.status is _RUNNING else -1
 
 
 def _request_preempted(core: Core, event: ev.RequestPreempted, out: Effects) -> None:
     request = _request(core, event.request_id, event.kind)
     _free_table(core, request)
-    request.status = RequestStatus.PREEMPTED
+    request.set_status(_PREEMPTED)
     request.num_computed_tokens = 0
     request.num_preemptions += 1
     _restart_stores(request)
@@ -370,29 +550,36 @@ def _restart_stores(request: RequestState) -> None:
 
 def _request_resumed(core: Core, event: ev.RequestResumed, out: Effects) -> None:
     request = _request(core, event.request_id, event.kind)
-    request.status = RequestStatus.WAITING
+    request.set_status(_WAITING)
 
 
 def _request_finished(core: Core, event: ev.RequestFinished, out: Effects) -> None:
     rid = event.request_id
     request = _request(core, rid, event.kind)
-    _check_group_shape(core, event.block_ids, rid)
-    for group, final in zip(core.groups, event.block_ids):
-        table = request.table[group.group_id]
-        if len(final) != len(table) or any(f != t and f != NULL_BLOCK_ID for f, t in zip(final, table)):
-            raise ProtocolViolation(
-                "final_table_mismatch", f"group {group.group_id}: final blocks {list(final)[:8]}… differ "
-                f"from the engine's table {table[:8]}…", request_id=rid)
+    final_ids = event.block_ids
+    # The common case: vLLM's final table is the engine's, position for position.
+    if len(final_ids) != len(request.table) or not all(map(_same_ids, final_ids, request.table)):
+        _check_group_shape(core, final_ids, rid)
+        for group, final in zip(core.groups, final_ids):
+            table = request.table[group.group_id]
+            if len(final) != len(table) or any(f != t and f != NULL_BLOCK_ID for f, t in zip(final, table)):
+                raise ProtocolViolation(
+                    "final_table_mismatch", f"group {group.group_id}: final blocks {list(final)[:8]}… differ "
+                    f"from the engine's table {table[:8]}…", request_id=rid)
     _free_table(core, request)
     del core.requests[rid]
     core.stats.finished += 1
 
 
+def _same_ids(final: tuple[int, ...], table: list[int]) -> bool:
+    return len(final) == len(table) and list(final) == table
+
+
 def _request_aborted(core: Core, event: ev.RequestAborted, out: Effects) -> None:
     request = _request(core, event.request_id, event.kind)
     core.stats.aborted += 1
-    if request.status is RequestStatus.LOADING:
-        request.status = RequestStatus.ABORTING  # vLLM frees the blocks once the load ends
+    if request.status is _LOADING:
+        request.set_status(_ABORTING)  # vLLM frees the blocks once the load ends
         return
     _free_table(core, request)
     del core.requests[event.request_id]
@@ -401,13 +588,42 @@ def _request_aborted(core: Core, event: ev.RequestAborted, out: Effects) -> None
 def _step_scheduled(core: Core, event: ev.StepScheduled, out: Effects) -> None:
     if event.step_index <= core.step_index:
         raise ProtocolViolation("step_not_increasing", f"step {event.step_index} after {core.step_index}")
-    if len(set(event.request_ids)) != len(event.request_ids):
+    rids = event.request_ids
+    if len(set(rids)) != len(rids):
         raise ProtocolViolation("duplicate_request", "a request is scheduled twice in one step")
+    computed = event.num_computed_tokens
+    counts = event.num_scheduled_tokens
+    # One read-only pass checks every request and finds the few whose horizon
+    # reached their next storable block (about one in block_size decoding
+    # requests per step); `step_limit` is -1 unless the request is RUNNING, so
+    # one comparison checks status and allocation. On any failure the plain
+    # per-request loop names the first problem, as it always did.
+    scheduled = list(map(core.requests.get, rids))
+    crossed: list[tuple[RequestState, int]] = []
+    try:
+        for request, done, count in zip(scheduled, computed, counts):
+            horizon = done + count
+            if horizon > request.step_limit or done < 0 or count < 0:
+                _step_problem(core, event)
+            if horizon >= request.next_store_tokens:
+                crossed.append((request, horizon))
+    except AttributeError:  # an unknown request (None)
+        _step_problem(core, event)
+    core.step_index = event.step_index
+    for request, done in zip(scheduled, computed):
+        request.num_computed_tokens = done
+    if crossed:
+        lazy = core.config.store_mode is _LAZY
+        for request, horizon in crossed:
+            _plan_stores(core, request, horizon, out, lazy=lazy)
+
+
+def _step_problem(core: Core, event: ev.StepScheduled) -> None:
+    """The per-request check of a step; raises the first problem."""
     requests = core.requests
-    scheduled: list[tuple[RequestState, int]] = []
     for rid, computed, count in zip(event.request_ids, event.num_computed_tokens, event.num_scheduled_tokens):
         request = requests.get(rid)
-        if request is None or request.status is not RequestStatus.RUNNING:
+        if request is None or request.status is not _RUNNING:
             _request(core, rid, event.kind)  # raises with the precise status
         assert request is not None
         horizon = computed + count
@@ -417,13 +633,7 @@ def _step_scheduled(core: Core, event: ev.StepScheduled, out: Effects) -> None:
             raise ProtocolViolation(
                 "unallocated_tokens", f"{horizon} tokens scheduled but the block table covers "
                 f"{request.capacity_tokens}", request_id=rid)
-        scheduled.append((request, horizon))
-    core.step_index = event.step_index
-    lazy = core.config.store_mode is StoreMode.LAZY
-    for (request, horizon), computed in zip(scheduled, event.num_computed_tokens):
-        request.num_computed_tokens = computed
-        if horizon >= request.next_store_tokens:
-            _plan_stores(core, request, horizon, out, lazy=lazy)
+    raise AssertionError("a step failed its fast check but passes the per-request one")
 
 
 def _plan_stores(core: Core, request: RequestState, horizon: int, out: Effects, *, lazy: bool = False) -> None:
@@ -432,26 +642,42 @@ def _plan_stores(core: Core, request: RequestState, horizon: int, out: Effects, 
     candidates: list[tuple[int, int, bytes]] = []  # (group, block, key)
     slot_of_key = core.slot_of_key
     writer = core.block_writer
-    next_tokens = None
-    for group in core.groups:
-        gid = group.group_id
-        keys = request.keys[gid]
-        table = request.table[gid]
-        first = request.next_store[gid]
-        full = min(horizon // group.block_size, len(keys), len(table))
-        for position in range(first, full):
-            block = table[position]
-            if block == NULL_BLOCK_ID or block in writer:
-                continue
-            key = keys[position]
-            if key in slot_of_key or not hma.is_reachable(group, position, core.alignment):
-                continue
-            candidates.append((gid, block, key))
+    next_store = request.next_store
+    next_tokens = -1
+    for (group_id, block_size, pattern, period), keys, table in zip(core.store_rules, request.keys, request.table):
+        first = next_store[group_id]
+        full = horizon // block_size
+        if full > len(keys):
+            full = len(keys)
+        if full > len(table):
+            full = len(table)
         if full > first:
-            request.next_store[gid] = full
-        reach = (request.next_store[gid] + 1) * group.block_size
-        next_tokens = reach if next_tokens is None else min(next_tokens, reach)
-    request.next_store_tokens = next_tokens or 0
+            if full - first == 1:
+                positions: Iterable[int] = (first,)
+            else:
+                # A new request's whole prefix at once. Most of its keys are in the
+                # tier already (shared documents), and a window group's old positions
+                # hold no block: visit only positions with a block and a key not in
+                # the tier, found by C-level passes (a tier lookup is the cost here).
+                span = range(first, full)
+                held = list(compress(span, table[first:full]))
+                if len(held) == len(span):
+                    positions = compress(span, map(not_, map(slot_of_key.__contains__, keys[first:full])))
+                else:
+                    positions = compress(held, map(not_, map(slot_of_key.__contains__, map(keys.__getitem__, held))))
+            for position in positions:
+                block = table[position]
+                if block == NULL_BLOCK_ID or block in writer:
+                    continue
+                key = keys[position]
+                if key in slot_of_key or (pattern is not None and not pattern[position % period]):
+                    continue
+                candidates.append((group_id, block, key))
+            next_store[group_id] = first = full
+        reach = (first + 1) * block_size
+        if next_tokens < 0 or reach < next_tokens:
+            next_tokens = reach
+    request.next_store_tokens = max(next_tokens, 0)
     if lazy:
         for _, block, key in candidates:
             core.lazy_keys[block] = key
@@ -461,58 +687,114 @@ def _plan_stores(core: Core, request: RequestState, horizon: int, out: Effects, 
 
 def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, bytes]],
                  out: Effects) -> None:
-    """Reserve slots, evicting if needed; what cannot fit is not stored."""
+    """Reserve slots, evicting if needed; what cannot fit is not stored. `candidates`
+    are (group, block, key); slots are taken in their order."""
     wanted = len(candidates)
-    free = core.num_free_slots()
-    admitted = min(wanted, free + len(core.policy))
-    if admitted < wanted:
-        core.stats.store_rejections += wanted - admitted
-        candidates = candidates[:admitted]
-    if not candidates:
-        return
+    free_slots = core.free_slots
+    free = len(free_slots) + core.config.num_tier_slots - core.next_fresh_slot  # core.num_free_slots()
+    policy = core.policy
     evicted: list[bytes] = []
-    if admitted > free:
-        victims = core.policy.evict(admitted - free)
-        assert victims is not None
-        for key in victims:
-            slot = core.slot_of_key.pop(key)
-            _free_slot(core, slot)
-        evicted = victims
-        core.stats.evictions += len(victims)
-    n = len(core.groups)
-    keys: list[list[bytes]] = [[] for _ in range(n)]
-    blocks: list[list[int]] = [[] for _ in range(n)]
-    slots: list[list[int]] = [[] for _ in range(n)]
-    gens: list[list[int]] = [[] for _ in range(n)]
+    if wanted > free:
+        admitted = min(wanted, free + len(policy))
+        if admitted < wanted:
+            core.stats.store_rejections += wanted - admitted
+            candidates = candidates[:admitted]
+        if not candidates:
+            return
+        if admitted > free:
+            victims = policy.evict(admitted - free)
+            assert victims is not None
+            for key in victims:
+                slot = core.slot_of_key.pop(key)
+                _free_slot(core, slot)
+            evicted = victims
+            core.stats.evictions += len(victims)
     job_id = core.next_job_id
-    core.next_job_id += 1
-    for gid, block, key in candidates:
-        slot = _take_slot(core)
-        core.policy.admit(key)
-        core.slot_of_key[key] = slot
-        core.slot_key[slot] = key
-        core.slot_state[slot] = SlotState.STORING
-        core.block_key[block] = key
-        core.block_readers.setdefault(block, []).append(job_id)
-        keys[gid].append(key)
-        blocks[gid].append(block)
-        slots[gid].append(slot)
-        gens[gid].append(core.block_generation[block])
-    job = Job(job_id=job_id, kind=JobKind.STORE, request_id=request_id,
-              keys=tuple(map(tuple, keys)), block_ids=tuple(map(tuple, blocks)),
-              slot_ids=tuple(map(tuple, slots)), generations=tuple(map(tuple, gens)),
-              pending_workers=(1 << core.config.world_size) - 1)
+    core.next_job_id = job_id + 1
+    slot_of_key = core.slot_of_key
+    slot_key = core.slot_key
+    slot_state = core.slot_state
+    block_key = core.block_key
+    readers = core.block_readers
+    generation = core.block_generation
+    fresh = core.next_fresh_slot
+    # Columns in candidate order. The planner's candidates come in group order,
+    # so each group's part is one slice of the flat tuple; others are regrouped.
+    candidate_keys: list[bytes] = []
+    candidate_blocks: list[int] = []
+    candidate_slots: list[int] = []
+    candidate_gens: list[int] = []
+    counts = [0] * len(core.groups)
+    in_order = True
+    last_group = 0
+    for group_id, block, key in candidates:
+        if group_id < last_group:
+            in_order = False
+        last_group = group_id
+        if free_slots:
+            slot = free_slots.pop()
+        else:
+            slot = fresh
+            fresh += 1
+        slot_of_key[key] = slot
+        slot_key[slot] = key
+        slot_state[slot] = _STORING
+        block_key[block] = key
+        reading = readers.get(block)
+        if reading is None:
+            readers[block] = [job_id]
+        else:
+            reading.append(job_id)
+        candidate_keys.append(key)
+        candidate_blocks.append(block)
+        candidate_slots.append(slot)
+        candidate_gens.append(generation[block])
+        counts[group_id] += 1
+    core.next_fresh_slot = fresh
+    policy.admit_many(candidate_keys)
+    if in_order:
+        spans = []
+        start = 0
+        for count in counts:
+            spans.append((start, start + count))
+            start += count
+        if len(spans) == 2:  # the usual two groups: two slices each
+            cut = spans[0][1]
+            flat = tuple(candidate_keys)
+            keys = (flat[:cut], flat[cut:])
+            flat = tuple(candidate_blocks)
+            blocks = (flat[:cut], flat[cut:])
+            flat = tuple(candidate_slots)
+            slots = (flat[:cut], flat[cut:])
+            flat = tuple(candidate_gens)
+            gens = (flat[:cut], flat[cut:])
+        else:
+            keys = _split(tuple(candidate_keys), spans)
+            blocks = _split(tuple(candidate_blocks), spans)
+            slots = _split(tuple(candidate_slots), spans)
+            gens = _split(tuple(candidate_gens), spans)
+    else:
+        groups = [group_id for group_id, _, _ in candidates]
+        keys, blocks, slots, gens = (
+            tuple(tuple(x for g, x in zip(groups, column) if g == group_id) for group_id in range(len(counts)))
+            for column in (candidate_keys, candidate_blocks, candidate_slots, candidate_gens))
+    job = Job.store(job_id, request_id, keys, blocks, slots, gens, (1 << core.config.world_size) - 1)
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:
         out.append(fx.EvictKeys(keys=tuple(evicted)))
-    if core.config.protection is Protection.PIN:
+    if core.config.protection is _PIN:
         flat = tuple(job.flat_blocks())
+        pins = core.block_pins
         for block in flat:
-            core.block_pins[block] += 1
+            pins[block] += 1
         out.append(fx.PinDeviceBlocks(block_ids=flat))
-    out.append(fx.StartStore(job_id=job_id, request_id=request_id, keys=job.keys,
-                             source_block_ids=job.block_ids, target_slot_ids=job.slot_ids))
+    out.append(fx.StartStore(job_id=job_id, request_id=request_id, keys=keys,
+                             source_block_ids=blocks, target_slot_ids=slots))
+
+
+def _split(flat: tuple, spans: list[tuple[int, int]]) -> tuple[tuple, ...]:
+    return tuple([flat[start:end] for start, end in spans])
 
 
 def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: Effects) -> None:
@@ -523,7 +805,7 @@ def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: Effects
             raise ProtocolViolation("block_out_of_range", f"block {block} not in (0, {limit})")
         if core.block_refs[block] or core.block_pins[block] or block in core.block_writer:
             raise ProtocolViolation("near_eviction_in_use", f"block {block} is held, not free")
-    if core.config.store_mode is not StoreMode.LAZY:
+    if core.config.store_mode is not _LAZY:
         return
     candidates: list[tuple[int, int, bytes]] = []
     for block in event.block_ids:
@@ -544,7 +826,7 @@ def _take_slot(core: Core) -> int:
 
 def _free_slot(core: Core, slot: int) -> None:
     core.slot_key[slot] = None
-    core.slot_state[slot] = SlotState.FREE
+    core.slot_state[slot] = _FREE
     core.free_slots.append(slot)
 
 
@@ -561,12 +843,20 @@ def _drop_key(core: Core, key: bytes) -> bool:
 
 
 def _store_completed(core: Core, event: ev.StoreCompleted, out: Effects) -> None:
-    job = _job(core, event.job_id, JobKind.STORE, event.worker_index)
-    _worker_reported(core, job, event.worker_index, out)
+    job = core.jobs.get(event.job_id)
+    worker = event.worker_index
+    if (job is None or job.kind is not _STORE or not 0 <= worker < core.config.world_size
+            or not job.pending_workers >> worker & 1):
+        job = _job(core, event.job_id, _STORE, worker)  # raises the precise problem
+    pending = job.pending_workers & ~(1 << worker)
+    job.pending_workers = pending
+    if not pending:
+        del core.jobs[job.job_id]
+        _store_ended(core, job, out)
 
 
 def _store_failed(core: Core, event: ev.StoreFailed, out: Effects) -> None:
-    job = _job(core, event.job_id, JobKind.STORE, event.worker_index)
+    job = _job(core, event.job_id, _STORE, event.worker_index)
     all_keys = {k for group in job.keys for k in group}
     failed = set(event.keys) or all_keys
     if not failed <= all_keys:
@@ -577,12 +867,12 @@ def _store_failed(core: Core, event: ev.StoreFailed, out: Effects) -> None:
 
 
 def _load_completed(core: Core, event: ev.LoadCompleted, out: Effects) -> None:
-    job = _job(core, event.job_id, JobKind.LOAD, event.worker_index)
+    job = _job(core, event.job_id, _LOAD, event.worker_index)
     _worker_reported(core, job, event.worker_index, out)
 
 
 def _load_failed(core: Core, event: ev.LoadFailed, out: Effects) -> None:
-    job = _job(core, event.job_id, JobKind.LOAD, event.worker_index)
+    job = _job(core, event.job_id, _LOAD, event.worker_index)
     if not set(event.block_ids) <= set(job.flat_blocks()):
         raise ProtocolViolation("foreign_blocks", f"load {job.job_id} failed blocks it does not target",
                                 job_id=job.job_id)
@@ -605,7 +895,7 @@ def _worker_reported(core: Core, job: Job, worker: int, out: Effects) -> None:
     if job.pending_workers:
         return
     del core.jobs[job.job_id]
-    if job.kind is JobKind.STORE:
+    if job.kind is _STORE:
         _store_ended(core, job, out)
     else:
         _load_ended(core, job, out)
@@ -614,52 +904,66 @@ def _worker_reported(core: Core, job: Job, worker: int, out: Effects) -> None:
 def _store_ended(core: Core, job: Job, out: Effects) -> None:
     if not job.flushed:
         _release_sources(core, job)
-    if core.config.protection is Protection.PIN:
+    if core.config.protection is _PIN:
         flat = tuple(job.flat_blocks())
+        pins = core.block_pins
         for block in flat:
-            core.block_pins[block] -= 1
+            pins[block] -= 1
         out.append(fx.UnpinDeviceBlocks(block_ids=flat))
     stats = core.stats
-    if job.failed_keys:
+    failed = job.failed_keys
+    if failed:
         stats.store_failures += 1
-        stats.keys_failed += len(job.failed_keys)
+        stats.keys_failed += len(failed)
+    slot_of_key = core.slot_of_key
+    slot_state = core.slot_state
+    stale = job.stale
+    stored: list[bytes] = []  # into the policy in this order
     for group_keys, group_slots in zip(job.keys, job.slot_ids):
         for key, slot in zip(group_keys, group_slots):
-            indexed = core.slot_of_key.get(key) == slot
-            if job.stale or not indexed:
+            if stale or slot_of_key.get(key) != slot:  # stale, or no longer indexed
                 _free_slot(core, slot)
-            elif key in job.failed_keys:
-                del core.slot_of_key[key]
+            elif failed and key in failed:
+                del slot_of_key[key]
                 _free_slot(core, slot)
             else:
-                core.slot_state[slot] = SlotState.STORED
-                core.policy.insert(key, False)
-                stats.keys_stored += 1
+                slot_state[slot] = _STORED
+                stored.append(key)
+    if stored:
+        core.policy.insert_many(stored, False)
+        stats.keys_stored += len(stored)
 
 
 def _load_ended(core: Core, job: Job, out: Effects) -> None:
     dropped: list[bytes] = []  # failed keys this load takes out of the index
+    reusable: list[bytes] = []  # back into the policy (as reused) in this order
+    writer = core.block_writer
+    slot_loads = core.slot_loads
+    slot_of_key = core.slot_of_key
+    failed = job.failed_keys
     for group_keys, group_slots, group_blocks in zip(job.keys, job.slot_ids, job.block_ids):
         for key, slot, block in zip(group_keys, group_slots, group_blocks):
-            del core.block_writer[block]
-            loads = core.slot_loads[slot] - 1
+            del writer[block]
+            loads = slot_loads[slot] - 1
             if loads:
-                core.slot_loads[slot] = loads
+                slot_loads[slot] = loads
             else:
-                del core.slot_loads[slot]
-            if key in job.failed_keys:
+                del slot_loads[slot]
+            indexed = slot_of_key.get(key) == slot
+            if failed and key in failed:
                 core.block_key[block] = None
-            indexed = core.slot_of_key.get(key) == slot
-            if indexed and key in job.failed_keys:
-                del core.slot_of_key[key]
-                dropped.append(key)
-                indexed = False
+                if indexed:
+                    del slot_of_key[key]
+                    dropped.append(key)
+                    indexed = False
             if loads:
                 continue
             if indexed:
-                core.policy.insert(key, True)
+                reusable.append(key)
             else:
                 _free_slot(core, slot)
+    if reusable:
+        core.policy.insert_many(reusable, True)
     if job.failed_keys or job.failed_blocks:
         core.stats.load_failures += 1
         core.stats.keys_failed += len(job.failed_keys)
@@ -669,7 +973,7 @@ def _load_ended(core: Core, job: Job, out: Effects) -> None:
     if request is None or request.load_job_id != job.job_id:
         return
     request.load_job_id = -1
-    if request.status is RequestStatus.ABORTING:
+    if request.status is _ABORTING:
         _free_table(core, request)
         del core.requests[request.request_id]
         return
@@ -683,10 +987,10 @@ def _load_ended(core: Core, job: Job, out: Effects) -> None:
         # one group it recomputes from the first failed block, and frees the
         # table when that leaves no valid token.
         _free_table(core, request)
-        request.status = RequestStatus.WAITING
+        request.set_status(_WAITING)
         request.num_computed_tokens = 0
         return
-    request.status = RequestStatus.RUNNING  # one group: vLLM recomputes from the first failed block
+    request.set_status(_RUNNING)  # one group: vLLM recomputes from the first failed block
 
 
 def _first_failed_position(request: RequestState, job: Job) -> int:
@@ -700,7 +1004,7 @@ def _first_failed_position(request: RequestState, job: Job) -> int:
 def _cache_reset(core: Core, event: ev.CacheReset, out: Effects) -> None:
     if event.epoch <= core.epoch:
         raise ProtocolViolation("epoch_not_increasing", f"epoch {event.epoch} after {core.epoch}")
-    dropped = tuple(k for k, s in core.slot_of_key.items() if core.slot_state[s] == SlotState.STORED)
+    dropped = tuple(k for k, s in core.slot_of_key.items() if core.slot_state[s] == _STORED)
     for key in list(core.slot_of_key):
         _drop_key(core, key)
     assert not len(core.policy)

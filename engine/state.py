@@ -17,6 +17,7 @@ from typing import Any
 from kvledger.events.config import EngineConfig, GroupSpec
 from kvledger.events.types import NULL_BLOCK_ID
 
+from . import hma
 from .policies import ARC, LRU, make_policy
 
 
@@ -37,10 +38,17 @@ class JobKind(enum.Enum):
     LOAD = "load"
 
 
+_STORE = JobKind.STORE
+
+
 class SlotState(enum.IntEnum):
     FREE = 0
     STORING = 1
     STORED = 2  # "loading" is STORED with a load count above zero
+
+
+_WAITING = RequestStatus.WAITING  # enum members as globals: cheaper on hot paths
+_RUNNING = RequestStatus.RUNNING
 
 
 class RequestState:
@@ -49,12 +57,12 @@ class RequestState:
     __slots__ = (
         "request_id", "status", "num_prompt_tokens", "num_tokens", "hashes", "keys",
         "table", "num_computed_tokens", "next_store", "next_store_tokens", "load_job_id",
-        "num_preemptions", "capacity_tokens", "free_floor",
+        "num_preemptions", "capacity_tokens", "step_limit", "free_floor",
     )
 
     def __init__(self, request_id: str, num_prompt_tokens: int, groups: tuple[GroupSpec, ...]) -> None:
         self.request_id = request_id
-        self.status = RequestStatus.WAITING
+        self.status = _WAITING
         self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = num_prompt_tokens
         self.hashes: list[bytes] = []
@@ -66,6 +74,7 @@ class RequestState:
         self.load_job_id = -1
         self.num_preemptions = 0
         self.capacity_tokens = 0  # tokens the table covers in every group (derived, kept for speed)
+        self.step_limit = -1  # the most tokens a step may schedule: capacity_tokens while RUNNING, else -1
         self.free_floor = [0] * len(groups)  # positions below are all null (sliding frees go in order)
 
     def clone(self) -> RequestState:
@@ -85,6 +94,12 @@ class RequestState:
 
     def table_changed(self, groups: tuple[GroupSpec, ...]) -> None:
         self.capacity_tokens = self.table_tokens(groups)
+        self.step_limit = self.capacity_tokens if self.status is _RUNNING else -1
+
+    def set_status(self, status: RequestStatus) -> None:
+        """Move to `status`, keeping `step_limit` in step with it."""
+        self.status = status
+        self.step_limit = self.capacity_tokens if status is _RUNNING else -1
 
     def held_blocks(self) -> list[int]:
         return [b for ids in self.table for b in ids if b != NULL_BLOCK_ID]
@@ -95,6 +110,9 @@ class RequestState:
             tuple(self.hashes), tuple(tuple(t) for t in self.table), self.num_computed_tokens,
             tuple(self.next_store), self.next_store_tokens, self.load_job_id, self.num_preemptions,
         )
+
+
+_new_object = object.__new__
 
 
 class Job:
@@ -122,6 +140,26 @@ class Job:
         self.flushed = False  # STORE: the worker waited for it; sources are free to reuse
         self.stale = False  # started before a cache reset: its outcome no longer counts
         self.num_tokens = num_tokens  # LOAD: tokens the hit covers
+
+    @classmethod
+    def store(cls, job_id: int, request_id: str, keys: tuple, block_ids: tuple, slot_ids: tuple,
+              generations: tuple, pending_workers: int) -> Job:
+        """A STORE job, as `Job(kind=JobKind.STORE, ...)` builds it (positional: the planner's hot path)."""
+        job = _new_object(cls)
+        job.job_id = job_id
+        job.kind = _STORE
+        job.request_id = request_id
+        job.keys = keys
+        job.block_ids = block_ids
+        job.slot_ids = slot_ids
+        job.generations = generations
+        job.pending_workers = pending_workers
+        job.failed_keys = set()
+        job.failed_blocks = set()
+        job.flushed = False
+        job.stale = False
+        job.num_tokens = 0
+        return job
 
     def clone(self) -> Job:
         other = Job.__new__(Job)
@@ -170,6 +208,8 @@ class Core:
 
     __slots__ = (
         "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
+        # derived from the config once (immutable, shared by clones)
+        "block_sizes", "key_rules", "store_rules",
         # device pool, indexed by block id (the null block is index 0)
         "block_refs", "block_pins", "block_generation", "block_group", "block_key",
         "block_readers", "block_writer", "lazy_keys",
@@ -184,6 +224,14 @@ class Core:
         self.config = config
         self.groups = config.groups
         self.alignment = config.alignment_tokens
+        self.block_sizes = tuple(g.block_size for g in config.groups)
+        # Per group: (hashes per block, key suffix) to derive keys from hashes.
+        self.key_rules = tuple(
+            (g.block_size // config.hash_block_size, hma.group_suffix(g.group_id)) for g in config.groups)
+        # Per group: (group id, block size, reachability pattern or None, its period).
+        self.store_rules = tuple(
+            (g.group_id, g.block_size, hma.reach_pattern(g, self.alignment), self.alignment // g.block_size)
+            for g in config.groups)
         self.step_index = -1
         self.epoch = 0
         self.next_job_id = 1
@@ -261,7 +309,9 @@ class State:
 
     def take(self) -> Core:
         """Move the tables out; this handle becomes stale."""
-        core = self.core
+        core = self._core
+        if core is None:
+            raise StaleStateError("this state handle was consumed by reduce(); use the returned state")
         self._core = None
         return core
 

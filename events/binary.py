@@ -1,23 +1,39 @@
-"""The binary form of the event log: msgpack rows in CRC-checked frames.
+"""The binary form of the event log: msgpack rows in CRC-checked frames, the
+step frames compressed as one zstd stream.
 
     file    = MAGIC frame(header) frame(step)*
+    MAGIC   = b"KVLEDGER" + one byte, the format version (2; version 1 is still read)
     frame   = u32 length, u32 crc32(payload), payload          (little-endian)
     header  = msgpack map: schema_version, engine_version, digest_interval,
-              config, kinds {kind: code}, layouts {kind: [version, [[name, tag], ...]]}
-    step    = msgpack [first_seq, step_index, [row, ...]]  -- one frame per step
+              config, kinds {kind: code}, layouts {kind: [version, [[name, tag], ...]]},
+              compression "zstd"                            (not compressed)
+    step    = one frame per step; its payload is the next piece of the log's zstd
+              stream, flushed to a block boundary, and decompresses to
+              msgpack [first_seq, step_index, [row, ...]]
     row     = [code, version, field, ...]   fields positional, in the layout's order
             | [0, digest_bytes]             a state digest; its seq is the number
                                             of events before it (first_seq + rows so far)
+
+Version 1 is the same without the compression: each step payload is the msgpack
+array itself, and the header has no `compression` key.
+
+Why a stream and not self-contained frames: a log mostly repeats itself. The
+prompts' 16-byte block hashes are most of its bytes, and requests over shared
+documents repeat long runs of them; the step_scheduled columns repeat from one
+step to the next. Only a compressor that remembers earlier steps sees that, and
+zstd's history (`ZSTD_WINDOW_LOG`) carries across block flushes. Each step is
+flushed as a whole block, so what is on disk after a crash decodes up to the
+last complete frame, and the CRC still covers every frame as written.
 
 Kind codes and layouts live in the header, so the file describes itself and
 reading never depends on class order. Bytes are msgpack bin, tuples arrays;
 tuples of >= 4 ints or equal-length bytes are packed bins (see `packed`).
 Every string goes through a `Strings` table shared by all frames: a request
 id costs its text once and a 1-3 byte index afterwards (a packed column of
-indices, in a step_scheduled row). That table is why frames are read in
-order from the start, and why a writer passes the same `Strings` to every
-`encode_binary_frame` call of one log (`encode_binary` does this for a log
-held in memory).
+indices, in a step_scheduled row). That table and the zstd stream are why
+frames are read in order from the start, and why a writer passes the same
+`Strings` (which carries the stream too) to every `encode_binary_frame` call
+of one log (`encode_binary` does this for a log held in memory).
 """
 
 from __future__ import annotations
@@ -27,6 +43,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 import msgpack
+import zstandard
 
 from kvledger.events.codec import CodecError, construct, from_record
 from kvledger.events.log import (
@@ -43,14 +60,19 @@ from kvledger.events.log import (
 from kvledger.events.schema import SCHEMAS, InvalidValue, KindSchema, Strings, json_form_decoder
 from kvledger.events.types import Event
 
-MAGIC = b"KVLEDGER\x01"
+FORMAT_VERSION = 2
+MAGIC = b"KVLEDGER" + bytes([FORMAT_VERSION])
 MAGIC_PREFIX = MAGIC[:-1]  # the last byte is the binary format's version
+MAGIC_V1 = MAGIC_PREFIX + b"\x01"  # uncompressed step frames: read, no longer written
+COMPRESSION = "zstd"
+ZSTD_LEVEL = 3
+ZSTD_WINDOW_LOG = 23  # 8 MiB of history; a reader needs as much memory (zstd reads it from the stream)
 DIGEST_CODE = 0
 MAX_FRAME_BYTES = 1 << 28  # a larger length is corruption, not a step
 KIND_CODES: dict[str, int] = {kind: code for code, kind in enumerate(SCHEMAS, start=1)}  # as this writer assigns
 
 _FRAME_HEAD = struct.Struct("<II")
-_HEADER_EXTRA_KEYS = ("kinds", "layouts")
+_HEADER_EXTRA_KEYS = {1: ("kinds", "layouts"), 2: ("kinds", "layouts", "compression")}
 
 RowWriter = Callable[[Event, Strings], list]
 RowReader = Callable[[tuple, Strings], Event]
@@ -86,8 +108,14 @@ def encode_binary_header(header: LogHeader) -> bytes:
         **header_to_dict(header),
         "kinds": dict(KIND_CODES),
         "layouts": {kind: schema.layout for kind, schema in SCHEMAS.items()},
+        "compression": COMPRESSION,
     }
     return MAGIC + _frame(msgpack.packb(data, use_bin_type=True))
+
+
+def _compressor() -> zstandard.ZstdCompressionObj:
+    params = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, window_log=ZSTD_WINDOW_LOG)
+    return zstandard.ZstdCompressor(compression_params=params).compressobj()
 
 
 def _check_frame(first_seq: int, step_index: int, records: list[Record]) -> None:
@@ -108,8 +136,8 @@ def _check_frame(first_seq: int, step_index: int, records: list[Record]) -> None
 def encode_binary_frame(
     first_seq: int, step_index: int, records: Iterable[Record], *, strings: Strings
 ) -> bytes:
-    """One step's records as one frame. `strings` is the log's table, updated in place
-    (and left as it was if the frame fails to encode)."""
+    """One step's records as one frame. `strings` is the log's table and stream, updated
+    in place (and left as they were if the frame fails to encode)."""
     records = list(records)
     _check_frame(first_seq, step_index, records)
     mark = strings.begin_frame()
@@ -124,7 +152,10 @@ def encode_binary_frame(
     except (TypeError, ValueError, OverflowError, KeyError) as exc:
         strings.rollback(mark)
         raise LogError(f"cannot encode step {step_index}: {exc!r}", seq=first_seq) from None
-    return _frame(payload)
+    stream = strings.stream
+    if stream is None:
+        stream = strings.stream = _compressor()
+    return _frame(stream.compress(payload) + stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
 
 
 def encode_binary(header: LogHeader, records: Iterable[Record]) -> bytes:
@@ -283,21 +314,26 @@ def _unpack(payload: bytes, seq: int | None, *, use_list: bool) -> object:
         raise LogError(f"corrupt: bad msgpack ({exc})", seq=seq) from None
 
 
-def _read_header(chunks: _Chunks) -> tuple[LogHeader, dict]:
+def _read_header(chunks: _Chunks) -> tuple[LogHeader, dict, int]:
     magic = chunks.read(len(MAGIC))
     if magic[: len(MAGIC_PREFIX)] != MAGIC_PREFIX or len(magic) < len(MAGIC):
         raise LogError("missing header: not a kvledger binary log (bad magic)")
-    if magic != MAGIC:
-        raise LogError(f"binary format version {magic[-1]} is newer than this reader knows ({MAGIC[-1]})")
+    version = magic[-1]
+    if version > FORMAT_VERSION:
+        raise LogError(f"binary format version {version} is newer than this reader knows ({FORMAT_VERSION})")
+    if version not in _HEADER_EXTRA_KEYS:
+        raise LogError(f"binary format version {version} does not exist")
     payload = _read_frame(chunks, None)
     if payload is None:
         raise LogError("missing header: the log ends after its magic")
     data = _unpack(payload, None, use_list=True)
-    header = header_from_dict(data, extra_keys=_HEADER_EXTRA_KEYS)
+    header = header_from_dict(data, extra_keys=_HEADER_EXTRA_KEYS[version])
+    if version >= 2 and data["compression"] != COMPRESSION:  # type: ignore[index]
+        raise LogError(f"header: unknown compression {data['compression']!r}")  # type: ignore[index]
     readers, problem = _row_readers(data["kinds"], data["layouts"])  # type: ignore[index]
     if problem:
         raise LogError(f"header: {problem}")
-    return header, readers
+    return header, readers, version
 
 
 def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings) -> Iterator[Record]:
@@ -332,12 +368,18 @@ def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings
         cursor.next_seq += 1
 
 
-def _read_steps(chunks: _Chunks, readers: dict) -> Iterator[Record]:
+def _read_steps(chunks: _Chunks, readers: dict, version: int) -> Iterator[Record]:
     cursor, strings = Cursor(), Strings()
+    stream = zstandard.ZstdDecompressor().decompressobj() if version >= 2 else None
     while True:
         payload = _read_frame(chunks, cursor.next_seq)
         if payload is None:
             return
+        if stream is not None:
+            try:
+                payload = stream.decompress(payload)
+            except zstandard.ZstdError as exc:
+                raise LogError(f"corrupt: bad zstd block ({exc})", seq=cursor.next_seq) from None
         frame = _unpack(payload, cursor.next_seq, use_list=False)
         yield from _decode_frame(frame, cursor, readers, strings)
 
@@ -349,5 +391,5 @@ def read_binary(data: bytes | bytearray | memoryview | Iterable[bytes]) -> tuple
     have started at, since a corrupt frame's own numbers cannot be trusted).
     """
     chunks = _Chunks([bytes(data)] if isinstance(data, (bytes, bytearray, memoryview)) else data)
-    header, readers = _read_header(chunks)
-    return header, _read_steps(chunks, readers)
+    header, readers, version = _read_header(chunks)
+    return header, _read_steps(chunks, readers, version)

@@ -39,6 +39,9 @@ class Strings:
     the start of a frame a full table (`CAPACITY` entries) is cleared, on both
     sides by the same rule, so a long log needs bounded memory. A writer whose
     frame fails to encode rolls the table back to the frame's start.
+
+    It is a writer's whole per-log state: `stream` holds the log's compression
+    stream once `binary.encode_binary_frame` has started it.
     """
 
     CAPACITY = 1 << 16
@@ -46,6 +49,7 @@ class Strings:
     def __init__(self) -> None:
         self._index: dict[str, int] = {}
         self._texts: list[str] = []
+        self.stream: Any = None  # the writer's zstd stream (events.binary), from its first frame
 
     def __len__(self) -> int:
         return len(self._texts)

@@ -9,6 +9,7 @@ import pytest
 
 from kvledger.adapters.logfile import LogWriter, open_log
 from kvledger.events import types as ev
+from kvledger.events.binary import MAGIC
 from kvledger.events.log import DigestRecord, EventRecord, LogError
 from tests.events.logs import DIGEST, HEADER
 from tests.strategies import EXAMPLE_EVENTS
@@ -58,7 +59,7 @@ def test_the_format_is_told_by_the_magic_not_the_name(tmp_path: Path) -> None:
     for path, fmt in ((binary, "binary"), (jsonl, "jsonl")):
         with LogWriter(path, HEADER, fmt=fmt) as writer:  # type: ignore[arg-type]
             write_steps(writer, range(2))
-    assert binary.read_bytes().startswith(b"KVLEDGER\x01")
+    assert binary.read_bytes().startswith(MAGIC)
     assert jsonl.read_bytes().startswith(b'{"kind":"header"')
     assert read(binary) == read(jsonl)
 

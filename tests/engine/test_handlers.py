@@ -293,6 +293,17 @@ def test_blocks_freed_nulls_the_positions_and_drops_the_refs():
     check(e.state)
 
 
+def test_blocks_freed_in_any_order_with_nulls_among_them():
+    e = running_with_store()
+    assert e.free("a", (), (7, 0, 5, 0)) == ()
+    assert e.core.requests["a"].table == [[1, 2, 3, 4], [0, 6, 0, 8]]
+    assert e.free("a", (), (6,)) == ()
+    assert e.free("a", (2, 1), (8,)) == ()
+    assert e.core.requests["a"].table == [[0, 0, 3, 4], [0, 0, 0, 0]]
+    assert [e.core.block_refs[b] for b in range(1, 9)] == [0, 0, 1, 1, 0, 0, 0, 0]
+    check(e.state)
+
+
 def test_blocks_freed_violations():
     e = running_with_store()
     e.add("w", 64, tag="w")
@@ -301,6 +312,9 @@ def test_blocks_freed_violations():
     assert e.reject(free(request_id="a", block_ids=((), (64,)))) == "block_out_of_range"
     assert e.reject(free(request_id="a", block_ids=((), (1,)))) == "free_unheld_block"
     assert e.reject(free(request_id="a", block_ids=((), (5, 5)))) == "duplicate_block"
+    assert e.reject(free(request_id="a", block_ids=((), (6, 0, 5, 6)))) == "duplicate_block"
+    assert e.reject(free(request_id="a", block_ids=((99,), (64,)))) == "block_out_of_range"  # range first
+    assert e.reject(free(request_id="a", block_ids=((1, 1), (9,)))) == "free_unheld_block"  # then held
     assert e.reject(free(request_id="w", block_ids=((), ()))) == "illegal_request_event"
     e.free("a", (), (5,))
     assert e.reject(free(request_id="a", block_ids=((), (5,)))) == "free_unheld_block"
@@ -827,6 +841,21 @@ def test_strict_mode_raises_and_keeps_the_handle_usable():
         reduce(state, ev.RequestResumed(request_id="x"), strict=True)
     assert raised.value.code == "illegal_request_event" and raised.value.request_id == "x"
     assert state.core.requests == {}
+
+
+def test_reduce_step_strict_raises_as_the_fold_does():
+    """The fold restores the handle it was given: the caller's when the first event
+    fails, an intermediate one (never seen by the caller) after that."""
+    e = Engine()
+    state = e.state
+    with pytest.raises(ProtocolViolation):
+        reduce_step(state, [ev.RequestResumed(request_id="x")], strict=True)
+    assert state.core.requests == {}
+    with pytest.raises(ProtocolViolation):
+        reduce_step(state, [ev.RequestAdded(request_id="a", num_prompt_tokens=128, block_hashes=A),
+                            ev.RequestResumed(request_id="a")], strict=True)
+    with pytest.raises(StaleStateError):
+        state.core  # noqa: B018
 
 
 def test_reduce_step_equals_folding_reduce():

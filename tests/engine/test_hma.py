@@ -118,3 +118,24 @@ def test_reachable_blocks_are_exactly_those_some_boundary_needs(kind, window, al
 def test_alignment_is_the_lcm_of_group_blocks():
     config = make_config(groups=(group("full", 32), group("mamba", 64, group_id=1)))
     assert config.alignment_tokens == 64
+
+
+@pytest.mark.parametrize("kind, window", [("full", 0), ("sliding", 64), ("sliding", 33), ("sliding", 200),
+                                          ("mamba", 0)])
+@pytest.mark.parametrize("alignment", [32, 64, 96, 128])
+def test_the_reach_pattern_is_is_reachable_as_a_table(kind, window, alignment):
+    g = group(kind, 32, window)
+    pattern = hma.reach_pattern(g, alignment)
+    for index in range(40):
+        expected = hma.is_reachable(g, index, alignment)
+        assert (True if pattern is None else pattern[index % len(pattern)]) == expected, index
+    assert (pattern is None) == all(hma.is_reachable(g, i, alignment) for i in range(40))
+
+
+def test_append_keys_is_extend_keys_with_the_numbers_worked_out():
+    for per_block, g in ((1, group("full", 16, group_id=2)), (2, group("full", 32, group_id=1))):
+        slow, fast = [], []
+        for count in (0, 3, 4, 7, 9):
+            hma.extend_keys(slow, list(H[:count]), g, 16)
+            hma.append_keys(fast, list(H[:count]), per_block, hma.group_suffix(g.group_id))
+            assert fast == slow

@@ -126,6 +126,8 @@ REQUEST_CORRUPTIONS = {
     "keys out of step with hashes": (lambda c: c.requests["w"].keys[1].append(b"x"),
                                      "group 1 keys do not match its hashes"),
     "holds a free block": (lambda c: c.requests["s"].table[0].append(40), "holds block 40 whose ref count is 0"),
+    "stale step limit": (lambda c: setattr(c.requests["s"], "step_limit", 5), "request s: derived counts"),
+    "stale capacity": (lambda c: setattr(c.requests["b"], "capacity_tokens", 0), "request b: derived counts"),
 }
 
 
@@ -315,14 +317,36 @@ FOOTPRINT_CORRUPTIONS = {
                           ev.StoreCompleted(job_id=STORE), "store target slot"),
     "a job's slot freed under it": (lambda c: c.slot_state.__setitem__(store_slot(c), SlotState.FREE),
                                     ev.StoreCompleted(job_id=STORE), "state FREE with key"),
+    "a held block without a count": (lambda c: c.block_refs.__setitem__(22, 0),
+                                     ev.BlocksAllocated(request_id="s", block_ids=((21, 22), (23, 24))),
+                                     "request s: holds block 22 whose ref count is 0"),
+    "a stale step limit": (lambda c: setattr(c.requests["s"], "step_limit", -1), ev.RequestResumed(request_id="s"),
+                           "request s: derived counts"),
+    "a pinned count gone negative": (lambda c: c.block_pins.__setitem__(40, -1),
+                                     ev.BlocksFreed(request_id="w", block_ids=((40,), ())), None),
 }
 
 
 @pytest.mark.parametrize("case", list(FOOTPRINT_CORRUPTIONS))
 def test_event_footprint_checks(case):
     mutate, event, message = FOOTPRINT_CORRUPTIONS[case]
+    if message is None:  # outside the footprint: left to the full check
+        state = RICH.state.clone()
+        mutate(state.core)
+        check_event(state, event, state.core.next_job_id)
+        with pytest.raises(InvariantViolation):
+            check(state)
+        return
     problems = _footprint(mutate, event)
     assert any(message in p for p in problems), problems
+
+
+def test_the_footprint_of_a_rejected_event_is_not_taken_as_held():
+    """A refused allocation names blocks the request does not hold (ref count 0): no problem."""
+    event = ev.BlocksAllocated(request_id="s", block_ids=((40, 40), (41,)))
+    state, effects = reducer.reduce(RICH.state.clone(), event)
+    assert [x.code for x in effects] == ["duplicate_block"]
+    check_event(state, event, state.core.next_job_id)
 
 
 def test_invariant_violation_message_names_the_first_problems():

@@ -1,14 +1,17 @@
 """The binary log: its documented layout, round trips, the string table, packed
-arrays, old layouts, every documented error naming its seq, and its size."""
+arrays, the zstd stream, old layouts and format versions, every documented
+error naming its seq, and its size."""
 
 from __future__ import annotations
 
 import re
 import struct
 import zlib
+from pathlib import Path
 
 import msgpack
 import pytest
+import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,12 +19,13 @@ from kvledger.events import types as ev
 from kvledger.events.binary import (
     MAGIC,
     MAGIC_PREFIX,
+    MAGIC_V1,
     encode_binary,
     encode_binary_frame,
     encode_binary_header,
     read_binary,
 )
-from kvledger.events.log import DigestRecord, EventRecord, LogError, LogHeader, encode_jsonl
+from kvledger.events.log import DigestRecord, EventRecord, LogError, LogHeader, encode_jsonl, read_jsonl
 from kvledger.events.packed import pack_bytes, pack_ints, unpack_bytes, unpack_ints
 from kvledger.events.schema import SCHEMAS, Strings, json_form_decoder
 from tests.events.logs import CONFIG, DIGEST, EXAMPLE_RECORDS, HEADER, records_of
@@ -31,13 +35,34 @@ from tests.traces import realistic_trace
 # --- an independent reading of the documented layout ----------------------
 
 
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
 def frame(obj: object) -> bytes:
     payload = obj if isinstance(obj, bytes) else msgpack.packb(obj, use_bin_type=True)
     return struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
 
 
+class Stream:
+    """Step frames of a hand-built log: each payload is the next block of one zstd stream."""
+
+    def __init__(self, compressor: zstandard.ZstdCompressionObj | None = None) -> None:
+        self.compressor = compressor or zstandard.ZstdCompressor().compressobj()
+
+    def frame(self, obj: object) -> bytes:
+        payload = obj if isinstance(obj, bytes) else msgpack.packb(obj, use_bin_type=True)
+        return frame(self.compressor.compress(payload) + self.compressor.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+
+
+def log(head: dict, *steps: object) -> bytes:
+    """A current-version log from a header map and step arrays (or raw step payloads)."""
+    stream = Stream()
+    return MAGIC + frame(head) + b"".join(stream.frame(step) for step in steps)
+
+
 def split_frames(data: bytes) -> list[bytes]:
-    assert data.startswith(MAGIC)
+    """The frames' payloads as stored (step payloads compressed, in the current version)."""
+    assert data[: len(MAGIC)] in (MAGIC, MAGIC_V1)
     frames, pos = [], len(MAGIC)
     while pos < len(data):
         length, crc = struct.unpack_from("<II", data, pos)
@@ -46,6 +71,12 @@ def split_frames(data: bytes) -> list[bytes]:
         frames.append(payload)
         pos += 8 + length
     return frames
+
+
+def step_payloads(data: bytes) -> list[bytes]:
+    """Each step frame's msgpack, decompressed by one zstd stream in frame order."""
+    stream = zstandard.ZstdDecompressor().decompressobj()
+    return [stream.decompress(payload) for payload in split_frames(data)[1:]]
 
 
 def header_map(header: LogHeader = HEADER) -> dict:
@@ -59,9 +90,12 @@ def read_all(data: bytes | list[bytes]) -> tuple[LogHeader, list]:
 
 def test_layout_is_magic_header_frame_then_one_frame_per_step() -> None:
     data = encode_binary(HEADER, EXAMPLE_RECORDS)
-    header, *steps = split_frames(data)
+    assert data.startswith(MAGIC_PREFIX + b"\x02")
+    header = split_frames(data)[0]
+    steps = step_payloads(data)
     head = msgpack.unpackb(header)
     assert head["schema_version"] == 1 and head["config"] == CONFIG.to_dict()
+    assert head["compression"] == "zstd"
     assert head["kinds"] == {kind: code for code, kind in enumerate(SCHEMAS, start=1)}
     assert head["layouts"]["store_failed"] == [2, [["job_id", "int"], ["worker_index", "int"], ["keys", "tuple[bytes]"]]]
     assert len(steps) == 2
@@ -94,7 +128,7 @@ def test_kind_codes_are_read_from_the_header() -> None:
     a, b = head["kinds"]["request_added"], head["kinds"]["cache_reset"]
     head["kinds"]["request_added"], head["kinds"]["cache_reset"] = b, a
     rows = [[b, 1, "r", 3, []], [a, 1, 9]]
-    data = MAGIC + frame(head) + frame([0, 0, rows])
+    data = log(head, [0, 0, rows])
     events = [r.event for r in read_all(data)[1]]
     assert events == [ev.RequestAdded(request_id="r", num_prompt_tokens=3, block_hashes=()), ev.CacheReset(epoch=9)]
 
@@ -105,7 +139,7 @@ def test_a_string_is_written_once_then_referenced() -> None:
         EventRecord(seq=0, step_index=0, event=ev.RequestAborted(request_id=name)),
         EventRecord(seq=1, step_index=1, event=ev.RequestPreempted(request_id=name)),
     ]
-    _header, first, second = split_frames(encode_binary(HEADER, records))
+    first, second = step_payloads(encode_binary(HEADER, records))
     assert msgpack.unpackb(first)[2][0][2] == name
     assert msgpack.unpackb(second)[2][0][2] == 0
     assert len(second) < len(first) - len(name)
@@ -203,7 +237,7 @@ def test_readers_accept_plain_and_packed_forms() -> None:
         [code, 1, 1, 0, [1, 2, 3, 4, 5], [b"k" * 4] * 4],
         [code, 1, 2, 0, pack_ints((1, 2, 3, 4, 5)), pack_bytes((b"k" * 4,) * 4)],
     ]
-    events = [r.event for r in read_all(MAGIC + frame(head) + frame([0, 0, rows]))[1]]
+    events = [r.event for r in read_all(log(head, [0, 0, rows]))[1]]
     assert events[0] == ev.LoadFailed(job_id=1, block_ids=(1, 2, 3, 4, 5), keys=(b"kkkk",) * 4)
     assert events[1] == ev.LoadFailed(job_id=2, block_ids=(1, 2, 3, 4, 5), keys=(b"kkkk",) * 4)
 
@@ -215,7 +249,7 @@ def test_an_old_store_failed_row_is_read_by_the_headers_layout_and_upcast() -> N
     head = header_map()
     head["layouts"]["store_failed"] = [1, [["job_id", "int"], ["worker_index", "int"]]]
     code = head["kinds"]["store_failed"]
-    data = MAGIC + frame(head) + frame([0, 0, [[code, 1, 7, 2]]])
+    data = log(head, [0, 0, [[code, 1, 7, 2]]])
     assert read_all(data)[1] == [EventRecord(seq=0, step_index=0, event=ev.StoreFailed(job_id=7, worker_index=2))]
 
 
@@ -242,56 +276,84 @@ def fails(data: bytes | list[bytes], message: str, seq: int | None) -> LogError:
     return caught.value
 
 
-def three_steps() -> tuple[bytes, list[bytes]]:
+def three_steps() -> tuple[bytes, list[bytes], Stream]:
+    """A log of three steps (seq 0-4, 5-8, 9 with a digest after each), and its
+    stream, to append frames that continue it."""
     records = records_of([list(EXAMPLE_EVENTS.values())[:5], list(EXAMPLE_EVENTS.values())[5:9], [
         EXAMPLE_EVENTS["cache_reset"]]], 1)
-    data = encode_binary(HEADER, records)
-    return data, split_frames(data)
+    strings = Strings()
+    data = encode_binary_header(HEADER)
+    for step in (records[:6], records[6:11], records[11:]):
+        data += encode_binary_frame(step[0].seq, step[0].step_index, step, strings=strings)
+    assert read_all(data)[1] == records
+    return data, split_frames(data), Stream(strings.stream)
 
 
 def test_flipped_byte_is_a_crc_error_naming_the_frames_first_seq() -> None:
-    data, frames = three_steps()
-    where = len(data) - 8 - len(frames[-1]) - 20  # inside the second step's frame
+    data, frames, _stream = three_steps()
+    where = len(data) - 8 - len(frames[-1]) - 8 - len(frames[-2]) // 2  # inside the second step's frame
     corrupt = data[:where] + bytes([data[where] ^ 0x10]) + data[where + 1 :]
     fails(corrupt, "corrupt: CRC mismatch in frame at byte", 5)
 
 
 def test_truncated_frame() -> None:
-    data, frames = three_steps()
+    data, frames, _stream = three_steps()
     fails(data[:-3], r"truncated: frame at byte \d+ has \d+ of \d+ bytes", 9)
 
 
 def test_truncated_frame_head() -> None:
-    data, frames = three_steps()
+    data, frames, _stream = three_steps()
     fails(data[: len(data) - len(frames[-1]) - 5], "truncated: frame head at byte .* has 3 of 8 bytes", 9)
 
 
 def test_a_frame_length_beyond_reason_is_corruption() -> None:
-    data, _frames = three_steps()
+    data, _frames, _stream = three_steps()
     fails(data + struct.pack("<II", 1 << 31, 0), "corrupt: frame at byte .* claims", 10)
 
 
 def test_bad_msgpack_with_a_good_crc() -> None:
-    data, _frames = three_steps()
-    fails(data + frame(b"\xc1"), "corrupt: bad msgpack", 10)
+    data, _frames, stream = three_steps()
+    fails(data + stream.frame(b"\xc1"), "corrupt: bad msgpack", 10)
+
+
+def test_a_payload_that_is_not_the_zstd_stream() -> None:
+    data, _frames, _stream = three_steps()
+    fails(data + frame(b"\xff" * 16), r"corrupt: bad zstd block", 10)
 
 
 def test_bad_frame_shape() -> None:
-    data, _frames = three_steps()
-    fails(data + frame({"seq": 10}), r"corrupt: a frame must be \[first_seq, step_index, \[rows\]\]", 10)
-    fails(data + frame([10, 3, ["x"]]), "corrupt: bad row 'x'", 10)
-    fails(data + frame([10, 3, [[0, "ab"]]]), "corrupt: bad digest row", 10)
+    for step, message in (
+        ({"seq": 10}, r"corrupt: a frame must be \[first_seq, step_index, \[rows\]\]"),
+        ([10, 3, ["x"]], "corrupt: bad row 'x'"),
+        ([10, 3, [[0, "ab"]]], "corrupt: bad digest row"),
+    ):
+        data, _frames, stream = three_steps()
+        fails(data + stream.frame(step), message, 10)
 
 
 def test_seq_gap_from_a_lost_frame() -> None:
-    _data, frames = three_steps()
-    data = MAGIC + b"".join(frame(f) for f in [frames[0], frames[1], frames[3]])
-    fails(data, r"seq gap: seq 9 follows seq 4, 4 record\(s\) lost", 5)
+    """In version 1 each frame stands alone, so a lost one shows as a gap."""
+    frames = [msgpack.packb(step) for step in ([0, 0, [[1, 1, "a", 1, []]]], [1, 1, [[10, 1, 0]]], [2, 2, []])]
+    data = MAGIC_V1 + frame(v1_header_map()) + frame(frames[0]) + frame(frames[2])
+    fails(data, r"seq gap: seq 2 follows seq 0, 1 record\(s\) lost", 1)
+
+
+def test_a_lost_frame_breaks_the_stream() -> None:
+    """In version 2 a later block may refer back into a lost one: the log reads as
+    corrupt from there (never as other events)."""
+    records = records_of([[EXAMPLE_EVENTS["request_added"]]] * 3 + [[EXAMPLE_EVENTS["request_added"],
+                                                                      EXAMPLE_EVENTS["request_aborted"]]])
+    data = encode_binary(HEADER, records)
+    frames = split_frames(data)
+    lost = MAGIC + b"".join(frame(f) for f in [frames[0], frames[1], frames[3], frames[4]])
+    with pytest.raises(LogError) as caught:
+        read_all(lost)
+    assert caught.value.seq == 1
 
 
 def test_step_index_never_goes_back() -> None:
-    data, _frames = three_steps()
-    fails(data + frame([10, 1, []]), "step_index 1 goes back from 2", 10)
+    data, _frames, stream = three_steps()
+    fails(data + stream.frame([10, 1, []]), "step_index 1 goes back from 2", 10)
 
 
 def test_missing_header() -> None:
@@ -301,7 +363,46 @@ def test_missing_header() -> None:
 
 
 def test_newer_binary_format() -> None:
-    fails(MAGIC_PREFIX + b"\x02", r"binary format version 2 is newer than this reader knows \(1\)", None)
+    fails(MAGIC_PREFIX + b"\x03", r"binary format version 3 is newer than this reader knows \(2\)", None)
+    fails(MAGIC_PREFIX + b"\x00", r"binary format version 0 does not exist", None)
+
+
+def test_unknown_compression() -> None:
+    head = header_map()
+    head["compression"] = "lz4"
+    fails(MAGIC + frame(head), "header: unknown compression 'lz4'", None)
+    del head["compression"]
+    fails(MAGIC + frame(head), "header: missing key 'compression'", None)
+
+
+# --- version 1: uncompressed frames, still read ------------------------------
+
+
+def v1_header_map() -> dict:
+    head = header_map()
+    del head["compression"]
+    return head
+
+
+def test_the_committed_version_1_log_decodes() -> None:
+    """Written by the version-1 writer (before compression): every kind, packed
+    arrays, string references and digests, as its JSONL twin says."""
+    data = (FIXTURES / "format_v1.kvlog").read_bytes()
+    assert data.startswith(MAGIC_V1)
+    header, records = read_all(data)
+    with (FIXTURES / "format_v1.expected.jsonl").open("rb") as lines:
+        expected_header, expected = read_jsonl(lines)
+        assert (header, records) == (expected_header, list(expected))
+    assert {r.event.kind for r in records if isinstance(r, EventRecord)} == set(SCHEMAS)
+    assert any(isinstance(r, DigestRecord) for r in records)
+
+
+def test_version_1_frames_are_read_without_compression() -> None:
+    head = v1_header_map()
+    code = head["kinds"]["cache_reset"]
+    data = MAGIC_V1 + frame(head) + frame([0, 0, [[code, 1, 3]]]) + frame([1, 2, [[code, 1, 4]]])
+    assert [r.event for r in read_all(data)[1]] == [ev.CacheReset(epoch=3), ev.CacheReset(epoch=4)]
+    fails(MAGIC_V1 + frame(header_map()), "header: unknown key 'compression'", None)
 
 
 def test_bad_header_config_names_the_key() -> None:
@@ -337,27 +438,28 @@ def test_unknown_kind_fails_when_a_row_uses_it() -> None:
     head = header_map()
     head["kinds"]["request_teleported"] = 99
     head["layouts"]["request_teleported"] = [1, [["request_id", "str"]]]
-    data = MAGIC + frame(head) + frame([0, 0, [[1, 1, "r", 1, []]]])
+    stream = Stream()
+    data = MAGIC + frame(head) + stream.frame([0, 0, [[1, 1, "r", 1, []]]])
     assert len(read_all(data)[1]) == 1, "listing a kind is harmless"
-    fails(data + frame([1, 0, [[99, 1, "r"]]]), "record seq 1: unknown kind 'request_teleported'", 1)
+    fails(data + stream.frame([1, 0, [[99, 1, "r"]]]), "record seq 1: unknown kind 'request_teleported'", 1)
 
 
 def test_unknown_kind_code() -> None:
-    fails(MAGIC + frame(header_map()) + frame([0, 0, [[77, 1]]]), r"unknown kind code 77 \(not in the header\)", 0)
+    fails(log(header_map(), [0, 0, [[77, 1]]]), r"unknown kind code 77 \(not in the header\)", 0)
 
 
 def test_record_version_too_new() -> None:
     head = header_map()
     head["layouts"]["store_failed"][0] = 3
     code = head["kinds"]["store_failed"]
-    data = MAGIC + frame(head) + frame([0, 0, [[code, 3, 1, 0, []]]])
+    data = log(head, [0, 0, [[code, 3, 1, 0, []]]])
     fails(data, r"store_failed: v3 is newer than this reader knows \(v2\)", 0)
 
 
 def test_row_version_must_match_the_header() -> None:
     head = header_map()
     code = head["kinds"]["store_completed"]
-    fails(MAGIC + frame(head) + frame([0, 0, [[code, 2, 1, 0]]]), "row version .* differs from the header's v1", 0)
+    fails(log(head, [0, 0, [[code, 2, 1, 0]]]), "row version .* differs from the header's v1", 0)
 
 
 @pytest.mark.parametrize(
@@ -375,13 +477,13 @@ def test_row_version_must_match_the_header() -> None:
 def test_bad_rows_name_kind_field_and_seq(row: list, message: str) -> None:
     head = header_map()
     row = [head["kinds"][row[0]], *row[1:]]
-    fails(MAGIC + frame(head) + frame([0, 0, [row]]), "record seq 0: " + message, 0)
+    fails(log(head, [0, 0, [row]]), "record seq 0: " + message, 0)
 
 
 def test_step_scheduled_must_belong_to_its_frames_step() -> None:
     head = header_map()
     code = head["kinds"]["step_scheduled"]
-    data = MAGIC + frame(head) + frame([0, 3, [[code, 1, 4, [], [], []]]])
+    data = log(head, [0, 3, [[code, 1, 4, [], [], []]]])
     fails(data, "step_scheduled of step 4 recorded under step_index 3", 0)
 
 
