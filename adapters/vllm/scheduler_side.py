@@ -66,6 +66,8 @@ class LedgerScheduler:
         if self.log_path is not None:
             _log.info("event_log_opened", path=self.log_path)
         self._manager: KVCacheManager | None = None
+        self._managers: tuple = ()  # vLLM's per-group managers, in group order
+        self._window_groups = tuple(i for i, g in enumerate(config.groups) if g.kind is not GroupKind.FULL)
         self._pool: BlockPoolView | None = None
         self._requests: dict[str, Request] = {}
         self._local_hit: dict[str, int] = {}  # the local hit vLLM passed to the last lookup
@@ -109,6 +111,7 @@ class LedgerScheduler:
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
+        self._managers = tuple(manager.coordinator.single_type_managers)
         self._pool = BlockPoolView(manager.block_pool)
 
     @property
@@ -150,21 +153,20 @@ class LedgerScheduler:
                 self._apply(ev.RequestPreempted(request_id=rid), effects)
 
         scheduled = scheduler_output.num_scheduled_tokens
-        running = [rid for rid in scheduled if rid not in admitted]
-        for rid in (*running, *admitted):
-            self._sync_hashes(self._requests[rid], effects)
-
-        tables = {rid: self._blocks(rid) for rid in running}
-        for rid in running:
-            freed = self._freed(rid, tables[rid])
-            if freed is not None:
-                self._apply(ev.BlocksFreed(request_id=rid, block_ids=freed), effects)
+        # Every free before any growth: a block one request's window released
+        # may be the block another request grew into.
+        growing = []
+        for rid in scheduled:
+            if rid not in admitted:
+                blocks = self._follow(rid, effects)
+                if blocks is not None:
+                    growing.append((rid, blocks))
         # Growth before admissions, as vLLM schedules them: an admission may
         # hit vLLM's prefix cache on blocks a running request allocated this step.
-        for rid in running:
-            grown = self._grown(rid, tables[rid])
-            if grown is not None:
-                self._apply(ev.BlocksAllocated(request_id=rid, block_ids=grown), effects)
+        for rid, blocks in growing:
+            self._grow(rid, blocks, effects)
+        for rid in admitted:
+            self._sync_hashes(self._requests[rid], effects)
         for rid, local, external in self._admitted:
             self._admit(rid, local, external, effects)
         self._admitted.clear()
@@ -257,8 +259,7 @@ class LedgerScheduler:
     def _blocks(self, rid: str) -> tuple[list, ...]:
         """vLLM's own per-group block lists for the request (read, never copied)."""
         assert self._manager is not None, "bind_kv_cache_manager was not called"
-        managers = self._manager.coordinator.single_type_managers
-        return tuple(m.req_to_blocks.get(rid, ()) for m in managers)
+        return tuple(m.req_to_blocks.get(rid, ()) for m in self._managers)
 
     def _table(self, rid: str) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(b.block_id for b in blocks) for blocks in self._blocks(rid))
@@ -273,36 +274,47 @@ class LedgerScheduler:
             self._apply(ev.BlockHashesAppended(request_id=request.request_id, num_tokens=request.num_tokens,
                                                block_hashes=tuple(hashes[known:])), effects)
 
-    def _freed(self, rid: str, blocks: tuple[list, ...]) -> ev.BlockIdsByGroup | None:
-        """Blocks the engine holds that vLLM has since replaced by the null block.
+    def _follow(self, rid: str, effects: list[fx.Effect]) -> list | None:
+        """Catch the engine up with one running request's new hashes and its
+        window frees; vLLM's block lists when they grew, for `_grow`.
 
-        Only window groups lose blocks mid-request, and always from the front,
-        so the scan starts at the engine's free floor and stops at the first
-        block vLLM still holds.
+        Frees are blocks vLLM has replaced by the null block. Only window
+        groups lose blocks mid-request, always from the front, so the scan
+        starts at the engine's free floor and stops at the first block vLLM
+        still holds: at most a comparison per window group in most steps.
         """
         mine = self._engine_request(rid)
         if mine is None:
             return None
-        freed: list[tuple[int, ...]] = []
-        for g, group in enumerate(self.config.groups):
+        request = self._requests[rid]
+        if len(request.block_hashes) > len(mine.hashes):
+            self._sync_hashes(request, effects)
+            mine = self._engine_request(rid)
+        blocks = [m.req_to_blocks.get(rid, ()) for m in self._managers]
+        freed: list[list[int]] | None = None
+        for g in self._window_groups:
             known, now = mine.table[g], blocks[g]
-            gone: list[int] = []
-            if group.kind is not GroupKind.FULL:
-                for position in range(mine.free_floor[g], min(len(known), len(now))):
-                    if not now[position].is_null:
-                        break
-                    if known[position] != NULL_BLOCK_ID:
-                        gone.append(known[position])
-            freed.append(tuple(gone))
-        return tuple(freed) if any(freed) else None
+            for position in range(mine.free_floor[g], min(len(known), len(now))):
+                if not now[position].is_null:
+                    break
+                if known[position] != NULL_BLOCK_ID:
+                    if freed is None:
+                        freed = [[] for _ in blocks]
+                    freed[g].append(known[position])
+        if freed is not None:
+            self._apply(ev.BlocksFreed(request_id=rid, block_ids=tuple(tuple(f) for f in freed)), effects)
+            mine = self._engine_request(rid)
+        if all(len(now) == len(known) for known, now in zip(mine.table, blocks)):
+            return None
+        return blocks
 
-    def _grown(self, rid: str, blocks: tuple[list, ...]) -> ev.BlockIdsByGroup | None:
+    def _grow(self, rid: str, blocks: list, effects: list[fx.Effect]) -> None:
         mine = self._engine_request(rid)
         if mine is None:
-            return None
-        grown = tuple(tuple(b.block_id for b in now[len(known):]) if len(now) > len(known) else ()
-                      for known, now in zip(mine.table, blocks))
-        return grown if any(grown) else None
+            return
+        grown = tuple(tuple(b.block_id for b in now[len(known):]) for known, now in zip(mine.table, blocks))
+        if any(grown):
+            self._apply(ev.BlocksAllocated(request_id=rid, block_ids=grown), effects)
 
     def _admit(self, rid: str, local: int, external: int, effects: list[fx.Effect]) -> None:
         mine = self._engine_request(rid)
