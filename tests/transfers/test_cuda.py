@@ -167,14 +167,19 @@ class _FakeStream:
 
 
 class _FakeEvent:
-    def __init__(self) -> None:
+    def __init__(self, enable_timing: bool = False) -> None:
         self.recorded_on = None
+        self.enable_timing = enable_timing
 
     def record(self, stream) -> None:
         self.recorded_on = stream
 
     def query(self) -> bool:
         return True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.enable_timing and end.enable_timing, "a timed copy needs timing events at both ends"
+        return 1.5  # milliseconds
 
 
 class _HostStandIn(CudaBackend):
@@ -220,6 +225,10 @@ def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, 
     rig.runner.submit([load(2, slots, blocks)])
     rig.runner.wait_for_loads([2])
     assert rig.runner.poll() == [LoadCompleted(job_id=2, worker_index=3)]
+    # Copy time comes from the timing events around each job (1.5 ms in the stand-in).
+    stats = rig.runner.take_stats()
+    assert [(s.direction.value, s.seconds, s.ok) for s in stats] == [("store", 0.0015, True), ("load", 0.0015, True)]
+    assert [sum(s.blocks_per_group) for s in stats] == [sum(map(len, blocks))] * 2
     for raw, mask, before, after in zip(rig.case.raws, rig.block_mask(dict(enumerate(blocks))), original, scrambled):
         assert torch.equal(raw[mask], before[mask])
         assert torch.equal(raw[~mask], after[~mask])
