@@ -25,6 +25,8 @@ def configure_logging(level: str = "warning", *, json: bool = False) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # The stream is looked up per log call, not bound now: a process (or a
+        # test harness) that swaps sys.stderr later still gets its logs.
+        logger_factory=lambda *args: structlog.PrintLogger(file=sys.stderr),
         cache_logger_on_first_use=False,
     )

@@ -13,7 +13,13 @@ from kvledger.events.keys import hex_keys
 pytestmark = pytest.mark.fast
 
 
-def test_json_lines_keep_request_keys_and_step_and_drop_lower_levels(capsys):
+@pytest.fixture
+def restore_logging():
+    yield
+    structlog.reset_defaults()
+
+
+def test_json_lines_keep_request_keys_and_step_and_drop_lower_levels(capsys, restore_logging):
     configure_logging("warning", json=True)
     log = structlog.get_logger("kvledger.test")
     keys = [bytes([i]) * 36 for i in range(10)]
