@@ -21,16 +21,15 @@ from kvledger.events.config import Protection
 from kvledger.events.types import NULL_BLOCK_ID
 
 from .policies import ARC
-from .state import Core, Job, JobKind, RequestState, RequestStatus, SlotState, State
+from .state import ABORTING as _ABORTING
+from .state import LOAD as _LOAD
+from .state import LOADING as _LOADING
+from .state import PREEMPTED as _PREEMPTED
+from .state import RUNNING as _RUNNING
+from .state import STORE as _STORE
+from .state import STORING as _STORING
+from .state import Core, Job, JobKind, RequestState, SlotState, State
 
-# Enum members as globals: a member lookup on the class is a descriptor call.
-_LOADING = RequestStatus.LOADING
-_RUNNING = RequestStatus.RUNNING
-_PREEMPTED = RequestStatus.PREEMPTED
-_ABORTING = RequestStatus.ABORTING
-_STORE = JobKind.STORE
-_LOAD = JobKind.LOAD
-_STORING = SlotState.STORING
 _PIN = Protection.PIN
 
 

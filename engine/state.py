@@ -38,17 +38,21 @@ class JobKind(enum.Enum):
     LOAD = "load"
 
 
-_STORE = JobKind.STORE
-
-
 class SlotState(enum.IntEnum):
     FREE = 0
     STORING = 1
     STORED = 2  # "loading" is STORED with a load count above zero
 
 
-_WAITING = RequestStatus.WAITING  # enum members as globals: cheaper on hot paths
-_RUNNING = RequestStatus.RUNNING
+# Enum members as module constants, for the hot paths here and in the reducer
+# and invariants (`from .state import RUNNING as _RUNNING`): a member lookup on
+# the class is a descriptor call (~0.1 µs), a global ~10 ns.
+WAITING, LOADING, RUNNING, PREEMPTED, ABORTING = (
+    RequestStatus.WAITING, RequestStatus.LOADING, RequestStatus.RUNNING, RequestStatus.PREEMPTED,
+    RequestStatus.ABORTING)
+STORE, LOAD = JobKind.STORE, JobKind.LOAD
+FREE, STORING, STORED = SlotState.FREE, SlotState.STORING, SlotState.STORED
+_WAITING, _RUNNING, _STORE = WAITING, RUNNING, STORE
 
 
 class RequestState:

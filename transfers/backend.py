@@ -45,6 +45,10 @@ class CopyJob:
     block_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=_id_table)
     slot_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=_id_table)
 
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(ids) for ids in self.block_ids)
+
     def positions(self) -> Positions:
         return tuple((g, i) for g, ids in enumerate(self.block_ids) for i in range(len(ids)))
 

@@ -110,9 +110,9 @@ class CpuBackend:
             else:
                 # Each job is charged the merged copy's time in proportion to its blocks.
                 seconds = time.perf_counter() - started
-                total = sum(len(job.positions()) for job in batch) or 1
+                total = sum(job.num_blocks for job in batch) or 1
                 for job in batch:
-                    share = seconds * len(job.positions()) / total
+                    share = seconds * job.num_blocks / total
                     self._finish(JobOutcome(job_id=job.job_id, direction=job.direction, seconds=share))
                 return
         self._run_each(direction, batch)

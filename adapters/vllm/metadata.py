@@ -20,17 +20,14 @@ class KVLedgerMetadata(KVConnectorMetadata):
     `flush` are stores to wait for in `handle_preemptions`, before the step
     overwrites their source blocks; `stores` start after the forward wrote
     them; `loads` start after the forward (their requests are not scheduled).
-    `step_index` is the engine's step, so worker logs name the same step as
-    the event log.
     """
 
-    step_index: int = -1
     flush: tuple[int, ...] = ()
     stores: tuple[fx.StartStore, ...] = ()
     loads: tuple[fx.StartLoad, ...] = ()
 
     @classmethod
-    def from_effects(cls, effects: list[fx.Effect], step_index: int = -1) -> KVLedgerMetadata:
+    def from_effects(cls, effects: list[fx.Effect]) -> KVLedgerMetadata:
         flush: list[int] = []
         stores: list[fx.StartStore] = []
         loads: list[fx.StartLoad] = []
@@ -41,8 +38,7 @@ class KVLedgerMetadata(KVConnectorMetadata):
                 stores.append(effect)
             elif isinstance(effect, fx.StartLoad):
                 loads.append(effect)
-        return cls(step_index=step_index, flush=tuple(sorted(set(flush))), stores=tuple(stores),
-                   loads=tuple(loads))
+        return cls(flush=tuple(sorted(set(flush))), stores=tuple(stores), loads=tuple(loads))
 
 
 @attrs.frozen(kw_only=True)

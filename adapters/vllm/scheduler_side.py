@@ -52,6 +52,10 @@ _COUNTED = (("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORE
             ("evictions", m.EVICTIONS), ("flushes", m.FLUSHES), ("jobs_flushed", m.FLUSHED_JOBS))
 
 
+def _job_keys(job) -> list[bytes]:
+    return [] if job is None else [k for group in job.keys for k in group]
+
+
 class LedgerScheduler:
     """`tier_events` is given when vLLM publishes KV cache events."""
 
@@ -86,8 +90,7 @@ class LedgerScheduler:
 
     def _apply(self, event: ev.Event, effects: list[fx.Effect]) -> None:
         job_id = getattr(event, "job_id", None)
-        job = None if job_id is None else self.recorder.state.core.jobs.get(job_id)
-        job_keys = [] if job is None else [k for group in job.keys for k in group]
+        job = None if job_id is None else self.recorder.state.core.jobs.get(job_id)  # gone once it ends
         produced = self.recorder.apply(event)
         for effect in produced:
             if isinstance(effect, fx.PinDeviceBlocks):
@@ -96,7 +99,7 @@ class LedgerScheduler:
                 self._block_pool.free_blocks(effect.block_ids)
             elif isinstance(effect, fx.ReportViolation):
                 self._violations += 1
-                keys = getattr(event, "keys", ()) or job_keys
+                keys = getattr(event, "keys", ()) or _job_keys(job)
                 _log.error("protocol_violation", code=effect.code, message=effect.message,
                            event_kind=effect.event_kind, request_id=effect.request_id,
                            job_id=effect.job_id, keys=hex_keys(keys), step=self._step)
@@ -104,7 +107,7 @@ class LedgerScheduler:
             _log.warning(event.kind, request_id=None if job is None else job.request_id, job_id=event.job_id,
                          worker_index=event.worker_index, keys=hex_keys(event.keys), step=self._step)
         if self.tier_events is not None:
-            self.tier_events.observe(event, job_keys, produced, self.recorder.state.core)
+            self.tier_events.observe(event, _job_keys(job), produced, self.recorder.state.core)
         effects.extend(produced)
 
     # vLLM's scheduler-side calls.
@@ -183,7 +186,7 @@ class LedgerScheduler:
                 step_index=self._step, request_ids=rids,
                 num_computed_tokens=tuple(self._requests[r].num_computed_tokens for r in rids),
                 num_scheduled_tokens=tuple(scheduled[r] for r in rids)), effects)
-        return KVLedgerMetadata.from_effects(effects, step_index=self._step)
+        return KVLedgerMetadata.from_effects(effects)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta

@@ -9,7 +9,9 @@ outcomes travel back as worker metadata for the engine.
 A failed load is reported the way vLLM 0.32 can take it: with one KV group,
 the exact failed block ids (vLLM recomputes from the first); with several,
 the request in `failed_recving` (vLLM recomputes all of it), since vLLM
-cannot map flat block ids back to groups.
+cannot map flat block ids back to groups. A failure is logged once here, by
+the runner that saw it, and once by the scheduler, with the step, as the
+engine applies it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.engine.effects import FlushStores
 from kvledger.events.config import ConfigError
-from kvledger.events.keys import hex_keys
-from kvledger.events.types import LoadCompleted, LoadFailed, StoreFailed
+from kvledger.events.types import LoadCompleted, LoadFailed
 from kvledger.transfers.assemble import Transfers, open_transfers
 from kvledger.transfers.backend import Direction
 from kvledger.transfers.faults import FaultPlan
@@ -57,7 +58,6 @@ class LedgerWorker:
         self._load_requests: dict[int, str] = {}  # load job -> request
         self._events: list[TransferEvent] = []  # outcomes not yet sent to the scheduler
         self._invalid_blocks: set[int] = set()
-        self._step = -1  # the scheduler's step of the last metadata seen, for logs
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.transfers = open_transfers(
@@ -82,13 +82,11 @@ class LedgerWorker:
         return self.transfers.runner
 
     def handle_preemptions(self, meta: KVLedgerMetadata) -> None:
-        self._step = meta.step_index
         if meta.flush:
             self._runner.submit([FlushStores(job_ids=meta.flush)])
-            _log.debug("stores_flushed", job_ids=meta.flush, step=self._step)
+            _log.debug("stores_flushed", job_ids=meta.flush)
 
     def start_loads(self, meta: KVLedgerMetadata) -> None:
-        self._step = meta.step_index
         for load in meta.loads:
             self._load_requests[load.job_id] = load.request_id
         self._runner.submit(meta.loads)
@@ -103,9 +101,6 @@ class LedgerWorker:
         multi_group = len(self.config.kv_cache_groups) > 1
         for event in self._runner.poll():
             self._events.append(event)
-            if isinstance(event, StoreFailed):
-                _log.warning("store_failed", job_id=event.job_id, keys=hex_keys(event.keys),
-                             step=self._step, worker_index=self.worker_index)
             if not isinstance(event, (LoadCompleted, LoadFailed)):
                 continue
             rid = self._load_requests.pop(event.job_id, None)
@@ -117,8 +112,6 @@ class LedgerWorker:
                     failed.add(rid)
                 else:
                     self._invalid_blocks.update(event.block_ids)
-                _log.warning("load_failed", request_id=rid, job_id=event.job_id, blocks=len(event.block_ids),
-                             keys=hex_keys(event.keys), step=self._step, worker_index=self.worker_index)
         return finished, failed
 
     def take_invalid_blocks(self) -> set[int]:
