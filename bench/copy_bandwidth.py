@@ -6,9 +6,10 @@ host tier, through the real backend (CpuBackend or CudaBackend). Beside each
 it times a single contiguous `copy_` of the same number of bytes, interleaved
 repetition by repetition so both see the same machine, and prints the ratio.
 
-Id patterns: "scattered" draws random device blocks and random slots (the
-worst case: no two neighbours); "slot runs" keeps random device blocks but
-consecutive slots, as a store into a fresh stretch of the tier sees.
+Id patterns: "scattered" draws random device blocks and random slots, each
+from twice as many rows as are copied (no block and slot both continue the
+previous pair); "slot runs" keeps random device blocks but consecutive slots,
+as a store into a fresh stretch of the tier sees.
 
 On CPU the copies are timed in the calling thread, like the baseline, with
 the backend's own copy routine (`CpuBackend.copy_now`), each after a pause
@@ -81,7 +82,7 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def interleaved(cases: dict, repeats: int, device: torch.device, settle_s: float = 0.0) -> dict[str, list[float]]:
+def interleaved(cases: dict, repeats: int, device: torch.device, settle_s: float = 0.0) -> dict[str, list]:
     """Round after round, each case once, so drifts in machine speed hit all alike.
     A case is a function, or (untimed function run just before, timed function)."""
     cases = {name: case if isinstance(case, tuple) else (None, case) for name, case in cases.items()}
@@ -208,7 +209,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--pages-kib", type=int, nargs="*", default=list(PAGES_KIB))
     parser.add_argument("--settle-ms", type=float, default=30.0,
-                        help="CPU: pause before each timed copy, for the OpenMP workers of the last op to stop spinning")
+                        help="CPU: pause before each timed copy, for the last op's OpenMP threads to stop")
     parser.add_argument("--max-others", type=float, default=None,
                         help="measure a page size again (up to --tries times) while other processes "
                              "used more than this many cores meanwhile")
@@ -221,9 +222,10 @@ def main() -> None:
     rows = []
     for page_kib in args.pages_kib:
         for _ in range(args.tries):
-            others, started = others_cpu_seconds(), time.perf_counter()
+            others, started, busy = others_cpu_seconds(), time.perf_counter(), None
             result = measure(device, page_kib << 10, args.total_mib << 20, args.repeats, args.settle_ms / 1e3)
-            busy = None if others is None else (others_cpu_seconds() - others) / (time.perf_counter() - started)
+            if others is not None:
+                busy = max(0.0, others_cpu_seconds() - others) / (time.perf_counter() - started)
             if args.max_others is None or busy is None or busy <= args.max_others:
                 break
             print(f"{page_kib} KiB: other processes used {busy:.2f} cores meanwhile; again", flush=True)

