@@ -6,17 +6,26 @@ host tier, through the real backend (CpuBackend or CudaBackend). Beside each
 it times a single contiguous `copy_` of the same number of bytes, interleaved
 repetition by repetition so both see the same machine, and prints the ratio.
 
-Id patterns: "scattered" draws random device blocks and random slots (the
-worst case: no two neighbours); "slot runs" keeps random device blocks but
-consecutive slots, as a store into a fresh stretch of the tier sees.
+Id patterns: "scattered" draws random device blocks and random slots, each
+from twice as many rows as are copied (no block and slot both continue the
+previous pair); "slot runs" keeps random device blocks but consecutive slots,
+as a store into a fresh stretch of the tier sees.
 
 On CPU the copies are timed in the calling thread, like the baseline, with
-the backend's own copy routine (`CpuBackend.copy_now`). The column "via
-worker" goes through submit/wait on the backend's thread: there the calling
-thread's OpenMP workers, still spinning after the baseline, compete with the
-copy for the same cores, as a forward pass does in vLLM-CPU.
+the backend's own copy routine (`CpuBackend.copy_now`), each after a pause
+(`--settle-ms`) in which the OpenMP workers of the op before it stop
+spinning: libgomp keeps them spinning for some milliseconds after every
+parallel op, and a copy that uses threads of its own shares their cores
+meanwhile. The column "after a parallel op" times the scattered store right
+after one, as a copy right after a forward pass runs in vLLM-CPU. The column
+"via worker" goes through submit/wait on the backend's thread, which copies
+with one thread. The column "others" says how many cores other processes
+used meanwhile (a shared machine slows every column, and the copies that use
+threads of their own most); `--max-others` measures a page size again until
+that stays below a bound.
 
-    python bench/copy_bandwidth.py [--device cpu|cuda] [--total-mib 256] [--repeats 7]
+    python bench/copy_bandwidth.py [--device cpu|cuda] [--total-mib 256] [--repeats 7] [--settle-ms 30]
+                                   [--max-others 0.1]
 """
 
 from __future__ import annotations
@@ -73,18 +82,35 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def interleaved(cases: dict, repeats: int, device: torch.device) -> dict[str, list[float]]:
-    """Round after round, each case once, so drifts in machine speed hit all alike."""
+def interleaved(cases: dict, repeats: int, device: torch.device, settle_s: float = 0.0) -> dict[str, list]:
+    """Round after round, each case once, so drifts in machine speed hit all alike.
+    A case is a function, or (untimed function run just before, timed function)."""
+    cases = {name: case if isinstance(case, tuple) else (None, case) for name, case in cases.items()}
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():  # warm up
+    for _, fn in cases.values():  # warm up
         fn()
     for _ in range(repeats):
-        for name, fn in cases.items():
+        for name, (before, fn) in cases.items():
+            time.sleep(settle_s)
+            if before is not None:
+                before()
             samples[name].append(timed(fn, device))
     return samples
 
 
-def measure(device: torch.device, page: int, total: int, repeats: int) -> dict[str, float]:
+def others_cpu_seconds() -> float | None:
+    """CPU seconds all other processes have used so far (Linux), to tell a shared machine."""
+    try:
+        with open("/proc/stat") as stat:
+            user, nice, system, _, _, irq, softirq, steal = (int(x) for x in stat.readline().split()[1:9])
+        with open("/proc/self/stat") as own:
+            utime, stime = (int(x) for x in own.read().rsplit(")", 1)[1].split()[11:13])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal - utime - stime) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(device: torch.device, page: int, total: int, repeats: int, settle_s: float) -> dict[str, float]:
     n = max(1, total // page)
     pool = 2 * n + 1
     rows = torch.empty((pool, page), dtype=torch.int8, device=device).random_(-128, 127)
@@ -131,9 +157,13 @@ def measure(device: torch.device, page: int, total: int, repeats: int) -> dict[s
     }
     if device.type == "cuda":
         cases["store+load scattered"] = both
+        settle_s = 0.0
+    else:
+        spin = torch.ones(1 << 20)
+        cases["store scattered after a parallel op"] = (lambda: spin.add_(1), cases["store scattered"])
     nbytes = n * page
     gbps = lambda times: nbytes / statistics.median(times) / 1e9  # noqa: E731
-    samples = interleaved(cases, repeats, device)
+    samples = interleaved(cases, repeats, device, settle_s)
     results = {"blocks": n, **{name: gbps(t) for name, t in samples.items()}}
     ratios = {
         name: results[name] / results["copy_ to device" if name.startswith("load") else "copy_ to host"]
@@ -149,6 +179,7 @@ def measure(device: torch.device, page: int, total: int, repeats: int) -> dict[s
             },
             repeats,
             device,
+            settle_s,
         )
         results["store scattered via worker"] = gbps(worker["via worker"])
         ratios["store scattered via worker"] = gbps(worker["via worker"]) / gbps(worker["copy_ to host"])
@@ -177,6 +208,12 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per timed copy")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--pages-kib", type=int, nargs="*", default=list(PAGES_KIB))
+    parser.add_argument("--settle-ms", type=float, default=30.0,
+                        help="CPU: pause before each timed copy, for the last op's OpenMP threads to stop")
+    parser.add_argument("--max-others", type=float, default=None,
+                        help="measure a page size again (up to --tries times) while other processes "
+                             "used more than this many cores meanwhile")
+    parser.add_argument("--tries", type=int, default=20)
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     device = torch.device(args.device)
@@ -184,19 +221,28 @@ def main() -> None:
     print(f"device: {device}; {args.total_mib} MiB per copy; median of {args.repeats}; GB/s = 1e9 bytes/s")
     rows = []
     for page_kib in args.pages_kib:
-        result = measure(device, page_kib << 10, args.total_mib << 20, args.repeats)
-        rows.append((page_kib, result))
-    names = [k for k in rows[0][1]["results"] if k != "blocks"]
-    header = ["page", "blocks", *(n if n.startswith("copy_") else f"{n} (ratio)" for n in names)]
+        for _ in range(args.tries):
+            others, started, busy = others_cpu_seconds(), time.perf_counter(), None
+            result = measure(device, page_kib << 10, args.total_mib << 20, args.repeats, args.settle_ms / 1e3)
+            if others is not None:
+                busy = max(0.0, others_cpu_seconds() - others) / (time.perf_counter() - started)
+            if args.max_others is None or busy is None or busy <= args.max_others:
+                break
+            print(f"{page_kib} KiB: other processes used {busy:.2f} cores meanwhile; again", flush=True)
+        rows.append((page_kib, busy, result))
+    names = [k for k in rows[0][2]["results"] if k != "blocks"]
+    header = ["page", "blocks", *(n if n.startswith("copy_") else f"{n} (ratio)" for n in names), "others"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for page_kib, measured in rows:
+    for page_kib, busy, measured in rows:
         results, ratios = measured["results"], measured["ratios"]
         cells = [f"{page_kib} KiB", str(results["blocks"])]
         for name in names:
             cell = f"{results[name]:.1f}"
             cells.append(cell if name not in ratios else f"{cell} ({ratios[name]:.2f}x)")
+        cells.append("?" if busy is None else f"{busy:.2f}")
         print("| " + " | ".join(cells) + " |")
+    print(f"others: cores that other processes used meanwhile, of {os.cpu_count()}")
 
 
 if __name__ == "__main__":
