@@ -11,6 +11,7 @@ calls, never on `PYTHONHASHSEED`.
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Protocol
 
 from kvledger.events.config import PolicyName
@@ -29,6 +30,7 @@ class Policy(Protocol):
     def __contains__(self, key: bytes) -> bool: ...
     def holds_any(self, keys: list[bytes]) -> bool: ...
     def canonical(self) -> tuple: ...
+    def canonical_part(self, part: int, parts: int) -> tuple: ...
 
 
 class LRU:
@@ -90,6 +92,10 @@ class LRU:
 
     def canonical(self) -> tuple:
         return ("lru", tuple(self._order))
+
+    def canonical_part(self, part: int, parts: int) -> tuple:
+        """`canonical` with each order cut to its `part`-th of `parts` slices."""
+        return ("lru", _slice(self._order, part, parts))
 
 
 class ARC:
@@ -183,6 +189,16 @@ class ARC:
 
     def canonical(self) -> tuple:
         return ("arc", self.p, tuple(self.t1), tuple(self.t2), tuple(self.b1), tuple(self.b2))
+
+    def canonical_part(self, part: int, parts: int) -> tuple:
+        return ("arc", self.p, *(_slice(order, part, parts) for order in (self.t1, self.t2, self.b1, self.b2)))
+
+
+def _slice(order: dict[bytes, None], part: int, parts: int) -> tuple:
+    """The `part`-th of `parts` even slices of an order, with its length (so
+    that a key moving between slices changes some slice's digest)."""
+    n = len(order)
+    return (n, tuple(islice(order, n * part // parts, n * (part + 1) // parts)))
 
 
 def make_policy(name: PolicyName, capacity: int) -> LRU | ARC:

@@ -12,7 +12,7 @@ from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig
 
 from . import effects as fx
-from .digest import digest
+from .digest import matches
 from .invariants import InvariantViolation, check, check_event
 from .reducer import reduce
 from .state import State, initial_state
@@ -60,7 +60,7 @@ def replay(
     """
     state = initial_state(config)
     result = ReplayResult(state=state)
-    last_good_digest = -1
+    last_good: dict[str, int] = {}  # per digest part ("" for full digests): the seq it last matched
     for record in records:
         seq = record.seq  # type: ignore[attr-defined]
         if until_seq is not None and seq > until_seq:
@@ -71,14 +71,22 @@ def replay(
             if check_invariants:
                 if not _full_check(state, result, seq):
                     break
-            actual = digest(state)
+            part = recorded.partition(":")[0] if ":" in recorded else ""
+            try:
+                same = matches(state, recorded)
+            except ValueError as bad:
+                if result.first_problem is None:
+                    result.first_problem = Finding(seq, "digest", str(bad))
+                continue
             result.digests_checked += 1
-            if actual != recorded and result.first_problem is None:
+            if not same and result.first_problem is None:
+                what = f"part {part} of the state" if part else "the state"
                 result.first_problem = Finding(
-                    seq, "digest", f"state differs from the recorded digest at seq {seq}; it last matched "
-                    f"at seq {last_good_digest}, so the first divergent event is in ({last_good_digest}, {seq}]")
-            elif actual == recorded:
-                last_good_digest = seq
+                    seq, "digest", f"{what} differs from the recorded digest at seq {seq}; it last matched "
+                    f"at seq {last_good.get(part, -1)}, so the first divergent event is in "
+                    f"({last_good.get(part, -1)}, {seq}]")
+            elif same:
+                last_good[part] = seq
             continue
         first_new_job = state.core.next_job_id
         state, produced = reduce(state, event)

@@ -13,6 +13,7 @@ step frames compressed as one zstd stream.
     row     = [code, version, field, ...]   fields positional, in the layout's order
             | [0, digest_bytes]             a state digest; its seq is the number
                                             of events before it (first_seq + rows so far)
+            | [0, digest_bytes, part, parts]  a part digest (schema version 2)
 
 Version 1 is the same without the compression: each step payload is the msgpack
 array itself, and the header has no `compression` key.
@@ -56,6 +57,8 @@ from kvledger.events.log import (
     header_from_dict,
     header_to_dict,
     is_hex_digest,
+    join_digest,
+    split_digest,
 )
 from kvledger.events.schema import SCHEMAS, InvalidValue, KindSchema, Strings, json_form_decoder
 from kvledger.events.types import Event
@@ -130,7 +133,25 @@ def _check_frame(first_seq: int, step_index: int, records: list[Record]) -> None
         if type(record) is EventRecord:
             seq += 1
         elif not is_hex_digest(record.digest):
-            raise LogError(f"digest must be lowercase hex, got {record.digest!r}", seq=first_seq)
+            raise LogError(f"digest must be lowercase hex or 'part/parts:hex', got {record.digest!r}",
+                           seq=first_seq)
+
+
+def _digest_row(digest: str) -> list:
+    part, parts, raw = split_digest(digest)  # type: ignore[misc]  # checked by _check_frame
+    return [DIGEST_CODE, raw, part, parts] if parts else [DIGEST_CODE, raw]
+
+
+def _digest_of_row(row: tuple) -> str | None:
+    """`[0, digest]` (full) or `[0, digest, part, parts]`; None if neither."""
+    if len(row) not in (2, 4) or type(row[1]) is not bytes or not row[1]:
+        return None
+    if len(row) == 2:
+        return row[1].hex()
+    part, parts = row[2], row[3]
+    if type(part) is not int or type(parts) is not int or not 0 <= part < parts:
+        return None
+    return join_digest(part, parts, row[1])
 
 
 def encode_binary_frame(
@@ -145,7 +166,7 @@ def encode_binary_frame(
         rows = [
             _ROW_WRITERS[type(r.event)](r.event, strings)
             if type(r) is EventRecord
-            else [DIGEST_CODE, bytes.fromhex(r.digest)]
+            else _digest_row(r.digest)
             for r in records
         ]
         payload = msgpack.packb([first_seq, step_index, rows], use_bin_type=True)
@@ -350,9 +371,10 @@ def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings
             raise LogError(f"corrupt: bad row {row!r}", seq=seq)
         code = row[0]
         if code == DIGEST_CODE:
-            if len(row) != 2 or type(row[1]) is not bytes or not row[1]:
+            digest = _digest_of_row(row)
+            if digest is None:
                 raise LogError(f"corrupt: bad digest row {row!r}", seq=seq)
-            yield DigestRecord(seq=cursor.next_seq, step_index=step_index, digest=row[1].hex())
+            yield DigestRecord(seq=cursor.next_seq, step_index=step_index, digest=digest)
             continue
         entry = readers.get(code)
         if entry is None:

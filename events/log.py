@@ -26,7 +26,8 @@ from kvledger.events.config import EngineConfig
 from kvledger.events.schema import SCHEMAS
 from kvledger.events.types import Event
 
-LOG_SCHEMA_VERSION = 1
+LOG_SCHEMA_VERSION = 2
+"""2: digest records hold part digests ("part/parts:hex", see engine.digest); 1: full digests."""
 HEADER_KIND = "header"
 DIGEST_KIND = "state_digest"
 assert HEADER_KIND not in SCHEMAS and DIGEST_KIND not in SCHEMAS
@@ -106,13 +107,33 @@ class DigestRecord:
 Record = Union[EventRecord, DigestRecord]
 
 
-def is_hex_digest(value: object) -> bool:
-    if type(value) is not str or not value:
-        return False
+def split_digest(value: object) -> tuple[int, int, bytes] | None:
+    """A digest record's value as `(part, parts, digest)`: `"part/parts:hex"` is a
+    part digest (schema 2), plain `"hex"` a full one (`parts` 0). None if malformed."""
+    if type(value) is not str:
+        return None
+    head, sep, text = value.rpartition(":")
+    part = parts = 0
+    if sep:
+        first, slash, second = head.partition("/")
+        if not (slash and first.isdigit() and second.isdigit() and first.isascii() and second.isascii()):
+            return None
+        part, parts = int(first), int(second)
+        if not 0 <= part < parts or f"{part}/{parts}" != head:
+            return None
     try:
-        return bytes.fromhex(value).hex() == value
+        raw = bytes.fromhex(text)
     except ValueError:
-        return False
+        return None
+    return (part, parts, raw) if raw and raw.hex() == text else None
+
+
+def join_digest(part: int, parts: int, raw: bytes) -> str:
+    return f"{part}/{parts}:{raw.hex()}" if parts else raw.hex()
+
+
+def is_hex_digest(value: object) -> bool:
+    return split_digest(value) is not None
 
 
 def header_to_dict(header: LogHeader) -> dict:
@@ -202,7 +223,8 @@ def encode_jsonl_record(record: Record) -> bytes:
     """One line, newline included."""
     if type(record) is DigestRecord:
         if not is_hex_digest(record.digest):
-            raise LogError(f"digest must be lowercase hex, got {record.digest!r}", seq=record.seq)
+            raise LogError(f"digest must be lowercase hex or 'part/parts:hex', got {record.digest!r}",
+                           seq=record.seq)
         return _dumps(
             {"kind": DIGEST_KIND, "seq": record.seq, "step_index": record.step_index, "digest": record.digest}
         )
@@ -237,7 +259,8 @@ def _decode_digest(obj: dict, cursor: Cursor, number: int) -> DigestRecord:
     if problem:
         raise LogError(problem, line=number)
     if not is_hex_digest(digest):
-        raise LogError(f"{DIGEST_KIND}: digest must be lowercase hex, got {digest!r}", line=number)
+        raise LogError(f"{DIGEST_KIND}: digest must be lowercase hex or 'part/parts:hex', got {digest!r}",
+                       line=number)
     return DigestRecord(seq=seq, step_index=step_index, digest=digest)  # type: ignore[arg-type]
 
 

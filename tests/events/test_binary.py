@@ -25,7 +25,15 @@ from kvledger.events.binary import (
     encode_binary_header,
     read_binary,
 )
-from kvledger.events.log import DigestRecord, EventRecord, LogError, LogHeader, encode_jsonl, read_jsonl
+from kvledger.events.log import (
+    LOG_SCHEMA_VERSION,
+    DigestRecord,
+    EventRecord,
+    LogError,
+    LogHeader,
+    encode_jsonl,
+    read_jsonl,
+)
 from kvledger.events.packed import pack_bytes, pack_ints, unpack_bytes, unpack_ints
 from kvledger.events.schema import SCHEMAS, Strings, json_form_decoder
 from tests.events.logs import CONFIG, DIGEST, EXAMPLE_RECORDS, HEADER, records_of
@@ -94,7 +102,7 @@ def test_layout_is_magic_header_frame_then_one_frame_per_step() -> None:
     header = split_frames(data)[0]
     steps = step_payloads(data)
     head = msgpack.unpackb(header)
-    assert head["schema_version"] == 1 and head["config"] == CONFIG.to_dict()
+    assert head["schema_version"] == LOG_SCHEMA_VERSION and head["config"] == CONFIG.to_dict()
     assert head["compression"] == "zstd"
     assert head["kinds"] == {kind: code for code, kind in enumerate(SCHEMAS, start=1)}
     assert head["layouts"]["store_failed"] == [2, [["job_id", "int"], ["worker_index", "int"], ["keys", "tuple[bytes]"]]]
@@ -415,8 +423,8 @@ def test_bad_header_config_names_the_key() -> None:
 
 def test_schema_version_too_new() -> None:
     head = header_map()
-    head["schema_version"] = 2
-    fails(MAGIC + frame(head), "header: schema_version 2 is newer than this reader knows", None)
+    head["schema_version"] = LOG_SCHEMA_VERSION + 1
+    fails(MAGIC + frame(head), f"header: schema_version {LOG_SCHEMA_VERSION + 1} is newer than this reader knows", None)
 
 
 def test_header_needs_kinds_and_layouts() -> None:

@@ -11,12 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvledger.events import types as ev
+from kvledger.events.binary import encode_binary, read_binary
 from kvledger.events.log import (
     LOG_SCHEMA_VERSION,
     DigestRecord,
     EventRecord,
     LogError,
     LogHeader,
+    encode_jsonl,
     encode_jsonl_header,
     encode_jsonl_record,
     read_jsonl,
@@ -173,9 +175,20 @@ def test_bad_digest() -> None:
     lines = jsonl(EXAMPLE_RECORDS)
     digest_line = next(i for i, line in enumerate(lines) if b"state_digest" in line)
     lines[digest_line] = lines[digest_line].replace(DIGEST.encode(), b"XYZ")
-    fails(lines, "state_digest: digest must be lowercase hex, got 'XYZ'", digest_line + 1)
-    with pytest.raises(LogError, match="digest must be lowercase hex"):
-        encode_jsonl_record(DigestRecord(seq=0, step_index=0, digest="AB"))
+    fails(lines, "state_digest: digest must be lowercase hex or 'part/parts:hex', got 'XYZ'", digest_line + 1)
+    for bad in ("AB", "2/2:ab", "1/0:ab", "-1/2:ab", "01/2:ab", "1/2:", "1/2:AB", "1/2/3:ab", "1:ab"):
+        with pytest.raises(LogError, match="digest must be lowercase hex or 'part/parts:hex'"):
+            encode_jsonl_record(DigestRecord(seq=0, step_index=0, digest=bad))
+
+
+@pytest.mark.parametrize("digest", ["00ff", "0/1:00ff", "3/16:a66397a46f3204f0ff7e85d601bf4066"])
+def test_digest_forms_round_trip(digest: str) -> None:
+    """Full digests (schema 1) and part digests (schema 2) both survive both forms."""
+    records = [*EXAMPLE_RECORDS[:1], DigestRecord(seq=1, step_index=EXAMPLE_RECORDS[0].step_index, digest=digest)]
+    _, decoded = read_jsonl(encode_jsonl(HEADER, records).splitlines(keepends=True))
+    assert [r.digest for r in decoded if type(r) is DigestRecord] == [digest]
+    _, decoded = read_binary(encode_binary(HEADER, records))
+    assert [r.digest for r in decoded if type(r) is DigestRecord] == [digest]
 
 
 def test_missing_header_in_an_empty_log() -> None:
@@ -204,7 +217,8 @@ def _header_line(**changes: object) -> bytes:
         (_header_line(config={**CONFIG.to_dict(), "groups": [{"group_id": 0}]}), "config: .*'kind'"),
         (_header_line(config={**CONFIG.to_dict(), "policy": "fifo"}), "config: .*'fifo'"),
         (_header_line(config=[1]), "config: config must be a mapping"),
-        (_header_line(schema_version=2), r"schema_version 2 is newer than this reader knows \(1\)"),
+        (_header_line(schema_version=LOG_SCHEMA_VERSION + 1),
+         rf"schema_version {LOG_SCHEMA_VERSION + 1} is newer than this reader knows \({LOG_SCHEMA_VERSION}\)"),
         (_header_line(schema_version="1"), "schema_version must be an int"),
         (_header_line(engine_version=None), "missing key 'engine_version'"),
         (_header_line(digest_interval=-1), "digest_interval must be an int >= 0"),
