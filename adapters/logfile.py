@@ -8,10 +8,13 @@ a crash loses at most the step in progress, and a reader sees whole steps.
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import os
+import queue
+import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Literal
 
@@ -108,6 +111,17 @@ def open_log(path: str | os.PathLike) -> tuple[LogHeader, Iterator[Record]]:
     return header, _records(records, file, source)
 
 
+_Step = tuple[int, int, tuple[Event, ...], "str | None"]  # (first seq, step index, events, digest)
+
+
+def _step_records(step: _Step) -> list[Record]:
+    first, step_index, events, digest = step
+    records: list[Record] = [EventRecord(seq=first + i, step_index=step_index, event=e) for i, e in enumerate(events)]
+    if digest is not None:
+        records.append(DigestRecord(seq=first + len(events), step_index=step_index, digest=digest))
+    return records
+
+
 class LogWriter:
     """Write a log one step at a time: `append` events, then `end_step`.
 
@@ -117,10 +131,23 @@ class LogWriter:
     exception) writes a step still buffered. A step that fails to encode or
     write leaves the writer failed: later calls raise, since the log on disk
     can no longer be continued without a gap.
+
+    `background=True` encodes and writes on a thread of its own, as a live
+    scheduler needs: encoding a step costs about as much as the connector's
+    own work in it, and on a GPU the scheduler's thread then waits on the
+    forward, when the writer's thread can run. At most `MAX_QUEUED_STEPS` wait
+    (then `end_step` waits for room: nothing is dropped); a failure there is
+    raised by the next call, or by `close`. `close` runs at interpreter exit
+    for a writer still open, so an engine that never shuts down cleanly still
+    leaves every step it handed over on disk.
     """
 
+    MAX_QUEUED_STEPS = 256
+    CLOSE_TIMEOUT_S = 120.0
+
     def __init__(
-        self, path: str | os.PathLike, header: LogHeader, fmt: Format = "jsonl", *, overwrite: bool = False
+        self, path: str | os.PathLike, header: LogHeader, fmt: Format = "jsonl", *, overwrite: bool = False,
+        background: bool = False,
     ) -> None:
         if fmt not in ("jsonl", "binary"):
             raise ValueError(f"fmt must be 'jsonl' or 'binary', got {fmt!r}")
@@ -132,13 +159,22 @@ class LogWriter:
         self._next_seq = 0
         self._step_index = 0
         self._failure: LogError | None = None
+        self._failure_raised = False
+        self._queue: queue.Queue[list[Record] | _Step | None] | None = None
+        self._thread: threading.Thread | None = None
         head = encode_binary_header(header) if fmt == "binary" else encode_jsonl_header(header)
         self._file: BinaryIO | None = self.path.open("wb" if overwrite else "xb")
         try:
             self._write(head)
         except BaseException:
+            self._failure_raised = True
             self.close()
             raise
+        if background:
+            self._queue = queue.Queue(self.MAX_QUEUED_STEPS)
+            self._thread = threading.Thread(target=self._drain, name="kvledger-log", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
 
     @property
     def next_seq(self) -> int:
@@ -159,6 +195,30 @@ class LogWriter:
         self._step_index = step_index
         return record
 
+    def add_step(self, step_index: int, events: Sequence[Event], digest: str | None = None) -> None:
+        """`append` of each event, then `end_step(digest)`, in one call. In
+        background mode the records are built on the writer's thread too, so
+        the caller pays for a tuple, not a record per event."""
+        self._check_open()
+        if self._pending:
+            raise ValueError("add_step while appended events wait for end_step")
+        if step_index < self._step_index:
+            raise ValueError(f"step {step_index} added while at step {self._step_index}; steps go forward")
+        first = self._next_seq
+        self._next_seq = first + len(events)
+        self._step_index = step_index
+        if not events and digest is None:
+            return
+        step = (first, step_index, tuple(events), digest)
+        if self._queue is not None:
+            self._queue.put(step)
+            return
+        try:
+            self._write_step(_step_records(step))
+        except BaseException:
+            self._failure_raised = True
+            raise
+
     def end_step(self, digest: str | None = None) -> None:
         """Write the buffered step, then `digest` (hex) if given, and flush the file."""
         self._check_open()
@@ -168,26 +228,31 @@ class LogWriter:
         self._pending.clear()
         if not records:
             return
+        if self._queue is not None:
+            self._queue.put(records)
+            return
         try:
-            if self.fmt == "binary":
-                data = encode_binary_frame(records[0].seq, self._step_index, records, strings=self._strings)
-            else:
-                data = b"".join([encode_jsonl_record(r) for r in records])
-        except LogError as exc:
-            self._failure = exc
+            self._write_step(records)
+        except BaseException:
+            self._failure_raised = True
             raise
-        self._write(data)
 
     def close(self) -> None:
-        """Write any buffered step, then close the file. Closing twice is harmless."""
+        """Write any buffered step, then close the file. Closing twice is harmless.
+        In background mode it first waits for the queued steps, and raises a
+        failure no earlier call has raised."""
         if self._file is None:
             return
         try:
             if self._pending and self._failure is None:
                 self.end_step()
         finally:
+            self._stop_thread()
             file, self._file = self._file, None
             file.close()
+        if self._failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise self._failure
 
     def __enter__(self) -> LogWriter:
         return self
@@ -199,7 +264,19 @@ class LogWriter:
         if self._file is None:
             raise ValueError(f"{self.path}: the log writer is closed")
         if self._failure is not None:
+            self._failure_raised = True
             raise LogError(f"an earlier step failed to write ({self._failure.detail})", source=str(self.path))
+
+    def _write_step(self, records: list[Record]) -> None:
+        try:
+            if self.fmt == "binary":
+                data = encode_binary_frame(records[0].seq, records[0].step_index, records, strings=self._strings)
+            else:
+                data = b"".join([encode_jsonl_record(r) for r in records])
+        except LogError as exc:
+            self._failure = exc
+            raise
+        self._write(data)
 
     def _write(self, data: bytes) -> None:
         assert self._file is not None
@@ -209,3 +286,28 @@ class LogWriter:
         except OSError as exc:
             self._failure = LogError(f"write failed: {exc}", source=str(self.path))
             raise self._failure from exc
+
+    def _drain(self) -> None:
+        """The background thread: write steps in order until the stop mark; after
+        a failure, take the rest without writing (the log cannot go on with a gap)."""
+        assert self._queue is not None
+        while (item := self._queue.get()) is not None:
+            if self._failure is None:
+                try:
+                    self._write_step(item if type(item) is list else _step_records(item))
+                except Exception as exc:  # kept for the caller; the thread must not die
+                    if self._failure is None:
+                        self._failure = exc if isinstance(exc, LogError) else LogError(
+                            f"step failed to encode: {type(exc).__name__}: {exc}", source=str(self.path))
+
+    def _stop_thread(self) -> None:
+        if self._thread is None:
+            return
+        atexit.unregister(self.close)
+        assert self._queue is not None
+        self._queue.put(None)
+        self._thread.join(self.CLOSE_TIMEOUT_S)
+        if self._thread.is_alive() and self._failure is None:
+            self._failure = LogError(f"steps still unwritten after {self.CLOSE_TIMEOUT_S:.0f} s",
+                                     source=str(self.path))
+        self._thread = None

@@ -24,11 +24,12 @@ class Recorder:
     are written as one unit when it is scheduled, with a state digest every
     `digest_interval` steps: a part digest (see `engine.digest`), the parts
     taken in turn, so that no step pays for hashing the whole state.
+    `background` writes on the log writer's own thread (see `LogWriter`).
     """
 
     def __init__(self, config: EngineConfig, *, log_path: str | os.PathLike | None = None,
                  fmt: str = "binary", digest_interval: int = 64, strict: bool = False,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, background: bool = False) -> None:
         self.state: State = initial_state(config)
         self.strict = strict
         self.digest_interval = digest_interval
@@ -38,7 +39,8 @@ class Recorder:
         self.writer: LogWriter | None = None
         if log_path is not None:
             header = LogHeader(engine_version=__version__, config=config, digest_interval=digest_interval)
-            self.writer = LogWriter(log_path, header, fmt, overwrite=overwrite)  # type: ignore[arg-type]
+            self.writer = LogWriter(log_path, header, fmt, overwrite=overwrite,  # type: ignore[arg-type]
+                                    background=background)
 
     def apply(self, event: ev.Event) -> tuple[fx.Effect, ...]:
         self.state, effects = reduce(self.state, event, strict=self.strict)
@@ -46,11 +48,9 @@ class Recorder:
             return effects
         self._pending.append(event)
         if isinstance(event, ev.StepScheduled):
-            for pending in self._pending:
-                self.writer.append(pending, event.step_index)
+            self.writer.add_step(event.step_index, self._pending, self._digest_due(event.step_index))
             self._pending.clear()
             self.next_step = event.step_index + 1
-            self.writer.end_step(self._digest_due(event.step_index))
         return effects
 
     def _digest_due(self, step_index: int) -> str | None:
@@ -61,8 +61,8 @@ class Recorder:
 
     def close(self) -> None:
         if self.writer is not None:
-            for pending in self._pending:
-                self.writer.append(pending, self.next_step)
+            if self._pending:
+                self.writer.add_step(self.next_step, self._pending)
             self._pending.clear()
             self.writer.close()
 

@@ -25,6 +25,12 @@ its ratio to vLLM's `OffloadingConnector`, the tokens vLLM admitted as
 external hits, the tokens it computed, preemptions, and for kvledger the
 protocol violations its engine reported (a run with any is not valid).
 
+`kvledger-logged` is kvledger writing its event log (`--event-log`, binary,
+a part digest every 64 steps). Run beside `kvledger`, their ratio is what
+the log costs the scheduler:
+
+    python bench/scheduler_overhead.py --connectors kvledger,kvledger-logged
+
     python bench/scheduler_overhead.py [--requests 256] [--steps 1000] [--seed 0] [--out PATH]
 
 The default run takes about 2 minutes on 2 cores; raw numbers go to
@@ -459,14 +465,13 @@ def percentile(ordered: list[float], q: float) -> float:
 
 # The three connectors.
 
-def connector_configs(capacity_bytes: int, event_log: str | None) -> dict[str, tuple[dict, type]]:
+def connector_configs(capacity_bytes: int, event_log: str) -> dict[str, tuple[dict, type]]:
     from kvledger.adapters.settings import kv_transfer_config
 
     ledger = {"capacity_bytes": capacity_bytes, "log_level": "warning"}
-    if event_log:
-        ledger["event_log"] = event_log
     return {
         "kvledger": (kv_transfer_config(**ledger), LedgerWorker),
+        "kvledger-logged": (kv_transfer_config(**ledger, event_log=event_log), LedgerWorker),
         "vllm-offloading": ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                              "kv_connector_extra_config": {"cpu_bytes_to_use": capacity_bytes}}, OffloadingWorker),
         "vllm-simple-cpu": ({"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
@@ -474,9 +479,24 @@ def connector_configs(capacity_bytes: int, event_log: str | None) -> dict[str, t
     }
 
 
+def thread_cpu_seconds(name: str) -> float | None:
+    """CPU time of this process's thread `name` so far (Linux), or None."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == name and thread.native_id is not None:
+            try:
+                stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+            except OSError:
+                return None
+            fields = stat.rsplit(")", 1)[1].split()  # from field 3 (state) on
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
 def tier_slots(name: str, connector) -> int | None:
     """How many blocks each connector's tier holds, to check they match."""
-    if name == "kvledger":
+    if name.startswith("kvledger"):
         return connector.scheduler.config.num_tier_slots
     if name == "vllm-offloading":
         return getattr(connector.scheduler.manager, "_num_chunks", None)
@@ -498,7 +518,8 @@ def main() -> None:
                              "cached and its OffloadingConnector stores; 0 (vLLM's default) keeps the last "
                              "window of a prompt, N every N tokens, 'dense' all")
     parser.add_argument("--connectors", default="kvledger,vllm-offloading,vllm-simple-cpu")
-    parser.add_argument("--event-log", default=None, help="kvledger writes its event log here (default: off)")
+    parser.add_argument("--event-log", default=str(HERE / "out" / "scheduler_overhead.kvlog"),
+                        help="where kvledger-logged writes its event log (replaced if there)")
     parser.add_argument("--out", default=str(HERE / "out" / "scheduler_overhead.json"))
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -510,6 +531,9 @@ def main() -> None:
     trace = Trace(args.seed)
     runs: list[Run] = []
     failed: dict[str, str] = {}
+    if "kvledger-logged" in args.connectors.split(","):
+        Path(args.event_log).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.event_log).unlink(missing_ok=True)
     for name, (kv_transfer, worker_cls) in connector_configs(capacity_bytes, args.event_log).items():
         if name not in args.connectors.split(","):
             continue
@@ -522,10 +546,12 @@ def main() -> None:
             print(f"{name}: cannot be built: {failed[name]}", file=sys.stderr)
             continue
         run = Run(name, scheduler, hasher, worker_cls(args.delay_steps), trace, args.requests)
-        if name == "kvledger":
+        if name.startswith("kvledger"):
             from kvledger.adapters.vllm import scheduler_side
 
-            run.violations = ViolationCounter(scheduler_side)
+            if not isinstance(scheduler_side._log, ViolationCounter):
+                ViolationCounter(scheduler_side)
+            run.violations = scheduler_side._log  # one count for every kvledger run
         runs.append(run)
         print(f"{name}: {type(scheduler.connector).__name__}, tier {tier_slots(name, scheduler.connector)} blocks, "
               f"device pool {scheduler.kv_cache_config.num_blocks} blocks", flush=True)
@@ -549,6 +575,15 @@ def main() -> None:
             summary["ratio_to_vllm_offloading"] = {
                 k: summary["connector_ms_per_step"][k] / base["connector_ms_per_step"][k]
                 for k in ("median", "p99", "mean")}
+    writer_s = thread_cpu_seconds("kvledger-log")
+    if "kvledger" in summaries and "kvledger-logged" in summaries:
+        plain, logged = (summaries[n]["connector_ms_per_step"] for n in ("kvledger", "kvledger-logged"))
+        logged_run = summaries["kvledger-logged"]
+        logged_run["log_cost"] = {k: logged[k] / plain[k] - 1 for k in ("median", "p99", "mean")}
+        if writer_s is not None:
+            logged_run["log_writer_cpu_ms_per_step"] = writer_s * 1e3 / args.steps
+            logged_run["log_cost"]["mean_with_writer_cpu"] = (
+                (logged["mean"] + writer_s * 1e3 / args.steps) / plain["mean"] - 1)
     report = {
         "args": vars(args), "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(), "wall_seconds": elapsed, "not_built": failed,
@@ -564,6 +599,13 @@ def main() -> None:
         if s.get("protocol_violations"):
             print(f"{name}: {s['protocol_violations']} protocol violations {s['violation_codes']}: its engine "
                   "rejected those events, so its numbers come from a run that went wrong")
+    cost = summaries.get("kvledger-logged", {}).get("log_cost")
+    if cost:
+        print(f"event log cost (kvledger-logged / kvledger - 1): median {cost['median']:+.1%}, "
+              f"p99 {cost['p99']:+.1%}, mean {cost['mean']:+.1%} (target <= 5%)")
+        if "mean_with_writer_cpu" in cost:
+            print(f"  the log writer's thread used {summaries['kvledger-logged']['log_writer_cpu_ms_per_step']:.3f} "
+                  f"ms CPU per step: mean {cost['mean_with_writer_cpu']:+.1%} counting it too")
     print(f"wall {elapsed:.0f} s; raw numbers in {out}")
 
 

@@ -66,7 +66,7 @@ class LedgerScheduler:
         self.log_path = unused_path(settings.event_log) if settings.event_log else None
         self.recorder = Recorder(
             config, log_path=self.log_path, fmt=settings.event_log_format,
-            digest_interval=settings.digest_interval)
+            digest_interval=settings.digest_interval, background=True)
         if self.log_path is not None:
             _log.info("event_log_opened", path=self.log_path)
         self._manager: KVCacheManager | None = None

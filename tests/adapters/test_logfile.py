@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -221,3 +224,74 @@ def test_an_existing_event_log_is_never_overwritten(tmp_path):
     assert unused_path(str(log)) == str(tmp_path / "events.1.log")
     (tmp_path / "events.1.log").write_bytes(b"another")
     assert unused_path(str(log)) == str(tmp_path / "events.2.log")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_background_writer_writes_the_same_bytes(tmp_path: Path, fmt: str) -> None:
+    """Encoding on the writer's thread changes where the work runs, not what is written."""
+    paths = tmp_path / "sync.log", tmp_path / "background.log"
+    for path, background in zip(paths, (False, True)):
+        with LogWriter(path, HEADER, fmt=fmt, background=background) as writer:  # type: ignore[arg-type]
+            expected = write_steps(writer, range(40), digest_every=3)
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert read(paths[1]) == expected
+
+
+def test_a_background_failure_is_raised_by_the_next_call(tmp_path: Path) -> None:
+    path = tmp_path / "run.log"
+    writer = LogWriter(path, HEADER, fmt="binary", background=True)
+    kept = write_steps(writer, range(2))
+    writer.append(ev.CacheReset(epoch=2**70), 2)  # cannot be encoded, found on the writer's thread
+    writer.end_step()
+    deadline = time.monotonic() + 10
+    while writer._failure is None and time.monotonic() < deadline:  # the thread gets to it within ms
+        time.sleep(0.01)
+    with pytest.raises(LogError, match="an earlier step failed to write .*cannot encode step 2"):
+        writer.append(EXAMPLE_EVENTS["cache_reset"], 3)
+    writer.close()  # already raised: closing is quiet
+    assert read(path) == kept
+
+
+def test_close_raises_a_background_failure_nobody_saw(tmp_path: Path) -> None:
+    path = tmp_path / "run.log"
+    writer = LogWriter(path, HEADER, fmt="binary", background=True)
+    writer.append(ev.CacheReset(epoch=2**70), 0)
+    writer.end_step()
+    with pytest.raises(LogError, match="cannot encode step 0"):
+        writer.close()
+    writer.close()
+    assert read(path) == []
+
+
+def test_a_background_writer_left_open_is_closed_at_exit(tmp_path: Path) -> None:
+    """An engine that never calls close still leaves every handed-over step on disk."""
+    path = tmp_path / "run.log"
+    code = (
+        "from pathlib import Path\n"
+        "from kvledger.adapters.logfile import LogWriter\n"
+        "from tests.adapters.test_logfile import write_steps\n"
+        "from tests.events.logs import HEADER\n"
+        f"writer = LogWriter(Path({str(path)!r}), HEADER, fmt='binary', background=True)\n"
+        "write_steps(writer, range(300))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len([r for r in read(path) if isinstance(r, EventRecord)]) == 900
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_add_step_writes_what_append_and_end_step_write(tmp_path: Path, background: bool) -> None:
+    paths = tmp_path / "append.log", tmp_path / "add.log"
+    with LogWriter(paths[0], HEADER, fmt="binary") as writer:
+        write_steps(writer, range(6))
+    with LogWriter(paths[1], HEADER, fmt="binary", background=background) as writer:
+        for step_index in range(6):
+            writer.add_step(step_index, step_events(step_index), DIGEST if step_index % 2 == 0 else None)
+        with pytest.raises(ValueError, match="step 2 added while at step 5"):
+            writer.add_step(2, step_events(2))
+        writer.append(EXAMPLE_EVENTS["cache_reset"], 6)
+        with pytest.raises(ValueError, match="add_step while appended events wait"):
+            writer.add_step(6, [])
+        writer.end_step()
+    assert read(paths[1])[:-1] == read(paths[0])
