@@ -13,8 +13,8 @@ requests, recounts) the next `check` covers.
 from __future__ import annotations
 
 from collections import Counter
-from itertools import chain
-from operator import mul
+from itertools import chain, repeat
+from operator import contains, mul
 
 from kvledger.events import types as ev
 from kvledger.events.config import Protection
@@ -27,6 +27,7 @@ from .state import LOADING as _LOADING
 from .state import PREEMPTED as _PREEMPTED
 from .state import RUNNING as _RUNNING
 from .state import STORE as _STORE
+from .state import STORED as _STORED
 from .state import STORING as _STORING
 from .state import Core, Job, JobKind, RequestState, SlotState, State
 
@@ -82,8 +83,12 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
         touched = [jobs.get(j) for j in range(first_new_job_id, core.next_job_id)]
         if job_id is not None:
             touched.append(jobs.get(job_id))
+        touched = [job for job in touched if job is not None]
+        if len(touched) > 1 and _stores_look_fine(core, touched):  # a step's new stores, in one pass
+            touched = []
         for job in touched:
-            if job is not None and not _store_looks_fine(core, job):
+            fine = _store_looks_fine(core, job) if job.kind is _STORE else _load_looks_fine(core, job)
+            if not fine:
                 _check_job(core, job, problems)
                 for slots in job.slot_ids:
                     for slot in slots:
@@ -168,6 +173,62 @@ def _store_looks_fine(core: Core, job: Job) -> bool:
             if job_id not in readers.get(block, ()):
                 return False
     return True
+
+
+def _stores_look_fine(core: Core, jobs: list[Job]) -> bool:
+    """`_store_looks_fine` of several unflushed stores at once (a step plans one
+    per request that reached a storable block): one pass over all their rows."""
+    limit = 1 << core.config.world_size
+    next_id = core.next_job_id
+    for job in jobs:
+        if (job.kind is not _STORE or job.flushed or not 0 < job.pending_workers < limit
+                or not 0 < job.job_id < next_id):
+            return False
+        shape = list(map(len, job.keys))
+        if shape != list(map(len, job.block_ids)) or shape != list(map(len, job.slot_ids)):
+            return False
+    slots = list(chain.from_iterable(chain.from_iterable(job.slot_ids for job in jobs)))
+    keys = list(chain.from_iterable(chain.from_iterable(job.keys for job in jobs)))
+    blocks = list(chain.from_iterable(chain.from_iterable(job.block_ids for job in jobs)))
+    owners = list(chain.from_iterable(repeat(job.job_id, sum(map(len, job.keys))) for job in jobs))
+    if (NULL_BLOCK_ID in blocks
+            or not all(map(_STORING.__eq__, map(core.slot_state.__getitem__, slots)))
+            or list(map(core.slot_key.__getitem__, slots)) != keys
+            or (core.slot_loads and not core.slot_loads.keys().isdisjoint(slots))
+            or core.policy.holds_any(keys)
+            or list(map(core.block_generation.__getitem__, blocks))
+            != list(chain.from_iterable(chain.from_iterable(job.generations for job in jobs)))):
+        return False
+    try:
+        return all(map(contains, map(core.block_readers.__getitem__, blocks), owners))
+    except KeyError:  # a source block that records no reader
+        return False
+
+
+def _load_looks_fine(core: Core, job: Job) -> bool:
+    """`_check_job` and `_check_slot` of a load job, as C-level passes; False for
+    anything a pass does not vouch for (then each item is checked on its own)."""
+    jid = job.job_id
+    if not 0 < job.pending_workers < 1 << core.config.world_size or not 0 < jid < core.next_job_id:
+        return False
+    shape = list(map(len, job.keys))
+    if shape != list(map(len, job.block_ids)) or shape != list(map(len, job.slot_ids)):
+        return False
+    slots = list(chain.from_iterable(job.slot_ids))
+    if not slots:
+        return True
+    keys = list(chain.from_iterable(job.keys))
+    blocks = list(chain.from_iterable(job.block_ids))
+    loads = core.slot_loads
+    if (NULL_BLOCK_ID in blocks
+            or not all(map(_STORED.__eq__, map(core.slot_state.__getitem__, slots)))
+            or list(map(core.slot_key.__getitem__, slots)) != keys
+            or not all(map(loads.__contains__, slots)) or min(map(loads.__getitem__, slots)) <= 0
+            or not all(map(jid.__eq__, map(core.block_writer.get, blocks)))
+            or core.policy.holds_any(keys)):  # a pinned slot is never evictable
+        return False
+    request = core.requests.get(job.request_id)
+    return request is None or request.load_job_id != jid or set(request.held_blocks()).issuperset(blocks)
 
 
 def find_problems(core: Core) -> list[str]:
