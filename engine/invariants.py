@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import chain, repeat
-from operator import contains, mul
+from operator import contains, eq, mul
 
 from kvledger.events import types as ev
 from kvledger.events.config import Protection
@@ -224,7 +224,7 @@ def _load_looks_fine(core: Core, job: Job) -> bool:
             or not all(map(_STORED.__eq__, map(core.slot_state.__getitem__, slots)))
             or list(map(core.slot_key.__getitem__, slots)) != keys
             or not all(map(loads.__contains__, slots)) or min(map(loads.__getitem__, slots)) <= 0
-            or not all(map(jid.__eq__, map(core.block_writer.get, blocks)))
+            or not all(map(eq, repeat(jid), map(core.block_writer.get, blocks)))  # not jid.__eq__: None
             or core.policy.holds_any(keys)):  # a pinned slot is never evictable
         return False
     request = core.requests.get(job.request_id)

@@ -324,6 +324,17 @@ FOOTPRINT_CORRUPTIONS = {
                            "request s: derived counts"),
     "a pinned count gone negative": (lambda c: c.block_pins.__setitem__(40, -1),
                                      ev.BlocksFreed(request_id="w", block_ids=((40,), ())), None),
+    # The load job's fast pass must hand each of these to the item-by-item check.
+    "a load's slot unpinned": (lambda c: c.slot_loads.pop(load_slot(c)), ev.LoadCompleted(job_id=LOAD),
+                               "is not stored and pinned"),
+    "a load's slot rekeyed": (lambda c: c.slot_key.__setitem__(load_slot(c), b"\x01" * 36),
+                              ev.LoadCompleted(job_id=LOAD), "holds another key"),
+    "a load target unmarked": (lambda c: c.block_writer.pop(c.jobs[LOAD].block_ids[0][0]),
+                               ev.LoadCompleted(job_id=LOAD), "is not marked as being loaded"),
+    "a load target dropped": (lambda c: c.requests["b"].table[0].__setitem__(0, 0), ev.LoadCompleted(job_id=LOAD),
+                              "is no longer held by b"),
+    "a pinned slot evictable": (lambda c: c.policy.insert(c.slot_key[load_slot(c)], False),
+                                ev.LoadCompleted(job_id=LOAD), "policy membership disagrees"),
 }
 
 
@@ -339,6 +350,29 @@ def test_event_footprint_checks(case):
         return
     problems = _footprint(mutate, event)
     assert any(message in p for p in problems), problems
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda c, job: c.slot_state.__setitem__(job.slot_ids[1][0], SlotState.STORED), "store target slot"),
+    (lambda c, job: c.block_generation.__setitem__(job.block_ids[0][1], 99), "was reallocated"),
+    (lambda c, job: c.block_readers.pop(job.block_ids[1][1]), "does not record its reader"),
+    (lambda c, job: c.policy.insert(job.keys[0][0], False), "policy membership disagrees"),
+], ids=["slot state", "generation", "reader", "evictable"])
+def test_a_steps_new_stores_are_checked_together_and_each_problem_named(corrupt, message):
+    e = Engine()
+    for rid, blocks in (("x", ((1, 2), (3, 4))), ("y", ((5, 6), (7, 8)))):
+        e.add(rid, 64, tag=rid)
+        e.alloc(rid, *blocks)
+    first = e.core.next_job_id
+    e.step(("x", 0, 64), ("y", 0, 64))
+    step = e.log[-1]
+    assert len(range(first, e.core.next_job_id)) == 2
+    check_event(e.state, step, first)
+    state = e.state.clone()
+    corrupt(state.core, state.core.jobs[first + 1])
+    with pytest.raises(InvariantViolation) as raised:
+        check_event(state, step, first)
+    assert any(message in p for p in raised.value.problems), raised.value.problems
 
 
 def test_the_footprint_of_a_rejected_event_is_not_taken_as_held():
