@@ -163,7 +163,10 @@ class LogWriter:
         self._queue: queue.Queue[list[Record] | _Step | None] | None = None
         self._thread: threading.Thread | None = None
         head = encode_binary_header(header) if fmt == "binary" else encode_jsonl_header(header)
-        self._file: BinaryIO | None = self.path.open("wb" if overwrite else "xb")
+        # Unbuffered: each step is one write of whole frames, and no copy of a
+        # half-written buffer can be flushed twice (by a forked child, say).
+        self._file: BinaryIO | None = self.path.open("wb" if overwrite else "xb", buffering=0)
+        self._owner = os.getpid()
         try:
             self._write(head)
         except BaseException:
@@ -243,6 +246,10 @@ class LogWriter:
         failure no earlier call has raised."""
         if self._file is None:
             return
+        if os.getpid() != self._owner:  # a forked child's copy: the log is its parent's to write
+            file, self._file = self._file, None
+            file.close()
+            return
         try:
             if self._pending and self._failure is None:
                 self.end_step()
@@ -281,8 +288,9 @@ class LogWriter:
     def _write(self, data: bytes) -> None:
         assert self._file is not None
         try:
-            self._file.write(data)
-            self._file.flush()
+            view = memoryview(data)
+            while view:
+                view = view[self._file.write(view):]  # a raw write may take less than all
         except OSError as exc:
             self._failure = LogError(f"write failed: {exc}", source=str(self.path))
             raise self._failure from exc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import subprocess
 import sys
 import time
@@ -295,3 +296,24 @@ def test_add_step_writes_what_append_and_end_step_write(tmp_path: Path, backgrou
             writer.add_step(6, [])
         writer.end_step()
     assert read(paths[1])[:-1] == read(paths[0])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("background", [False, True])
+def test_a_forked_child_leaves_its_parents_log_alone(tmp_path: Path, background: bool) -> None:
+    """A child forked while a step is buffered exits (running `close` at exit)
+    without writing that step or anything else into the parent's log."""
+    path = tmp_path / "run.log"
+    writer = LogWriter(path, HEADER, fmt="binary", background=background)
+    expected = write_steps(writer, range(3))
+    writer.append(EXAMPLE_EVENTS["cache_reset"], 3)  # buffered when the child is made
+    pid = os.fork()
+    if pid == 0:  # the child: close as an exiting interpreter would, then leave at once
+        try:
+            writer.close()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    expected.append(writer._pending[0])
+    writer.close()
+    assert read(path) == expected
