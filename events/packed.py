@@ -58,7 +58,7 @@ def pack_bytes(values: tuple[bytes, ...]) -> bytes | None:
     if len(values) < MIN_PACKED_ITEMS:
         return None
     width = len(values[0])
-    if not 0 < width < 256 or any(len(v) != width for v in values):
+    if not 0 < width < 256 or min(map(len, values)) != width or max(map(len, values)) != width:
         return None
     return bytes((width,)) + b"".join(values)
 

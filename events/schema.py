@@ -66,6 +66,14 @@ class Strings:
             del self._index[text]
         del self._texts[mark:]
 
+    def encode_many(self, texts: tuple[str, ...]) -> list[int | str]:
+        """`encode` of each text in turn; one C-level pass when all are known
+        (a step's request ids, mostly)."""
+        items = list(map(self._index.get, texts))
+        if None in items:
+            return [self.encode(text) for text in texts]
+        return items  # type: ignore[return-value]
+
     def encode(self, text: str) -> int | str:
         index = self._index.get(text)
         if index is not None:
@@ -254,8 +262,8 @@ def _str_tuple_codecs(inner: tuple) -> tuple:
     json_encode, json_decode, _bin_enc, _bin_dec = _tuple_codecs(inner, str)
 
     def binary_encode(value: tuple, strings: Strings) -> list | bytes:
-        items = [strings.encode(text) for text in value]
-        if len(items) >= packed.MIN_PACKED_ITEMS and all(type(item) is int for item in items):
+        items = strings.encode_many(value)
+        if len(items) >= packed.MIN_PACKED_ITEMS and str not in map(type, items):  # all table refs
             return packed.pack_ints(items) or items  # type: ignore[arg-type]
         return items
 
