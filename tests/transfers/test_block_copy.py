@@ -37,7 +37,7 @@ def problems(draw):
 
 
 @settings(max_examples=80, deadline=None)
-@given(problems(), st.sampled_from(["auto", "auto on host paths", "direct", "staged", "threads"]))
+@given(problems(), st.sampled_from(["auto", "auto past small", "auto on host paths", "direct", "staged", "threads"]))
 def test_rows_land_exactly_where_named(problem, path) -> None:
     num_src, num_dst, widths, pad, (src_extra, dst_extra), src_ids, dst_ids, seed = problem
     g = torch.Generator().manual_seed(seed)
@@ -54,10 +54,15 @@ def test_rows_land_exactly_where_named(problem, path) -> None:
         for s, d in zip(src_ids, dst_ids):
             expected_rows[d, lo:hi] = src[s]
     s_ids, d_ids = torch.tensor(src_ids, dtype=torch.long), torch.tensor(dst_ids, dtype=torch.long)
-    if path == "auto":
+    if path == "auto":  # these problems are small: mostly a numpy row copy each
         copy_rows(pieces, s_ids, d_ids)
+    elif path == "auto past small":  # what a larger copy takes: the torch paths
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(block_copy, "SMALL_MAX_CALLS", 0)
+            copy_rows(pieces, s_ids, d_ids)
     elif path == "auto on host paths":  # tiny rows, thresholds lowered: host direct (wide views) or threads
         with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(block_copy, "SMALL_MAX_CALLS", 0)
             patch.setattr(block_copy, "HOST_DIRECT_MIN_BYTES_PER_CALL", total)
             patch.setattr(block_copy, "HOST_MIN_BYTES_PER_CALL", 1)
             patch.setattr(block_copy, "HOST_MIN_BYTES_PER_THREAD", 1)
@@ -103,6 +108,23 @@ def test_host_pages_of_64_kib_take_the_host_paths(monkeypatch: pytest.MonkeyPatc
     assert torch.equal(dst[dst_ids], src[src_ids])
     assert int(dst.count_nonzero(dim=1).gt(0).sum()) == 32  # no other row written
     assert taken == [torch.int8 if path == "_copy_threads" else torch.complex128]
+
+
+def test_small_copies_take_one_numpy_row_copy_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's store (a couple of blocks, a few layer tensors) skips the torch paths."""
+    taken = []
+    monkeypatch.setattr(block_copy, "_copy_direct", lambda *a: taken.append("direct"))
+    monkeypatch.setattr(block_copy, "_copy_staged", lambda *a: taken.append("staged"))
+    src = torch.randint(-128, 128, (16, 4096), dtype=torch.int8)
+    dst = torch.zeros((32, 4096), dtype=torch.int8)
+    pieces = [(src[:, :2048], dst[:, :2048]), (src[:, 2048:], dst[:, 2048:])]
+    copy_rows(pieces, torch.tensor([3, 9]), torch.tensor([30, 1]))
+    assert taken == [] and torch.equal(dst[[30, 1]], src[[3, 9]])
+    assert int(dst.count_nonzero(dim=1).gt(0).sum()) == 2
+    copy_rows(pieces, torch.arange(16), torch.arange(16, 32))  # 32 row copies of 2 KiB: still small
+    monkeypatch.setattr(block_copy, "SMALL_MAX_BYTES", 1024)
+    copy_rows(pieces, torch.tensor([3, 9]), torch.tensor([30, 1]))
+    assert taken == ["direct"]
 
 
 def test_staged_path_chunks_large_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,9 +209,12 @@ def test_merge_columns_only_merges_neighbours() -> None:
     assert merge_columns([rows[:, 0:16], torch.zeros(4, 16, dtype=torch.int8)]) is None
 
 
+@pytest.mark.parametrize("small_max_calls", [0, 32], ids=["torch paths", "small"])
 @pytest.mark.parametrize("src_ids, dst_ids, words", [([0, 1], [2, 9], "target row ids span [2, 9]"),
                                                      ([-1, 1], [2, 3], "source row ids span [-1, 1]")])
-def test_out_of_range_rows_are_refused_before_any_byte_moves(src_ids, dst_ids, words) -> None:
+def test_out_of_range_rows_are_refused_before_any_byte_moves(monkeypatch, small_max_calls, src_ids, dst_ids,
+                                                              words) -> None:
+    monkeypatch.setattr(block_copy, "SMALL_MAX_CALLS", small_max_calls)
     src = torch.arange(8 * 16, dtype=torch.int8).reshape(8, 16)
     dst = torch.zeros((4, 16), dtype=torch.int8)
     with pytest.raises(IndexError, match=re.escape(words)):
