@@ -2,8 +2,10 @@
 
 `open_log` reads either form, telling binary from JSONL by the magic (and a
 gzip-compressed copy of either by its own magic). `LogWriter` buffers one
-step's events and writes them with one `write` and a flush at `end_step`, so
+step's events and writes them with one unbuffered `write` at `end_step`, so
 a crash loses at most the step in progress, and a reader sees whole steps.
+In background mode (a live scheduler) a process killed outright also loses
+the steps still queued for the writer's thread, usually none or one.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class LogWriter:
 
     Seq numbers are assigned here. Each step is written as one frame (binary)
     or one run of lines (JSONL), followed by its digest record if one is
-    given, then flushed. `close` (and leaving the `with` block, even on an
+    given, in one write. `close` (and leaving the `with` block, even on an
     exception) writes a step still buffered. A step that fails to encode or
     write leaves the writer failed: later calls raise, since the log on disk
     can no longer be continued without a gap.
