@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 from itertools import islice
 from operator import eq
+from typing import Any
 
-from kvledger.events.log import split_digest
+from kvledger.events.log import join_digest, split_digest
 
 from .state import Core, State
 
@@ -31,14 +33,20 @@ PART_ROWS = 8192
 takes 100-150 ms there)."""
 
 
-def digest(state: State) -> str:
-    core = state.core
+def _hasher() -> tuple[Any, Callable[[object], None]]:
+    """A blake2b and `put`, which hashes a value's repr with a separator."""
     h = hashlib.blake2b(digest_size=16)
 
     def put(value: object) -> None:
         h.update(repr(value).encode())
         h.update(b"\x1f")
 
+    return h, put
+
+
+def digest(state: State) -> str:
+    core = state.core
+    h, put = _hasher()
     put(sorted(core.config.to_dict().items()))
     put((core.step_index, core.epoch, core.next_job_id, core.next_fresh_slot))
     for column in (core.block_refs, core.block_pins, core.block_generation, core.block_group):
@@ -74,12 +82,7 @@ def part_digest(state: State, part: int, parts: int) -> str:
     if not 0 <= part < parts:
         raise ValueError(f"part {part} of {parts}")
     core = state.core
-    h = hashlib.blake2b(digest_size=16)
-
-    def put(value: object) -> None:
-        h.update(repr(value).encode())
-        h.update(b"\x1f")
-
+    h, put = _hasher()
     # Whole: the scalars, what is in flight, and the sizes of what is cut.
     put((core.step_index, core.epoch, core.next_job_id, core.next_fresh_slot, part, parts))
     put((len(core.slot_of_key), len(core.free_slots), len(core.requests), len(core.lazy_keys)))
@@ -109,7 +112,7 @@ def part_digest(state: State, part: int, parts: int) -> str:
     lo, hi = _bounds(len(rids), part, parts)
     for rid in islice(rids, lo, hi):
         put(core.requests[rid].canonical())
-    return f"{part}/{parts}:{h.hexdigest()}"
+    return join_digest(part, parts, h.digest())
 
 
 def _bounds(n: int, part: int, parts: int) -> tuple[int, int]:

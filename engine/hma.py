@@ -27,13 +27,10 @@ def group_suffix(group_id: int) -> bytes:
     return group_id.to_bytes(4, "big")
 
 
-def extend_keys(keys: list[bytes], hashes: list[bytes], group: GroupSpec, hash_block_size: int) -> None:
-    """Append the keys of every block whose last hash is now known."""
-    append_keys(keys, hashes, group.block_size // hash_block_size, group_suffix(group.group_id))
-
-
 def append_keys(keys: list[bytes], hashes: list[bytes], per_block: int, suffix: bytes) -> None:
-    """`extend_keys` with the group's numbers worked out (the reducer's hot path)."""
+    """Append the keys of every block whose last hash is now known: a block
+    spans `per_block` hashes (block size over hash block size), and `suffix`
+    is its group's (`group_suffix`)."""
     first_hash = (len(keys) + 1) * per_block - 1
     if first_hash < len(hashes):
         keys.extend(map(add, hashes[first_hash::per_block], repeat(suffix)))

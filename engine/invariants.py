@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import chain, repeat
-from operator import contains, eq, mul
+from operator import contains, eq
 
 from kvledger.events import types as ev
 from kvledger.events.config import Protection
@@ -83,16 +83,15 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
         touched = [jobs.get(j) for j in range(first_new_job_id, core.next_job_id)]
         if job_id is not None:
             touched.append(jobs.get(job_id))
-        touched = [job for job in touched if job is not None]
-        if len(touched) > 1 and _stores_look_fine(core, touched):  # a step's new stores, in one pass
-            touched = []
-        for job in touched:
-            fine = _store_looks_fine(core, job) if job.kind is _STORE else _load_looks_fine(core, job)
-            if not fine:
-                _check_job(core, job, problems)
-                for slots in job.slot_ids:
-                    for slot in slots:
-                        _check_slot(core, slot, problems)
+        stores = [job for job in touched if job is not None and job.kind is _STORE]
+        suspects = [] if _stores_look_fine(core, stores) else stores  # a step's new stores, in one pass
+        suspects += [job for job in touched if job is not None and job.kind is _LOAD
+                     and not _load_looks_fine(core, job)]
+        for job in suspects:
+            _check_job(core, job, problems)
+            for slots in job.slot_ids:
+                for slot in slots:
+                    _check_slot(core, slot, problems)
     if problems:
         raise InvariantViolation(problems)
 
@@ -142,63 +141,36 @@ def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
     return True
 
 
-def _store_looks_fine(core: Core, job: Job) -> bool:
-    """`_check_job` and `_check_slot` of a store job, as C-level passes; False for a
-    load (checked one by one) or anything a pass does not vouch for."""
-    if job.kind is not _STORE:
+def _frame_looks_fine(core: Core, job: Job) -> bool:
+    """A job's pending workers and id in range, and its keys, blocks and slots aligned."""
+    shape = list(map(len, job.keys))
+    return (0 < job.pending_workers < 1 << core.config.world_size and 0 < job.job_id < core.next_job_id
+            and shape == list(map(len, job.block_ids)) and shape == list(map(len, job.slot_ids)))
+
+
+def _rows(jobs: list[Job], column: str) -> list:
+    """One per-group column of several jobs, flattened."""
+    return list(chain.from_iterable(chain.from_iterable(getattr(job, column) for job in jobs)))
+
+
+def _stores_look_fine(core: Core, jobs: list[Job]) -> bool:
+    """`_check_job` and `_check_slot` of store jobs, as C-level passes over all
+    their rows at once (a step plans one per request that reached a storable
+    block); False for anything a pass does not vouch for."""
+    if not all(_frame_looks_fine(core, job) for job in jobs):
         return False
-    if not 0 < job.pending_workers < 1 << core.config.world_size or not 0 < job.job_id < core.next_job_id:
-        return False
-    job_keys = job.keys
-    shape = list(map(len, job_keys))
-    if shape != list(map(len, job.block_ids)) or shape != list(map(len, job.slot_ids)):
-        return False
-    slots = list(chain.from_iterable(job.slot_ids))
-    if not slots:
-        return True
-    keys = list(chain.from_iterable(job_keys))
-    blocks = list(chain.from_iterable(job.block_ids))
-    if (NULL_BLOCK_ID in blocks
+    slots, keys = _rows(jobs, "slot_ids"), _rows(jobs, "keys")
+    if (NULL_BLOCK_ID in _rows(jobs, "block_ids")
             or not all(map(_STORING.__eq__, map(core.slot_state.__getitem__, slots)))
             or list(map(core.slot_key.__getitem__, slots)) != keys
             or (core.slot_loads and not core.slot_loads.keys().isdisjoint(slots))
             or core.policy.holds_any(keys)):  # a storing slot is never evictable
         return False
-    if not job.flushed:
-        if list(map(core.block_generation.__getitem__, blocks)) != list(chain.from_iterable(job.generations)):
-            return False
-        readers = core.block_readers
-        job_id = job.job_id
-        for block in blocks:
-            if job_id not in readers.get(block, ()):
-                return False
-    return True
-
-
-def _stores_look_fine(core: Core, jobs: list[Job]) -> bool:
-    """`_store_looks_fine` of several unflushed stores at once (a step plans one
-    per request that reached a storable block): one pass over all their rows."""
-    limit = 1 << core.config.world_size
-    next_id = core.next_job_id
-    for job in jobs:
-        if (job.kind is not _STORE or job.flushed or not 0 < job.pending_workers < limit
-                or not 0 < job.job_id < next_id):
-            return False
-        shape = list(map(len, job.keys))
-        if shape != list(map(len, job.block_ids)) or shape != list(map(len, job.slot_ids)):
-            return False
-    slots = list(chain.from_iterable(chain.from_iterable(job.slot_ids for job in jobs)))
-    keys = list(chain.from_iterable(chain.from_iterable(job.keys for job in jobs)))
-    blocks = list(chain.from_iterable(chain.from_iterable(job.block_ids for job in jobs)))
-    owners = list(chain.from_iterable(repeat(job.job_id, sum(map(len, job.keys))) for job in jobs))
-    if (NULL_BLOCK_ID in blocks
-            or not all(map(_STORING.__eq__, map(core.slot_state.__getitem__, slots)))
-            or list(map(core.slot_key.__getitem__, slots)) != keys
-            or (core.slot_loads and not core.slot_loads.keys().isdisjoint(slots))
-            or core.policy.holds_any(keys)
-            or list(map(core.block_generation.__getitem__, blocks))
-            != list(chain.from_iterable(chain.from_iterable(job.generations for job in jobs)))):
+    reading = [job for job in jobs if not job.flushed]  # a flushed store's sources are free
+    blocks = _rows(reading, "block_ids")
+    if list(map(core.block_generation.__getitem__, blocks)) != _rows(reading, "generations"):
         return False
+    owners = chain.from_iterable(repeat(job.job_id, sum(map(len, job.keys))) for job in reading)
     try:
         return all(map(contains, map(core.block_readers.__getitem__, blocks), owners))
     except KeyError:  # a source block that records no reader
@@ -209,10 +181,7 @@ def _load_looks_fine(core: Core, job: Job) -> bool:
     """`_check_job` and `_check_slot` of a load job, as C-level passes; False for
     anything a pass does not vouch for (then each item is checked on its own)."""
     jid = job.job_id
-    if not 0 < job.pending_workers < 1 << core.config.world_size or not 0 < jid < core.next_job_id:
-        return False
-    shape = list(map(len, job.keys))
-    if shape != list(map(len, job.block_ids)) or shape != list(map(len, job.slot_ids)):
+    if not _frame_looks_fine(core, job):
         return False
     slots = list(chain.from_iterable(job.slot_ids))
     if not slots:
@@ -271,7 +240,7 @@ def _check_request_facts(core: Core, request: RequestState, problems: list[str],
             if len(keys) != hashes // per_block:
                 problems.append(f"request {rid}: group {group_id} keys do not match its hashes")
     if not kind or kind not in _TABLE_KEEPING_KINDS:
-        capacity = min(map(mul, map(len, request.table), core.block_sizes))  # request.table_tokens
+        capacity = request.table_tokens(core.block_sizes)
         limit = capacity if status is _RUNNING else -1
         if request.capacity_tokens != capacity or request.step_limit != limit:
             problems.append(f"request {rid}: derived counts (capacity {request.capacity_tokens}, step limit "

@@ -18,8 +18,8 @@ back to the plain per-item check, which raises the same violation as before.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import chain, compress, repeat
-from operator import add, mul, not_
+from itertools import chain, compress
+from operator import not_
 from typing import NamedTuple
 
 from kvledger.events import types as ev
@@ -170,13 +170,6 @@ def _job(core: Core, job_id: int, kind: JobKind, worker: int) -> Job:
     return job
 
 
-def _table_changed(core: Core, request: RequestState) -> None:
-    """`RequestState.table_changed`: the tokens the table covers in every group, and the step limit."""
-    capacity = min(map(mul, map(len, request.table), core.block_sizes))
-    request.capacity_tokens = capacity
-    request.step_limit = capacity if request.status is _RUNNING else -1
-
-
 # Handlers.
 
 
@@ -198,14 +191,8 @@ def _request_added(core: Core, event: ev.RequestAdded, out: Effects) -> None:
 def _append_hashes(core: Core, request: RequestState, hashes: tuple[bytes, ...]) -> None:
     known = request.hashes
     known.extend(hashes)
-    count = len(known)
-    for keys, (per_block, suffix) in zip(request.keys, core.key_rules):  # hma.append_keys, inlined
-        if per_block == 1:  # a key per hash, and the keys were complete: the new hashes' keys
-            keys.extend(map(add, hashes, repeat(suffix)))
-            continue
-        first_hash = (len(keys) + 1) * per_block - 1
-        if first_hash < count:
-            keys.extend(map(add, known[first_hash::per_block], repeat(suffix)))
+    for keys, (per_block, suffix) in zip(request.keys, core.key_rules):
+        hma.append_keys(keys, known, per_block, suffix)
 
 
 def _block_hashes_appended(core: Core, event: ev.BlockHashesAppended, out: Effects) -> None:
@@ -271,7 +258,7 @@ def _blocks_touched(core: Core, event: ev.BlocksTouched, out: Effects) -> None:
             if block:
                 refs[block] += 1
         request.table[group_id].extend(ids)
-    _table_changed(core, request)
+    request.table_changed(core.block_sizes)
     request.num_computed_tokens = spans.pop()
 
 
@@ -318,7 +305,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: Effects) -> No
                 if lazy_keys:
                     lazy_keys.pop(block, None)
         table.extend(ids)
-    _table_changed(core, request)
+    request.table_changed(core.block_sizes)
     if to_flush:
         _flush(core, sorted(set(to_flush)), out)
     if load is None:
@@ -380,7 +367,7 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
     """The keys, slots and target blocks of the hit this allocation admits."""
     rid = request.request_id
     ext = event.num_external_tokens
-    start = request.table_tokens(core.groups)
+    start = request.capacity_tokens
     end = start + ext
     if ext < 0 or end % core.alignment or end >= request.num_tokens:
         raise ProtocolViolation(
@@ -526,8 +513,7 @@ def _free_table(core: Core, request: RequestState) -> None:
                 assert count >= 0, f"block {block} ref count went negative"
     request.table = [[] for _ in core.groups]
     request.free_floor = [0] * len(core.groups)
-    request.capacity_tokens = 0
-    request.step_limit = 0 if request.status is _RUNNING else -1
+    request.table_changed(core.block_sizes)
 
 
 def _request_preempted(core: Core, event: ev.RequestPreempted, out: Effects) -> None:
@@ -556,7 +542,7 @@ def _request_finished(core: Core, event: ev.RequestFinished, out: Effects) -> No
     request = _request(core, rid, event.kind)
     final_ids = event.block_ids
     # The common case: vLLM's final table is the engine's, position for position.
-    if len(final_ids) != len(request.table) or not all(map(_same_ids, final_ids, request.table)):
+    if list(map(list, final_ids)) != request.table:
         _check_group_shape(core, final_ids, rid)
         for group, final in zip(core.groups, final_ids):
             table = request.table[group.group_id]
@@ -567,10 +553,6 @@ def _request_finished(core: Core, event: ev.RequestFinished, out: Effects) -> No
     _free_table(core, request)
     del core.requests[rid]
     core.stats.finished += 1
-
-
-def _same_ids(final: tuple[int, ...], table: list[int]) -> bool:
-    return len(final) == len(table) and list(final) == table
 
 
 def _request_aborted(core: Core, event: ev.RequestAborted, out: Effects) -> None:
@@ -776,7 +758,7 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
         keys, blocks, slots, gens = (
             tuple(tuple(x for g, x in zip(groups, column) if g == group_id) for group_id in range(len(counts)))
             for column in (candidate_keys, candidate_blocks, candidate_slots, candidate_gens))
-    job = Job.store(job_id, request_id, keys, blocks, slots, gens, (1 << core.config.world_size) - 1)
+    job = Job(job_id, _STORE, request_id, keys, blocks, slots, gens, (1 << core.config.world_size) - 1)
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:
@@ -812,14 +794,6 @@ def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: Effects
             candidates.append((core.block_group[block], block, key))
     if candidates:
         _admit_store(core, "", candidates, out)
-
-
-def _take_slot(core: Core) -> int:
-    if core.free_slots:
-        return core.free_slots.pop()
-    slot = core.next_fresh_slot
-    core.next_fresh_slot += 1
-    return slot
 
 
 def _free_slot(core: Core, slot: int) -> None:

@@ -12,6 +12,7 @@ an immutable state. `clone()` gives an independent copy when one is needed
 from __future__ import annotations
 
 import enum
+from operator import mul
 from typing import Any
 
 from kvledger.events.config import EngineConfig, GroupSpec
@@ -52,7 +53,6 @@ WAITING, LOADING, RUNNING, PREEMPTED, ABORTING = (
     RequestStatus.ABORTING)
 STORE, LOAD = JobKind.STORE, JobKind.LOAD
 FREE, STORING, STORED = SlotState.FREE, SlotState.STORING, SlotState.STORED
-_WAITING, _RUNNING, _STORE = WAITING, RUNNING, STORE
 
 
 class RequestState:
@@ -66,7 +66,7 @@ class RequestState:
 
     def __init__(self, request_id: str, num_prompt_tokens: int, groups: tuple[GroupSpec, ...]) -> None:
         self.request_id = request_id
-        self.status = _WAITING
+        self.status = WAITING
         self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = num_prompt_tokens
         self.hashes: list[bytes] = []
@@ -92,18 +92,19 @@ class RequestState:
         other.free_floor = list(self.free_floor)
         return other
 
-    def table_tokens(self, groups: tuple[GroupSpec, ...]) -> int:
-        """Tokens the table covers in every group."""
-        return min(len(self.table[g.group_id]) * g.block_size for g in groups)
+    def table_tokens(self, block_sizes: tuple[int, ...]) -> int:
+        """Tokens the table covers in every group (`block_sizes` in group order)."""
+        return min(map(mul, map(len, self.table), block_sizes))
 
-    def table_changed(self, groups: tuple[GroupSpec, ...]) -> None:
-        self.capacity_tokens = self.table_tokens(groups)
-        self.step_limit = self.capacity_tokens if self.status is _RUNNING else -1
+    def table_changed(self, block_sizes: tuple[int, ...]) -> None:
+        """After the table grew or shrank: its capacity, and the step limit."""
+        self.capacity_tokens = self.table_tokens(block_sizes)
+        self.step_limit = self.capacity_tokens if self.status is RUNNING else -1
 
     def set_status(self, status: RequestStatus) -> None:
         """Move to `status`, keeping `step_limit` in step with it."""
         self.status = status
-        self.step_limit = self.capacity_tokens if status is _RUNNING else -1
+        self.step_limit = self.capacity_tokens if status is RUNNING else -1
 
     def held_blocks(self) -> list[int]:
         return [b for ids in self.table for b in ids if b != NULL_BLOCK_ID]
@@ -116,9 +117,6 @@ class RequestState:
         )
 
 
-_new_object = object.__new__
-
-
 class Job:
     """A transfer in flight. Per-group tuples are aligned with `keys`."""
 
@@ -128,9 +126,11 @@ class Job:
     )
 
     def __init__(
-        self, *, job_id: int, kind: JobKind, request_id: str, keys: tuple, block_ids: tuple,
+        self, job_id: int, kind: JobKind, request_id: str, keys: tuple, block_ids: tuple,
         slot_ids: tuple, generations: tuple, pending_workers: int, num_tokens: int = 0,
     ) -> None:
+        """Positional or by name; the store planner passes them positionally
+        (half the cost of keywords on its hot path)."""
         self.job_id = job_id
         self.kind = kind
         self.request_id = request_id
@@ -144,26 +144,6 @@ class Job:
         self.flushed = False  # STORE: the worker waited for it; sources are free to reuse
         self.stale = False  # started before a cache reset: its outcome no longer counts
         self.num_tokens = num_tokens  # LOAD: tokens the hit covers
-
-    @classmethod
-    def store(cls, job_id: int, request_id: str, keys: tuple, block_ids: tuple, slot_ids: tuple,
-              generations: tuple, pending_workers: int) -> Job:
-        """A STORE job, as `Job(kind=JobKind.STORE, ...)` builds it (positional: the planner's hot path)."""
-        job = _new_object(cls)
-        job.job_id = job_id
-        job.kind = _STORE
-        job.request_id = request_id
-        job.keys = keys
-        job.block_ids = block_ids
-        job.slot_ids = slot_ids
-        job.generations = generations
-        job.pending_workers = pending_workers
-        job.failed_keys = set()
-        job.failed_blocks = set()
-        job.flushed = False
-        job.stale = False
-        job.num_tokens = 0
-        return job
 
     def clone(self) -> Job:
         other = Job.__new__(Job)

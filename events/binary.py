@@ -56,7 +56,7 @@ from kvledger.events.log import (
     Record,
     header_from_dict,
     header_to_dict,
-    is_hex_digest,
+    is_digest,
     join_digest,
     split_digest,
 )
@@ -132,7 +132,7 @@ def _check_frame(first_seq: int, step_index: int, records: list[Record]) -> None
             )
         if type(record) is EventRecord:
             seq += 1
-        elif not is_hex_digest(record.digest):
+        elif not is_digest(record.digest):
             raise LogError(f"digest must be lowercase hex or 'part/parts:hex', got {record.digest!r}",
                            seq=first_seq)
 

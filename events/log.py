@@ -132,7 +132,7 @@ def join_digest(part: int, parts: int, raw: bytes) -> str:
     return f"{part}/{parts}:{raw.hex()}" if parts else raw.hex()
 
 
-def is_hex_digest(value: object) -> bool:
+def is_digest(value: object) -> bool:
     return split_digest(value) is not None
 
 
@@ -222,7 +222,7 @@ def encode_jsonl_header(header: LogHeader) -> bytes:
 def encode_jsonl_record(record: Record) -> bytes:
     """One line, newline included."""
     if type(record) is DigestRecord:
-        if not is_hex_digest(record.digest):
+        if not is_digest(record.digest):
             raise LogError(f"digest must be lowercase hex or 'part/parts:hex', got {record.digest!r}",
                            seq=record.seq)
         return _dumps(
@@ -258,7 +258,7 @@ def _decode_digest(obj: dict, cursor: Cursor, number: int) -> DigestRecord:
     problem = cursor.check(seq, step_index)
     if problem:
         raise LogError(problem, line=number)
-    if not is_hex_digest(digest):
+    if not is_digest(digest):
         raise LogError(f"{DIGEST_KIND}: digest must be lowercase hex or 'part/parts:hex', got {digest!r}",
                        line=number)
     return DigestRecord(seq=seq, step_index=step_index, digest=digest)  # type: ignore[arg-type]

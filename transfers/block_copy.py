@@ -149,18 +149,20 @@ def copy_rows(pieces: Sequence[Piece], src_ids: torch.Tensor, dst_ids: torch.Ten
     n = int(dst_ids.numel())
     if n == 0 or not pieces:
         return
-    if (n * len(pieces) <= SMALL_MAX_CALLS and n * sum(src.shape[1] for src, _ in pieces) <= SMALL_MAX_BYTES
-            and _on_host(pieces)):
-        _copy_small(pieces, src_ids.tolist(), dst_ids.tolist())
+    row_bytes = sum(src.shape[1] for src, _ in pieces)
+    nbytes = n * row_bytes
+    if n * len(pieces) <= SMALL_MAX_CALLS and nbytes <= SMALL_MAX_BYTES and _on_host(pieces):
+        src_list, dst_list = src_ids.tolist(), dst_ids.tolist()
+        _check_span(min(src_list), max(src_list), pieces[0][0].shape[0], "source")
+        _check_span(min(dst_list), max(dst_list), pieces[0][1].shape[0], "target")
+        _copy_small(pieces, src_list, dst_list)
         return
-    _check_ids(src_ids, pieces[0][0].shape[0], "source")
-    _check_ids(dst_ids, pieces[0][1].shape[0], "target")
+    _check_span(int(src_ids.min()), int(src_ids.max()), pieces[0][0].shape[0], "source")
+    _check_span(int(dst_ids.min()), int(dst_ids.max()), pieces[0][1].shape[0], "target")
     dst_sorted, order = torch.sort(dst_ids)
     src_sorted = src_ids.index_select(0, order)
     breaks = torch.nonzero(dst_sorted[1:] - dst_sorted[:-1] != 1).flatten() + 1
     calls = (int(breaks.numel()) + 1) * len(pieces)
-    row_bytes = sum(src.shape[1] for src, _ in pieces)
-    nbytes = n * row_bytes
     if _on_host(pieces) and _copy_on_host(pieces, src_sorted, dst_sorted, breaks, nbytes):
         return
     if calls <= 2 * len(pieces) or nbytes >= calls * DIRECT_MIN_BYTES_PER_CALL:
@@ -193,20 +195,16 @@ def _copy_on_host(pieces: Sequence[Piece], src: torch.Tensor, dst: torch.Tensor,
 def _copy_small(pieces: Sequence[Piece], src: list[int], dst: list[int]) -> None:
     """A few rows, one numpy row assignment (a memcpy) each: a decode step's
     stores, where the torch paths' dozen ops would cost ten times the copy."""
-    for ids, rows, what in ((src, pieces[0][0].shape[0], "source"), (dst, pieces[0][1].shape[0], "target")):
-        low, high = min(ids), max(ids)
-        if low < 0 or high >= rows:
-            raise IndexError(f"{what} row ids span [{low}, {high}], outside [0, {rows})")
     for src_view, dst_view in pieces:
         src_rows, dst_rows = src_view.numpy(), dst_view.numpy()
         for s, d in zip(src, dst):
             dst_rows[d] = src_rows[s]
 
 
-def _check_ids(ids: torch.Tensor, rows: int, what: str) -> None:
+def _check_span(low: int, high: int, rows: int, what: str) -> None:
     """An out-of-range target would slice to an empty `out=` view and write
-    nothing, silently; refuse it (and sources too) before any byte moves."""
-    low, high = int(ids.min()), int(ids.max())
+    nothing, silently (or, in numpy, wrap around from the end); refuse it, and
+    sources too, before any byte moves."""
     if low < 0 or high >= rows:
         raise IndexError(f"{what} row ids span [{low}, {high}], outside [0, {rows})")
 

@@ -277,7 +277,7 @@ class LedgerScheduler:
             self._apply(ev.BlockHashesAppended(request_id=request.request_id, num_tokens=request.num_tokens,
                                                block_hashes=tuple(hashes[known:])), effects)
 
-    def _follow(self, rid: str, effects: list[fx.Effect]) -> list | None:
+    def _follow(self, rid: str, effects: list[fx.Effect]) -> tuple[list, ...] | None:
         """Catch the engine up with one running request's new hashes and its
         window frees; vLLM's block lists when they grew, for `_grow`.
 
@@ -293,7 +293,7 @@ class LedgerScheduler:
         if len(request.block_hashes) > len(mine.hashes):
             self._sync_hashes(request, effects)
             mine = self._engine_request(rid)
-        blocks = [m.req_to_blocks.get(rid, ()) for m in self._managers]
+        blocks = self._blocks(rid)
         freed: list[list[int]] | None = None
         for g in self._window_groups:
             known, now = mine.table[g], blocks[g]
@@ -311,7 +311,7 @@ class LedgerScheduler:
             return None
         return blocks
 
-    def _grow(self, rid: str, blocks: list, effects: list[fx.Effect]) -> None:
+    def _grow(self, rid: str, blocks: tuple[list, ...], effects: list[fx.Effect]) -> None:
         mine = self._engine_request(rid)
         if mine is None:
             return

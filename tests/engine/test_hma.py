@@ -26,7 +26,7 @@ def test_group_suffix_is_four_big_endian_bytes():
 
 def test_keys_at_hash_granularity_are_the_hash_plus_the_group():
     keys: list[bytes] = []
-    hma.extend_keys(keys, list(H[:3]), group("full", 16, group_id=2), 16)
+    hma.append_keys(keys, list(H[:3]), 1, hma.group_suffix(2))  # 16-token blocks, 16-token hashes
     assert keys == [h + b"\x00\x00\x00\x02" for h in H[:3]]
     assert all(len(k) == 36 for k in keys)
 
@@ -34,16 +34,15 @@ def test_keys_at_hash_granularity_are_the_hash_plus_the_group():
 def test_a_block_of_two_hash_blocks_is_keyed_by_its_last_hash():
     # vLLM: key[i] = hashes[(i + 1) * (T // H) - 1] + group id.
     keys: list[bytes] = []
-    hma.extend_keys(keys, list(H[:5]), group("full", 32, group_id=1), 16)
+    hma.append_keys(keys, list(H[:5]), 2, hma.group_suffix(1))  # 32-token blocks, 16-token hashes
     assert keys == [H[1] + b"\x00\x00\x00\x01", H[3] + b"\x00\x00\x00\x01"]  # H[4] half-fills block 2
 
 
-def test_extend_keys_appends_only_newly_completed_blocks():
+def test_append_keys_appends_only_newly_completed_blocks():
     keys: list[bytes] = []
-    g = group("mamba", 32, group_id=3)
-    hma.extend_keys(keys, list(H[:3]), g, 16)
+    hma.append_keys(keys, list(H[:3]), 2, hma.group_suffix(3))
     first = list(keys)
-    hma.extend_keys(keys, list(H[:6]), g, 16)
+    hma.append_keys(keys, list(H[:6]), 2, hma.group_suffix(3))
     assert keys[:1] == first
     assert keys == [H[i] + b"\x00\x00\x00\x03" for i in (1, 3, 5)]
 
@@ -130,12 +129,3 @@ def test_the_reach_pattern_is_is_reachable_as_a_table(kind, window, alignment):
         expected = hma.is_reachable(g, index, alignment)
         assert (True if pattern is None else pattern[index % len(pattern)]) == expected, index
     assert (pattern is None) == all(hma.is_reachable(g, i, alignment) for i in range(40))
-
-
-def test_append_keys_is_extend_keys_with_the_numbers_worked_out():
-    for per_block, g in ((1, group("full", 16, group_id=2)), (2, group("full", 32, group_id=1))):
-        slow, fast = [], []
-        for count in (0, 3, 4, 7, 9):
-            hma.extend_keys(slow, list(H[:count]), g, 16)
-            hma.append_keys(fast, list(H[:count]), per_block, hma.group_suffix(g.group_id))
-            assert fast == slow
