@@ -34,9 +34,9 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # reach the engine's stats in-process
 
-from kvledger.adapters.demo import ask, words  # noqa: E402
+from kvledger.adapters.cli.demo import ask, words  # noqa: E402
 from kvledger.adapters.settings import kv_transfer_config  # noqa: E402
-from kvledger.adapters.tiny_models import build_model  # noqa: E402
+from kvledger.adapters.testing.tiny_models import build_model  # noqa: E402
 
 
 def connectors(capacity: int) -> dict[str, dict | None]:

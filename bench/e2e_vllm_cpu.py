@@ -25,9 +25,9 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # noop_connector, loaded by module name
 
-from kvledger.adapters.demo import ask, words  # noqa: E402
+from kvledger.adapters.cli.demo import ask, words  # noqa: E402
 from kvledger.adapters.settings import kv_transfer_config  # noqa: E402
-from kvledger.adapters.tiny_models import build_model  # noqa: E402
+from kvledger.adapters.testing.tiny_models import build_model  # noqa: E402
 
 
 def _connector(log: Path | None, capacity: int) -> dict:

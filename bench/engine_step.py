@@ -24,7 +24,7 @@ import random
 import statistics
 import time
 
-from kvledger.adapters.simulator import Simulator
+from kvledger.adapters.testing.simulator import Simulator
 from kvledger.engine.invariants import check, check_event
 from kvledger.engine.reducer import reduce, reduce_step
 from kvledger.engine.state import initial_state
@@ -103,8 +103,8 @@ def log_size(cfg: EngineConfig, trace: list[list]) -> dict[str, float]:
     import zstandard
 
     from kvledger import __version__
-    from kvledger.events.binary import encode_binary_frame, encode_binary_header, read_binary
-    from kvledger.events.log import EventRecord, LogHeader, encode_jsonl
+    from kvledger.events.log_binary import encode_binary_frame, encode_binary_header, read_binary
+    from kvledger.events.log_records import EventRecord, LogHeader, encode_jsonl
     from kvledger.events.schema import Strings
 
     header = LogHeader(engine_version=__version__, config=cfg, digest_interval=0)

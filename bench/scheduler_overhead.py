@@ -524,7 +524,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-    from kvledger.adapters.tiny_models import build_model
+    from kvledger.adapters.testing.tiny_models import build_model
 
     model = build_model("tiny-gemma3", HERE / "out" / "models")
     capacity_bytes = tier_bytes(args.tier_blocks or 4 * args.device_blocks)

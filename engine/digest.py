@@ -23,7 +23,7 @@ from itertools import islice
 from operator import eq
 from typing import Any
 
-from kvledger.events.log import join_digest, split_digest
+from kvledger.events.log_records import join_digest, split_digest
 
 from .state import Core, State
 

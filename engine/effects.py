@@ -63,7 +63,7 @@ class UnpinDeviceBlocks:
 
 
 @attrs.frozen(kw_only=True)
-class EvictKeys:
+class KeysEvicted:
     """These keys left the tier and can no longer be loaded."""
 
     keys: tuple[bytes, ...]
@@ -80,4 +80,4 @@ class ReportViolation:
     job_id: int = -1
 
 
-Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, EvictKeys, ReportViolation]
+Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysEvicted, ReportViolation]

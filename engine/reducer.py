@@ -68,7 +68,6 @@ class Transition(NamedTuple):
     effects: tuple[fx.Effect, ...]
 
 
-Effects = list
 
 
 def _reported(violation: ProtocolViolation, event: ev.Event) -> fx.ReportViolation:
@@ -89,7 +88,7 @@ def reduce(state: State, event: ev.Event, *, strict: bool = False) -> Transition
     if core is None:
         state.take()  # raises StaleStateError
     state._core = None
-    out: Effects = []
+    out: list[fx.Effect] = []
     try:
         _HANDLERS[type(event)](core, event, out)
     except ProtocolViolation as violation:
@@ -111,7 +110,7 @@ def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, 
     (later, the fold had consumed it).
     """
     core = state.take()
-    out: Effects = []
+    out: list[fx.Effect] = []
     handlers = _HANDLERS
     for index, event in enumerate(events):
         mark = len(out)
@@ -173,7 +172,7 @@ def _job(core: Core, job_id: int, kind: JobKind, worker: int) -> Job:
 # Handlers.
 
 
-def _request_added(core: Core, event: ev.RequestAdded, out: Effects) -> None:
+def _request_added(core: Core, event: ev.RequestAdded, out: list[fx.Effect]) -> None:
     rid = event.request_id
     if rid in core.requests:
         _request(core, rid, event.kind)  # raises: only an unknown request may be added
@@ -195,7 +194,7 @@ def _append_hashes(core: Core, request: RequestState, hashes: tuple[bytes, ...])
         hma.append_keys(keys, known, per_block, suffix)
 
 
-def _block_hashes_appended(core: Core, event: ev.BlockHashesAppended, out: Effects) -> None:
+def _block_hashes_appended(core: Core, event: ev.BlockHashesAppended, out: list[fx.Effect]) -> None:
     rid = event.request_id
     request = _request(core, rid, event.kind)
     if event.num_tokens < request.num_tokens:
@@ -226,7 +225,7 @@ def _touch_problem(core: Core, request: RequestState, group_id: int, ids: tuple[
                 request_id=request.request_id)
 
 
-def _blocks_touched(core: Core, event: ev.BlocksTouched, out: Effects) -> None:
+def _blocks_touched(core: Core, event: ev.BlocksTouched, out: list[fx.Effect]) -> None:
     rid = event.request_id
     request = _request(core, rid, event.kind)
     block_ids = event.block_ids
@@ -262,7 +261,7 @@ def _blocks_touched(core: Core, event: ev.BlocksTouched, out: Effects) -> None:
     request.num_computed_tokens = spans.pop()
 
 
-def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: Effects) -> None:
+def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect]) -> None:
     rid = event.request_id
     ext = event.num_external_tokens
     request = _request(core, rid, "blocks_allocated+load" if ext else "blocks_allocated")
@@ -401,7 +400,7 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
     return tuple(keys), tuple(slots), tuple(targets)
 
 
-def _flush(core: Core, job_ids: list[int], out: Effects) -> None:
+def _flush(core: Core, job_ids: list[int], out: list[fx.Effect]) -> None:
     """The worker waits for these stores before the forward; their sources are free after it."""
     for job_id in job_ids:
         job = core.jobs[job_id]
@@ -425,7 +424,7 @@ def _release_sources(core: Core, job: Job) -> None:
                 jobs.remove(job_id)
 
 
-def _blocks_freed(core: Core, event: ev.BlocksFreed, out: Effects) -> None:
+def _blocks_freed(core: Core, event: ev.BlocksFreed, out: list[fx.Effect]) -> None:
     rid = event.request_id
     request = _request(core, rid, event.kind)
     block_ids = event.block_ids
@@ -516,7 +515,7 @@ def _free_table(core: Core, request: RequestState) -> None:
     request.table_changed(core.block_sizes)
 
 
-def _request_preempted(core: Core, event: ev.RequestPreempted, out: Effects) -> None:
+def _request_preempted(core: Core, event: ev.RequestPreempted, out: list[fx.Effect]) -> None:
     request = _request(core, event.request_id, event.kind)
     _free_table(core, request)
     request.set_status(_PREEMPTED)
@@ -532,12 +531,12 @@ def _restart_stores(request: RequestState) -> None:
     request.next_store_tokens = 0
 
 
-def _request_resumed(core: Core, event: ev.RequestResumed, out: Effects) -> None:
+def _request_resumed(core: Core, event: ev.RequestResumed, out: list[fx.Effect]) -> None:
     request = _request(core, event.request_id, event.kind)
     request.set_status(_WAITING)
 
 
-def _request_finished(core: Core, event: ev.RequestFinished, out: Effects) -> None:
+def _request_finished(core: Core, event: ev.RequestFinished, out: list[fx.Effect]) -> None:
     rid = event.request_id
     request = _request(core, rid, event.kind)
     final_ids = event.block_ids
@@ -555,7 +554,7 @@ def _request_finished(core: Core, event: ev.RequestFinished, out: Effects) -> No
     core.stats.finished += 1
 
 
-def _request_aborted(core: Core, event: ev.RequestAborted, out: Effects) -> None:
+def _request_aborted(core: Core, event: ev.RequestAborted, out: list[fx.Effect]) -> None:
     request = _request(core, event.request_id, event.kind)
     core.stats.aborted += 1
     if request.status is _LOADING:
@@ -565,7 +564,7 @@ def _request_aborted(core: Core, event: ev.RequestAborted, out: Effects) -> None
     del core.requests[event.request_id]
 
 
-def _step_scheduled(core: Core, event: ev.StepScheduled, out: Effects) -> None:
+def _step_scheduled(core: Core, event: ev.StepScheduled, out: list[fx.Effect]) -> None:
     if event.step_index <= core.step_index:
         raise ProtocolViolation("step_not_increasing", f"step {event.step_index} after {core.step_index}")
     rids = event.request_ids
@@ -616,7 +615,7 @@ def _step_problem(core: Core, event: ev.StepScheduled) -> None:
     raise AssertionError("a step failed its fast check but passes the per-request one")
 
 
-def _plan_stores(core: Core, request: RequestState, horizon: int, out: Effects, *, lazy: bool = False) -> None:
+def _plan_stores(core: Core, request: RequestState, horizon: int, out: list[fx.Effect], *, lazy: bool = False) -> None:
     """Store every block that is full after this step and not yet in the tier;
     in lazy mode, only note its key, for when the block nears eviction."""
     candidates: list[tuple[int, int, bytes]] = []  # (group, block, key)
@@ -666,7 +665,7 @@ def _plan_stores(core: Core, request: RequestState, horizon: int, out: Effects, 
 
 
 def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, bytes]],
-                 out: Effects) -> None:
+                 out: list[fx.Effect]) -> None:
     """Reserve slots, evicting if needed; what cannot fit is not stored. `candidates`
     are (group, block, key); slots are taken in their order."""
     wanted = len(candidates)
@@ -762,7 +761,7 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:
-        out.append(fx.EvictKeys(keys=tuple(evicted)))
+        out.append(fx.KeysEvicted(keys=tuple(evicted)))
     if core.config.protection is _PIN:
         flat = tuple(job.flat_blocks())
         pins = core.block_pins
@@ -777,7 +776,7 @@ def _split(flat: tuple, spans: list[tuple[int, int]]) -> tuple[tuple, ...]:
     return tuple([flat[start:end] for start, end in spans])
 
 
-def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: Effects) -> None:
+def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: list[fx.Effect]) -> None:
     """Lazy mode: store the free blocks vLLM is about to reuse, if their content is known."""
     limit = core.config.num_device_blocks
     for block in event.block_ids:
@@ -814,7 +813,7 @@ def _drop_key(core: Core, key: bytes) -> bool:
     return True
 
 
-def _store_completed(core: Core, event: ev.StoreCompleted, out: Effects) -> None:
+def _store_completed(core: Core, event: ev.StoreCompleted, out: list[fx.Effect]) -> None:
     job = core.jobs.get(event.job_id)
     worker = event.worker_index
     if (job is None or job.kind is not _STORE or not 0 <= worker < core.config.world_size
@@ -827,7 +826,7 @@ def _store_completed(core: Core, event: ev.StoreCompleted, out: Effects) -> None
         _store_ended(core, job, out)
 
 
-def _store_failed(core: Core, event: ev.StoreFailed, out: Effects) -> None:
+def _store_failed(core: Core, event: ev.StoreFailed, out: list[fx.Effect]) -> None:
     job = _job(core, event.job_id, _STORE, event.worker_index)
     all_keys = {k for group in job.keys for k in group}
     failed = set(event.keys) or all_keys
@@ -838,12 +837,12 @@ def _store_failed(core: Core, event: ev.StoreFailed, out: Effects) -> None:
     _worker_reported(core, job, event.worker_index, out)
 
 
-def _load_completed(core: Core, event: ev.LoadCompleted, out: Effects) -> None:
+def _load_completed(core: Core, event: ev.LoadCompleted, out: list[fx.Effect]) -> None:
     job = _job(core, event.job_id, _LOAD, event.worker_index)
     _worker_reported(core, job, event.worker_index, out)
 
 
-def _load_failed(core: Core, event: ev.LoadFailed, out: Effects) -> None:
+def _load_failed(core: Core, event: ev.LoadFailed, out: list[fx.Effect]) -> None:
     job = _job(core, event.job_id, _LOAD, event.worker_index)
     if not set(event.block_ids) <= set(job.flat_blocks()):
         raise ProtocolViolation("foreign_blocks", f"load {job.job_id} failed blocks it does not target",
@@ -862,7 +861,7 @@ def _load_failed(core: Core, event: ev.LoadFailed, out: Effects) -> None:
     _worker_reported(core, job, event.worker_index, out)
 
 
-def _worker_reported(core: Core, job: Job, worker: int, out: Effects) -> None:
+def _worker_reported(core: Core, job: Job, worker: int, out: list[fx.Effect]) -> None:
     job.pending_workers &= ~(1 << worker)
     if job.pending_workers:
         return
@@ -873,7 +872,7 @@ def _worker_reported(core: Core, job: Job, worker: int, out: Effects) -> None:
         _load_ended(core, job, out)
 
 
-def _store_ended(core: Core, job: Job, out: Effects) -> None:
+def _store_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     if not job.flushed:
         _release_sources(core, job)
     if core.config.protection is _PIN:
@@ -906,7 +905,7 @@ def _store_ended(core: Core, job: Job, out: Effects) -> None:
         stats.keys_stored += len(stored)
 
 
-def _load_ended(core: Core, job: Job, out: Effects) -> None:
+def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     dropped: list[bytes] = []  # failed keys this load takes out of the index
     reusable: list[bytes] = []  # back into the policy (as reused) in this order
     writer = core.block_writer
@@ -940,7 +939,7 @@ def _load_ended(core: Core, job: Job, out: Effects) -> None:
         core.stats.load_failures += 1
         core.stats.keys_failed += len(job.failed_keys)
         if dropped:  # a failed key already gone, or stored again since, is not reported
-            out.append(fx.EvictKeys(keys=tuple(sorted(dropped))))
+            out.append(fx.KeysEvicted(keys=tuple(sorted(dropped))))
     request = core.requests.get(job.request_id)
     if request is None or request.load_job_id != job.job_id:
         return
@@ -973,7 +972,7 @@ def _first_failed_position(request: RequestState, job: Job) -> int:
     return min(i for i, block in enumerate(request.table[0]) if block in bad)
 
 
-def _cache_reset(core: Core, event: ev.CacheReset, out: Effects) -> None:
+def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None:
     if event.epoch <= core.epoch:
         raise ProtocolViolation("epoch_not_increasing", f"epoch {event.epoch} after {core.epoch}")
     dropped = tuple(k for k, s in core.slot_of_key.items() if core.slot_state[s] == _STORED)
@@ -988,10 +987,10 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: Effects) -> None:
     core.epoch = event.epoch
     core.stats.evictions += len(dropped)
     if dropped:
-        out.append(fx.EvictKeys(keys=dropped))
+        out.append(fx.KeysEvicted(keys=dropped))
 
 
-_HANDLERS: dict[type, Callable[[Core, object, Effects], None]] = {
+_HANDLERS: dict[type, Callable[[Core, object, list[fx.Effect]], None]] = {
     ev.RequestAdded: _request_added,
     ev.BlockHashesAppended: _block_hashes_appended,
     ev.BlocksTouched: _blocks_touched,

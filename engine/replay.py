@@ -4,7 +4,7 @@ debugger. Pure: the caller decodes the log and passes its records in."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -127,38 +127,6 @@ def _record_break(result: ReplayResult, seq: int, broken: InvariantViolation) ->
     finding = Finding(seq, "invariant", str(broken))
     if result.first_problem is None or result.first_problem.kind != "invariant":
         result.first_problem = finding
-
-
-def find_first(
-    config: EngineConfig,
-    events: Sequence[ev.Event],
-    is_bad: Callable[[State], bool],
-    *,
-    stride: int = 256,
-) -> int | None:
-    """The index of the first event after which `is_bad(state)` holds, or None.
-
-    `is_bad` may be expensive (a full invariant check): it runs once per
-    `stride` events, and then on every event of the one window where it
-    first turned true, replayed from a snapshot.
-    """
-    state = initial_state(config)
-    snapshot, snapshot_index = state.clone(), 0
-    index = 0
-    for index, event in enumerate(events):
-        state = reduce(state, event).state
-        if (index + 1) % stride and index + 1 != len(events):
-            continue
-        if not is_bad(state):
-            snapshot, snapshot_index = state.clone(), index + 1
-            continue
-        state = snapshot
-        for position in range(snapshot_index, index + 1):
-            state = reduce(state, events[position]).state
-            if is_bad(state):
-                return position
-        raise AssertionError("is_bad turned true on a window but on none of its events")
-    return None
 
 
 def breaks_invariants(state: State) -> bool:

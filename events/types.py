@@ -231,5 +231,8 @@ Event = Union[
     CacheReset,
 ]
 
+TransferEvent = Union[StoreCompleted, StoreFailed, LoadCompleted, LoadFailed]
+"""A transfer's outcome, as a worker reports it to the scheduler."""
+
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
 KIND_TO_TYPE: dict[str, type] = {t.kind: t for t in EVENT_TYPES}  # type: ignore[attr-defined]

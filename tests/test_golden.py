@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.adapters.cli import SCENARIOS, summary
-from kvledger.adapters.logfile import open_log
-from kvledger.adapters.recorder import Recorder
-from kvledger.adapters.simulator import Simulator, run_random
+from kvledger.adapters.cli.log_commands import SCENARIOS, summary
+from kvledger.adapters.engine_host import EngineHost
+from kvledger.adapters.log_files import open_log
+from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.engine.replay import replay
 from kvledger.events.config import EngineConfig
 
@@ -42,7 +42,7 @@ def record(name: str) -> None:
     if "protection" in case:
         data["protection"] = case.pop("protection")
     config = EngineConfig.from_dict(data)
-    with Recorder(config, log_path=GOLDEN / f"{name}.jsonl", fmt="jsonl", digest_interval=8,
+    with EngineHost(config, log_path=GOLDEN / f"{name}.jsonl", fmt="jsonl", digest_interval=8,
                   strict=True, overwrite=True) as recorder:
         sim = Simulator(config, recorder=recorder)
         run_random(sim, random.Random(case["seed"]), steps=case["steps"], arrivals=0.9, max_tokens=30,

@@ -1,11 +1,18 @@
-"""engine/ and events/ stay pure: ruff's banned-api rule, configured in
-pyproject.toml, rejects imports of the outside world there."""
+"""The layering, checked rather than hoped for.
+
+engine/ and events/ stay pure: ruff's banned-api rule rejects imports of the
+outside world there. Between kvledger's own packages, import-linter's
+contracts (pyproject.toml) keep the direction events <- engine <- transfers
+<- adapters, keep the testing wing and the CLI out of the connector, and
+vLLM inside the adapters."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,3 +37,35 @@ def test_the_check_rejects_an_impure_import() -> None:
 def test_the_outer_layers_may_import_them() -> None:
     result = _ruff("--stdin-filename", "transfers/probe.py", "-", stdin="import torch\nimport threading\n")
     assert result.returncode == 0, result.stdout
+
+
+# Between kvledger's own packages: import-linter's contracts in pyproject.toml.
+
+
+def _lint_imports() -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--no-cache"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_package_layers_are_kept() -> None:
+    result = _lint_imports()
+    assert result.returncode == 0 and "0 broken" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("folder, line, contract", [
+    ("engine", "from kvledger.adapters import settings", "events <- engine <- transfers <- adapters"),
+    ("events", "from kvledger.engine import state", "events <- engine <- transfers <- adapters"),
+    ("transfers", "from kvledger.adapters.testing import simulator", "never imports the testing wing"),
+    ("adapters/vllm", "from kvledger.adapters.cli import main", "never imports the testing wing"),
+    ("transfers", "import vllm", "Only the adapters import vLLM"),
+])
+def test_a_wrong_way_import_breaks_a_contract(folder: str, line: str, contract: str) -> None:
+    probe = ROOT / folder / "_layering_probe.py"
+    probe.write_text(line + "\n")
+    try:
+        result = _lint_imports()
+    finally:
+        probe.unlink()
+    assert result.returncode == 1, result.stdout
+    broken = result.stdout.split("Broken contracts")[-1]
+    assert contract in broken and "_layering_probe" in broken, result.stdout

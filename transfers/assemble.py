@@ -10,9 +10,9 @@ from kvledger.transfers.backend import CopyBackend, Direction
 from kvledger.transfers.cpu_backend import CpuBackend
 from kvledger.transfers.faults import DelayingBackend, FaultInjectingBackend, FaultPlan
 from kvledger.transfers.host_tier import HostTier
+from kvledger.transfers.kv_spec import KVCacheConfig
 from kvledger.transfers.layout import CanonicalKVCaches, LayerCaches, canonicalize
 from kvledger.transfers.runner import TransferRunner
-from kvledger.transfers.specs import KVCacheConfig
 
 
 @attrs.frozen(kw_only=True, eq=False)

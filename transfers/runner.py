@@ -17,13 +17,11 @@ import structlog
 
 from kvledger.engine.effects import FlushStores, StartLoad, StartStore
 from kvledger.events.keys import hex_keys
-from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
+from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed, TransferEvent
 from kvledger.transfers.backend import CopyBackend, CopyJob, Direction, JobOutcome, TransferTimeout
 from kvledger.transfers.preconditions import Limits, precondition_error
 
 _log = structlog.get_logger("kvledger.transfers.runner")
-
-TransferEvent = StoreCompleted | StoreFailed | LoadCompleted | LoadFailed
 
 
 @attrs.frozen
@@ -78,7 +76,7 @@ class TransferRunner:
             if isinstance(effect, (StartStore, StartLoad)):
                 self._start(effect)
             elif isinstance(effect, FlushStores):
-                self._wait(effect.job_ids, self.timeout_s, "flush of stores")
+                self.wait(effect.job_ids, what="flush of stores")
 
     def _start(self, effect: StartStore | StartLoad) -> None:
         if self._closed:
@@ -166,11 +164,9 @@ class TransferRunner:
         blocks = tuple(effect.target_block_ids[g][i] for g, i in outcome.failed)
         return LoadFailed(job_id=job_id, worker_index=worker, block_ids=blocks, keys=keys)
 
-    def wait_for_loads(self, job_ids: Iterable[int], timeout_s: float | None = None) -> None:
-        """Block until these loads finished, so a forward may read their blocks."""
-        self._wait(job_ids, self.timeout_s if timeout_s is None else timeout_s, "loads")
-
-    def _wait(self, job_ids: Iterable[int], timeout_s: float, what: str) -> None:
+    def wait(self, job_ids: Iterable[int], timeout_s: float | None = None, what: str = "jobs") -> None:
+        """Block until these jobs finished (a flush of stores, or loads a caller must see done)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         job_ids = tuple(job_ids)
         try:
             self._backend.wait(job_ids, timeout_s)

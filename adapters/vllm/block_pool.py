@@ -14,33 +14,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-import attrs
-
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-
-@attrs.frozen
-class Cursor:
-    """A place in the free queue: a block, as of its `generation`.
-
-    The generation is the engine's count of the block's allocations; a
-    cursor whose block was allocated since no longer marks a place in the
-    queue, and iteration starts over from the eviction end.
-    """
-
-    block_id: int
-    generation: int
 
 
 class BlockPoolView:
     def __init__(self, pool: BlockPool) -> None:
         self._pool = pool
         self.pinned = 0  # references kvledger holds now
-
-    def get_block(self, block_id: int) -> KVCacheBlock:
-        return self._pool.blocks[block_id]
 
     def touch(self, block_ids: Iterable[int]) -> None:
         blocks = [self._pool.blocks[b] for b in block_ids]
@@ -54,18 +36,6 @@ class BlockPoolView:
         self._pool.free_blocks(blocks)
         self.pinned -= len(blocks)
 
-    def iter_free_blocks(self, after: Cursor | None = None, generation_of=None) -> Iterator[KVCacheBlock]:
-        """Free blocks in eviction order (least recently used first), after `after`.
-
-        With a cursor, `generation_of(block_id)` gives the engine's current
-        generation of a block; the cursor is used only if its block is still
-        free and was not allocated since the cursor was taken.
-        """
-        queue = self._pool.free_block_queue
-        start = None
-        if after is not None:
-            block = self._pool.blocks[after.block_id]
-            linked = block.prev_free_block is not None and block.next_free_block is not None
-            if block.ref_cnt == 0 and linked and generation_of(after.block_id) == after.generation:
-                start = block
-        yield from queue.iter_blocks_after(start)
+    def iter_free_blocks(self) -> Iterator[KVCacheBlock]:
+        """Free blocks in eviction order (least recently used first)."""
+        yield from self._pool.free_block_queue.iter_blocks_after(None)

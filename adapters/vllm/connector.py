@@ -18,13 +18,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvledger.adapters.logs import configure_logging
 from kvledger.adapters.settings import parse_settings
+from kvledger.adapters.structlog_setup import configure_logging
+from kvledger.adapters.vllm.kv_cache_config import engine_config, transfer_config
 from kvledger.adapters.vllm.kv_events import TierEvents, group_event_specs
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata
 from kvledger.adapters.vllm.metrics import KVLedgerPromMetrics, KVLedgerStats
 from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
-from kvledger.adapters.vllm.specs import engine_config, transfer_config
 from kvledger.adapters.vllm.worker_side import LedgerWorker
 
 if TYPE_CHECKING:

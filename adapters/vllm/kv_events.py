@@ -70,7 +70,7 @@ class TierEvents:
         candidates = set(job_keys)
         candidates.update(getattr(event, "keys", ()))
         for effect in effects:
-            if isinstance(effect, fx.EvictKeys):
+            if isinstance(effect, fx.KeysEvicted):
                 candidates.update(effect.keys)
         if isinstance(event, ev.CacheReset):
             candidates.update(self._advertised)

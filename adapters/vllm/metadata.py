@@ -10,7 +10,7 @@ import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvledger.engine import effects as fx
-from kvledger.transfers.runner import TransferEvent
+from kvledger.events.types import TransferEvent
 
 
 @attrs.frozen(kw_only=True)

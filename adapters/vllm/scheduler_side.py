@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from kvledger.adapters.logfile import unused_path
-from kvledger.adapters.recorder import Recorder
+from kvledger.adapters.engine_host import EngineHost
+from kvledger.adapters.log_files import unused_path
 from kvledger.adapters.settings import ConnectorSettings
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
@@ -64,7 +64,7 @@ class LedgerScheduler:
         self.config = config
         self.settings = settings
         self.log_path = unused_path(settings.event_log) if settings.event_log else None
-        self.recorder = Recorder(
+        self.recorder = EngineHost(
             config, log_path=self.log_path, fmt=settings.event_log_format,
             digest_interval=settings.digest_interval, background=True)
         if self.log_path is not None:

@@ -26,14 +26,13 @@ from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.engine.effects import FlushStores
 from kvledger.events.config import ConfigError
-from kvledger.events.types import LoadCompleted, LoadFailed
+from kvledger.events.types import LoadCompleted, LoadFailed, TransferEvent
 from kvledger.transfers.assemble import Transfers, open_transfers
 from kvledger.transfers.backend import Direction
 from kvledger.transfers.faults import FaultPlan
-from kvledger.transfers.runner import TransferEvent
-from kvledger.transfers.specs import KVCacheConfig
+from kvledger.transfers.kv_spec import KVCacheConfig
 
-from .specs import slot_bytes
+from .kv_cache_config import slot_bytes
 
 _log = structlog.get_logger("kvledger.adapters.vllm.worker")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.adapters.cli import main
+from kvledger.adapters.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,14 +50,14 @@ def test_inspect_shows_state(hybrid_log: Path, capsys: pytest.CaptureFixture) ->
 
 
 def test_violation_names_its_seq(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from kvledger.adapters.recorder import Recorder
+    from kvledger.adapters.engine_host import EngineHost
     from kvledger.events import types as ev
     from kvledger.events.config import EngineConfig, GroupSpec
 
     config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
                           num_device_blocks=8, num_tier_slots=8)
     path = tmp_path / "bad.jsonl"
-    with Recorder(config, log_path=path, fmt="jsonl") as recorder:
+    with EngineHost(config, log_path=path, fmt="jsonl") as recorder:
         recorder.apply(ev.RequestAdded(request_id="a", num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
         recorder.apply(ev.BlocksAllocated(request_id="a", block_ids=((1, 2),)))
         recorder.apply(ev.BlocksAllocated(request_id="b", block_ids=((3,),)))  # unknown request
@@ -90,7 +90,7 @@ def test_replay_digest_is_independent_of_hash_seed(hybrid_log: Path) -> None:
     digests = set()
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli", "replay", str(hybrid_log), "--json"],
+        out = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli.log_commands", "replay", str(hybrid_log), "--json"],
                              env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
@@ -105,7 +105,7 @@ def test_recording_is_independent_of_hash_seed(tmp_path: Path) -> None:
     for seed in ("1", "2"):
         out_path = tmp_path / f"sim-{seed}.log"
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli", "simulate", "--scenario", "mamba",
+        done = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli.log_commands", "simulate", "--scenario", "mamba",
                                "--steps", "80", "--out", str(out_path)], env=env, capture_output=True,
                               text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 0, done.stderr

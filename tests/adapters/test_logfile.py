@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.adapters.logfile import LogWriter, open_log
+from kvledger.adapters.log_files import LogWriter, open_log
 from kvledger.events import types as ev
-from kvledger.events.binary import MAGIC
-from kvledger.events.log import DigestRecord, EventRecord, LogError
+from kvledger.events.log_binary import MAGIC
+from kvledger.events.log_records import DigestRecord, EventRecord, LogError
 from tests.events.logs import DIGEST, HEADER
 from tests.strategies import EXAMPLE_EVENTS
 
@@ -217,7 +217,7 @@ def test_abandoning_the_iterator_closes_the_file(tmp_path: Path) -> None:
 
 
 def test_an_existing_event_log_is_never_overwritten(tmp_path):
-    from kvledger.adapters.logfile import unused_path
+    from kvledger.adapters.log_files import unused_path
 
     log = tmp_path / "events.log"
     assert unused_path(str(log)) == str(log)
@@ -269,7 +269,7 @@ def test_a_background_writer_left_open_is_closed_at_exit(tmp_path: Path) -> None
     path = tmp_path / "run.log"
     code = (
         "from pathlib import Path\n"
-        "from kvledger.adapters.logfile import LogWriter\n"
+        "from kvledger.adapters.log_files import LogWriter\n"
         "from tests.adapters.test_logfile import write_steps\n"
         "from tests.events.logs import HEADER\n"
         f"writer = LogWriter(Path({str(path)!r}), HEADER, fmt='binary', background=True)\n"

@@ -7,7 +7,7 @@ import json
 import pytest
 import structlog
 
-from kvledger.adapters.logs import configure_logging
+from kvledger.adapters.structlog_setup import configure_logging
 from kvledger.events.keys import hex_keys
 
 pytestmark = pytest.mark.fast

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.adapters import report, report_series
-from kvledger.adapters.cli import main, summary
-from kvledger.adapters.logfile import open_log
+from kvledger.adapters.cli import report, report_series
+from kvledger.adapters.cli.log_commands import summary
+from kvledger.adapters.cli.main import main
+from kvledger.adapters.log_files import open_log
 from kvledger.engine.replay import replay
-from kvledger.events.log import EventRecord
+from kvledger.events.log_records import EventRecord
 
 pytestmark = pytest.mark.fast
 
@@ -229,14 +230,14 @@ def test_long_logs_are_bucketed_without_changing_the_totals() -> None:
 
 
 def _recorded(tmp_path: Path, request_id: str, *, violate: bool) -> Path:
-    from kvledger.adapters.recorder import Recorder
+    from kvledger.adapters.engine_host import EngineHost
     from kvledger.events import types as ev
     from kvledger.events.config import EngineConfig, GroupSpec
 
     config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
                           num_device_blocks=8, num_tier_slots=8)
     path = tmp_path / "small.jsonl"
-    with Recorder(config, log_path=path, fmt="jsonl") as recorder:
+    with EngineHost(config, log_path=path, fmt="jsonl") as recorder:
         recorder.apply(ev.RequestAdded(request_id=request_id, num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
         recorder.apply(ev.BlocksAllocated(request_id=request_id, block_ids=((1, 2),)))
         if violate:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.adapters.logfile import open_log
-from kvledger.adapters.recorder import Recorder
+from kvledger.adapters.engine_host import EngineHost
+from kvledger.adapters.log_files import open_log
 from kvledger.engine import digest as digest_module
 from kvledger.engine import reducer
 from kvledger.engine.digest import digest, matches, part_digest, parts_for
@@ -161,7 +161,7 @@ def test_parts_scale_with_the_largest_table() -> None:
 def _record(path: Path, parts_rows: int, monkeypatch: pytest.MonkeyPatch) -> list[ev.Event]:
     engine = rich()
     monkeypatch.setattr(digest_module, "PART_ROWS", parts_rows)
-    with Recorder(engine.config, log_path=path, fmt="jsonl", digest_interval=1) as recorder:
+    with EngineHost(engine.config, log_path=path, fmt="jsonl", digest_interval=1) as recorder:
         for event in engine.log:
             recorder.apply(event)
     return engine.log

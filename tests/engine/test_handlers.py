@@ -425,7 +425,7 @@ def test_abort_during_a_failing_load_also_ends_the_request():
     loading_b(e)
     e.abort("b")
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=()))
-    assert effects == (fx.EvictKeys(keys=(KA0[1],)),)
+    assert effects == (fx.KeysEvicted(keys=(KA0[1],)),)
     assert "b" not in e.core.requests
     assert all(e.core.block_refs[b] == 0 for b in range(64))
     check(e.state)
@@ -585,7 +585,7 @@ def test_load_failed_with_several_groups_drops_the_keys_and_starts_the_request_o
     slot = tier_keys(e)
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(), keys=(KA0[1],)))
-    assert effects == (fx.EvictKeys(keys=(KA0[1],)),)
+    assert effects == (fx.KeysEvicted(keys=(KA0[1],)),)
     c = e.core
     assert KA0[1] not in c.slot_of_key
     assert c.slot_state[slot[KA0[1]]] == SlotState.FREE
@@ -609,7 +609,7 @@ def test_load_failed_with_one_group_runs_the_request_and_stores_the_block_again(
     e = donor_stored(full_only_config())
     e.add("b", 129, A)
     e.alloc("b", (9, 10, 11, 12, 13), ext=128)
-    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.EvictKeys(keys=(KA0[1],)),)
+    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.KeysEvicted(keys=(KA0[1],)),)
     r = e.core.requests["b"]
     assert r.status is RequestStatus.RUNNING and r.load_job_id == -1
     assert r.table == [[9, 10, 11, 12, 13]] and r.next_store == [0]
@@ -625,7 +625,7 @@ def test_load_failed_block_drops_its_key_too():
     e = donor_stored()
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(14,), keys=()))
-    assert effects == (fx.EvictKeys(keys=(KA1[2],)),)
+    assert effects == (fx.KeysEvicted(keys=(KA1[2],)),)
     assert KA1[2] not in e.core.slot_of_key
     assert e.core.jobs == {}
     e.add("c", 129, A)
@@ -653,7 +653,7 @@ def test_cache_reset_evicts_everything_and_ignores_older_jobs():
     e.alloc("s", (20, 21), (22, 23))
     e.step(("s", 0, 64))  # store job 3 in flight
     effects = e.apply(ev.CacheReset(epoch=1))
-    assert effects == (fx.EvictKeys(keys=KA0 + KA1),)
+    assert effects == (fx.KeysEvicted(keys=KA0 + KA1),)
     c = e.core
     assert c.epoch == 1 and c.slot_of_key == {} and len(c.policy) == 0
     assert c.stats.evictions == 8
@@ -758,7 +758,7 @@ def test_two_workers_a_load_ends_after_both_and_keeps_either_failure():
     assert e.apply(ev.LoadFailed(job_id=2, worker_index=1, block_ids=(11,), keys=())) == ()
     assert e.core.requests["b"].status is RequestStatus.LOADING
     assert e.reject(ev.LoadCompleted(job_id=2, worker_index=1)) == "duplicate_completion"
-    assert e.load_done(2, worker=0) == (fx.EvictKeys(keys=(KA0[2],)),)
+    assert e.load_done(2, worker=0) == (fx.KeysEvicted(keys=(KA0[2],)),)
     assert e.core.requests["b"].status is RequestStatus.WAITING
     assert KA0[2] not in e.core.slot_of_key
     check(e.state)
@@ -797,7 +797,7 @@ def test_store_admission_never_evicts_a_key_under_a_load():
     effects = e.step(("b", 0, 128))
     kb0 = key(chain(1, "b")[0], 0)
     assert effects == (
-        fx.EvictKeys(keys=(KA0[3],)),
+        fx.KeysEvicted(keys=(KA0[3],)),
         fx.StartStore(job_id=3, request_id="b", keys=((kb0,),), source_block_ids=((9,),),
                       target_slot_ids=((3,),)),
     )
@@ -816,7 +816,7 @@ def test_eviction_is_least_recently_stored_or_loaded_first():
     e.add("b", 64, tag="b")
     e.alloc("b", (9, 10))
     effects = e.step(("b", 0, 64))
-    assert effects[0] == fx.EvictKeys(keys=(KA0[1], KA0[2]))
+    assert effects[0] == fx.KeysEvicted(keys=(KA0[1], KA0[2]))
     assert effects[1].target_slot_ids == ((2, 1),)  # freed slots are reused, last freed first
     assert e.core.stats.evictions == 2
     assert policy_order(e) == (KA0[3], KA0[0])
@@ -889,7 +889,7 @@ def test_a_load_target_still_read_by_a_store_is_flushed_before_the_load():
     check(e.state)
 
 
-# EvictKeys names only keys that left the tier.
+# KeysEvicted names only keys that left the tier.
 
 
 def test_a_failed_load_of_a_key_stored_again_since_does_not_report_it_evicted():
@@ -916,7 +916,7 @@ def test_two_failed_loads_of_one_key_report_its_eviction_once():
     e.alloc("b", (9, 10, 11, 12, 13), ext=128)  # job 2
     e.add("c", 129, A)
     e.alloc("c", (20, 21, 22, 23, 24), ext=128)  # job 3 reads the same slots
-    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.EvictKeys(keys=(KA0[1],)),)
+    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.KeysEvicted(keys=(KA0[1],)),)
     (store,) = e.step(("b", 32, 97))  # b recomputes block 1 and stores it again
     e.store_done(store.job_id)
     assert KA0[1] in e.core.slot_of_key
@@ -927,4 +927,4 @@ def test_two_failed_loads_of_one_key_report_its_eviction_once():
 
 
 def only_evictions(effects: tuple) -> list:
-    return [x for x in effects if isinstance(x, fx.EvictKeys)]
+    return [x for x in effects if isinstance(x, fx.KeysEvicted)]

@@ -14,8 +14,8 @@ import pytest
 from kvledger.engine import reducer
 from kvledger.engine.digest import digest
 from kvledger.engine.invariants import InvariantViolation, check, check_event, find_problems
-from kvledger.engine.replay import breaks_invariants, find_first, replay
-from kvledger.engine.state import RequestStatus, SlotState, State
+from kvledger.engine.replay import breaks_invariants, replay
+from kvledger.engine.state import RequestStatus, SlotState
 from kvledger.events import types as ev
 from tests.engine.builders import Engine, chain, key, make_config
 
@@ -493,32 +493,3 @@ def _break_on_abort(monkeypatch):
 
     monkeypatch.setitem(reducer._HANDLERS, ev.RequestAborted, leaky)
 
-
-@pytest.mark.parametrize("stride", [1, 4, 256])
-def test_find_first_names_the_event_that_broke_an_invariant(monkeypatch, stride):
-    e = Engine()
-    for i in range(6):
-        e.add(f"r{i}", 64, tag=f"r{i}")
-    e.run_and_store("d", 128, (1, 2, 3, 4), (5, 6, 7, 8))
-    for i in range(6):
-        e.abort(f"r{i}")
-    events = list(e.log)
-    target = 11  # the abort of r1: a legal event made harmful below
-    assert events[target] == ev.RequestAborted(request_id="r1")
-    events[10] = ev.RequestResumed(request_id="r0")  # illegal, so skipped: not an invariant break
-    assert find_first(e.config, events, breaks_invariants, stride=stride) is None
-    _break_on_abort(monkeypatch)
-    assert find_first(e.config, events[:target], breaks_invariants, stride=stride) is None
-    assert find_first(e.config, events, breaks_invariants, stride=stride) == target
-
-
-def test_find_first_with_a_cheap_predicate():
-    e = Engine()
-    e.run_and_store("d", 128, (1, 2, 3, 4), (5, 6, 7, 8))
-    events = list(e.log)
-
-    def has_stored(state: State) -> bool:
-        return state.core.stats.keys_stored > 0
-
-    assert find_first(e.config, events, has_stored, stride=2) == len(events) - 1
-    assert find_first(e.config, [], has_stored) is None

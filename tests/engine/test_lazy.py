@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvledger.adapters.simulator import Simulator, run_random
+from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.engine.reducer import ProtocolViolation, reduce
 from kvledger.engine.state import initial_state
 from kvledger.events import types as ev

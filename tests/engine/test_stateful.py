@@ -16,7 +16,7 @@ from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvledger.adapters.simulator import Simulator
+from kvledger.adapters.testing.simulator import Simulator
 from kvledger.engine.reducer import reduce, reduce_step
 from kvledger.events.config import EngineConfig, GroupSpec
 
@@ -119,7 +119,7 @@ TestProtocol = Protocol.TestCase
 
 
 def _trace(config: EngineConfig, seed: int) -> list:
-    from kvledger.adapters.simulator import run_random
+    from kvledger.adapters.testing.simulator import run_random
 
     log: list = []
     sim = Simulator(config, record=log.append)
@@ -148,7 +148,7 @@ def test_reduce_step_equals_fold_of_reduce(config: EngineConfig) -> None:
 # contract; the simulator or the invariants must notice within a few traces.
 
 def _run_until_caught(config: EngineConfig, seeds: int = 12) -> Exception | None:
-    from kvledger.adapters.simulator import run_random
+    from kvledger.adapters.testing.simulator import run_random
 
     for seed in range(seeds):
         sim = Simulator(config, check_every_event=True)

@@ -6,7 +6,7 @@ import attrs
 
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, GroupSpec
-from kvledger.events.log import DigestRecord, EventRecord, LogHeader
+from kvledger.events.log_records import DigestRecord, EventRecord, LogHeader
 from tests.strategies import EXAMPLE_EVENTS
 
 CONFIG = EngineConfig(

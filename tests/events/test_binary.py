@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvledger.events import types as ev
-from kvledger.events.binary import (
+from kvledger.events.log_binary import (
     MAGIC,
     MAGIC_PREFIX,
     MAGIC_V1,
@@ -25,7 +25,7 @@ from kvledger.events.binary import (
     encode_binary_header,
     read_binary,
 )
-from kvledger.events.log import (
+from kvledger.events.log_records import (
     LOG_SCHEMA_VERSION,
     DigestRecord,
     EventRecord,

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvledger.events import types as ev
-from kvledger.events.binary import encode_binary, read_binary
-from kvledger.events.log import (
+from kvledger.events.log_binary import encode_binary, read_binary
+from kvledger.events.log_records import (
     LOG_SCHEMA_VERSION,
     DigestRecord,
     EventRecord,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.adapters.tiny_models import build_model
+from kvledger.adapters.testing.tiny_models import build_model
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -42,7 +42,7 @@ def run_engine(spec: dict, timeout: float = 300) -> dict:
 def replay_summary(log: Path) -> dict:
     """`kvledger replay --check --json`: the log must replay with no problem."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvledger.adapters.cli", "replay", str(log), "--check", "--json"],
+        [sys.executable, "-m", "kvledger.adapters.cli.log_commands", "replay", str(log), "--check", "--json"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, f"replay --check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -51,7 +51,7 @@ def replay_summary(log: Path) -> dict:
 
 def loads_in_log(log: Path) -> tuple[object, list]:
     """The log's config and every StartLoad the engine planned, by replaying it."""
-    from kvledger.adapters.logfile import open_log
+    from kvledger.adapters.log_files import open_log
     from kvledger.engine import effects as fx
     from kvledger.engine.replay import replay
 
@@ -77,8 +77,8 @@ def keep_as_golden(log: Path, name: str) -> None:
         return
     import gzip
 
-    from kvledger.adapters.logfile import open_log
-    from kvledger.events.log import encode_jsonl_header, encode_jsonl_record
+    from kvledger.adapters.log_files import open_log
+    from kvledger.events.log_records import encode_jsonl_header, encode_jsonl_record
 
     header, records = open_log(log)
     GOLDEN.mkdir(parents=True, exist_ok=True)

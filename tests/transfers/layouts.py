@@ -14,7 +14,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from kvledger.transfers.specs import (
+from kvledger.transfers.kv_spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

@@ -65,7 +65,7 @@ def test_round_trip_through_the_pinned_tier_is_byte_exact(build) -> None:
         raw.random_(-128, 128)
     scrambled = [raw.cpu() for raw in case.raws]
     runner.submit([load(2, slots, blocks)])
-    runner.wait_for_loads([2])
+    runner.wait([2])
     torch.cuda.synchronize()
     assert runner.poll() == [LoadCompleted(job_id=2, worker_index=1)]
     for raw, mask, before, after in zip(case.raws, masks_of(dict(enumerate(blocks))), original, scrambled):
@@ -86,7 +86,7 @@ def test_a_store_reads_what_the_compute_stream_wrote_before_it() -> None:
     for raw in case.raws:
         raw.fill_(0)
     runner.submit([load(2, [[0, 1]], [[4, 5]])])
-    runner.wait_for_loads([2])
+    runner.wait([2])
     for raw, mask in zip(case.raws, masks_of({0: [4, 5]})):
         assert bool((raw.cpu()[mask] == 7).all())
     runner.shutdown()
@@ -102,7 +102,7 @@ def test_a_load_lands_after_the_compute_stream_zeroed_its_blocks() -> None:
     for raw in case.raws:
         raw.zero_()  # vLLM zeroing new blocks, queued behind the sleep
     runner.submit([load(2, [[0]], [[6]])])
-    runner.wait_for_loads([2])
+    runner.wait([2])
     (mask,) = masks_of({0: [6]})
     assert bool((case.raws[0].cpu()[mask] == 5).all())
     runner.shutdown()
@@ -135,7 +135,7 @@ def test_corrupt_mode_flips_device_bytes() -> None:
     original = [raw.cpu() for raw in case.raws]
     runner.submit([store(1, [[2]], [[0]]), FlushStores(job_ids=(1,))])
     runner.submit([load(2, [[0]], [[4]])])
-    runner.wait_for_loads([2])
+    runner.wait([2])
     (block_4,), (block_2,) = masks_of({0: [4]}), masks_of({0: [2]})
     assert torch.equal(case.raws[0].cpu()[block_4], original[0][block_2].bitwise_not())
     assert runner.poll() == [LoadCompleted(job_id=2, worker_index=1)]
@@ -223,7 +223,7 @@ def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, 
     assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
     scrambled = rig.scramble(seed=3)
     rig.runner.submit([load(2, slots, blocks)])
-    rig.runner.wait_for_loads([2])
+    rig.runner.wait([2])
     assert rig.runner.poll() == [LoadCompleted(job_id=2, worker_index=3)]
     # Copy time comes from the timing events around each job (1.5 ms in the stand-in).
     stats = rig.runner.take_stats()
@@ -244,7 +244,7 @@ def test_a_launch_error_is_a_failure_once_the_stream_passes_it(fake_cuda) -> Non
 
     rig = make_rig(layouts.cpu_attention(), backend_cls=Exploding)
     rig.runner.submit([load(1, [[0, 1]], [[2, 3]])])
-    rig.runner.wait_for_loads([1])
+    rig.runner.wait([1])
     events = rig.runner.poll()
     assert [type(e).__name__ for e in events] == ["LoadFailed"]
     assert events[0].block_ids == (2, 3)

@@ -33,7 +33,7 @@ def test_chosen_jobs_fail_whole() -> None:
         [store(1, [[1], [2]], [[0], [1]]), store(2, [[3], [4, 5]], [[2], [3, 4]]), FlushStores(job_ids=(1, 2))]
     )
     rig.runner.submit([load(3, [[0], [1]], [[6], [7]]), load(4, [[0], []], [[3], []])])
-    rig.runner.wait_for_loads([3, 4])
+    rig.runner.wait([3, 4])
     events = sorted(rig.runner.poll(), key=lambda e: e.job_id)
     assert events == [
         StoreCompleted(job_id=1, worker_index=3),
@@ -47,7 +47,7 @@ def test_chosen_blocks_fail_alone_and_the_rest_load_exactly() -> None:
     rig, original = stored_rig(FaultPlan(block_ids={2, 5}))
     scrambled = rig.scramble(seed=5)
     rig.runner.submit([load(2, SLOTS, BLOCKS)])
-    rig.runner.wait_for_loads([2])
+    rig.runner.wait([2])
     assert rig.runner.poll() == [
         LoadFailed(job_id=2, worker_index=3, block_ids=(2, 5), keys=(b"k2-0-1", b"k2-0-4"))
     ]
@@ -66,7 +66,7 @@ def test_failed_store_blocks_name_their_keys_and_the_rest_are_stored() -> None:
     assert rig.runner.poll() == [StoreFailed(job_id=1, worker_index=3, keys=(b"k1-0-1",))]
     rig.scramble(seed=1)
     rig.runner.submit([load(2, [[0, 2]], [[2, 4]])])
-    rig.runner.wait_for_loads([2])
+    rig.runner.wait([2])
     assert rig.runner.poll() == [LoadCompleted(job_id=2, worker_index=3)]
     for raw, mask, old in zip(rig.case.raws, rig.block_mask({0: [2, 4]}), original):
         assert torch.equal(raw[mask], old[mask])
@@ -108,7 +108,7 @@ def test_corrupt_mode_flips_loaded_bytes_before_the_forward_and_reports_success(
     rig, original = stored_rig(FaultPlan(block_ids={3}, corrupt=True))
     rig.scramble(seed=2)
     rig.runner.submit([load(2, SLOTS, BLOCKS)])
-    rig.runner.wait_for_loads([2])
+    rig.runner.wait([2])
     corrupted = rig.block_mask({0: [3]})
     exact = rig.block_mask({0: [1, 2, 4, 5]})
     for raw, bad, good, old in zip(rig.case.raws, corrupted, exact, original):

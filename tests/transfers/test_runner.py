@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from kvledger.engine.effects import EvictKeys, FlushStores, StartLoad
+from kvledger.engine.effects import FlushStores, KeysEvicted, StartLoad
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
 from kvledger.transfers.backend import CopyJob, Direction, TransferTimeout
 from tests.transfers import layouts
@@ -58,7 +58,7 @@ def test_device_host_device_round_trip_is_byte_exact(example) -> None:
     assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
     scrambled = rig.scramble(seed=99)
     rig.runner.submit([load(2, slots, blocks)])
-    rig.runner.wait_for_loads([2])
+    rig.runner.wait([2])
     assert rig.runner.poll() == [LoadCompleted(job_id=2, worker_index=3)]
     masks = rig.block_mask(dict(enumerate(blocks)))
     for raw, mask, before, after in zip(case.raws, masks, original, scrambled):
@@ -89,7 +89,7 @@ def test_a_slow_store_does_not_hold_back_a_load() -> None:
     gate = threading.Event()
     rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={5: gate}, timeout_s=5)
     rig.runner.submit([store(5, [[1]], [[0]]), load(6, [[3]], [[2]])])
-    rig.runner.wait_for_loads([6], timeout_s=5)
+    rig.runner.wait([6], timeout_s=5)
     assert rig.runner.poll() == [LoadCompleted(job_id=6, worker_index=3)]
     gate.set()
     rig.runner.submit([FlushStores(job_ids=(5,))])
@@ -103,7 +103,7 @@ def test_an_exception_in_a_copy_is_a_failure_event_and_the_thread_lives_on() -> 
     with capture_logs() as logs:
         runner.submit([store(1, [[1], [2, 3]], [[0], [1, 2]]), store(2, [[4], []], [[3], []]), FlushStores(job_ids=(1, 2))])
         runner.submit([load(3, [[0], [1]], [[5], [6]]), load(4, [[3], []], [[7], []])])
-        runner.wait_for_loads([3, 4])
+        runner.wait([3, 4])
         events = runner.poll()
     assert sorted(events, key=lambda e: e.job_id) == [
         StoreFailed(job_id=1, worker_index=3, keys=keys_for(1, [[1], [2, 3]])[0] + keys_for(1, [[1], [2, 3]])[1]),
@@ -163,7 +163,7 @@ def test_a_job_id_already_in_flight_is_rejected() -> None:
 
 def test_other_effects_are_ignored_and_empty_jobs_complete() -> None:
     rig = make_rig(layouts.cpu_attention())
-    rig.runner.submit([EvictKeys(keys=(b"x",)), store(1, [[]], [[]]), FlushStores(job_ids=(1,))])
+    rig.runner.submit([KeysEvicted(keys=(b"x",)), store(1, [[]], [[]]), FlushStores(job_ids=(1,))])
     assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
     rig.runner.shutdown()
 
@@ -196,16 +196,16 @@ def test_shutdown_without_drain_cancels_queued_jobs_within_its_timeout() -> None
     ]
 
 
-def test_wait_for_loads_is_bounded() -> None:
+def test_waits_are_bounded() -> None:
     gate = threading.Event()
     rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={4: gate})
     rig.runner.submit([load(4, [[0]], [[1]])])
     started = time.monotonic()
-    with pytest.raises(TransferTimeout, match=r"loads \[4\]"):
-        rig.runner.wait_for_loads([4], timeout_s=0.1)
+    with pytest.raises(TransferTimeout, match=r"jobs \[4\]"):
+        rig.runner.wait([4], timeout_s=0.1)
     assert time.monotonic() - started < 3
     gate.set()
-    rig.runner.wait_for_loads([4])
+    rig.runner.wait([4])
     assert rig.runner.poll() == [LoadCompleted(job_id=4, worker_index=3)]
     rig.runner.shutdown()
 

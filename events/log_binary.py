@@ -47,7 +47,7 @@ import msgpack
 import zstandard
 
 from kvledger.events.codec import CodecError, construct, from_record
-from kvledger.events.log import (
+from kvledger.events.log_records import (
     Cursor,
     DigestRecord,
     EventRecord,

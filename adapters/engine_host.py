@@ -6,18 +6,17 @@ from __future__ import annotations
 import os
 
 from kvledger import __version__
+from kvledger.adapters.log_files import LogWriter
 from kvledger.engine import effects as fx
 from kvledger.engine.digest import part_digest, parts_for
 from kvledger.engine.reducer import reduce
 from kvledger.engine.state import State, initial_state
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig
-from kvledger.events.log import LogHeader
-
-from .logfile import LogWriter
+from kvledger.events.log_records import LogHeader
 
 
-class Recorder:
+class EngineHost:
     """`apply(event)` reduces it and, when a log is open, appends it.
 
     Events before a `step_scheduled` belong to that step; the step's records
@@ -66,7 +65,7 @@ class Recorder:
             self._pending.clear()
             self.writer.close()
 
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> EngineHost:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

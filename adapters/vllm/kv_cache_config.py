@@ -18,7 +18,7 @@ from kvledger.events.config import (
     Protection,
     StoreMode,
 )
-from kvledger.transfers import specs as ks
+from kvledger.transfers import kv_spec as ks
 from kvledger.transfers.host_tier import slots_for
 
 

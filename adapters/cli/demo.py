@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from kvledger.adapters.cli.log_commands import cmd_replay, replay_args
 from kvledger.adapters.settings import kv_transfer_config
-from kvledger.adapters.tiny_models import build_model
+from kvledger.adapters.testing.tiny_models import build_model
 
 
 def _say(message: str, started: float) -> None:
@@ -92,9 +93,7 @@ def run_demo(out_dir: str | Path, *, model: str = "small-llama", docs: int = 3, 
     print(f"  event log          {log_path}")
     print()
     _say(f"replaying the event log: kvledger replay {log_path} --check", started)
-    from kvledger.adapters.cli import main as cli_main
-
-    status = cli_main(["replay", str(log_path), "--check"])
+    status = cmd_replay(replay_args(str(log_path), check=True))
     return 0 if equal and status == 0 else 1
 
 

