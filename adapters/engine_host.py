@@ -9,7 +9,7 @@ from kvledger import __version__
 from kvledger.adapters.log_files import LogWriter
 from kvledger.engine import effects as fx
 from kvledger.engine.digest import part_digest, parts_for
-from kvledger.engine.reducer import reduce
+from kvledger.engine.reducer import reduce, reduce_step
 from kvledger.engine.state import State, initial_state
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig
@@ -17,7 +17,8 @@ from kvledger.events.log_records import LogHeader
 
 
 class EngineHost:
-    """`apply(event)` reduces it and, when a log is open, appends it.
+    """The live engine: `apply(event)` or `apply_step(events)` reduces, and,
+    when a log is open, appends the events to it.
 
     Events before a `step_scheduled` belong to that step; the step's records
     are written as one unit when it is scheduled, with a state digest every
@@ -33,7 +34,7 @@ class EngineHost:
         self.strict = strict
         self.digest_interval = digest_interval
         self.next_step = 0
-        self.digest_parts = parts_for(self.state.core)
+        self.digest_parts = parts_for(config)
         self._pending: list[ev.Event] = []  # this step's events, written when it is scheduled
         self.writer: LogWriter | None = None
         if log_path is not None:
@@ -50,6 +51,26 @@ class EngineHost:
             self.writer.add_step(event.step_index, self._pending, self._digest_due(event.step_index))
             self._pending.clear()
             self.next_step = event.step_index + 1
+        return effects
+
+    def apply_step(self, events: list[ev.Event]) -> tuple[fx.Effect, ...]:
+        """A planned step's events in one `reduce_step` (the tables move once);
+        a `step_scheduled` may only come last. Strict mode folds `apply`, so
+        a violation leaves the state before the event that broke it."""
+        if self.strict:
+            return tuple(effect for event in events for effect in self.apply(event))
+        if not events:
+            return ()
+        assert not any(isinstance(e, ev.StepScheduled) for e in events[:-1]), "step_scheduled ends a step"
+        self.state, effects = reduce_step(self.state, events)
+        if self.writer is None:
+            return effects
+        self._pending.extend(events)
+        last = events[-1]
+        if isinstance(last, ev.StepScheduled):
+            self.writer.add_step(last.step_index, self._pending, self._digest_due(last.step_index))
+            self._pending.clear()
+            self.next_step = last.step_index + 1
         return effects
 
     def _digest_due(self, step_index: int) -> str | None:

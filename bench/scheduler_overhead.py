@@ -262,11 +262,11 @@ class LedgerWorker(SimulatedWorker):
     finished load also names its request in `finished_recving`."""
 
     def started(self, meta):
-        return ([("store", s.job_id, ()) for s in meta.stores]
+        return ([("store", s.job_id, ()) for s in meta.after_forward]
                 + [("load", load.job_id, (load.request_id,)) for load in meta.loads])
 
     def flushed(self, meta):
-        flush = set(meta.flush)
+        flush = {job_id for effect in meta.before_step for job_id in effect.job_ids}
         return lambda job: job[0] == "store" and job[1] in flush
 
     def worker_meta(self, done):

@@ -23,9 +23,10 @@ from itertools import islice
 from operator import eq
 from typing import Any
 
+from kvledger.events.config import EngineConfig
 from kvledger.events.log_records import join_digest, split_digest
 
-from .state import Core, State
+from .state import State
 
 PART_ROWS = 8192
 """Rows of the largest table (device blocks or tier slots) per part: about
@@ -71,9 +72,9 @@ def digest(state: State) -> str:
     return h.hexdigest()
 
 
-def parts_for(core: Core) -> int:
-    """How many parts a recorder splits this state's digests into."""
-    rows = max(core.config.num_device_blocks, core.config.num_tier_slots)
+def parts_for(config: EngineConfig) -> int:
+    """How many parts a live engine splits its digests into."""
+    rows = max(config.num_device_blocks, config.num_tier_slots)
     return max(1, -(-rows // PART_ROWS))
 
 

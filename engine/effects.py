@@ -1,8 +1,14 @@
-"""What the engine asks the outside world to do.
+"""What the engine asks the outside world to do, and where each is done.
 
 Effects only describe work; the effect runner (transfers/) and the adapter
 perform it, and outcomes come back as events. They hold no callables, so they
-compare equal and serialize.
+compare equal and serialize. Commands are imperatives (`StartStore`);
+notifications are past-tense facts (`KeysEvicted`) for logs, KV events and
+metrics, and ask for no work.
+
+`ROUTES` says where each kind is carried out; `route` splits a step's
+effects by it. A kind missing from the table fails at import, so a new
+effect cannot be silently dropped by one of its consumers.
 
 Per-group fields are aligned: `keys[g][i]` moves between
 `source_*[g][i]` and `target_*[g][i]`. A slot holds one block of one group.
@@ -10,6 +16,8 @@ Per-group fields are aligned: `keys[g][i]` moves between
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable
 from typing import Union
 
 import attrs
@@ -64,14 +72,14 @@ class UnpinDeviceBlocks:
 
 @attrs.frozen(kw_only=True)
 class KeysEvicted:
-    """These keys left the tier and can no longer be loaded."""
+    """Notification: these keys left the tier and can no longer be loaded."""
 
     keys: tuple[bytes, ...]
 
 
 @attrs.frozen(kw_only=True)
 class ReportViolation:
-    """The caller broke the protocol; the event was not applied."""
+    """Notification: the caller broke the protocol; the event was not applied."""
 
     code: str
     message: str
@@ -81,3 +89,38 @@ class ReportViolation:
 
 
 Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysEvicted, ReportViolation]
+
+EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
+
+
+class Phase(enum.Enum):
+    """Where, and when in a step, an effect is carried out."""
+
+    SCHEDULER = "scheduler"  # by the scheduler half, at once (block-pool references)
+    BEFORE_STEP = "before_step"  # by each worker before the step touches a block (vLLM: handle_preemptions)
+    LOADS = "loads"  # by each worker once the step's new blocks are set up (vLLM: start_load_kv)
+    AFTER_FORWARD = "after_forward"  # by each worker after the forward wrote its blocks (vLLM: wait_for_save)
+    NOTIFICATION = "notification"  # no work: a fact for logs, KV events and metrics
+
+
+ROUTES: dict[type, Phase] = {
+    PinDeviceBlocks: Phase.SCHEDULER,
+    UnpinDeviceBlocks: Phase.SCHEDULER,
+    FlushStores: Phase.BEFORE_STEP,
+    StartLoad: Phase.LOADS,
+    StartStore: Phase.AFTER_FORWARD,
+    KeysEvicted: Phase.NOTIFICATION,
+    ReportViolation: Phase.NOTIFICATION,
+}
+assert set(ROUTES) == set(EFFECT_TYPES), "every effect kind needs a route"
+
+WORKER_PHASES = (Phase.BEFORE_STEP, Phase.LOADS, Phase.AFTER_FORWARD)
+
+
+def route(effects: Iterable[Effect]) -> dict[Phase, list[Effect]]:
+    """The effects by phase, each phase in the order the engine produced them."""
+    routed: dict[Phase, list[Effect]] = {phase: [] for phase in Phase}
+    routes = ROUTES
+    for effect in effects:
+        routed[routes[type(effect)]].append(effect)
+    return routed

@@ -1,4 +1,5 @@
-"""The effect runner: performs StartStore, StartLoad and FlushStores.
+"""The effect runner: performs the worker's effects (`StartStore`,
+`StartLoad`, `FlushStores`: the worker phases of `engine.effects.ROUTES`).
 
 The engine describes work; this is where it happens. Outcomes come back as
 events from `poll()`, never as callbacks, one per job, carrying this
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 import attrs
 import structlog
 
-from kvledger.engine.effects import FlushStores, StartLoad, StartStore
+from kvledger.engine.effects import ROUTES, WORKER_PHASES, Effect, FlushStores, StartLoad, StartStore
 from kvledger.events.keys import hex_keys
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed, TransferEvent
 from kvledger.transfers.backend import CopyBackend, CopyJob, Direction, JobOutcome, TransferTimeout
@@ -38,6 +39,10 @@ class TransferStat:
 class _Job:
     effect: StartStore | StartLoad
     copy: CopyJob
+
+
+WORKER_EFFECTS = tuple(sorted(kind.__name__ for kind, phase in ROUTES.items() if phase in WORKER_PHASES))
+assert WORKER_EFFECTS == ("FlushStores", "StartLoad", "StartStore"), "the runner must carry out every worker effect"
 
 
 class TransferRunner:
@@ -70,13 +75,17 @@ class TransferRunner:
         """Jobs started whose completion event has not been returned yet."""
         return frozenset(self._jobs)
 
-    def submit(self, effects: Iterable[object]) -> None:
-        """Run the transfer effects in order; other effect kinds are not ours."""
+    def submit(self, effects: Iterable[Effect]) -> None:
+        """Run worker effects in order. Any other kind is a routing bug, refused by name."""
         for effect in effects:
-            if isinstance(effect, (StartStore, StartLoad)):
-                self._start(effect)
-            elif isinstance(effect, FlushStores):
-                self.wait(effect.job_ids, what="flush of stores")
+            kind = type(effect)
+            if kind is StartStore or kind is StartLoad:
+                self._start(effect)  # type: ignore[arg-type]
+            elif kind is FlushStores:
+                self.wait(effect.job_ids, what="flush of stores")  # type: ignore[union-attr]
+            else:
+                raise TypeError(f"{kind.__name__} is not a worker effect (its route is "
+                                f"{ROUTES.get(kind)}); the runner carries out only {WORKER_EFFECTS}")
 
     def _start(self, effect: StartStore | StartLoad) -> None:
         if self._closed:

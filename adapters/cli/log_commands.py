@@ -14,6 +14,7 @@ import sys
 
 from kvledger.adapters.log_files import open_log
 from kvledger.engine import effects as fx
+from kvledger.engine import queries
 from kvledger.engine.digest import digest
 from kvledger.engine.replay import ReplayResult, replay
 from kvledger.engine.state import RequestStatus, State
@@ -91,7 +92,8 @@ def _short(value: object) -> str:
 
 
 def summary(header: LogHeader, result: ReplayResult) -> dict:
-    core = result.state.core
+    state = result.state
+    tier = queries.tier_usage(state)
     problem = result.first_problem
     return {
         "engine_version": header.engine_version,
@@ -99,13 +101,13 @@ def summary(header: LogHeader, result: ReplayResult) -> dict:
         "steps": result.steps,
         "last_seq": result.last_seq,
         "events_by_kind": dict(sorted(result.by_kind.items())),
-        "stats": core.stats.as_dict(),
+        "stats": queries.stats(state),
         "violations": len(result.violations),
         "digests_checked": result.digests_checked,
-        "tier": {"used_slots": core.num_used_slots(), "capacity_slots": core.config.num_tier_slots,
-                 "offered_keys": len(core.slot_of_key), "evictable_keys": len(core.policy)},
-        "requests_live": len(core.requests),
-        "jobs_in_flight": len(core.jobs),
+        "tier": {"used_slots": tier.used_slots, "capacity_slots": tier.capacity_slots,
+                 "offered_keys": tier.offered_keys, "evictable_keys": tier.evictable_keys},
+        "requests_live": queries.num_requests(state),
+        "jobs_in_flight": queries.num_jobs_in_flight(state),
         "final_digest": digest(result.state),
         "ok": problem is None,
         "first_problem": None if problem is None else {"seq": problem.seq, "kind": problem.kind,
@@ -189,32 +191,37 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def state_view(state: State) -> dict:
-    core = state.core
     requests = {}
-    for rid in sorted(core.requests):
-        r = core.requests[rid]
-        requests[rid] = {
+    views = [queries.request_view(state, rid) for rid in queries.request_ids(state)]
+    for r in views:
+        assert r is not None
+        requests[r.request_id] = {
             "status": r.status.value, "num_tokens": r.num_tokens, "num_computed_tokens": r.num_computed_tokens,
-            "blocks_per_group": [sum(1 for b in t if b) for t in r.table],
-            "table_positions": [len(t) for t in r.table], "load_job_id": r.load_job_id,
-            "next_store_position": list(r.next_store), "preemptions": r.num_preemptions,
+            "blocks_per_group": list(r.blocks_per_group), "table_positions": list(r.table_positions),
+            "load_job_id": r.load_job_id, "next_store_position": list(r.next_store_positions),
+            "preemptions": r.num_preemptions,
         }
     jobs = {}
-    for jid in sorted(core.jobs):
-        j = core.jobs[jid]
+    for jid in queries.job_ids(state):
+        j = queries.job_view(state, jid)
+        assert j is not None
         jobs[str(jid)] = {
-            "kind": j.kind.value, "request_id": j.request_id, "blocks": [len(k) for k in j.keys],
+            "kind": j.kind, "request_id": j.request_id, "blocks": list(j.blocks_per_group),
             "pending_workers": bin(j.pending_workers), "flushed": j.flushed, "stale": j.stale,
         }
+    at = queries.position(state)
+    device = queries.device_usage(state)
+    tier = queries.tier_usage(state)
     return {
-        "step_index": core.step_index, "epoch": core.epoch, "next_job_id": core.next_job_id,
+        "step_index": at.step_index, "epoch": at.epoch, "next_job_id": at.next_job_id,
         "requests": requests, "jobs": jobs,
-        "by_status": {s.value: sum(1 for r in core.requests.values() if r.status is s) for s in RequestStatus},
-        "device": {"held_blocks": sum(1 for c in core.block_refs if c), "pinned_blocks": sum(1 for c in core.block_pins if c),
-                   "blocks_read_by_stores": len(core.block_readers), "blocks_being_loaded": len(core.block_writer)},
-        "tier": {"used_slots": core.num_used_slots(), "offered_keys": len(core.slot_of_key),
-                 "loading_slots": len(core.slot_loads), "evictable_keys": len(core.policy)},
-        "stats": core.stats.as_dict(),
+        "by_status": {s.value: sum(1 for r in views if r is not None and r.status is s) for s in RequestStatus},
+        "device": {"held_blocks": device.held_blocks, "pinned_blocks": device.pinned_blocks,
+                   "blocks_read_by_stores": device.blocks_read_by_stores,
+                   "blocks_being_loaded": device.blocks_being_loaded},
+        "tier": {"used_slots": tier.used_slots, "offered_keys": tier.offered_keys,
+                 "loading_slots": tier.loading_slots, "evictable_keys": tier.evictable_keys},
+        "stats": queries.stats(state),
     }
 
 

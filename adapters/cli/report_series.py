@@ -2,7 +2,7 @@
 
 `SeriesFold` rides along a replay (its `records` wrapper and its `observe`
 hook). Counts per step are differences of the engine's own running totals
-(`State.core.stats`), so they add up to exactly what `kvledger replay`
+(`queries.stats`), so they add up to exactly what `kvledger replay`
 prints. The log holds no byte sizes, so transfers are counted in blocks.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from kvledger.engine import effects as fx
+from kvledger.engine import queries
 from kvledger.engine.replay import ReplayResult, replay
 from kvledger.engine.state import State
 from kvledger.events import types as ev
@@ -53,7 +54,6 @@ class SeriesFold:
             yield record
 
     def observe(self, seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
-        core = state.core
         if not self.steps or self.steps[-1] != self._record_step:
             self.steps.append(self._record_step)
             for column in (self._tokens_computed, self._prompt_tokens_computed, self._store_blocks,
@@ -63,8 +63,8 @@ class SeriesFold:
             self._used_slots.append(0)
             self._seq_ranges.append([seq, seq])
         self._seq_ranges[-1][1] = seq
-        self._stats_end[-1] = core.stats.as_dict()
-        self._used_slots[-1] = core.num_used_slots()
+        self._stats_end[-1] = queries.stats(state)
+        self._used_slots[-1] = queries.tier_usage(state).used_slots
         for effect in effects:
             if isinstance(effect, fx.StartStore):
                 self._store_blocks[-1] += sum(len(keys) for keys in effect.keys)
@@ -79,11 +79,10 @@ class SeriesFold:
         self._follow_request(seq, event, state, effects)
 
     def _step_tokens(self, event: ev.StepScheduled, state: State) -> None:
-        requests = state.core.requests
         prompt = 0
         for rid, computed, scheduled in zip(event.request_ids, event.num_computed_tokens,
                                             event.num_scheduled_tokens):
-            request = requests.get(rid)
+            request = queries.request_view(state, rid)
             if request is not None:
                 prompt += max(0, min(computed + scheduled, request.num_prompt_tokens) - computed)
         self._tokens_computed[-1] += sum(event.num_scheduled_tokens)
@@ -94,7 +93,7 @@ class SeriesFold:
         rid = getattr(event, "request_id", None)
         if isinstance(event, (ev.LoadCompleted, ev.LoadFailed)):
             rid = self._load_owner.get(event.job_id)
-            if event.job_id not in state.core.jobs:
+            if queries.job_view(state, event.job_id) is None:
                 self._load_owner.pop(event.job_id, None)
         if rid is None:
             return
@@ -106,9 +105,9 @@ class SeriesFold:
         timeline = self._timelines.get(rid)
         if timeline is None:
             return
-        request = state.core.requests.get(rid)
-        if request is not None:
-            status = request.status.value
+        current = queries.request_status(state, rid)
+        if current is not None:
+            status = current.value
         elif isinstance(event, ev.RequestFinished):
             status = "finished"
         elif isinstance(event, (ev.RequestAborted, ev.LoadCompleted, ev.LoadFailed)):
@@ -161,7 +160,7 @@ class SeriesFold:
             "violations": list(self._violations),
             "cache_resets": list(self._cache_resets),
             "requests": {"total": self.num_requests, "max_drawn": self.max_requests, "timelines": timelines},
-            "totals": result.state.core.stats.as_dict(),
+            "totals": queries.stats(result.state),
             "config": self.config.to_dict(),
             "replay": {"events": result.events, "steps": result.steps, "last_seq": result.last_seq,
                        "digests_checked": result.digests_checked, "violations": len(result.violations),

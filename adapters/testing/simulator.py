@@ -117,19 +117,28 @@ class Simulator:
         return effects
 
     def _perform(self, effect: fx.Effect) -> None:
-        if isinstance(effect, (fx.StartStore, fx.StartLoad)):
-            self.jobs[effect.job_id] = SimJob(effect, self.config.world_size)
-        elif isinstance(effect, fx.FlushStores):
-            for job_id in effect.job_ids:
-                self._copy(self.jobs[job_id])
-        elif isinstance(effect, fx.PinDeviceBlocks):
-            for block in effect.block_ids:
-                self._hold(block)
-        elif isinstance(effect, fx.UnpinDeviceBlocks):
-            for block in effect.block_ids:
-                self._release(block)
-        elif isinstance(effect, fx.ReportViolation):  # strict mode raises first
-            raise SimulationError(f"violation: {effect}")
+        _PERFORM[type(effect)](self, effect)
+
+    def _start(self, effect: fx.StartStore | fx.StartLoad) -> None:
+        self.jobs[effect.job_id] = SimJob(effect, self.config.world_size)
+
+    def _flush(self, effect: fx.FlushStores) -> None:
+        for job_id in effect.job_ids:
+            self._copy(self.jobs[job_id])
+
+    def _pin(self, effect: fx.PinDeviceBlocks) -> None:
+        for block in effect.block_ids:
+            self._hold(block)
+
+    def _unpin(self, effect: fx.UnpinDeviceBlocks) -> None:
+        for block in effect.block_ids:
+            self._release(block)
+
+    def _violation(self, effect: fx.ReportViolation) -> None:  # strict mode raises first
+        raise SimulationError(f"violation: {effect}")
+
+    def _evicted(self, effect: fx.KeysEvicted) -> None:
+        """A notification: the engine's own tables say what is loadable."""
 
     def _copy(self, job: SimJob) -> None:
         """The worker's copy; the simulator runs it as late as it may."""
@@ -546,3 +555,17 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
             sim.reset()
         if check_every and n % check_every == 0:
             sim.check()
+
+
+# Every effect kind, carried out as vLLM and the workers would (the checks of
+# `engine.effects.ROUTES` in one place: a new kind must be simulated too).
+_PERFORM = {
+    fx.StartStore: Simulator._start,
+    fx.StartLoad: Simulator._start,
+    fx.FlushStores: Simulator._flush,
+    fx.PinDeviceBlocks: Simulator._pin,
+    fx.UnpinDeviceBlocks: Simulator._unpin,
+    fx.ReportViolation: Simulator._violation,
+    fx.KeysEvicted: Simulator._evicted,
+}
+assert set(_PERFORM) == set(fx.EFFECT_TYPES), "the simulator must carry out every effect kind"

@@ -5,8 +5,8 @@ so an event must never advertise a block that cannot be loaded. A block is
 advertised once its store has completed (on every worker) and the engine
 holds it as stored; it is withdrawn as soon as it stops being loadable:
 evicted, dropped after a failed transfer, or cleared by a cache reset.
-Both directions are decided by asking the engine state after the event,
-never by guessing from the event alone.
+Both directions are decided by asking the engine state after the events,
+never by guessing from the events alone.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KV
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvledger.engine import effects as fx
-from kvledger.engine.state import Core, SlotState
+from kvledger.engine import queries
+from kvledger.engine.state import State
 from kvledger.events import types as ev
 
 if TYPE_CHECKING:
@@ -48,11 +49,6 @@ def group_event_specs(kv_cache_config: KVCacheConfig) -> tuple[GroupEventSpec, .
     return tuple(specs)
 
 
-def loadable(core: Core, key: bytes) -> bool:
-    slot = core.indexed_slot(key)
-    return slot >= 0 and core.slot_state[slot] == SlotState.STORED
-
-
 class TierEvents:
     """Turns engine transitions into vLLM KV events, and holds them until taken."""
 
@@ -65,17 +61,25 @@ class TierEvents:
     def advertised(self) -> frozenset[bytes]:
         return frozenset(self._advertised)
 
-    def observe(self, event: ev.Event, job_keys: Iterable[bytes], effects: Iterable[fx.Effect], core: Core) -> None:
-        """Reconcile every key this transition may have changed with the state after it."""
+    def observe(self, events: Iterable[ev.Event], job_keys: Iterable[bytes], notifications: Iterable[fx.Effect],
+                state: State) -> None:
+        """Reconcile every key these transitions may have changed with the state after them.
+
+        `job_keys` are the keys of the jobs the events report on, read before
+        they were applied (a job is gone once it ends); `notifications` are
+        the effects the engine produced (only `KeysEvicted` names keys).
+        """
         candidates = set(job_keys)
-        candidates.update(getattr(event, "keys", ()))
-        for effect in effects:
+        for event in events:
+            candidates.update(getattr(event, "keys", ()))
+            if isinstance(event, ev.CacheReset):
+                candidates.update(self._advertised)
+        for effect in notifications:
             if isinstance(effect, fx.KeysEvicted):
                 candidates.update(effect.keys)
-        if isinstance(event, ev.CacheReset):
-            candidates.update(self._advertised)
-        stored = sorted(k for k in candidates if k not in self._advertised and loadable(core, k))
-        removed = sorted(k for k in candidates if k in self._advertised and not loadable(core, k))
+        loadable = {k for k in candidates if queries.is_loadable(state, k)}
+        stored = sorted(k for k in candidates if k not in self._advertised and k in loadable)
+        removed = sorted(k for k in candidates if k in self._advertised and k not in loadable)
         for key in removed:
             self._advertised.discard(key)
         if removed:

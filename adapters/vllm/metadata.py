@@ -1,10 +1,14 @@
 """What crosses between vLLM's scheduler and worker processes, per step.
 
 Plain frozen values (effects and events), so vLLM can pickle them between
-processes; nothing here holds a tensor or a callable.
+processes; nothing here holds a tensor or a callable. The step's worker
+effects travel as the engine made them, split by phase (`engine.effects.ROUTES`),
+each phase run by the vLLM hook that owns that moment of the step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -15,30 +19,24 @@ from kvledger.events.types import TransferEvent
 
 @attrs.frozen(kw_only=True)
 class KVLedgerMetadata(KVConnectorMetadata):
-    """Scheduler to worker: this step's transfers.
+    """Scheduler to worker: this step's transfers, by phase.
 
-    `flush` are stores to wait for in `handle_preemptions`, before the step
-    overwrites their source blocks; `stores` start after the forward wrote
-    them; `loads` start after the forward (their requests are not scheduled).
+    `before_step` (flushes) runs in `handle_preemptions`, before the step
+    zeroes or overwrites any block; `loads` in `start_load_kv`, once the
+    step's new blocks are set up (their requests are not in the batch);
+    `after_forward` (stores) in `wait_for_save`, after the forward wrote
+    the blocks.
     """
 
-    flush: tuple[int, ...] = ()
-    stores: tuple[fx.StartStore, ...] = ()
-    loads: tuple[fx.StartLoad, ...] = ()
+    before_step: tuple[fx.Effect, ...] = ()
+    loads: tuple[fx.Effect, ...] = ()
+    after_forward: tuple[fx.Effect, ...] = ()
 
     @classmethod
-    def from_effects(cls, effects: list[fx.Effect]) -> KVLedgerMetadata:
-        flush: list[int] = []
-        stores: list[fx.StartStore] = []
-        loads: list[fx.StartLoad] = []
-        for effect in effects:
-            if isinstance(effect, fx.FlushStores):
-                flush.extend(effect.job_ids)
-            elif isinstance(effect, fx.StartStore):
-                stores.append(effect)
-            elif isinstance(effect, fx.StartLoad):
-                loads.append(effect)
-        return cls(flush=tuple(sorted(set(flush))), stores=tuple(stores), loads=tuple(loads))
+    def from_effects(cls, effects: Iterable[fx.Effect]) -> KVLedgerMetadata:
+        routed = fx.route(effects)
+        return cls(before_step=tuple(routed[fx.Phase.BEFORE_STEP]), loads=tuple(routed[fx.Phase.LOADS]),
+                   after_forward=tuple(routed[fx.Phase.AFTER_FORWARD]))
 
 
 @attrs.frozen(kw_only=True)

@@ -1,14 +1,12 @@
 """The scheduler half of the connector: vLLM's calls in, engine events out.
 
-vLLM tells a connector about a step piecemeal: lookups and admissions while
-`schedule()` runs, then `build_connector_meta` once at its end. Block frees
-(preemption, sliding-window blocks leaving the window) happen inside
-`schedule()` without any call. So admissions are held until
-`build_connector_meta`, where the step's events are emitted in one order
-that is always legal: preemptions, frees, growth, admissions, the step
-(vLLM's own order: running requests are scheduled before waiting ones).
-Frees and growth come from diffing vLLM's block tables against the engine's
-own, so nothing is inferred.
+`on_new_request`, `update_connector_output`, `request_finished` and
+`reset_cache` become events at once. Admissions are noted as vLLM makes
+them; at the end of `schedule()`, `build_connector_meta` hands what vLLM
+exposes to the pure step planner (`engine.planner.plan_step`), applies the
+events it returns in one `reduce_step`, carries out the scheduler's own
+effects (block-pool references), and sends the workers theirs as the step's
+metadata, by phase (`engine.effects.route`).
 
 `get_num_new_matched_tokens` is a pure query of the engine state.
 """
@@ -28,12 +26,12 @@ from kvledger.adapters.vllm.block_pool import BlockPoolView
 from kvledger.adapters.vllm.kv_events import TierEvents
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.engine import effects as fx
+from kvledger.engine import queries
 from kvledger.engine.lookup import lookup
-from kvledger.engine.state import RequestState, RequestStatus
+from kvledger.engine.planner import Admission, StepInputs, new_hashes, plan_step
 from kvledger.events import types as ev
-from kvledger.events.config import EngineConfig, GroupKind, StoreMode
+from kvledger.events.config import EngineConfig, StoreMode
 from kvledger.events.keys import hex_keys
-from kvledger.events.types import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -43,17 +41,11 @@ if TYPE_CHECKING:
 
 _log = structlog.get_logger("kvledger.adapters.vllm.scheduler")
 
-_ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-
 # Engine totals reported as counters: the stats carry their change since the last report.
 _COUNTED = (("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORES),
             ("store_rejections", m.ALLOCATION_FAILURE), ("load_failures", m.LOAD_FAILURES),
             ("store_failures", m.STORE_FAILURES), ("keys_failed", m.FAILED_BLOCKS),
             ("evictions", m.EVICTIONS), ("flushes", m.FLUSHES), ("jobs_flushed", m.FLUSHED_JOBS))
-
-
-def _job_keys(job) -> list[bytes]:
-    return [] if job is None else [k for group in job.keys for k in group]
 
 
 class LedgerScheduler:
@@ -64,18 +56,16 @@ class LedgerScheduler:
         self.config = config
         self.settings = settings
         self.log_path = unused_path(settings.event_log) if settings.event_log else None
-        self.recorder = EngineHost(
+        self.host = EngineHost(
             config, log_path=self.log_path, fmt=settings.event_log_format,
             digest_interval=settings.digest_interval, background=True)
         if self.log_path is not None:
             _log.info("event_log_opened", path=self.log_path)
-        self._manager: KVCacheManager | None = None
         self._managers: tuple = ()  # vLLM's per-group managers, in group order
-        self._window_groups = tuple(i for i, g in enumerate(config.groups) if g.kind is not GroupKind.FULL)
         self._pool: BlockPoolView | None = None
         self._requests: dict[str, Request] = {}
         self._local_hit: dict[str, int] = {}  # the local hit vLLM passed to the last lookup
-        self._admitted: list[tuple[str, int, int]] = []  # (request, local tokens, external tokens)
+        self._admitted: list[Admission] = []  # this step's, in vLLM's order
         self._step = 0
         self._epoch = 0
         self.tier_events = tier_events
@@ -83,37 +73,48 @@ class LedgerScheduler:
         self._reported: dict[str, int] = {}  # engine totals at the last stats report
         self._lookup_seconds: list[float] = []
 
-    # Engine access.
+    # Applying events and carrying out their effects.
 
-    def _engine_request(self, rid: str) -> RequestState | None:
-        return self.recorder.state.core.requests.get(rid)
-
-    def _apply(self, event: ev.Event, effects: list[fx.Effect]) -> None:
-        job_id = getattr(event, "job_id", None)
-        job = None if job_id is None else self.recorder.state.core.jobs.get(job_id)  # gone once it ends
-        produced = self.recorder.apply(event)
-        for effect in produced:
+    def _apply(self, events: list[ev.Event]) -> tuple[fx.Effect, ...]:
+        """Apply one step's (or one call's) events; carry out what is the scheduler's."""
+        state = self.host.state
+        jobs: dict[int, queries.JobView] = {}  # the jobs these events report on, read before they end
+        for event in events:
+            job_id = getattr(event, "job_id", None)
+            if job_id is not None:
+                job = queries.job_view(state, job_id)
+                if job is not None:
+                    jobs[job_id] = job
+        effects = self.host.apply_step(events)
+        routed = fx.route(effects)
+        for effect in routed[fx.Phase.SCHEDULER]:
             if isinstance(effect, fx.PinDeviceBlocks):
                 self._block_pool.touch(effect.block_ids)
-            elif isinstance(effect, fx.UnpinDeviceBlocks):
+            else:
+                assert isinstance(effect, fx.UnpinDeviceBlocks), effect
                 self._block_pool.free_blocks(effect.block_ids)
-            elif isinstance(effect, fx.ReportViolation):
+        notifications = routed[fx.Phase.NOTIFICATION]
+        for effect in notifications:
+            if isinstance(effect, fx.ReportViolation):
                 self._violations += 1
-                keys = getattr(event, "keys", ()) or _job_keys(job)
+                job = jobs.get(effect.job_id)
                 _log.error("protocol_violation", code=effect.code, message=effect.message,
-                           event_kind=effect.event_kind, request_id=effect.request_id,
-                           job_id=effect.job_id, keys=hex_keys(keys), step=self._step)
-        if isinstance(event, (ev.StoreFailed, ev.LoadFailed)):
-            _log.warning(event.kind, request_id=None if job is None else job.request_id, job_id=event.job_id,
-                         worker_index=event.worker_index, keys=hex_keys(event.keys), step=self._step)
+                           event_kind=effect.event_kind, request_id=effect.request_id, job_id=effect.job_id,
+                           keys=hex_keys(() if job is None else job.keys), step=self._step)
+        for event in events:
+            if isinstance(event, (ev.StoreFailed, ev.LoadFailed)):
+                job = jobs.get(event.job_id)
+                _log.warning(event.kind, request_id=None if job is None else job.request_id,
+                             job_id=event.job_id, worker_index=event.worker_index, keys=hex_keys(event.keys),
+                             step=self._step)
         if self.tier_events is not None:
-            self.tier_events.observe(event, _job_keys(job), produced, self.recorder.state.core)
-        effects.extend(produced)
+            self.tier_events.observe(events, [k for job in jobs.values() for k in job.keys], notifications,
+                                     self.host.state)
+        return effects
 
     # vLLM's scheduler-side calls.
 
     def bind(self, manager: KVCacheManager) -> None:
-        self._manager = manager
         self._managers = tuple(manager.coordinator.single_type_managers)
         self._pool = BlockPoolView(manager.block_pool)
 
@@ -125,16 +126,17 @@ class LedgerScheduler:
     def on_new_request(self, request: Request) -> None:
         rid = request.request_id
         self._requests[rid] = request
-        effects: list[fx.Effect] = []
-        self._apply(ev.RequestAdded(request_id=rid, num_prompt_tokens=request.num_prompt_tokens,
-                                    block_hashes=tuple(request.block_hashes)), effects)
+        self._apply([ev.RequestAdded(request_id=rid, num_prompt_tokens=request.num_prompt_tokens,
+                                     block_hashes=tuple(request.block_hashes))])
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         started = time.perf_counter()
         rid = request.request_id
         self._local_hit[rid] = num_computed_tokens
-        self._sync_hashes(request, [])
-        result = lookup(self.recorder.state, rid, num_computed_tokens)
+        appended = new_hashes(self.host.state, rid, request)
+        if appended is not None:
+            self._apply([appended])
+        result = lookup(self.host.state, rid, num_computed_tokens)
         self._lookup_seconds.append(time.perf_counter() - started)
         if not result.ready:
             return None, False  # a needed key is still being stored or loaded: ask next step
@@ -143,68 +145,35 @@ class LedgerScheduler:
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         rid = request.request_id
-        engine_request = self._engine_request(rid)
-        if engine_request is not None and engine_request.status in _ADMITTABLE:
-            self._admitted.append((rid, self._local_hit.pop(rid, 0), num_external_tokens))
+        if queries.request_status(self.host.state, rid) in queries.ADMITTABLE:
+            self._admitted.append(Admission(rid, self._local_hit.pop(rid, 0), num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLedgerMetadata:
-        effects: list[fx.Effect] = []
-        admitted = {rid for rid, _, _ in self._admitted}
-        for rid in sorted(scheduler_output.preempted_req_ids or ()):
-            engine_request = self._engine_request(rid)
-            if engine_request is not None and engine_request.status is RequestStatus.RUNNING:
-                self._apply(ev.RequestPreempted(request_id=rid), effects)
-
+        assert self._managers, "bind_kv_cache_manager was not called"
         scheduled = scheduler_output.num_scheduled_tokens
-        # Every free before any growth: a block one request's window released
-        # may be the block another request grew into.
-        growing = []
-        for rid in scheduled:
-            if rid not in admitted:
-                blocks = self._follow(rid, effects)
-                if blocks is not None:
-                    growing.append((rid, blocks))
-        # Growth before admissions, as vLLM schedules them: an admission may
-        # hit vLLM's prefix cache on blocks a running request allocated this step.
-        for rid, blocks in growing:
-            self._grow(rid, blocks, effects)
-        for rid in admitted:
-            self._sync_hashes(self._requests[rid], effects)
-        for rid, local, external in self._admitted:
-            self._admit(rid, local, external, effects)
-        self._admitted.clear()
-
-        if self.config.store_mode is StoreMode.LAZY:
-            near = self._near_eviction()
-            if near:
-                self._apply(ev.BlocksNearEviction(block_ids=near), effects)
-
+        step = StepInputs(
+            step_index=self._step + 1, preempted=tuple(scheduler_output.preempted_req_ids or ()),
+            scheduled=scheduled, admissions=self._admitted, requests=self._requests,
+            tables=tuple(manager.req_to_blocks for manager in self._managers),
+            near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else ())
+        events = plan_step(self.host.state, step)
+        self._admitted = []
         if scheduled:
             self._step += 1
-            rids = tuple(scheduled)
-            self._apply(ev.StepScheduled(
-                step_index=self._step, request_ids=rids,
-                num_computed_tokens=tuple(self._requests[r].num_computed_tokens for r in rids),
-                num_scheduled_tokens=tuple(scheduled[r] for r in rids)), effects)
-        return KVLedgerMetadata.from_effects(effects)
+        return KVLedgerMetadata.from_effects(self._apply(events))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
-        if not isinstance(meta, KVLedgerWorkerMetadata):
-            return
-        effects: list[fx.Effect] = []
-        for event in meta.events:
-            self._apply(event, effects)
+        if isinstance(meta, KVLedgerWorkerMetadata) and meta.events:
+            self._apply(list(meta.events))
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, None]:
         rid = request.request_id
-        engine_request = self._engine_request(rid)
-        effects: list[fx.Effect] = []
-        if engine_request is not None:
-            if engine_request.status is RequestStatus.RUNNING:
-                self._apply(ev.RequestFinished(request_id=rid, block_ids=block_ids), effects)
-            else:  # never ran, preempted, or still loading: vLLM frees a loading one when its load ends
-                self._apply(ev.RequestAborted(request_id=rid), effects)
+        status = queries.request_status(self.host.state, rid)
+        if status is queries.RequestStatus.RUNNING:
+            self._apply([ev.RequestFinished(request_id=rid, block_ids=block_ids)])
+        elif status is not None:  # never ran, preempted, or still loading: vLLM frees a loading one when its load ends
+            self._apply([ev.RequestAborted(request_id=rid)])
         self._requests.pop(rid, None)
         self._local_hit.pop(rid, None)
         return False, None  # blocks are freed now; the engine flushes stores that still read them
@@ -212,8 +181,8 @@ class LedgerScheduler:
     def take_stats(self) -> m.KVLedgerStats:
         """What the engine counted since the last report, and the tier now."""
         stats = m.KVLedgerStats()
-        core = self.recorder.state.core
-        totals = core.stats.as_dict()
+        state = self.host.state
+        totals = queries.stats(state)
         for field, metric in _COUNTED:
             stats.add(metric, totals[field] - self._reported.get(field, 0))
         self._reported = totals
@@ -222,9 +191,10 @@ class LedgerScheduler:
         for seconds in self._lookup_seconds:
             stats.add(m.LOOKUP_DELAY, seconds)
         self._lookup_seconds.clear()
-        stats.add(m.TIER_USED, core.num_used_slots())
-        stats.add(m.TIER_CAPACITY, self.config.num_tier_slots)
-        stats.add(m.JOBS_IN_FLIGHT, len(core.jobs))
+        tier = queries.tier_usage(state)
+        stats.add(m.TIER_USED, tier.used_slots)
+        stats.add(m.TIER_CAPACITY, tier.capacity_slots)
+        stats.add(m.JOBS_IN_FLIGHT, queries.num_jobs_in_flight(state))
         return stats
 
     def take_events(self) -> list:
@@ -232,7 +202,7 @@ class LedgerScheduler:
 
     def has_pending_work(self) -> bool:
         """Keep vLLM stepping while transfers run, or their completions never arrive."""
-        return bool(self.recorder.state.core.jobs)
+        return queries.has_jobs_in_flight(self.host.state)
 
     def has_pending_block_frees(self) -> bool:
         """Blocks kvledger holds for stores come back when those end: vLLM
@@ -241,13 +211,11 @@ class LedgerScheduler:
 
     def reset_cache(self) -> bool:
         self._epoch += 1
-        self._apply(ev.CacheReset(epoch=self._epoch), [])
+        self._apply([ev.CacheReset(epoch=self._epoch)])
         return True
 
     def shutdown(self) -> None:
-        self.recorder.close()
-
-    # Table diffs.
+        self.host.close()
 
     def _near_eviction(self) -> tuple[int, ...]:
         """The first free blocks vLLM will hand out, in the order it will."""
@@ -258,77 +226,3 @@ class LedgerScheduler:
             if not block.is_null:
                 near.append(block.block_id)
         return tuple(near)
-
-    def _blocks(self, rid: str) -> tuple[list, ...]:
-        """vLLM's own per-group block lists for the request (read, never copied)."""
-        assert self._manager is not None, "bind_kv_cache_manager was not called"
-        return tuple(m.req_to_blocks.get(rid, ()) for m in self._managers)
-
-    def _table(self, rid: str) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(b.block_id for b in blocks) for blocks in self._blocks(rid))
-
-    def _sync_hashes(self, request: Request, effects: list[fx.Effect]) -> None:
-        engine_request = self._engine_request(request.request_id)
-        if engine_request is None:
-            return
-        known = len(engine_request.hashes)
-        hashes = request.block_hashes
-        if len(hashes) > known:
-            self._apply(ev.BlockHashesAppended(request_id=request.request_id, num_tokens=request.num_tokens,
-                                               block_hashes=tuple(hashes[known:])), effects)
-
-    def _follow(self, rid: str, effects: list[fx.Effect]) -> tuple[list, ...] | None:
-        """Catch the engine up with one running request's new hashes and its
-        window frees; vLLM's block lists when they grew, for `_grow`.
-
-        Frees are blocks vLLM has replaced by the null block. Only window
-        groups lose blocks mid-request, always from the front, so the scan
-        starts at the engine's free floor and stops at the first block vLLM
-        still holds: at most a comparison per window group in most steps.
-        """
-        mine = self._engine_request(rid)
-        if mine is None:
-            return None
-        request = self._requests[rid]
-        if len(request.block_hashes) > len(mine.hashes):
-            self._sync_hashes(request, effects)
-            mine = self._engine_request(rid)
-        blocks = self._blocks(rid)
-        freed: list[list[int]] | None = None
-        for g in self._window_groups:
-            known, now = mine.table[g], blocks[g]
-            for position in range(mine.free_floor[g], min(len(known), len(now))):
-                if not now[position].is_null:
-                    break
-                if known[position] != NULL_BLOCK_ID:
-                    if freed is None:
-                        freed = [[] for _ in blocks]
-                    freed[g].append(known[position])
-        if freed is not None:
-            self._apply(ev.BlocksFreed(request_id=rid, block_ids=tuple(tuple(f) for f in freed)), effects)
-            mine = self._engine_request(rid)
-        if all(len(now) == len(known) for known, now in zip(mine.table, blocks)):
-            return None
-        return blocks
-
-    def _grow(self, rid: str, blocks: tuple[list, ...], effects: list[fx.Effect]) -> None:
-        mine = self._engine_request(rid)
-        if mine is None:
-            return
-        grown = tuple(tuple(b.block_id for b in now[len(known):]) for known, now in zip(mine.table, blocks))
-        if any(grown):
-            self._apply(ev.BlocksAllocated(request_id=rid, block_ids=grown), effects)
-
-    def _admit(self, rid: str, local: int, external: int, effects: list[fx.Effect]) -> None:
-        mine = self._engine_request(rid)
-        if mine is None:
-            return
-        if mine.status is RequestStatus.PREEMPTED:
-            self._apply(ev.RequestResumed(request_id=rid), effects)
-        table = self._table(rid)
-        if local:
-            touched = tuple(tuple(ids[: local // g.block_size]) for ids, g in zip(table, self.config.groups))
-            self._apply(ev.BlocksTouched(request_id=rid, block_ids=touched), effects)
-        fresh = tuple(tuple(ids[local // g.block_size:]) for ids, g in zip(table, self.config.groups))
-        self._apply(ev.BlocksAllocated(request_id=rid, block_ids=fresh, num_external_tokens=external), effects)
-

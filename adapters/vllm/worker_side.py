@@ -24,7 +24,7 @@ import torch
 from kvledger.adapters.settings import ConnectorSettings
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
-from kvledger.engine.effects import FlushStores
+from kvledger.engine.effects import StartLoad
 from kvledger.events.config import ConfigError
 from kvledger.events.types import LoadCompleted, LoadFailed, TransferEvent
 from kvledger.transfers.assemble import Transfers, open_transfers
@@ -81,17 +81,18 @@ class LedgerWorker:
         return self.transfers.runner
 
     def handle_preemptions(self, meta: KVLedgerMetadata) -> None:
-        if meta.flush:
-            self._runner.submit([FlushStores(job_ids=meta.flush)])
-            _log.debug("stores_flushed", job_ids=meta.flush)
+        if meta.before_step:
+            self._runner.submit(meta.before_step)
+            _log.debug("stores_flushed", effects=meta.before_step)
 
     def start_loads(self, meta: KVLedgerMetadata) -> None:
         for load in meta.loads:
+            assert isinstance(load, StartLoad), load
             self._load_requests[load.job_id] = load.request_id
         self._runner.submit(meta.loads)
 
     def start_stores(self, meta: KVLedgerMetadata) -> None:
-        self._runner.submit(meta.stores)
+        self._runner.submit(meta.after_forward)
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call."""

@@ -90,7 +90,7 @@ def test_replay_digest_is_independent_of_hash_seed(hybrid_log: Path) -> None:
     digests = set()
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli.log_commands", "replay", str(hybrid_log), "--json"],
+        out = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli.main", "replay", str(hybrid_log), "--json"],
                              env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
@@ -105,7 +105,7 @@ def test_recording_is_independent_of_hash_seed(tmp_path: Path) -> None:
     for seed in ("1", "2"):
         out_path = tmp_path / f"sim-{seed}.log"
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli.log_commands", "simulate", "--scenario", "mamba",
+        done = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli.main", "simulate", "--scenario", "mamba",
                                "--steps", "80", "--out", str(out_path)], env=env, capture_output=True,
                               text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 0, done.stderr

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from kvledger.adapters.vllm.kv_events import GroupEventSpec, TierEvents, loadable
+from kvledger.adapters.vllm.kv_events import GroupEventSpec, TierEvents
+from kvledger.engine import queries
 from kvledger.events import types as ev
 from tests.engine.builders import Engine, chain, full_only_config, key, make_config
 
@@ -23,15 +24,15 @@ class Watched(Engine):
         self.tier_events = TierEvents(specs)
 
     def apply(self, event):
-        job = self.core.jobs.get(getattr(event, "job_id", -1))
-        job_keys = [] if job is None else [k for group in job.keys for k in group]
+        job = queries.job_view(self.state, getattr(event, "job_id", -1))
+        job_keys = () if job is None else job.keys
         effects = super().apply(event)
-        self.tier_events.observe(event, job_keys, effects, self.core)
+        self.tier_events.observe([event], job_keys, effects, self.state)
         return effects
 
     def check_advertised(self) -> None:
         """Every advertised key can be loaded now, and every loadable key is advertised."""
-        held = {k for k in self.core.slot_of_key if loadable(self.core, k)}
+        held = set(queries.loadable_keys(self.state))
         assert self.tier_events.advertised == held
 
 

@@ -154,8 +154,8 @@ def test_record_form_and_matching() -> None:
 
 
 def test_parts_scale_with_the_largest_table() -> None:
-    assert parts_for(rich().state.core) == 1
-    assert parts_for(rich(num_tier_slots=digest_module.PART_ROWS * 3 + 1).state.core) == 4
+    assert parts_for(rich().config) == 1
+    assert parts_for(rich(num_tier_slots=digest_module.PART_ROWS * 3 + 1).config) == 4
 
 
 def _record(path: Path, parts_rows: int, monkeypatch: pytest.MonkeyPatch) -> list[ev.Event]:

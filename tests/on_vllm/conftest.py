@@ -42,7 +42,7 @@ def run_engine(spec: dict, timeout: float = 300) -> dict:
 def replay_summary(log: Path) -> dict:
     """`kvledger replay --check --json`: the log must replay with no problem."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvledger.adapters.cli.log_commands", "replay", str(log), "--check", "--json"],
+        [sys.executable, "-m", "kvledger.adapters.cli.main", "replay", str(log), "--check", "--json"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, f"replay --check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -45,7 +45,7 @@ def watch_kv_events(llm) -> dict:
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from kvledger.adapters.vllm.kv_events import loadable
+    from kvledger.engine import queries
 
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
     seen = {"stored": 0, "removed": 0, "checks": 0, "problems": []}
@@ -67,9 +67,9 @@ def watch_kv_events(llm) -> dict:
                     seen["problems"].append("removed a block never advertised")
                 advertised.difference_update(pairs)
                 seen["removed"] += len(pairs)
-        core = connector.scheduler.recorder.state.core
+        state = connector.scheduler.host.state
         held = {(int.from_bytes(k[-4:], "big"), maybe_convert_block_hash(k[:-4]))
-                for k in core.slot_of_key if loadable(core, k)}
+                for k in queries.loadable_keys(state)}
         if held != advertised:
             seen["problems"].append(f"advertised {len(advertised)} blocks, {len(held)} loadable, "
                                     f"{len(advertised - held)} of them not loadable")

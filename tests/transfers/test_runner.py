@@ -161,9 +161,11 @@ def test_a_job_id_already_in_flight_is_rejected() -> None:
     rig.runner.shutdown()
 
 
-def test_other_effects_are_ignored_and_empty_jobs_complete() -> None:
+def test_a_non_worker_effect_is_refused_by_name_and_empty_jobs_complete() -> None:
     rig = make_rig(layouts.cpu_attention())
-    rig.runner.submit([KeysEvicted(keys=(b"x",)), store(1, [[]], [[]]), FlushStores(job_ids=(1,))])
+    with pytest.raises(TypeError, match="KeysEvicted is not a worker effect"):
+        rig.runner.submit([KeysEvicted(keys=(b"x",))])
+    rig.runner.submit([store(1, [[]], [[]]), FlushStores(job_ids=(1,))])
     assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
     rig.runner.shutdown()
 

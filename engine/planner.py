@@ -1,0 +1,215 @@
+"""Decides a scheduler step's events from what vLLM exposes at its end.
+
+vLLM tells a connector about a step piecemeal: lookups and admissions while
+`schedule()` runs, then `build_connector_meta` once at its end. Blocks are
+freed inside `schedule()` without a call (a preemption, sliding-window
+blocks leaving the window). So the step's events are decided here, at the
+end, by diffing vLLM's block tables against the engine's, and emitted in the
+one order that is always legal:
+
+1. preemptions (sorted by request id);
+2. for each running request, in vLLM's scheduling order: its new block
+   hashes, then its window frees;
+3. the growth of running requests (every free before any growth: a block one
+   request's window released may be the block another grew into);
+4. admissions, in the order vLLM admitted them: their new hashes, then
+   `request_resumed` for a preempted one, the prefix-cache blocks touched and
+   the fresh blocks allocated (growth first, as vLLM schedules: an admission
+   may hit vLLM's prefix cache on a block a running request allocated in the
+   same step);
+5. lazy mode's blocks near eviction;
+6. the step itself.
+
+Pure: a function of the engine state and `StepInputs`, which reads vLLM's
+objects where they lie (no table is copied) and changes nothing. The same
+workload gives the same events in any process, whatever its hash seed: no
+set or dict of requests is iterated except in an order vLLM fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import attrs
+
+from kvledger.events import types as ev
+from kvledger.events.config import GroupKind, StoreMode
+from kvledger.events.types import NULL_BLOCK_ID
+
+from .state import PREEMPTED, RUNNING, Core, RequestState, State
+
+
+class Block(Protocol):
+    """One entry of vLLM's block table (`KVCacheBlock`); the null block has id 0."""
+
+    @property
+    def block_id(self) -> int: ...
+
+
+class Request(Protocol):
+    """The parts of vLLM's `Request` a step reads."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+
+@attrs.frozen
+class Admission:
+    """A waiting request vLLM admitted this step (`update_state_after_alloc`)."""
+
+    request_id: str
+    num_local_tokens: int  # vLLM's own prefix-cache hit, as passed to the lookup
+    num_external_tokens: int  # the tier hit to load
+
+
+@attrs.frozen(kw_only=True)
+class StepInputs:
+    """What vLLM exposes at the end of `schedule()`, read in place.
+
+    `tables[g]` maps a request id to vLLM's block list for group `g` (its
+    single-type manager's `req_to_blocks`); `requests` maps ids to vLLM's
+    requests. `scheduled` is vLLM's `num_scheduled_tokens`, in its order.
+    """
+
+    step_index: int  # the index the step gets if it schedules anything
+    preempted: Sequence[str] = ()
+    scheduled: Mapping[str, int] = attrs.field(factory=dict)
+    admissions: Sequence[Admission] = ()
+    requests: Mapping[str, Request] = attrs.field(factory=dict)
+    tables: Sequence[Mapping[str, Sequence[Block]]] = ()
+    near_eviction: tuple[int, ...] = ()  # free blocks at the eviction end, in eviction order
+
+
+def new_hashes(state: State, request_id: str, request: Request) -> ev.BlockHashesAppended | None:
+    """The hashes vLLM computed for the request that the engine does not know yet."""
+    mine = state.core.requests.get(request_id)
+    return None if mine is None else _new_hashes(mine, request)
+
+
+def _new_hashes(mine: RequestState, request: Request) -> ev.BlockHashesAppended | None:
+    known = len(mine.hashes)
+    hashes = request.block_hashes
+    if len(hashes) <= known:
+        return None
+    return ev.BlockHashesAppended(request_id=mine.request_id, num_tokens=request.num_tokens,
+                                  block_hashes=tuple(hashes[known:]))
+
+
+def _window_frees(core: Core, mine: RequestState, blocks: tuple[Sequence[Block], ...]) -> ev.BlocksFreed | None:
+    """Blocks vLLM replaced by the null block in a window group.
+
+    Only window groups lose blocks mid-request, always from the front, so
+    the scan starts at the engine's free floor and stops at the first block
+    vLLM still holds: at most a comparison per window group in most steps.
+    """
+    freed: list[list[int]] | None = None
+    for g, group in enumerate(core.groups):
+        if group.kind is GroupKind.FULL:
+            continue
+        known, now = mine.table[g], blocks[g]
+        for position in range(mine.free_floor[g], min(len(known), len(now))):
+            if now[position].block_id != NULL_BLOCK_ID:
+                break
+            if known[position] != NULL_BLOCK_ID:
+                if freed is None:
+                    freed = [[] for _ in blocks]
+                freed[g].append(known[position])
+    if freed is None:
+        return None
+    return ev.BlocksFreed(request_id=mine.request_id, block_ids=tuple(tuple(f) for f in freed))
+
+
+def _growth(mine: RequestState, blocks: tuple[Sequence[Block], ...]) -> ev.BlocksAllocated | None:
+    grown = tuple(tuple(b.block_id for b in now[len(known):]) for known, now in zip(mine.table, blocks))
+    if not any(grown):
+        return None
+    return ev.BlocksAllocated(request_id=mine.request_id, block_ids=grown)
+
+
+def _admission(core: Core, admission: Admission, table: tuple[tuple[int, ...], ...],
+               resumed: bool) -> list[ev.Event]:
+    rid, local = admission.request_id, admission.num_local_tokens
+    events: list[ev.Event] = []
+    if resumed:
+        events.append(ev.RequestResumed(request_id=rid))
+    if local:
+        touched = tuple(ids[: local // g.block_size] for ids, g in zip(table, core.groups))
+        events.append(ev.BlocksTouched(request_id=rid, block_ids=touched))
+    fresh = tuple(ids[local // g.block_size:] for ids, g in zip(table, core.groups))
+    events.append(ev.BlocksAllocated(request_id=rid, block_ids=fresh,
+                                     num_external_tokens=admission.num_external_tokens))
+    return events
+
+
+def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
+    """The step's events, in the order above; apply them with `reduce_step`."""
+    core = state.core
+    mine_of = core.requests.get
+    events: list[ev.Event] = []
+
+    preempted_now: set[str] = set()
+    for rid in sorted(step.preempted):
+        mine = mine_of(rid)
+        if mine is not None and mine.status is RUNNING:
+            events.append(ev.RequestPreempted(request_id=rid))
+            preempted_now.add(rid)
+
+    admitted = {a.request_id for a in step.admissions}  # membership only, never iterated
+    tables = step.tables
+    growing: list[tuple[RequestState, tuple[Sequence[Block], ...]]] = []
+    for rid in step.scheduled:
+        if rid in admitted:
+            continue
+        mine = mine_of(rid)
+        if mine is None:
+            continue
+        appended = _new_hashes(mine, step.requests[rid])
+        if appended is not None:
+            events.append(appended)
+        blocks = tuple(t.get(rid, ()) for t in tables)
+        freed = _window_frees(core, mine, blocks)
+        if freed is not None:
+            events.append(freed)
+        if any(len(now) != len(known) for known, now in zip(mine.table, blocks)):
+            growing.append((mine, blocks))
+    for mine, blocks in growing:
+        grown = _growth(mine, blocks)
+        if grown is not None:
+            events.append(grown)
+
+    admissions: list[tuple[Admission, RequestState]] = []
+    seen: set[str] = set()
+    for admission in step.admissions:  # vLLM's order; a repeat is the same admission
+        rid = admission.request_id
+        mine = mine_of(rid)
+        if mine is None or rid in seen:
+            continue
+        seen.add(rid)
+        admissions.append((admission, mine))
+        appended = _new_hashes(mine, step.requests[rid])
+        if appended is not None:
+            events.append(appended)
+    for admission, mine in admissions:
+        rid = admission.request_id
+        table = tuple(tuple(b.block_id for b in t.get(rid, ())) for t in tables)
+        resumed = mine.status is PREEMPTED or rid in preempted_now
+        events.extend(_admission(core, admission, table, resumed))
+
+    if core.config.store_mode is StoreMode.LAZY and step.near_eviction:
+        events.append(ev.BlocksNearEviction(block_ids=step.near_eviction))
+
+    if step.scheduled:
+        rids = tuple(step.scheduled)
+        requests = step.requests
+        events.append(ev.StepScheduled(
+            step_index=step.step_index, request_ids=rids,
+            num_computed_tokens=tuple(requests[r].num_computed_tokens for r in rids),
+            num_scheduled_tokens=tuple(step.scheduled[r] for r in rids)))
+    return events

@@ -1,0 +1,150 @@
+"""What the world outside engine/ may ask of the state.
+
+Adapters, the CLI, the report and the KV-events publisher read the engine
+through these functions only, never through `Core`'s tables, so the tables
+can change shape (a tier of its own per level, say) without touching them.
+Each answer is a plain value or a frozen view: holding one never keeps the
+engine's tables alive or lets a caller change them.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from .state import STORED, Core, RequestStatus, State
+
+ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+@attrs.frozen
+class TierUsage:
+    used_slots: int
+    capacity_slots: int
+    offered_keys: int  # keys a lookup may hit (stored or still storing)
+    evictable_keys: int
+    loading_slots: int
+
+
+@attrs.frozen
+class DeviceUsage:
+    held_blocks: int
+    pinned_blocks: int
+    blocks_read_by_stores: int
+    blocks_being_loaded: int
+
+
+@attrs.frozen
+class RequestView:
+    request_id: str
+    status: RequestStatus
+    num_prompt_tokens: int
+    num_tokens: int
+    num_computed_tokens: int
+    num_hashes: int
+    blocks_per_group: tuple[int, ...]  # blocks held (null positions not counted)
+    table_positions: tuple[int, ...]
+    load_job_id: int
+    next_store_positions: tuple[int, ...]
+    num_preemptions: int
+
+
+@attrs.frozen
+class JobView:
+    job_id: int
+    kind: str  # "store" or "load"
+    request_id: str
+    keys: tuple[bytes, ...]  # every group's, in group order
+    blocks_per_group: tuple[int, ...]
+    pending_workers: int  # bitmask of workers yet to report
+    flushed: bool
+    stale: bool
+
+
+@attrs.frozen
+class Position:
+    step_index: int
+    epoch: int
+    next_job_id: int
+
+
+def _core(state: State) -> Core:
+    return state.core
+
+
+def position(state: State) -> Position:
+    core = _core(state)
+    return Position(core.step_index, core.epoch, core.next_job_id)
+
+
+def stats(state: State) -> dict[str, int]:
+    """The running totals (hits, loads, stores, failures, evictions, ...)."""
+    return _core(state).stats.as_dict()
+
+
+def tier_usage(state: State) -> TierUsage:
+    core = _core(state)
+    return TierUsage(core.num_used_slots(), core.config.num_tier_slots, len(core.slot_of_key),
+                     len(core.policy), len(core.slot_loads))
+
+
+def device_usage(state: State) -> DeviceUsage:
+    core = _core(state)
+    return DeviceUsage(sum(1 for c in core.block_refs if c), sum(1 for c in core.block_pins if c),
+                       len(core.block_readers), len(core.block_writer))
+
+
+def is_loadable(state: State, key: bytes) -> bool:
+    """The key is in the tier and its store completed on every worker: a hit may load it."""
+    core = _core(state)
+    slot = core.slot_of_key.get(key, -1)
+    return slot >= 0 and core.slot_state[slot] == STORED
+
+
+def loadable_keys(state: State) -> list[bytes]:
+    core = _core(state)
+    state_of = core.slot_state
+    return sorted(k for k, s in core.slot_of_key.items() if state_of[s] == STORED)
+
+
+def num_requests(state: State) -> int:
+    return len(_core(state).requests)
+
+
+def request_ids(state: State) -> list[str]:
+    return sorted(_core(state).requests)
+
+
+def request_status(state: State, request_id: str) -> RequestStatus | None:
+    request = _core(state).requests.get(request_id)
+    return None if request is None else request.status
+
+
+def request_view(state: State, request_id: str) -> RequestView | None:
+    r = _core(state).requests.get(request_id)
+    if r is None:
+        return None
+    return RequestView(
+        r.request_id, r.status, r.num_prompt_tokens, r.num_tokens, r.num_computed_tokens, len(r.hashes),
+        tuple(sum(1 for b in t if b) for t in r.table), tuple(len(t) for t in r.table), r.load_job_id,
+        tuple(r.next_store), r.num_preemptions)
+
+
+def has_jobs_in_flight(state: State) -> bool:
+    return bool(_core(state).jobs)
+
+
+def num_jobs_in_flight(state: State) -> int:
+    return len(_core(state).jobs)
+
+
+def job_ids(state: State) -> list[int]:
+    return sorted(_core(state).jobs)
+
+
+def job_view(state: State, job_id: int) -> JobView | None:
+    """A transfer still in flight; None once it ended (or never existed)."""
+    j = _core(state).jobs.get(job_id)
+    if j is None:
+        return None
+    return JobView(j.job_id, j.kind.value, j.request_id, tuple(k for group in j.keys for k in group),
+                   tuple(len(k) for k in j.keys), j.pending_workers, j.flushed, j.stale)
