@@ -1,0 +1,202 @@
+"""The step planner, without vLLM: each case plays vLLM's scheduler by hand
+(tests/engine/fake_vllm.py), asks for the step's events, checks their exact
+order, and has the engine apply them strictly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvledger.engine import queries
+from kvledger.engine.planner import Admission
+from kvledger.engine.state import RequestStatus
+from kvledger.events import types as ev
+from kvledger.events.config import StoreMode
+from tests.engine.builders import chain, full_only_config, make_config
+from tests.engine.fake_vllm import FakeVllm
+
+pytestmark = pytest.mark.fast
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kinds(events: list[ev.Event]) -> list[str]:
+    return [e.kind for e in events]
+
+
+def admitted(vllm: FakeVllm, rid: str, scheduled: int, *, local: int = 0, external: int = 0,
+             **step: object) -> list[ev.Event]:
+    vllm.requests[rid].num_computed_tokens = local + external
+    scheduled_now = {rid: scheduled} if scheduled else {}
+    return vllm.run({**step.pop("running", {}), **scheduled_now},  # type: ignore[dict-item]
+                    admitted=(Admission(rid, local, external),), **step)
+
+
+def test_chunked_prefill_allocates_each_chunk_as_vllm_grows_the_table():
+    vllm = FakeVllm(make_config())
+    vllm.add("a", 128, chain(4))
+    vllm.give("a", (1, 2), (3, 4))
+    events = admitted(vllm, "a", 64)
+    assert events == [
+        ev.BlocksAllocated(request_id="a", block_ids=((1, 2), (3, 4))),
+        ev.StepScheduled(step_index=1, request_ids=("a",), num_computed_tokens=(0,), num_scheduled_tokens=(64,)),
+    ]
+    vllm.give("a", (5, 6), (7, 8))
+    events = vllm.run({"a": 64})
+    assert events == [
+        ev.BlocksAllocated(request_id="a", block_ids=((5, 6), (7, 8))),
+        ev.StepScheduled(step_index=2, request_ids=("a",), num_computed_tokens=(64,), num_scheduled_tokens=(64,)),
+    ]
+    assert vllm.table("a") == ((1, 2, 5, 6), (3, 4, 7, 8))
+    assert queries.request_view(vllm.state, "a").num_computed_tokens == 64
+    assert vllm.run({}) == []  # a step that schedules nothing says nothing
+
+
+def test_a_window_free_comes_before_the_growth_that_reuses_the_block():
+    vllm = FakeVllm(make_config())
+    vllm.add("a", 96, chain(3, "a"))
+    vllm.add("b", 64, chain(2, "b"))
+    vllm.give("a", (1, 2, 3), (4, 5, 6))
+    vllm.give("b", (7, 8), (9, 10))
+    vllm.run({"a": 95, "b": 63}, admitted=(Admission("a", 0, 0), Admission("b", 0, 0)))
+    # Next step: a's window leaves its first sliding block (4), and b grows into block 4.
+    vllm.null_out("a", 1, 0)
+    vllm.requests["b"].num_tokens = 65
+    vllm.give("b", (11,), (4,))
+    events = vllm.run({"b": 2, "a": 1})
+    assert kinds(events) == ["blocks_freed", "blocks_allocated", "step_scheduled"]
+    assert events[0] == ev.BlocksFreed(request_id="a", block_ids=((), (4,)))
+    assert events[1] == ev.BlocksAllocated(request_id="b", block_ids=((11,), (4,)))
+    assert events[2].request_ids == ("b", "a")  # vLLM's scheduling order
+    assert vllm.table("a") == ((1, 2, 3), (0, 5, 6))
+
+
+def test_an_admission_may_touch_a_block_a_running_request_allocated_this_step():
+    vllm = FakeVllm(make_config())
+    prompt = chain(4)
+    vllm.add("a", 128, prompt)
+    vllm.give("a", (1, 2), (3, 4))
+    admitted(vllm, "a", 64)
+    # One step: a grows by blocks 5, 6 / 7, 8 and computes them; b, the same
+    # prompt, hits vLLM's prefix cache on 96 tokens, block 5 among them.
+    vllm.give("a", (5, 6), (7, 8))
+    vllm.add("b", 128, prompt)
+    vllm.give("b", (1, 2, 5, 9), (0, 4, 7, 10))
+    events = admitted(vllm, "b", 32, local=96, running={"a": 64})
+    assert kinds(events) == ["blocks_allocated", "blocks_touched", "blocks_allocated", "step_scheduled"]
+    assert events[0] == ev.BlocksAllocated(request_id="a", block_ids=((5, 6), (7, 8)))
+    assert events[1] == ev.BlocksTouched(request_id="b", block_ids=((1, 2, 5), (0, 4, 7)))
+    assert events[2] == ev.BlocksAllocated(request_id="b", block_ids=((9,), (10,)))
+    assert events[3] == ev.StepScheduled(step_index=2, request_ids=("a", "b"), num_computed_tokens=(64, 96),
+                                         num_scheduled_tokens=(64, 32))
+
+
+def test_preemption_then_readmission_in_a_later_step_and_in_the_same_one():
+    vllm = FakeVllm(full_only_config())
+    vllm.add("a", 64, chain(2))
+    vllm.give("a", (1, 2))
+    admitted(vllm, "a", 64)
+    vllm.drop("a")
+    events = vllm.run({}, preempted=("a",))
+    assert events == [ev.RequestPreempted(request_id="a")]
+    assert queries.request_status(vllm.state, "a") is RequestStatus.PREEMPTED
+    vllm.give("a", (3, 4))
+    events = admitted(vllm, "a", 64)
+    assert kinds(events) == ["request_resumed", "blocks_allocated", "step_scheduled"]
+    assert queries.request_status(vllm.state, "a") is RequestStatus.RUNNING
+    # Preempted and admitted again within one step.
+    vllm.drop("a")
+    vllm.give("a", (5, 6))
+    events = admitted(vllm, "a", 64, preempted=("a",))
+    assert kinds(events) == ["request_preempted", "request_resumed", "blocks_allocated", "step_scheduled"]
+    assert vllm.table("a") == ((5, 6),)
+
+
+def test_preemptions_come_sorted_and_only_for_running_requests():
+    vllm = FakeVllm(full_only_config())
+    for rid, block in (("c", 1), ("a", 2), ("b", 3)):
+        vllm.add(rid, 32, chain(1, rid))
+        vllm.give(rid, (block,))
+    vllm.run({"c": 31, "a": 31}, admitted=(Admission("c", 0, 0), Admission("a", 0, 0)))
+    for rid in ("c", "a"):
+        vllm.drop(rid)
+    events = vllm.run({}, preempted=("c", "b", "a", "unknown"))  # b never ran: nothing to preempt
+    assert events == [ev.RequestPreempted(request_id="a"), ev.RequestPreempted(request_id="c")]
+
+
+def test_new_hashes_come_before_the_frees_of_a_decoding_request():
+    vllm = FakeVllm(make_config())
+    vllm.add("a", 64, chain(2))
+    vllm.give("a", (1, 2, 3), (4, 5, 6))
+    admitted(vllm, "a", 64)
+    longer = chain(3)
+    vllm.requests["a"].block_hashes = list(longer)
+    vllm.requests["a"].num_tokens = 96
+    vllm.null_out("a", 1, 0)
+    events = vllm.run({"a": 32})
+    assert events[0] == ev.BlockHashesAppended(request_id="a", num_tokens=96, block_hashes=longer[2:])
+    assert events[1] == ev.BlocksFreed(request_id="a", block_ids=((), (4,)))
+    assert kinds(events)[2:] == ["step_scheduled"]
+
+
+def test_the_engine_table_stays_vllms_so_the_final_table_is_accepted():
+    vllm = FakeVllm(make_config())
+    vllm.add("a", 96, chain(3))
+    vllm.give("a", (1, 2), (3, 4))
+    admitted(vllm, "a", 64)
+    vllm.give("a", (5,), (6,))
+    vllm.null_out("a", 1, 0)
+    vllm.run({"a": 31})
+    assert vllm.table("a") == ((1, 2, 5), (0, 4, 6))
+    view = queries.request_view(vllm.state, "a")
+    assert view.table_positions == (3, 3) and view.blocks_per_group == (3, 2)
+    vllm.apply([ev.RequestFinished(request_id="a", block_ids=vllm.table("a"))])  # strict: a mismatch raises
+    assert queries.request_status(vllm.state, "a") is None
+    assert queries.device_usage(vllm.state).held_blocks == 0
+
+
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_blocks_near_eviction_are_reported_in_lazy_mode_only(mode):
+    vllm = FakeVllm(full_only_config(store_mode=mode))
+    vllm.add("a", 64, chain(2))
+    vllm.give("a", (1, 2))
+    events = admitted(vllm, "a", 63, near_eviction=(7, 5, 6))
+    expected = ["blocks_allocated", "blocks_near_eviction", "step_scheduled"]
+    if mode is StoreMode.EAGER:
+        expected.remove("blocks_near_eviction")
+    assert kinds(events) == expected
+    if mode is StoreMode.LAZY:
+        assert events[1] == ev.BlocksNearEviction(block_ids=(7, 5, 6))  # vLLM's eviction order, as given
+
+
+def test_admissions_come_in_vllms_order_with_their_hashes_first():
+    vllm = FakeVllm(full_only_config())
+    for rid in ("z", "m", "a"):
+        vllm.add(rid, 64, chain(1, rid))
+    for block, rid in enumerate(("z", "m", "a"), start=1):
+        vllm.give(rid, (block * 2, block * 2 + 1))
+        vllm.requests[rid].block_hashes = list(chain(2, rid))
+    events = vllm.run({"z": 63, "m": 63, "a": 63},
+                      admitted=(Admission("z", 0, 0), Admission("m", 0, 0), Admission("a", 0, 0)))
+    assert [(e.kind, e.request_id) for e in events[:-1]] == [
+        ("block_hashes_appended", "z"), ("block_hashes_appended", "m"), ("block_hashes_appended", "a"),
+        ("blocks_allocated", "z"), ("blocks_allocated", "m"), ("blocks_allocated", "a")]
+
+
+def _workload_log(tmp_path: Path, seed: str) -> bytes:
+    out = tmp_path / f"log-{seed}.jsonl"
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.planner_workload", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out.read_bytes()
+
+
+def test_the_same_workload_writes_the_same_log_bytes_under_any_hash_seed(tmp_path):
+    logs = {seed: _workload_log(tmp_path, seed) for seed in ("0", "1", "4242")}
+    assert len(logs["0"]) > 10_000
+    assert logs["0"] == logs["1"] == logs["4242"]
