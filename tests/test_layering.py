@@ -69,3 +69,14 @@ def test_a_wrong_way_import_breaks_a_contract(folder: str, line: str, contract: 
     assert result.returncode == 1, result.stdout
     broken = result.stdout.split("Broken contracts")[-1]
     assert contract in broken and "_layering_probe" in broken, result.stdout
+
+
+@pytest.mark.slow
+def test_the_fast_subset_collects_and_runs_where_vllm_is_absent(tmp_path) -> None:
+    """`pytest -m fast` is the inner loop on any machine: nothing in it may need vLLM."""
+    script = ("import sys; sys.modules['vllm'] = None  # `import vllm` now raises ImportError\n"
+              "import pytest; sys.exit(pytest.main(['-q', '-m', 'fast', '-p', 'no:cacheprovider', "
+              "'--co', 'tests']))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "error" not in result.stdout.lower().split("tests collected")[-1], result.stdout[-2000:]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("vllm", reason="needs the vllm package")  # before the imports that need it
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from kvledger.adapters.vllm.kv_events import GroupEventSpec, TierEvents
@@ -10,7 +12,7 @@ from kvledger.engine import queries
 from kvledger.events import types as ev
 from tests.engine.builders import Engine, chain, full_only_config, key, make_config
 
-pytestmark = pytest.mark.fast
+pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
 
 SPECS = (GroupEventSpec(block_size=32, kind="full_attention"),
          GroupEventSpec(block_size=32, kind="sliding_window", sliding_window=64))

@@ -7,12 +7,14 @@ import pickle
 from types import SimpleNamespace
 
 import pytest
+
+pytest.importorskip("vllm", reason="needs the vllm package")  # before the imports that need it
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.connector import KVLedgerConnector
 
-pytestmark = pytest.mark.fast
+pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
 
 LABELS = {"model_name": "tiny", "engine": "0"}
 
