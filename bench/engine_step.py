@@ -25,6 +25,7 @@ import statistics
 import time
 
 from kvledger.adapters.testing.simulator import Simulator
+from kvledger.engine import queries
 from kvledger.engine.invariants import check, check_event
 from kvledger.engine.reducer import reduce, reduce_step
 from kvledger.engine.state import initial_state
@@ -82,7 +83,7 @@ def replay_speed(cfg: EngineConfig, events: list, *, invariants: bool) -> float:
     state = initial_state(cfg)
     start = time.perf_counter()
     for event in events:
-        before = state.core.next_job_id
+        before = queries.next_job_id(state)
         state, _ = reduce(state, event)
         if invariants:
             check_event(state, event, before)
@@ -157,11 +158,11 @@ def main() -> None:
     medians = ", ".join(f"{statistics.median(r) * 1e3:.3f}" for r in runs)
     final = initial_state(cfg)
     final, _ = reduce_step(final, events)
-    stats = final.core.stats
+    stats = queries.stats(final)
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
     print(f"engine per step: median {median:.3f} ms, p99 {p99:.3f} ms, max {times[-1] * 1e3:.1f} ms "
           f"(target median <= 0.5 ms; best of {args.repeat} runs, medians {medians})")
-    print(f"trace outcome: {stats.as_dict()}")
+    print(f"trace outcome: {stats}")
     plain, plain_runs = best_of(args.repeat, lambda: replay_speed(cfg, events, invariants=False))
     checked, checked_runs = best_of(args.repeat, lambda: replay_speed(cfg, events, invariants=True))
     print(f"replay: {plain:,.0f} events/s without invariants (target >= 200k), "

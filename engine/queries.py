@@ -76,6 +76,11 @@ def position(state: State) -> Position:
     return Position(core.step_index, core.epoch, core.next_job_id)
 
 
+def next_job_id(state: State) -> int:
+    """The id the next job will get: `check_event`'s mark of which jobs an event created."""
+    return state.core.next_job_id
+
+
 def stats(state: State) -> dict[str, int]:
     """The running totals (hits, loads, stores, failures, evictions, ...)."""
     return _core(state).stats.as_dict()
