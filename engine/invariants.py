@@ -8,6 +8,12 @@ blocks it names, the jobs it created or reported on and their slots), in
 C-level passes where it can, cheap enough to run after every event of a long
 replay; anything it leaves out (the rest of a request's table, other
 requests, recounts) the next `check` covers.
+
+Each fast pass sits beside the item-by-item check it stands for
+(`_blocks_look_fine` / `_block_problems`, `_stores_look_fine` and
+`_load_looks_fine` / `_job_problems`), and they agree: a pass vouches for
+exactly the parts in which the item check finds nothing
+(`tests/engine/test_checks.py`).
 """
 
 from __future__ import annotations
@@ -25,11 +31,11 @@ from .state import ABORTING as _ABORTING
 from .state import LOAD as _LOAD
 from .state import LOADING as _LOADING
 from .state import PREEMPTED as _PREEMPTED
-from .state import RUNNING as _RUNNING
 from .state import STORE as _STORE
 from .state import STORED as _STORED
 from .state import STORING as _STORING
 from .state import Core, Job, JobKind, RequestState, SlotState, State
+from .transitions import STEPPABLE
 
 _PIN = Protection.PIN
 
@@ -72,11 +78,7 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
         else:
             blocks, held = list(named), False
         if not _blocks_look_fine(core, blocks, held):
-            for block in blocks:
-                _check_block(core, block, problems)
-                if held and block != NULL_BLOCK_ID and core.block_refs[block] <= 0:
-                    problems.append(f"request {request.request_id}: holds block {block} whose ref count "
-                                    f"is {core.block_refs[block]}")
+            _block_problems(core, blocks, held, request_id, problems)
     jobs = core.jobs
     job_id = getattr(event, "job_id", None)
     if job_id is not None or first_new_job_id != core.next_job_id:
@@ -87,11 +89,7 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
         suspects = [] if _stores_look_fine(core, stores) else stores  # a step's new stores, in one pass
         suspects += [job for job in touched if job is not None and job.kind is _LOAD
                      and not _load_looks_fine(core, job)]
-        for job in suspects:
-            _check_job(core, job, problems)
-            for slots in job.slot_ids:
-                for slot in slots:
-                    _check_slot(core, slot, problems)
+        _job_problems(core, suspects, problems)
     if problems:
         raise InvariantViolation(problems)
 
@@ -110,9 +108,11 @@ def _table_ends_with(request: RequestState, block_ids: tuple[tuple[int, ...], ..
     return True
 
 
+# Blocks an event names: counts, readers and writer.
+
+
 def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
-    """`_check_block` of every block (and, if `held`, a positive count), as C-level passes;
-    pin counts only in pin mode (nothing else changes them, and `check` recounts them)."""
+    """`_block_problems` finds none, found by C-level passes."""
     if NULL_BLOCK_ID in blocks:  # the null block has rules of its own: never held, pinned or moved
         if (core.block_refs[0] or core.block_pins[0] or NULL_BLOCK_ID in core.block_readers
                 or NULL_BLOCK_ID in core.block_writer):
@@ -141,6 +141,20 @@ def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
     return True
 
 
+def _block_problems(core: Core, blocks: list[int], held: bool, request_id: str | None,
+                    problems: list[str]) -> None:
+    """`_check_block` of each block and, if the request `request_id` now `held`
+    them, a positive count."""
+    for block in blocks:
+        _check_block(core, block, problems)
+        if held and block != NULL_BLOCK_ID and core.block_refs[block] <= 0:
+            problems.append(f"request {request_id}: holds block {block} whose ref count "
+                            f"is {core.block_refs[block]}")
+
+
+# Jobs an event created or reported on, and their slots.
+
+
 def _frame_looks_fine(core: Core, job: Job) -> bool:
     """A job's pending workers and id in range, and its keys, blocks and slots aligned."""
     shape = list(map(len, job.keys))
@@ -164,7 +178,7 @@ def _stores_look_fine(core: Core, jobs: list[Job]) -> bool:
             or not all(map(_STORING.__eq__, map(core.slot_state.__getitem__, slots)))
             or list(map(core.slot_key.__getitem__, slots)) != keys
             or (core.slot_loads and not core.slot_loads.keys().isdisjoint(slots))
-            or core.policy.holds_any(keys)):  # a storing slot is never evictable
+            or _offered_as_evictable(core, keys, slots)):  # a storing slot is never evictable
         return False
     reading = [job for job in jobs if not job.flushed]  # a flushed store's sources are free
     blocks = _rows(reading, "block_ids")
@@ -194,10 +208,30 @@ def _load_looks_fine(core: Core, job: Job) -> bool:
             or list(map(core.slot_key.__getitem__, slots)) != keys
             or not all(map(loads.__contains__, slots)) or min(map(loads.__getitem__, slots)) <= 0
             or not all(map(eq, repeat(jid), map(core.block_writer.get, blocks)))  # not jid.__eq__: None
-            or core.policy.holds_any(keys)):  # a pinned slot is never evictable
+            or _offered_as_evictable(core, keys, slots)):  # a pinned slot is never evictable
         return False
     request = core.requests.get(job.request_id)
     return request is None or request.load_job_id != jid or set(request.held_blocks()).issuperset(blocks)
+
+
+def _offered_as_evictable(core: Core, keys: list[bytes], slots: list[int]) -> bool:
+    """Whether the policy holds a key its slot still serves (`_check_slot`'s test for
+    a slot that is not evictable). A key the policy holds for another slot (dropped
+    by a reset, stored again since) is no problem; the C-level pass rules out most."""
+    if not core.policy.holds_any(keys):
+        return False
+    policy = core.policy
+    slot_of_key = core.slot_of_key
+    return any(key in policy and slot_of_key.get(key) == slot for key, slot in zip(keys, slots))
+
+
+def _job_problems(core: Core, jobs: list[Job], problems: list[str]) -> None:
+    """`_check_job` of each job, and `_check_slot` of each of its slots."""
+    for job in jobs:
+        _check_job(core, job, problems)
+        for slots in job.slot_ids:
+            for slot in slots:
+                _check_slot(core, slot, problems)
 
 
 def find_problems(core: Core) -> list[str]:
@@ -241,7 +275,7 @@ def _check_request_facts(core: Core, request: RequestState, problems: list[str],
                 problems.append(f"request {rid}: group {group_id} keys do not match its hashes")
     if not kind or kind not in _TABLE_KEEPING_KINDS:
         capacity = request.table_tokens(core.block_sizes)
-        limit = capacity if status is _RUNNING else -1
+        limit = capacity if status in STEPPABLE else -1  # the reducer's rule, from the same table
         if request.capacity_tokens != capacity or request.step_limit != limit:
             problems.append(f"request {rid}: derived counts (capacity {request.capacity_tokens}, step limit "
                             f"{request.step_limit}) differ from its table and status ({capacity}, {limit})")
@@ -257,7 +291,8 @@ def _check_block(core: Core, block: int, problems: list[str]) -> None:
         if core.block_refs[0] or core.block_pins[0] or 0 in core.block_readers or 0 in core.block_writer:
             problems.append("the null block is held, pinned or transferred")
         return
-    if core.block_refs[block] < 0 or core.block_pins[block] < 0:
+    # Pin counts only in pin mode: nothing else changes them, and `check` recounts them.
+    if core.block_refs[block] < 0 or (core.config.protection is _PIN and core.block_pins[block] < 0):
         problems.append(f"block {block}: negative count (refs={core.block_refs[block]}, pins={core.block_pins[block]})")
     for job_id in core.block_readers.get(block, ()):
         job = core.jobs.get(job_id)

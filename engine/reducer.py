@@ -1,24 +1,26 @@
 """reduce(state, event) -> Transition(state, effects): every transition lives here.
 
 Each handler first validates the event against the state and raises
-`ProtocolViolation` before touching anything; only then does it apply the
-change. So a rejected event leaves the state exactly as it was: the default
-mode returns it with a `ReportViolation` effect, strict mode (tests, replay)
-raises. A broken internal invariant is an `assert`.
+`ProtocolViolation` before touching anything (the checks live in `checks.py`);
+only then does it apply the change. So a rejected event leaves the state
+exactly as it was: the default mode returns it with a `ReportViolation`
+effect, strict mode (tests, replay) raises. A broken internal invariant is an
+`assert`. A request's next status comes from `transitions.REQUEST_MOVES`
+(`_move`), and a tier slot moves only through `slots.py`.
 
 Cost: a scheduler step carries one `step_scheduled` for every running
 request, and about one `blocks_allocated`, `blocks_freed`, `store_completed`
 and `block_hashes_appended` per 16 of them (one per block boundary crossed).
 So the per-request work of `step_scheduled` runs as C-level passes over its
 columns (`map`, `compress`), and only requests whose horizon crossed a block
-boundary reach the store planner. Where a fast check fails, the handler falls
-back to the plain per-item check, which raises the same violation as before.
+boundary reach the store planner. Where a fast check fails, the handler runs
+the check's per-item path, which names the violation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import chain, compress
+from itertools import compress
 from operator import not_
 from typing import NamedTuple
 
@@ -27,40 +29,48 @@ from kvledger.events.config import Protection, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
 from . import effects as fx
-from . import hma
-from .state import ABORTING as _ABORTING
-from .state import FREE as _FREE
+from . import hma, slots
+from .checks import (
+    ProtocolViolation,
+    allocation_ok,
+    allocation_problem,
+    disagree,
+    final_table_ok,
+    final_table_problem,
+    free_positions,
+    free_problem,
+    group_shape_problem,
+    legal_request,
+    report_ok,
+    report_problem,
+    reported_job,
+    step_crossings,
+    step_problem,
+    touch_ok,
+    touch_problem,
+)
 from .state import LOAD as _LOAD
-from .state import LOADING as _LOADING
-from .state import PREEMPTED as _PREEMPTED
-from .state import RUNNING as _RUNNING
 from .state import STORE as _STORE
 from .state import STORED as _STORED
-from .state import STORING as _STORING
-from .state import WAITING as _WAITING
-from .state import Core, Job, JobKind, RequestState, RequestStatus, State
-from .transitions import REQUEST_MOVES, request_move
+from .state import Core, Job, RequestState, RequestStatus, State
+from .transitions import GONE, REQUEST_MOVES, STEPPABLE, moves_by_kind
+
+__all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
 
 _PIN = Protection.PIN
 _LAZY = StoreMode.LAZY
 
-# REQUEST_MOVES by kind: the statuses a kind may meet, as tuples (membership by
-# identity; an Enum's __hash__ is a Python call). Only the fast path reads this;
-# a miss goes through `request_move`, which names the violation.
-_LEGAL_FROM: dict[str, tuple[RequestStatus, ...]] = {}
-for (_status, _kind) in REQUEST_MOVES:
-    _LEGAL_FROM[_kind] = (*_LEGAL_FROM.get(_kind, ()), *(() if _status is None else (_status,)))
-
-
-class ProtocolViolation(Exception):
-    """The caller's event breaks the protocol; it was not applied."""
-
-    def __init__(self, code: str, message: str, *, request_id: str = "", job_id: int = -1) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-        self.job_id = job_id
+# REQUEST_MOVES as the handlers read it: {kind: {status before: status after}},
+# and the statuses a step may schedule (`RequestState.step_limit` follows them).
+_NEXT = moves_by_kind(REQUEST_MOVES)
+_STEPPABLE = STEPPABLE
+# Per kind, the statuses it leaves as they are, as tuples (membership by identity;
+# an Enum's __hash__ is a Python call): a handler on a hot path skips the move.
+_STAYS = {kind: tuple(s for s, t in moves.items() if s is t) for kind, moves in _NEXT.items()}
+# Kinds whose handlers leave the status as it is (they never call `_move`): the
+# table must agree. The step's fast check reads `step_limit`, kept by `_move`.
+_KEEPING = ("block_hashes_appended", "blocks_touched", "blocks_freed", "step_scheduled")
+assert all(before is after for kind in _KEEPING for before, after in _NEXT[kind].items())
 
 
 class Transition(NamedTuple):
@@ -128,45 +138,20 @@ def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, 
     return _new_tuple(Transition, (handle, tuple(out) if out else ()))
 
 
-# Validation helpers: they raise, never mutate.
+# A request's moves.
 
 
-def _request(core: Core, request_id: str, kind: str) -> RequestState:
-    request = core.requests.get(request_id)
-    if request is not None and request.status in _LEGAL_FROM[kind]:
-        return request
-    legal, _ = request_move(request.status if request else None, kind)
-    if not legal:
-        status = request.status.value if request else "unknown"
-        raise ProtocolViolation("illegal_request_event", f"{kind} for {status} request {request_id!r}",
-                                request_id=request_id)
-    return request  # type: ignore[return-value]  # None only for request_added
-
-
-def _check_group_shape(core: Core, block_ids: ev.BlockIdsByGroup, request_id: str) -> None:
-    if len(block_ids) != len(core.groups):
-        raise ProtocolViolation(
-            "bad_group_count", f"{len(block_ids)} block lists for {len(core.groups)} KV groups",
-            request_id=request_id)
-    limit = core.config.num_device_blocks
-    for ids in block_ids:
-        for block in ids:
-            if not 0 <= block < limit:
-                raise ProtocolViolation("block_out_of_range", f"block {block} not in [0, {limit})",
-                                        request_id=request_id)
-
-
-def _job(core: Core, job_id: int, kind: JobKind, worker: int) -> Job:
-    job = core.jobs.get(job_id)
-    if job is None or job.kind is not kind:
-        raise ProtocolViolation("unknown_job", f"no {kind.value} job {job_id} in flight", job_id=job_id)
-    if not 0 <= worker < core.config.world_size:
-        raise ProtocolViolation("bad_worker", f"worker {worker} not in [0, {core.config.world_size})",
-                                job_id=job_id)
-    if not job.pending_workers >> worker & 1:
-        raise ProtocolViolation("duplicate_completion", f"worker {worker} already reported job {job_id}",
-                                job_id=job_id)
-    return job
+def _move(core: Core, request: RequestState, kind: str) -> RequestStatus | None:
+    """Move `request` where REQUEST_MOVES leads from its status on `kind` (the
+    handler has checked the move is legal); a request that is gone gives its
+    blocks back and is forgotten. Returns the new status."""
+    target = _NEXT[kind][request.status]
+    if target is GONE:
+        _free_table(core, request)
+        del core.requests[request.request_id]
+    else:
+        request.set_status(target, target in _STEPPABLE)
+    return target
 
 
 # Handlers.
@@ -175,7 +160,7 @@ def _job(core: Core, job_id: int, kind: JobKind, worker: int) -> Job:
 def _request_added(core: Core, event: ev.RequestAdded, out: list[fx.Effect]) -> None:
     rid = event.request_id
     if rid in core.requests:
-        _request(core, rid, event.kind)  # raises: only an unknown request may be added
+        legal_request(core, rid, event.kind)  # raises: only an unknown request may be added
     if event.num_prompt_tokens <= 0:
         raise ProtocolViolation("bad_prompt", f"num_prompt_tokens={event.num_prompt_tokens}", request_id=rid)
     if len(event.block_hashes) > event.num_prompt_tokens // core.config.hash_block_size:
@@ -183,6 +168,8 @@ def _request_added(core: Core, event: ev.RequestAdded, out: list[fx.Effect]) -> 
             "too_many_hashes", f"{len(event.block_hashes)} hashes for {event.num_prompt_tokens} tokens",
             request_id=rid)
     request = RequestState(rid, event.num_prompt_tokens, core.groups)
+    target = _NEXT[event.kind][None]
+    request.set_status(target, target in _STEPPABLE)
     _append_hashes(core, request, event.block_hashes)
     core.requests[rid] = request
 
@@ -196,7 +183,7 @@ def _append_hashes(core: Core, request: RequestState, hashes: tuple[bytes, ...])
 
 def _block_hashes_appended(core: Core, event: ev.BlockHashesAppended, out: list[fx.Effect]) -> None:
     rid = event.request_id
-    request = _request(core, rid, event.kind)
+    request = legal_request(core, rid, event.kind)
     if event.num_tokens < request.num_tokens:
         raise ProtocolViolation("tokens_shrank", f"num_tokens {request.num_tokens} -> {event.num_tokens}",
                                 request_id=rid)
@@ -208,28 +195,11 @@ def _block_hashes_appended(core: Core, event: ev.BlockHashesAppended, out: list[
     _append_hashes(core, request, event.block_hashes)
 
 
-def _touch_problem(core: Core, request: RequestState, group_id: int, ids: tuple[int, ...]) -> None:
-    """The per-block check of one group's touched blocks; raises the first problem."""
-    keys = request.keys[group_id]
-    for position, block in enumerate(ids):
-        if block == NULL_BLOCK_ID:
-            continue
-        if block in core.block_writer:
-            raise ProtocolViolation("touch_loading_block", f"block {block} is still being loaded",
-                                    request_id=request.request_id)
-        known = core.block_key[block]
-        if known is not None and position < len(keys) and known != keys[position]:
-            raise ProtocolViolation(
-                "touch_wrong_content",
-                f"block {block} holds {known.hex()[:16]}…, request expects {keys[position].hex()[:16]}…",
-                request_id=request.request_id)
-
-
 def _blocks_touched(core: Core, event: ev.BlocksTouched, out: list[fx.Effect]) -> None:
     rid = event.request_id
-    request = _request(core, rid, event.kind)
+    request = legal_request(core, rid, event.kind)
     block_ids = event.block_ids
-    _check_group_shape(core, block_ids, rid)
+    group_shape_problem(core, block_ids, rid)
     if any(request.table):
         raise ProtocolViolation("touch_after_alloc", "prefix blocks must be touched before allocation",
                                 request_id=rid)
@@ -237,15 +207,10 @@ def _blocks_touched(core: Core, event: ev.BlocksTouched, out: list[fx.Effect]) -
     if len(spans) != 1:
         raise ProtocolViolation("unaligned_touch", f"touched spans differ across groups: {sorted(spans)}",
                                 request_id=rid)
-    writer = core.block_writer
+    if not touch_ok(core, request, block_ids):
+        touch_problem(core, request, block_ids)
+        raise disagree("touch")
     block_key = core.block_key
-    for group_id, ids in enumerate(block_ids):
-        if writer and not writer.keys().isdisjoint(ids):
-            _touch_problem(core, request, group_id, ids)
-        for known, key in zip(map(block_key.__getitem__, ids), request.keys[group_id]):
-            if known is not None and known != key:
-                _touch_problem(core, request, group_id, ids)
-                break
     refs = core.block_refs
     for group_id, ids in enumerate(block_ids):
         keys = request.keys[group_id]
@@ -264,27 +229,20 @@ def _blocks_touched(core: Core, event: ev.BlocksTouched, out: list[fx.Effect]) -
 def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect]) -> None:
     rid = event.request_id
     ext = event.num_external_tokens
-    request = _request(core, rid, "blocks_allocated+load" if ext else "blocks_allocated")
+    kind = "blocks_allocated+load" if ext else "blocks_allocated"
+    request = legal_request(core, rid, kind)
     block_ids = event.block_ids
-    if len(block_ids) != len(core.groups):
-        _check_group_shape(core, block_ids, rid)
-    refs = core.block_refs
-    if sum(map(len, block_ids)) < 16:  # a decode step's block per group: a plain loop is cheapest
-        _check_allocation(core, block_ids, rid)
-    else:
-        fresh = list(filter(None, chain.from_iterable(block_ids)))  # every non-null block, in order
-        writer = core.block_writer
-        if (fresh and (min(fresh) <= 0 or max(fresh) >= core.config.num_device_blocks
-                       or len(set(fresh)) != len(fresh) or any(map(refs.__getitem__, fresh))
-                       or any(map(core.block_pins.__getitem__, fresh))
-                       or (writer and not writer.keys().isdisjoint(fresh)))):
-            _check_allocation(core, block_ids, rid)
-            raise AssertionError("an allocation failed its fast check but passes the per-block one")
+    if sum(map(len, block_ids)) < 16:  # a decode step's block per group: the per-block path is cheapest
+        allocation_problem(core, block_ids, rid)
+    elif not allocation_ok(core, block_ids):
+        allocation_problem(core, block_ids, rid)
+        raise disagree("allocation")
     load = _plan_load(core, request, event) if ext else None
 
     # Apply. A block some store still reads is being handed out: in flush
     # mode that store must finish before this step's forward writes it.
     to_flush: list[int] = []
+    refs = core.block_refs
     readers = core.block_readers
     generation = core.block_generation
     group_of = core.block_group
@@ -307,59 +265,29 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
     request.table_changed(core.block_sizes)
     if to_flush:
         _flush(core, sorted(set(to_flush)), out)
+    if request.status not in _STAYS[kind]:  # a running request's growth: no move to make
+        _move(core, request, kind)
     if load is None:
-        if request.status is _WAITING:
-            request.set_status(_RUNNING)
         return
-    keys, slots, targets = load
+    keys, slot_ids, targets = load
     writer = core.block_writer
     job = Job(job_id=core.next_job_id, kind=_LOAD, request_id=rid, keys=keys, block_ids=targets,
-              slot_ids=slots, generations=(), pending_workers=(1 << core.config.world_size) - 1,
+              slot_ids=slot_ids, generations=(), pending_workers=(1 << core.config.world_size) - 1,
               num_tokens=ext)
     core.next_job_id += 1
     core.jobs[job.job_id] = job
-    slot_loads = core.slot_loads
-    policy = core.policy
-    for group_keys, group_slots, group_blocks in zip(keys, slots, targets):
-        for key, slot, block in zip(group_keys, group_slots, group_blocks):
-            loads = slot_loads.get(slot, 0)
-            if loads == 0:
-                policy.remove(key)
-            slot_loads[slot] = loads + 1
+    slots.load_planned(core, keys, slot_ids)
+    for group_keys, group_blocks in zip(keys, targets):
+        for key, block in zip(group_keys, group_blocks):
             writer[block] = job.job_id
             block_key[block] = key
-    request.set_status(_LOADING)
     request.load_job_id = job.job_id
     request.num_computed_tokens += ext
     core.stats.loads += 1
     core.stats.hit_tokens += ext
     core.stats.keys_loaded += sum(len(k) for k in keys)
-    out.append(fx.StartLoad(job_id=job.job_id, request_id=rid, keys=keys, source_slot_ids=slots,
+    out.append(fx.StartLoad(job_id=job.job_id, request_id=rid, keys=keys, source_slot_ids=slot_ids,
                             target_block_ids=targets))
-
-
-def _check_allocation(core: Core, block_ids: ev.BlockIdsByGroup, rid: str) -> None:
-    """The per-block check of an allocation: raises its first problem, if any."""
-    seen: set[int] = set()
-    limit = core.config.num_device_blocks
-    refs = core.block_refs
-    pins = core.block_pins
-    writer = core.block_writer
-    for ids in block_ids:
-        for block in ids:
-            if block == NULL_BLOCK_ID:
-                continue
-            if not 0 < block < limit:
-                _check_group_shape(core, block_ids, rid)
-            if block in seen:
-                raise ProtocolViolation("duplicate_block", f"block {block} allocated twice", request_id=rid)
-            seen.add(block)
-            if refs[block] or pins[block] or block in writer:
-                raise ProtocolViolation(
-                    "block_in_use",
-                    f"block {block} allocated while held (refs={core.block_refs[block]}, "
-                    f"pins={core.block_pins[block]}, loading={block in core.block_writer})",
-                    request_id=rid)
 
 
 def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> tuple[tuple, tuple, tuple]:
@@ -372,7 +300,7 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
         raise ProtocolViolation(
             "bad_hit", f"hit [{start}, {end}) is unaligned (alignment {core.alignment}) or leaves no token "
             f"to compute ({request.num_tokens} tokens)", request_id=rid)
-    keys, slots, targets = [], [], []
+    keys, slot_ids, targets = [], [], []
     for group, ids in zip(core.groups, event.block_ids):
         table = request.table[group.group_id] + list(ids)
         group_keys, group_slots, group_blocks = [], [], []
@@ -395,9 +323,9 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
             group_slots.append(slot)
             group_blocks.append(table[position])
         keys.append(tuple(group_keys))
-        slots.append(tuple(group_slots))
+        slot_ids.append(tuple(group_slots))
         targets.append(tuple(group_blocks))
-    return tuple(keys), tuple(slots), tuple(targets)
+    return tuple(keys), tuple(slot_ids), tuple(targets)
 
 
 def _flush(core: Core, job_ids: list[int], out: list[fx.Effect]) -> None:
@@ -426,38 +354,15 @@ def _release_sources(core: Core, job: Job) -> None:
 
 def _blocks_freed(core: Core, event: ev.BlocksFreed, out: list[fx.Effect]) -> None:
     rid = event.request_id
-    request = _request(core, rid, event.kind)
+    request = legal_request(core, rid, event.kind)
     block_ids = event.block_ids
-    if len(block_ids) != len(core.groups):
-        _check_group_shape(core, block_ids, rid)
     # Per group, the positions of the freed blocks. A block found in a table is in
     # range (tables hold only checked ids); any miss goes to the per-block check.
-    # vLLM frees a window's blocks oldest first, often many at once: the search
-    # starts past the run of positions that are null or freed by this event, so
-    # each is found where it starts (the first occurrence past the floor, as
-    # `table.index(block, floor)` would find it, since a group names each block once).
-    found: list[list[int]] = []
-    starts: list[int] = []
-    for ids, table, floor in zip(block_ids, request.table, request.free_floor):
-        if len(ids) > 1 and _repeats_a_block(ids):
-            _free_problem(core, request, block_ids)
-        positions = []
-        end = len(table)
-        start = floor
-        for block in ids:
-            if block == NULL_BLOCK_ID:
-                continue
-            try:
-                position = table.index(block, start)
-            except (ValueError, TypeError):
-                _free_problem(core, request, block_ids)
-            positions.append(position)
-            if position == start:
-                start += 1
-                while start < end and table[start] == NULL_BLOCK_ID:
-                    start += 1
-        found.append(positions)
-        starts.append(start)
+    search = free_positions(core, request, block_ids)
+    if search is None:
+        free_problem(core, request, block_ids)
+        raise disagree("free")
+    found, starts = search
     refs = core.block_refs
     floors = request.free_floor
     for group_id, (positions, table, start) in enumerate(zip(found, request.table, starts)):
@@ -474,34 +379,6 @@ def _blocks_freed(core: Core, event: ev.BlocksFreed, out: list[fx.Effect]) -> No
         floors[group_id] = start
 
 
-def _repeats_a_block(ids: tuple[int, ...]) -> bool:
-    distinct = set(ids)
-    distinct.discard(NULL_BLOCK_ID)
-    return len(distinct) != len(ids) - ids.count(NULL_BLOCK_ID)
-
-
-def _free_problem(core: Core, request: RequestState, block_ids: ev.BlockIdsByGroup) -> None:
-    """The per-block check of a free; raises the first problem."""
-    rid = request.request_id
-    _check_group_shape(core, block_ids, rid)
-    positions: list[tuple[int, int]] = []
-    for group, ids in zip(core.groups, block_ids):
-        table = request.table[group.group_id]
-        floor = request.free_floor[group.group_id]
-        for block in ids:
-            if block == NULL_BLOCK_ID:
-                continue
-            try:
-                positions.append((group.group_id, table.index(block, floor)))
-            except ValueError:
-                raise ProtocolViolation(
-                    "free_unheld_block", f"block {block} is not in group {group.group_id} of the request",
-                    request_id=rid) from None
-    if len(set(positions)) != len(positions):
-        raise ProtocolViolation("duplicate_block", "a block is freed twice", request_id=rid)
-    raise AssertionError("a free failed its fast check but passes the per-block one")
-
-
 def _free_table(core: Core, request: RequestState) -> None:
     refs = core.block_refs
     for table, floor in zip(request.table, request.free_floor):
@@ -516,9 +393,9 @@ def _free_table(core: Core, request: RequestState) -> None:
 
 
 def _request_preempted(core: Core, event: ev.RequestPreempted, out: list[fx.Effect]) -> None:
-    request = _request(core, event.request_id, event.kind)
+    request = legal_request(core, event.request_id, event.kind)
     _free_table(core, request)
-    request.set_status(_PREEMPTED)
+    _move(core, request, event.kind)
     request.num_computed_tokens = 0
     request.num_preemptions += 1
     _restart_stores(request)
@@ -532,87 +409,40 @@ def _restart_stores(request: RequestState) -> None:
 
 
 def _request_resumed(core: Core, event: ev.RequestResumed, out: list[fx.Effect]) -> None:
-    request = _request(core, event.request_id, event.kind)
-    request.set_status(_WAITING)
+    _move(core, legal_request(core, event.request_id, event.kind), event.kind)
 
 
 def _request_finished(core: Core, event: ev.RequestFinished, out: list[fx.Effect]) -> None:
     rid = event.request_id
-    request = _request(core, rid, event.kind)
-    final_ids = event.block_ids
-    # The common case: vLLM's final table is the engine's, position for position.
-    if list(map(list, final_ids)) != request.table:
-        _check_group_shape(core, final_ids, rid)
-        for group, final in zip(core.groups, final_ids):
-            table = request.table[group.group_id]
-            if len(final) != len(table) or any(f != t and f != NULL_BLOCK_ID for f, t in zip(final, table)):
-                raise ProtocolViolation(
-                    "final_table_mismatch", f"group {group.group_id}: final blocks {list(final)[:8]}… differ "
-                    f"from the engine's table {table[:8]}…", request_id=rid)
-    _free_table(core, request)
-    del core.requests[rid]
+    request = legal_request(core, rid, event.kind)
+    if not final_table_ok(core, request, event.block_ids):
+        final_table_problem(core, request, event.block_ids)
+        raise disagree("final table")
+    _move(core, request, event.kind)
     core.stats.finished += 1
 
 
 def _request_aborted(core: Core, event: ev.RequestAborted, out: list[fx.Effect]) -> None:
-    request = _request(core, event.request_id, event.kind)
+    request = legal_request(core, event.request_id, event.kind)
     core.stats.aborted += 1
-    if request.status is _LOADING:
-        request.set_status(_ABORTING)  # vLLM frees the blocks once the load ends
-        return
-    _free_table(core, request)
-    del core.requests[event.request_id]
+    _move(core, request, event.kind)  # a loading request keeps its blocks until the load ends
 
 
 def _step_scheduled(core: Core, event: ev.StepScheduled, out: list[fx.Effect]) -> None:
-    if event.step_index <= core.step_index:
-        raise ProtocolViolation("step_not_increasing", f"step {event.step_index} after {core.step_index}")
-    rids = event.request_ids
-    if len(set(rids)) != len(rids):
-        raise ProtocolViolation("duplicate_request", "a request is scheduled twice in one step")
-    computed = event.num_computed_tokens
-    counts = event.num_scheduled_tokens
     # One read-only pass checks every request and finds the few whose horizon
-    # reached their next storable block (about one in block_size decoding
-    # requests per step); `step_limit` is -1 unless the request is RUNNING, so
-    # one comparison checks status and allocation. On any failure the plain
-    # per-request loop names the first problem, as it always did.
-    scheduled = list(map(core.requests.get, rids))
-    crossed: list[tuple[RequestState, int]] = []
-    try:
-        for request, done, count in zip(scheduled, computed, counts):
-            horizon = done + count
-            if horizon > request.step_limit or done < 0 or count < 0:
-                _step_problem(core, event)
-            if horizon >= request.next_store_tokens:
-                crossed.append((request, horizon))
-    except AttributeError:  # an unknown request (None)
-        _step_problem(core, event)
+    # reached their next storable block.
+    search = step_crossings(core, event)
+    if search is None:
+        step_problem(core, event)
+        raise disagree("step")
+    scheduled, crossed = search
     core.step_index = event.step_index
-    for request, done in zip(scheduled, computed):
+    for request, done in zip(scheduled, event.num_computed_tokens):
         request.num_computed_tokens = done
     if crossed:
         lazy = core.config.store_mode is _LAZY
         for request, horizon in crossed:
             _plan_stores(core, request, horizon, out, lazy=lazy)
-
-
-def _step_problem(core: Core, event: ev.StepScheduled) -> None:
-    """The per-request check of a step; raises the first problem."""
-    requests = core.requests
-    for rid, computed, count in zip(event.request_ids, event.num_computed_tokens, event.num_scheduled_tokens):
-        request = requests.get(rid)
-        if request is None or request.status is not _RUNNING:
-            _request(core, rid, event.kind)  # raises with the precise status
-        assert request is not None
-        horizon = computed + count
-        if computed < 0 or count < 0:
-            raise ProtocolViolation("bad_token_count", f"computed={computed} scheduled={count}", request_id=rid)
-        if horizon > request.capacity_tokens:
-            raise ProtocolViolation(
-                "unallocated_tokens", f"{horizon} tokens scheduled but the block table covers "
-                f"{request.capacity_tokens}", request_id=rid)
-    raise AssertionError("a step failed its fast check but passes the per-request one")
 
 
 def _plan_stores(core: Core, request: RequestState, horizon: int, out: list[fx.Effect], *, lazy: bool = False) -> None:
@@ -669,39 +499,27 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
     """Reserve slots, evicting if needed; what cannot fit is not stored. `candidates`
     are (group, block, key); slots are taken in their order."""
     wanted = len(candidates)
-    free_slots = core.free_slots
-    free = len(free_slots) + core.config.num_tier_slots - core.next_fresh_slot  # core.num_free_slots()
-    policy = core.policy
+    free = len(core.free_slots) + core.config.num_tier_slots - core.next_fresh_slot  # core.num_free_slots()
     evicted: list[bytes] = []
     if wanted > free:
-        admitted = min(wanted, free + len(policy))
+        admitted = min(wanted, free + len(core.policy))
         if admitted < wanted:
             core.stats.store_rejections += wanted - admitted
             candidates = candidates[:admitted]
         if not candidates:
             return
         if admitted > free:
-            victims = policy.evict(admitted - free)
-            assert victims is not None
-            for key in victims:
-                slot = core.slot_of_key.pop(key)
-                _free_slot(core, slot)
-            evicted = victims
-            core.stats.evictions += len(victims)
+            evicted = slots.evict(core, admitted - free)
+            core.stats.evictions += len(evicted)
     job_id = core.next_job_id
     core.next_job_id = job_id + 1
-    slot_of_key = core.slot_of_key
-    slot_key = core.slot_key
-    slot_state = core.slot_state
+    candidate_keys, candidate_slots = slots.reserve(core, candidates)
     block_key = core.block_key
     readers = core.block_readers
     generation = core.block_generation
-    fresh = core.next_fresh_slot
     # Columns in candidate order. The planner's candidates come in group order,
     # so each group's part is one slice of the flat tuple; others are regrouped.
-    candidate_keys: list[bytes] = []
     candidate_blocks: list[int] = []
-    candidate_slots: list[int] = []
     candidate_gens: list[int] = []
     counts = [0] * len(core.groups)
     in_order = True
@@ -710,54 +528,41 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
         if group_id < last_group:
             in_order = False
         last_group = group_id
-        if free_slots:
-            slot = free_slots.pop()
-        else:
-            slot = fresh
-            fresh += 1
-        slot_of_key[key] = slot
-        slot_key[slot] = key
-        slot_state[slot] = _STORING
         block_key[block] = key
         reading = readers.get(block)
         if reading is None:
             readers[block] = [job_id]
         else:
             reading.append(job_id)
-        candidate_keys.append(key)
         candidate_blocks.append(block)
-        candidate_slots.append(slot)
         candidate_gens.append(generation[block])
         counts[group_id] += 1
-    core.next_fresh_slot = fresh
-    policy.admit_many(candidate_keys)
-    if in_order:
+    if in_order and len(counts) == 2:  # the usual two groups: two slices each
+        cut = counts[0]
+        flat = tuple(candidate_keys)
+        keys = (flat[:cut], flat[cut:])
+        flat = tuple(candidate_blocks)
+        blocks = (flat[:cut], flat[cut:])
+        flat = tuple(candidate_slots)
+        slot_ids = (flat[:cut], flat[cut:])
+        flat = tuple(candidate_gens)
+        gens = (flat[:cut], flat[cut:])
+    elif in_order:
         spans = []
         start = 0
         for count in counts:
             spans.append((start, start + count))
             start += count
-        if len(spans) == 2:  # the usual two groups: two slices each
-            cut = spans[0][1]
-            flat = tuple(candidate_keys)
-            keys = (flat[:cut], flat[cut:])
-            flat = tuple(candidate_blocks)
-            blocks = (flat[:cut], flat[cut:])
-            flat = tuple(candidate_slots)
-            slots = (flat[:cut], flat[cut:])
-            flat = tuple(candidate_gens)
-            gens = (flat[:cut], flat[cut:])
-        else:
-            keys = _split(tuple(candidate_keys), spans)
-            blocks = _split(tuple(candidate_blocks), spans)
-            slots = _split(tuple(candidate_slots), spans)
-            gens = _split(tuple(candidate_gens), spans)
+        keys = _split(tuple(candidate_keys), spans)
+        blocks = _split(tuple(candidate_blocks), spans)
+        slot_ids = _split(tuple(candidate_slots), spans)
+        gens = _split(tuple(candidate_gens), spans)
     else:
         groups = [group_id for group_id, _, _ in candidates]
-        keys, blocks, slots, gens = (
+        keys, blocks, slot_ids, gens = (
             tuple(tuple(x for g, x in zip(groups, column) if g == group_id) for group_id in range(len(counts)))
             for column in (candidate_keys, candidate_blocks, candidate_slots, candidate_gens))
-    job = Job(job_id, _STORE, request_id, keys, blocks, slots, gens, (1 << core.config.world_size) - 1)
+    job = Job(job_id, _STORE, request_id, keys, blocks, slot_ids, gens, (1 << core.config.world_size) - 1)
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:
@@ -769,7 +574,7 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
             pins[block] += 1
         out.append(fx.PinDeviceBlocks(block_ids=flat))
     out.append(fx.StartStore(job_id=job_id, request_id=request_id, keys=keys,
-                             source_block_ids=blocks, target_slot_ids=slots))
+                             source_block_ids=blocks, target_slot_ids=slot_ids))
 
 
 def _split(flat: tuple, spans: list[tuple[int, int]]) -> tuple[tuple, ...]:
@@ -795,30 +600,12 @@ def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: list[fx
         _admit_store(core, "", candidates, out)
 
 
-def _free_slot(core: Core, slot: int) -> None:
-    core.slot_key[slot] = None
-    core.slot_state[slot] = _FREE
-    core.free_slots.append(slot)
-
-
-def _drop_key(core: Core, key: bytes) -> bool:
-    """Stop offering `key`. Its slot is freed now if nothing uses it, else by
-    the job that ends last. Returns whether the key was indexed."""
-    slot = core.slot_of_key.pop(key, -1)
-    if slot < 0:
-        return False
-    if key in core.policy:
-        core.policy.remove(key)
-        _free_slot(core, slot)
-    return True
-
-
 def _store_completed(core: Core, event: ev.StoreCompleted, out: list[fx.Effect]) -> None:
     job = core.jobs.get(event.job_id)
     worker = event.worker_index
-    if (job is None or job.kind is not _STORE or not 0 <= worker < core.config.world_size
-            or not job.pending_workers >> worker & 1):
-        job = _job(core, event.job_id, _STORE, worker)  # raises the precise problem
+    if not report_ok(job, _STORE, worker, core.config.world_size):
+        report_problem(core, event.job_id, _STORE, worker)
+        raise disagree("report")
     pending = job.pending_workers & ~(1 << worker)
     job.pending_workers = pending
     if not pending:
@@ -827,7 +614,7 @@ def _store_completed(core: Core, event: ev.StoreCompleted, out: list[fx.Effect])
 
 
 def _store_failed(core: Core, event: ev.StoreFailed, out: list[fx.Effect]) -> None:
-    job = _job(core, event.job_id, _STORE, event.worker_index)
+    job = reported_job(core, event.job_id, _STORE, event.worker_index)
     all_keys = {k for group in job.keys for k in group}
     failed = set(event.keys) or all_keys
     if not failed <= all_keys:
@@ -838,12 +625,12 @@ def _store_failed(core: Core, event: ev.StoreFailed, out: list[fx.Effect]) -> No
 
 
 def _load_completed(core: Core, event: ev.LoadCompleted, out: list[fx.Effect]) -> None:
-    job = _job(core, event.job_id, _LOAD, event.worker_index)
+    job = reported_job(core, event.job_id, _LOAD, event.worker_index)
     _worker_reported(core, job, event.worker_index, out)
 
 
 def _load_failed(core: Core, event: ev.LoadFailed, out: list[fx.Effect]) -> None:
-    job = _job(core, event.job_id, _LOAD, event.worker_index)
+    job = reported_job(core, event.job_id, _LOAD, event.worker_index)
     if not set(event.block_ids) <= set(job.flat_blocks()):
         raise ProtocolViolation("foreign_blocks", f"load {job.job_id} failed blocks it does not target",
                                 job_id=job.job_id)
@@ -886,56 +673,21 @@ def _store_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     if failed:
         stats.store_failures += 1
         stats.keys_failed += len(failed)
-    slot_of_key = core.slot_of_key
-    slot_state = core.slot_state
-    stale = job.stale
-    stored: list[bytes] = []  # into the policy in this order
-    for group_keys, group_slots in zip(job.keys, job.slot_ids):
-        for key, slot in zip(group_keys, group_slots):
-            if stale or slot_of_key.get(key) != slot:  # stale, or no longer indexed
-                _free_slot(core, slot)
-            elif failed and key in failed:
-                del slot_of_key[key]
-                _free_slot(core, slot)
-            else:
-                slot_state[slot] = _STORED
-                stored.append(key)
-    if stored:
-        core.policy.insert_many(stored, False)
-        stats.keys_stored += len(stored)
+    stats.keys_stored += slots.store_ended(core, job)
 
 
 def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
-    dropped: list[bytes] = []  # failed keys this load takes out of the index
-    reusable: list[bytes] = []  # back into the policy (as reused) in this order
     writer = core.block_writer
-    slot_loads = core.slot_loads
-    slot_of_key = core.slot_of_key
+    block_key = core.block_key
     failed = job.failed_keys
-    for group_keys, group_slots, group_blocks in zip(job.keys, job.slot_ids, job.block_ids):
-        for key, slot, block in zip(group_keys, group_slots, group_blocks):
+    for group_keys, group_blocks in zip(job.keys, job.block_ids):
+        for key, block in zip(group_keys, group_blocks):
             del writer[block]
-            loads = slot_loads[slot] - 1
-            if loads:
-                slot_loads[slot] = loads
-            else:
-                del slot_loads[slot]
-            indexed = slot_of_key.get(key) == slot
             if failed and key in failed:
-                core.block_key[block] = None
-                if indexed:
-                    del slot_of_key[key]
-                    dropped.append(key)
-                    indexed = False
-            if loads:
-                continue
-            if indexed:
-                reusable.append(key)
-            else:
-                _free_slot(core, slot)
-    if reusable:
-        core.policy.insert_many(reusable, True)
-    if job.failed_keys or job.failed_blocks:
+                block_key[block] = None
+    dropped = slots.load_ended(core, job)  # failed keys this load takes out of the index
+    failed_any = bool(job.failed_keys or job.failed_blocks)
+    if failed_any:
         core.stats.load_failures += 1
         core.stats.keys_failed += len(job.failed_keys)
         if dropped:  # a failed key already gone, or stored again since, is not reported
@@ -944,24 +696,19 @@ def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     if request is None or request.load_job_id != job.job_id:
         return
     request.load_job_id = -1
-    if request.status is _ABORTING:
-        _free_table(core, request)
-        del core.requests[request.request_id]
-        return
-    if job.failed_keys or job.failed_blocks:
+    # vLLM 0.32 cannot take block-level errors with several groups: the request
+    # is reported failed, its blocks are freed and it is admitted again from
+    # scratch (with the failed keys gone from the tier). With one group it
+    # recomputes from the first failed block, and frees the table when that
+    # leaves no valid token.
+    recompute = failed_any and (len(core.groups) > 1 or _first_failed_position(request, job) == 0)
+    if _move(core, request, "load_failed+recompute" if recompute else "load_ended") is GONE:
+        return  # aborted while loading: its blocks went back with it
+    if failed_any:
         _restart_stores(request)  # the failed blocks are recomputed: store them again
-    if (job.failed_keys or job.failed_blocks) and (
-            len(core.groups) > 1 or _first_failed_position(request, job) == 0):
-        # vLLM 0.32 cannot take block-level errors with several groups: the
-        # request is reported failed, its blocks are freed and it is admitted
-        # again from scratch (with the failed keys gone from the tier). With
-        # one group it recomputes from the first failed block, and frees the
-        # table when that leaves no valid token.
+    if recompute:
         _free_table(core, request)
-        request.set_status(_WAITING)
         request.num_computed_tokens = 0
-        return
-    request.set_status(_RUNNING)  # one group: vLLM recomputes from the first failed block
 
 
 def _first_failed_position(request: RequestState, job: Job) -> int:
@@ -975,11 +722,7 @@ def _first_failed_position(request: RequestState, job: Job) -> int:
 def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None:
     if event.epoch <= core.epoch:
         raise ProtocolViolation("epoch_not_increasing", f"epoch {event.epoch} after {core.epoch}")
-    dropped = tuple(k for k, s in core.slot_of_key.items() if core.slot_state[s] == _STORED)
-    for key in list(core.slot_of_key):
-        _drop_key(core, key)
-    assert not len(core.policy)
-    core.policy.clear()
+    dropped = slots.drop_all(core)
     for job in core.jobs.values():
         job.stale = True
     for request in core.requests.values():

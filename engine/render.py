@@ -17,7 +17,8 @@ _NOTES = {
     "blocks_allocated+load": "a `blocks_allocated` that admits a tier hit (`num_external_tokens > 0`)",
     "load_ended": "the last worker's `load_completed` or `load_failed` for the request's load",
     "load_failed+recompute": "a load that ended failed with several KV groups, or with one group at "
-                             "its first block: vLLM frees the blocks and recomputes the request",
+                             "its first block: vLLM frees the blocks and recomputes the request (an "
+                             "aborting request is forgotten either way)",
 }
 
 
@@ -66,9 +67,12 @@ def render() -> str:
         "<!-- Rendered by engine/render.py from engine/transitions.py; do not edit by hand.",
         "     KVLEDGER_UPDATE_GOLDEN=1 pytest tests/engine/test_transitions.py rewrites it. -->",
         "",
-        "Every legal state move of the engine, as data. The reducer consults these tables before it",
-        "changes anything: a move that is not here is a protocol violation, reported as",
-        "`ReportViolation(code=\"illegal_request_event\")` with the state unchanged (strict mode raises).",
+        "Every legal state move of the engine, as data. The reducer takes from these tables both",
+        "whether a move is legal and where it leads: a move that is not here is a protocol violation,",
+        "reported as `ReportViolation(code=\"illegal_request_event\")` with the state unchanged (strict",
+        "mode raises). A request's status on the left of a `step_scheduled` move is one a step may",
+        "schedule. Tier slots change state only in `engine/slots.py`, which takes each action's",
+        "target from the slot table.",
         "",
         "## Requests",
         "",

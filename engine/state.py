@@ -78,7 +78,9 @@ class RequestState:
         self.load_job_id = -1
         self.num_preemptions = 0
         self.capacity_tokens = 0  # tokens the table covers in every group (derived, kept for speed)
-        self.step_limit = -1  # the most tokens a step may schedule: capacity_tokens while RUNNING, else -1
+        # The most tokens a step may schedule: capacity_tokens while a step may schedule the
+        # request (its status has a `step_scheduled` move in the table), else -1.
+        self.step_limit = -1
         self.free_floor = [0] * len(groups)  # positions below are all null (sliding frees go in order)
 
     def clone(self) -> RequestState:
@@ -97,14 +99,17 @@ class RequestState:
         return min(map(mul, map(len, self.table), block_sizes))
 
     def table_changed(self, block_sizes: tuple[int, ...]) -> None:
-        """After the table grew or shrank: its capacity, and the step limit."""
+        """After the table grew or shrank: its capacity, and the step limit (a
+        request a step may schedule has one of at least 0, and keeps it)."""
         self.capacity_tokens = self.table_tokens(block_sizes)
-        self.step_limit = self.capacity_tokens if self.status is RUNNING else -1
+        if self.step_limit >= 0:
+            self.step_limit = self.capacity_tokens
 
-    def set_status(self, status: RequestStatus) -> None:
-        """Move to `status`, keeping `step_limit` in step with it."""
+    def set_status(self, status: RequestStatus, steppable: bool) -> None:
+        """Move to `status`; `steppable` (may a step schedule it? the reducer asks
+        `transitions.REQUEST_MOVES`) keeps `step_limit` in step with it."""
         self.status = status
-        self.step_limit = self.capacity_tokens if status is RUNNING else -1
+        self.step_limit = self.capacity_tokens if steppable else -1
 
     def held_blocks(self) -> list[int]:
         return [b for ids in self.table for b in ids if b != NULL_BLOCK_ID]

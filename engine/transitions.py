@@ -1,15 +1,15 @@
-"""Every legal state move, as data.
-
-The reducer consults `REQUEST_MOVES` before it changes anything; a pair that
-is missing is a protocol violation. `SLOT_MOVES` is not consulted at run
-time (slot changes are internal, never caller-driven); the tests check the
-reducer's slot changes against it cell by cell. `tests/engine/test_transitions.py` checks the
-tables cell by cell, and `docs/transitions.md` is rendered from them.
+"""Every legal state move, as data; the reducer and the tier's slot module run on it.
 
 Request moves are keyed by (status, event kind); `None` is "no such request"
 on the left and "forgotten" on the right. Some events have two outcomes,
-chosen by a fact of the event (a load planned or not, the last worker's
-completion or not); those facts are spelled out as pseudo-kinds.
+chosen by a fact of the event (a load planned or not, a failed load that
+vLLM recomputes from scratch or not); those facts are spelled out as
+pseudo-kinds. The reducer takes both whether a move is legal and the status
+it leads to from `REQUEST_MOVES` (a pair that is missing is a protocol
+violation), and `engine/slots.py` takes each slot action's target from
+`SLOT_MOVES`. `tests/engine/test_transitions.py` checks the tables cell by
+cell, and that the reducer consults every row; `docs/transitions.md` is
+rendered from them.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ REQUEST_MOVES: dict[tuple[R | None, str], R | None] = {
     (R.PREEMPTED, "request_aborted"): GONE,
     (R.LOADING, "request_aborted"): R.ABORTING,
     (R.LOADING, "load_ended"): R.RUNNING,
-    (R.LOADING, "load_failed+recompute"): R.WAITING,  # several groups, or no valid token left
     (R.ABORTING, "load_ended"): GONE,
+    (R.LOADING, "load_failed+recompute"): R.WAITING,  # several groups, or no valid token left
+    (R.ABORTING, "load_failed+recompute"): GONE,  # aborted: the outcome no longer matters
 }
 
 # Slot moves, keyed by (state, action). A slot leaves the index (stops being
 # offered) on eviction, failure or reset, but is freed only when no job still
-# reads or writes it.
+# reads or writes it. Each action has one row: `engine/slots.py` relies on it.
 SLOT_MOVES: dict[tuple[S, str], S] = {
     (S.FREE, "store_planned"): S.STORING,
     (S.STORING, "store_succeeded"): S.STORED,
@@ -68,3 +69,20 @@ def request_move(status: R | None, kind: str) -> tuple[bool, R | None]:
 
 def slot_move(state: S, action: str) -> S:
     return SLOT_MOVES[(state, action)]
+
+
+def moves_by_kind(moves: dict[tuple[R | None, str], R | None]) -> dict[str, dict[R | None, R | None]]:
+    """`REQUEST_MOVES` regrouped by kind, {kind: {status before: status after}}: the reducer's lookup."""
+    by_kind: dict[str, dict[R | None, R | None]] = {}
+    for (status, kind), target in moves.items():
+        by_kind.setdefault(kind, {})[status] = target
+    return by_kind
+
+
+def steppable(moves: dict[tuple[R | None, str], R | None]) -> tuple[R, ...]:
+    """The statuses a step may schedule (those with a `step_scheduled` move): a
+    request's `step_limit` is -1 outside them, which is how a step checks status."""
+    return tuple(status for (status, kind) in moves if kind == "step_scheduled" and status is not None)
+
+
+STEPPABLE = steppable(REQUEST_MOVES)

@@ -1,19 +1,25 @@
-"""The transition tables, cell by cell, against the reducer; and the rendered doc."""
+"""The transition tables, cell by cell, against the reducer; that the reducer
+reads every row; and the rendered doc."""
 
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
 
+from kvledger.adapters.log_files import open_log
+from kvledger.adapters.testing.simulator import Simulator, run_random
+from kvledger.engine import checks, reducer
 from kvledger.engine.invariants import check
 from kvledger.engine.render import render
+from kvledger.engine.replay import replay
 from kvledger.engine.state import RequestStatus as R
 from kvledger.engine.state import SlotState as S
 from kvledger.engine.transitions import REQUEST_MOVES, SLOT_MOVES, request_move, slot_move
 from kvledger.events import types as ev
-from tests.engine.builders import Engine, chain, full_only_config, key
+from tests.engine.builders import Engine, chain, full_only_config, key, make_config
 
 A = chain(5, "a")
 STATUSES: list[R | None] = [None, *R]
@@ -137,6 +143,82 @@ def test_a_failed_load_with_one_group_ends_as_vllm_recomputes_it(failed_block, m
     e.apply(ev.LoadFailed(job_id=LOAD_JOB, block_ids=(failed_block,), keys=()))
     assert status_of(e) is REQUEST_MOVES[(R.LOADING, move)]
     assert e.state.core.requests["r"].table == table
+
+
+# The reducer reads every row: the legality check, the move and the step's
+# status test each look the row up, and these recorders note which rows.
+
+
+class _NotedTuple(tuple):
+    """Statuses a kind meets; notes each (status, kind) a membership test finds."""
+
+    def __contains__(self, status):
+        found = tuple.__contains__(self, status)
+        if found:
+            self.noted.add((status, self.kind))
+        return found
+
+
+class _NotedDict(dict):
+    """{status before: status after} of a kind; notes each row looked up."""
+
+    def __getitem__(self, status):
+        self.noted.add((status, self.kind))
+        return dict.__getitem__(self, status)
+
+
+def _noting(cls, items, kind: str, noted: set):
+    table = cls(items)
+    table.kind, table.noted = kind, noted
+    return table
+
+
+@pytest.fixture
+def consulted(monkeypatch) -> set:
+    """The rows of REQUEST_MOVES the reducer reads from here on, as (status, kind)."""
+    noted: set = set()
+    monkeypatch.setattr(checks, "LEGAL_FROM", {
+        kind: _noting(_NotedTuple, statuses, kind, noted) for kind, statuses in checks.LEGAL_FROM.items()})
+    monkeypatch.setattr(reducer, "_NEXT", {
+        kind: _noting(_NotedDict, moves, kind, noted) for kind, moves in reducer._NEXT.items()})
+    monkeypatch.setattr(reducer, "_STAYS", {
+        kind: _noting(_NotedTuple, statuses, kind, noted) for kind, statuses in reducer._STAYS.items()})
+    monkeypatch.setattr(reducer, "_STEPPABLE", _noting(_NotedTuple, reducer._STEPPABLE, "step_scheduled", noted))
+    return noted
+
+
+@pytest.mark.parametrize("pair", list(REQUEST_MOVES), ids=name)
+def test_the_reducer_reads_every_row(pair, consulted):
+    status, kind = pair
+    e = reach(status)
+    if kind != "step_scheduled":  # a step reads its row through `step_limit`, set as the request began running
+        consulted.clear()
+    e.apply(event_for(kind, e))
+    assert pair in consulted, sorted(map(name, consulted))
+    assert consulted <= set(REQUEST_MOVES), "the reducer read a row the table does not have"
+
+
+# Rows that only events made by hand reach here: the simulator appends hashes
+# only to running requests. The connector's planner (`engine/planner.py`) also
+# appends an admission's new hashes just before admitting it, waiting or
+# preempted; the loading row is legal, but neither produces it.
+UNSIMULATED = {(R.WAITING, "block_hashes_appended"), (R.LOADING, "block_hashes_appended"),
+               (R.PREEMPTED, "block_hashes_appended")}
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+def test_replays_and_simulated_runs_reach_every_other_row(consulted):
+    golden = [path for path in sorted(GOLDEN.glob("*.jsonl")) if path.with_suffix(".expected.json").exists()]
+    for path in golden + sorted((GOLDEN / "vllm").glob("*.jsonl.gz")):
+        header, records = open_log(path)
+        assert replay(header.config, records).first_problem is None, path.name
+    for config in (full_only_config(num_device_blocks=24, num_tier_slots=12), make_config(world_size=2)):
+        for seed in range(3):
+            run_random(Simulator(config), random.Random(seed), steps=200, arrivals=0.9, max_tokens=30,
+                       completion_rate=0.3, fail_rate=0.2, abort_rate=0.1)
+    assert consulted <= set(REQUEST_MOVES)
+    assert sorted(map(name, set(REQUEST_MOVES) - UNSIMULATED - consulted)) == []
+    assert not UNSIMULATED & consulted, "a run reaches a row listed as unsimulated: take it off the list"
 
 
 def test_request_move_lookup():
