@@ -102,7 +102,8 @@ def _new_hashes(mine: RequestState, request: Request) -> ev.BlockHashesAppended 
                                   block_hashes=tuple(hashes[known:]))
 
 
-def _window_frees(core: Core, mine: RequestState, blocks: tuple[Sequence[Block], ...]) -> ev.BlocksFreed | None:
+def _window_frees(window_groups: tuple[int, ...], mine: RequestState,
+                  blocks: tuple[Sequence[Block], ...]) -> ev.BlocksFreed | None:
     """Blocks vLLM replaced by the null block in a window group.
 
     Only window groups lose blocks mid-request, always from the front, so
@@ -110,9 +111,7 @@ def _window_frees(core: Core, mine: RequestState, blocks: tuple[Sequence[Block],
     vLLM still holds: at most a comparison per window group in most steps.
     """
     freed: list[list[int]] | None = None
-    for g, group in enumerate(core.groups):
-        if group.kind is GroupKind.FULL:
-            continue
+    for g in window_groups:
         known, now = mine.table[g], blocks[g]
         for position in range(mine.free_floor[g], min(len(known), len(now))):
             if now[position].block_id != NULL_BLOCK_ID:
@@ -162,6 +161,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             preempted_now.add(rid)
 
     admitted = {a.request_id for a in step.admissions}  # membership only, never iterated
+    window_groups = tuple(g for g, group in enumerate(core.groups) if group.kind is not GroupKind.FULL)
     tables = step.tables
     growing: list[tuple[RequestState, tuple[Sequence[Block], ...]]] = []
     for rid in step.scheduled:
@@ -174,7 +174,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         if appended is not None:
             events.append(appended)
         blocks = tuple(t.get(rid, ()) for t in tables)
-        freed = _window_frees(core, mine, blocks)
+        freed = _window_frees(window_groups, mine, blocks)
         if freed is not None:
             events.append(freed)
         if any(len(now) != len(known) for known, now in zip(mine.table, blocks)):

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 _log = structlog.get_logger("kvledger.adapters.vllm.scheduler")
 
+_FAILURES = (ev.StoreFailed, ev.LoadFailed)
+
 # Engine totals reported as counters: the stats carry their change since the last report.
 _COUNTED = (("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORES),
             ("store_rejections", m.ALLOCATION_FAILURE), ("load_failures", m.LOAD_FAILURES),
@@ -78,14 +80,32 @@ class LedgerScheduler:
     def _apply(self, events: list[ev.Event]) -> tuple[fx.Effect, ...]:
         """Apply one step's (or one call's) events; carry out what is the scheduler's."""
         state = self.host.state
-        jobs: dict[int, queries.JobView] = {}  # the jobs these events report on, read before they end
+        # The jobs that failure reports (for their log lines) and KV events need,
+        # read before the events end them. Most calls need none.
+        jobs: dict[int, queries.JobView] = {}
+        everyone = self.tier_events is not None
         for event in events:
-            job_id = getattr(event, "job_id", None)
-            if job_id is not None:
-                job = queries.job_view(state, job_id)
+            if everyone or type(event) in _FAILURES:
+                job = queries.job_view(state, getattr(event, "job_id", -1))
                 if job is not None:
-                    jobs[job_id] = job
+                    jobs[job.job_id] = job
         effects = self.host.apply_step(events)
+        if effects:
+            self._carry_out(effects, jobs)
+        for event in events:
+            if type(event) in _FAILURES:
+                job = jobs.get(event.job_id)  # type: ignore[union-attr]
+                _log.warning(event.kind, request_id=None if job is None else job.request_id,
+                             job_id=event.job_id, worker_index=event.worker_index,  # type: ignore[union-attr]
+                             keys=hex_keys(event.keys), step=self._step)  # type: ignore[union-attr]
+        if everyone:
+            assert self.tier_events is not None
+            self.tier_events.observe(events, [k for job in jobs.values() for k in job.keys], effects,
+                                     self.host.state)
+        return effects
+
+    def _carry_out(self, effects: tuple[fx.Effect, ...], jobs: dict[int, queries.JobView]) -> None:
+        """The scheduler's own effects and the notifications; the workers' travel as metadata."""
         routed = fx.route(effects)
         for effect in routed[fx.Phase.SCHEDULER]:
             if isinstance(effect, fx.PinDeviceBlocks):
@@ -93,24 +113,13 @@ class LedgerScheduler:
             else:
                 assert isinstance(effect, fx.UnpinDeviceBlocks), effect
                 self._block_pool.free_blocks(effect.block_ids)
-        notifications = routed[fx.Phase.NOTIFICATION]
-        for effect in notifications:
+        for effect in routed[fx.Phase.NOTIFICATION]:
             if isinstance(effect, fx.ReportViolation):
                 self._violations += 1
-                job = jobs.get(effect.job_id)
+                job = jobs.get(effect.job_id) or queries.job_view(self.host.state, effect.job_id)
                 _log.error("protocol_violation", code=effect.code, message=effect.message,
                            event_kind=effect.event_kind, request_id=effect.request_id, job_id=effect.job_id,
                            keys=hex_keys(() if job is None else job.keys), step=self._step)
-        for event in events:
-            if isinstance(event, (ev.StoreFailed, ev.LoadFailed)):
-                job = jobs.get(event.job_id)
-                _log.warning(event.kind, request_id=None if job is None else job.request_id,
-                             job_id=event.job_id, worker_index=event.worker_index, keys=hex_keys(event.keys),
-                             step=self._step)
-        if self.tier_events is not None:
-            self.tier_events.observe(events, [k for job in jobs.values() for k in job.keys], notifications,
-                                     self.host.state)
-        return effects
 
     # vLLM's scheduler-side calls.
 
