@@ -28,6 +28,30 @@ def make_config(**overrides: object) -> EngineConfig:
     return EngineConfig(**fields)
 
 
+# The simulated workloads' configurations (the stateful machine, the check-agreement
+# property tests): one group; windows; pin mode with ARC; mamba; mixed block
+# sizes; lazy stores.
+SIMULATED_CONFIGS = [
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),),
+                 hash_block_size=16, num_device_blocks=24, num_tier_slots=12),
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
+                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
+                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, world_size=2),
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
+                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
+                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, protection="pin", policy="arc"),
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
+                         GroupSpec(group_id=1, kind="mamba", block_size=64)),
+                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, policy="arc"),
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),
+                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=48)),
+                 hash_block_size=16, num_device_blocks=40, num_tier_slots=20),
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
+                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
+                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, store_mode="lazy"),
+]
+
+
 def full_only_config(**overrides: object) -> EngineConfig:
     return make_config(groups=(FULL,), **overrides)
 

@@ -24,25 +24,10 @@ from kvledger.engine.checks import ProtocolViolation
 from kvledger.engine.state import Core, JobKind, RequestState, RequestStatus, SlotState, State
 from kvledger.engine.transitions import REQUEST_MOVES
 from kvledger.events import types as ev
-from kvledger.events.config import EngineConfig, GroupSpec
 from kvledger.events.types import NULL_BLOCK_ID
+from tests.engine.builders import SIMULATED_CONFIGS
 
-CONFIGS = [
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),),
-                 hash_block_size=16, num_device_blocks=24, num_tier_slots=12),
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
-                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
-                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, world_size=2),
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
-                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
-                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, protection="pin", policy="arc"),
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
-                         GroupSpec(group_id=1, kind="mamba", block_size=64)),
-                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, policy="arc"),
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),
-                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=48)),
-                 hash_block_size=16, num_device_blocks=40, num_tier_slots=20),
-]
+CONFIGS = SIMULATED_CONFIGS
 SNAPSHOTS = (2, 5, 9, 14, 20, 28, 40)
 
 

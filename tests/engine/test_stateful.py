@@ -18,29 +18,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvledger.adapters.testing.simulator import Simulator
 from kvledger.engine.reducer import reduce, reduce_step
-from kvledger.events.config import EngineConfig, GroupSpec
+from kvledger.events.config import EngineConfig
+from tests.engine.builders import SIMULATED_CONFIGS
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = [
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),),
-                 hash_block_size=16, num_device_blocks=24, num_tier_slots=12),
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
-                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
-                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, world_size=2),
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
-                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
-                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, protection="pin", policy="arc"),
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
-                         GroupSpec(group_id=1, kind="mamba", block_size=64)),
-                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, policy="arc"),
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),
-                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=48)),
-                 hash_block_size=16, num_device_blocks=40, num_tier_slots=20),
-    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
-                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
-                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, store_mode="lazy"),
-]
+CONFIGS = SIMULATED_CONFIGS
 
 
 class Protocol(RuleBasedStateMachine):
