@@ -78,8 +78,6 @@ class Transition(NamedTuple):
     effects: tuple[fx.Effect, ...]
 
 
-
-
 def _reported(violation: ProtocolViolation, event: ev.Event) -> fx.ReportViolation:
     return fx.ReportViolation(
         code=violation.code, message=violation.message, event_kind=event.kind,
