@@ -5,7 +5,7 @@ policy in its eviction order. Nothing depends on `PYTHONHASHSEED`, on dict
 iteration order or on object identity, so two processes that applied the
 same events agree.
 
-A live recorder cannot afford `digest` on a large state: 100k device blocks
+A live engine host cannot afford `digest` on a large state: 100k device blocks
 and 1M tier slots take about 100 ms, a stall of the scheduler's step. So it
 records part digests (`"part/parts:hex"`): the small tables (counters, jobs,
 transfers in flight, stats) whole, and one `parts`-th of each large one

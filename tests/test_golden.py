@@ -43,8 +43,8 @@ def record(name: str) -> None:
         data["protection"] = case.pop("protection")
     config = EngineConfig.from_dict(data)
     with EngineHost(config, log_path=GOLDEN / f"{name}.jsonl", fmt="jsonl", digest_interval=8,
-                  strict=True, overwrite=True) as recorder:
-        sim = Simulator(config, recorder=recorder)
+                  strict=True, overwrite=True) as host:
+        sim = Simulator(config, host=host)
         run_random(sim, random.Random(case["seed"]), steps=case["steps"], arrivals=0.9, max_tokens=30,
                    completion_rate=0.3, fail_rate=case["fail_rate"], reset_rate=case.get("reset_rate", 0.0),
                    check_every=1)

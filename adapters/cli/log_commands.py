@@ -277,8 +277,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         data["protection"] = args.protection
     config = EngineConfig.from_dict(data)
     with EngineHost(config, log_path=args.out, fmt=args.format, digest_interval=args.digest_interval,
-                  strict=True, overwrite=args.force) as recorder:
-        sim = Simulator(config, recorder=recorder)
+                  strict=True, overwrite=args.force) as host:
+        sim = Simulator(config, host=host)
         run_random(sim, random.Random(args.seed), steps=args.steps, arrivals=0.9, max_tokens=30,
                    completion_rate=0.3, fail_rate=args.fail_rate, check_every=1)
     print(f"wrote {sim.events} events in {sim.step_index + 1} steps to {args.out}")

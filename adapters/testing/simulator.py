@@ -70,7 +70,7 @@ class SimJob:
 class Simulator:
     def __init__(self, config: EngineConfig, *, prefix_caching: bool = True, chunk_tokens: int = 0,
                  record: Callable[[ev.Event], None] | None = None, check_every_event: bool = False,
-                 check_content: bool = True, recorder: EngineHost | None = None,
+                 check_content: bool = True, host: EngineHost | None = None,
                  lazy_target_blocks: int = 8) -> None:
         self.config = config
         self.groups = config.groups
@@ -80,8 +80,8 @@ class Simulator:
         self.check_every_event = check_every_event
         self.check_content = check_content  # off only for large benchmark traces
         self.lazy_target_blocks = lazy_target_blocks  # lazy mode: free blocks offered per step
-        self.recorder = recorder  # when set, it runs the engine and writes the log
-        self.state: State = recorder.state if recorder is not None else initial_state(config)
+        self.host = host  # when set, it runs the engine and writes the log
+        self.state: State = host.state if host is not None else initial_state(config)
         n = config.num_device_blocks
         self.free: dict[int, None] = dict.fromkeys(range(1, n))  # vLLM's free queue, eviction end first
         self.holders = [0] * n  # request references + pins
@@ -102,9 +102,9 @@ class Simulator:
 
     def emit(self, event: ev.Event) -> tuple[fx.Effect, ...]:
         before = self.state.core.next_job_id
-        if self.recorder is not None:
-            effects = self.recorder.apply(event)
-            self.state = self.recorder.state
+        if self.host is not None:
+            effects = self.host.apply(event)
+            self.state = self.host.state
         else:
             self.state, effects = reduce(self.state, event, strict=True)
         self.events += 1

@@ -57,11 +57,11 @@ def test_violation_names_its_seq(tmp_path: Path, capsys: pytest.CaptureFixture) 
     config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
                           num_device_blocks=8, num_tier_slots=8)
     path = tmp_path / "bad.jsonl"
-    with EngineHost(config, log_path=path, fmt="jsonl") as recorder:
-        recorder.apply(ev.RequestAdded(request_id="a", num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
-        recorder.apply(ev.BlocksAllocated(request_id="a", block_ids=((1, 2),)))
-        recorder.apply(ev.BlocksAllocated(request_id="b", block_ids=((3,),)))  # unknown request
-        recorder.apply(ev.StepScheduled(step_index=0, request_ids=["a"], num_computed_tokens=[0],
+    with EngineHost(config, log_path=path, fmt="jsonl") as host:
+        host.apply(ev.RequestAdded(request_id="a", num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
+        host.apply(ev.BlocksAllocated(request_id="a", block_ids=((1, 2),)))
+        host.apply(ev.BlocksAllocated(request_id="b", block_ids=((3,),)))  # unknown request
+        host.apply(ev.StepScheduled(step_index=0, request_ids=["a"], num_computed_tokens=[0],
                                         num_scheduled_tokens=[32]))
     assert main(["replay", str(path)]) == 1
     out = capsys.readouterr().out

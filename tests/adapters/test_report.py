@@ -237,12 +237,12 @@ def _recorded(tmp_path: Path, request_id: str, *, violate: bool) -> Path:
     config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
                           num_device_blocks=8, num_tier_slots=8)
     path = tmp_path / "small.jsonl"
-    with EngineHost(config, log_path=path, fmt="jsonl") as recorder:
-        recorder.apply(ev.RequestAdded(request_id=request_id, num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
-        recorder.apply(ev.BlocksAllocated(request_id=request_id, block_ids=((1, 2),)))
+    with EngineHost(config, log_path=path, fmt="jsonl") as host:
+        host.apply(ev.RequestAdded(request_id=request_id, num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
+        host.apply(ev.BlocksAllocated(request_id=request_id, block_ids=((1, 2),)))
         if violate:
-            recorder.apply(ev.BlocksAllocated(request_id="unknown", block_ids=((3,),)))
-        recorder.apply(ev.StepScheduled(step_index=0, request_ids=[request_id], num_computed_tokens=[0],
+            host.apply(ev.BlocksAllocated(request_id="unknown", block_ids=((3,),)))
+        host.apply(ev.StepScheduled(step_index=0, request_ids=[request_id], num_computed_tokens=[0],
                                         num_scheduled_tokens=[32]))
     return path
 

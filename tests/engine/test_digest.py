@@ -1,7 +1,7 @@
 """Part digests: each sees every change in its own slice of the large tables,
 none in another's, and every part sees a change in the small ones.
 
-A recorder takes one part per digest record, so a table entry that no part
+A live engine host takes one part per digest record, so a table entry that no part
 covers, or a part that misses its own entries, would let a replay diverge
 unnoticed. The state is `rich` (64 device blocks, 32 tier slots), cut into 4.
 """
@@ -161,9 +161,9 @@ def test_parts_scale_with_the_largest_table() -> None:
 def _record(path: Path, parts_rows: int, monkeypatch: pytest.MonkeyPatch) -> list[ev.Event]:
     engine = rich()
     monkeypatch.setattr(digest_module, "PART_ROWS", parts_rows)
-    with EngineHost(engine.config, log_path=path, fmt="jsonl", digest_interval=1) as recorder:
+    with EngineHost(engine.config, log_path=path, fmt="jsonl", digest_interval=1) as host:
         for event in engine.log:
-            recorder.apply(event)
+            host.apply(event)
     return engine.log
 
 
