@@ -29,6 +29,7 @@ from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.lookup import lookup
 from kvledger.engine.planner import Admission, StepInputs, new_hashes, plan_step
+from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, StoreMode
 from kvledger.events.keys import hex_keys
@@ -179,7 +180,7 @@ class LedgerScheduler:
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, None]:
         rid = request.request_id
         status = queries.request_status(self.host.state, rid)
-        if status is queries.RequestStatus.RUNNING:
+        if status is RequestStatus.RUNNING:
             self._apply([ev.RequestFinished(request_id=rid, block_ids=block_ids)])
         elif status is not None:  # never ran, preempted, or still loading: vLLM frees a loading one when its load ends
             self._apply([ev.RequestAborted(request_id=rid)])
