@@ -38,6 +38,7 @@ class FakeVllm:
         self.tables: tuple[dict[str, list[Block]], ...] = tuple({} for _ in config.groups)
         self.step_index = 0
         self.log: list[ev.Event] = []
+        self.effects: list = []  # every effect the engine produced, in order
 
     def add(self, rid: str, num_tokens: int, hashes: tuple[bytes, ...]) -> None:
         self.requests[rid] = Request(num_tokens, 0, list(hashes))
@@ -62,6 +63,9 @@ class FakeVllm:
     def table(self, rid: str) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(b.block_id for b in t.get(rid, ())) for t in self.tables)
 
+    def engine_table(self, rid: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t) for t in self.state.core.requests[rid].table)
+
     def plan(self, scheduled: dict[str, int] | None = None, *, admitted: tuple[Admission, ...] = (),
              preempted: tuple[str, ...] = (), near_eviction: tuple[int, ...] = ()) -> list[ev.Event]:
         scheduled = scheduled or {}
@@ -75,10 +79,13 @@ class FakeVllm:
     def apply(self, events: list[ev.Event]) -> tuple:
         """Strict: the engine raises on the first event it would reject."""
         self.log.extend(events)
+        if not events:
+            return ()
         if len(events) == 1:
             self.state, effects = reduce(self.state, events[0], strict=True)
         else:
             self.state, effects = reduce_step(self.state, events, strict=True)
+        self.effects.extend(effects)
         return effects
 
     def run(self, scheduled: dict[str, int] | None = None, **step: object) -> list[ev.Event]:

@@ -12,6 +12,7 @@ import random
 import sys
 
 from kvledger.adapters.engine_host import EngineHost
+from kvledger.engine import effects as fx
 from kvledger.engine.planner import Admission
 from kvledger.events import types as ev
 from tests.engine.builders import chain, make_config
@@ -20,7 +21,10 @@ from tests.engine.fake_vllm import FakeVllm
 BLOCK = 32
 
 
-def run(out: str, steps: int = 120, seed: int = 7) -> None:
+def run(out: str | None = None, steps: int = 120, seed: int = 7, *, preempt_rate: float = 0.1,
+        check: bool = False) -> FakeVllm:
+    """Play the workload; with `check`, after every step the engine's block
+    tables must be vLLM's, position for position."""
     rng = random.Random(seed)
     config = make_config(num_device_blocks=400, num_tier_slots=256)
     vllm = FakeVllm(config)
@@ -35,7 +39,10 @@ def run(out: str, steps: int = 120, seed: int = 7) -> None:
     for _ in range(steps):
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
-        if running and rng.random() < 0.1:  # vLLM preempts the newest running request
+        done_stores = [e.job_id for e in vllm.effects if isinstance(e, fx.StartStore)]
+        vllm.effects.clear()
+        vllm.apply([ev.StoreCompleted(job_id=job_id) for job_id in done_stores])  # the workers' reports
+        if running and rng.random() < preempt_rate:  # vLLM preempts the newest running request
             victim = running.pop()
             for group in vllm.tables:
                 free.extend(b.block_id for b in group.get(victim, ()) if b.block_id)
@@ -80,9 +87,14 @@ def run(out: str, steps: int = 120, seed: int = 7) -> None:
             scheduled[rid] = request.num_tokens - 1
             running.append(rid)
         vllm.run(scheduled, admitted=tuple(admissions), preempted=tuple(preempted))
-    with EngineHost(config, log_path=out, fmt="jsonl", digest_interval=8, strict=True, overwrite=True) as host:
-        for event in vllm.log:
-            host.apply(event)
+        if check:
+            for rid in running:
+                assert vllm.engine_table(rid) == vllm.table(rid), rid
+    if out is not None:
+        with EngineHost(config, log_path=out, fmt="jsonl", digest_interval=8, strict=True, overwrite=True) as host:
+            for event in vllm.log:
+                host.apply(event)
+    return vllm
 
 
 if __name__ == "__main__":

@@ -10,12 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvledger.engine import queries
+from kvledger.engine.invariants import check
 from kvledger.engine.planner import Admission
 from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import StoreMode
+from tests.engine import planner_workload
 from tests.engine.builders import chain, full_only_config, make_config
 from tests.engine.fake_vllm import FakeVllm
 
@@ -185,6 +189,17 @@ def test_admissions_come_in_vllms_order_with_their_hashes_first():
     assert [(e.kind, e.request_id) for e in events[:-1]] == [
         ("block_hashes_appended", "z"), ("block_hashes_appended", "m"), ("block_hashes_appended", "a"),
         ("blocks_allocated", "z"), ("blocks_allocated", "m"), ("blocks_allocated", "a")]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(20, 80), preempt_rate=st.sampled_from([0.0, 0.1, 0.4]))
+def test_the_planner_keeps_the_engine_on_vllms_tables_through_any_workload(seed, steps, preempt_rate):
+    """Strictly applied (any rejected event raises), with the engine's tables
+    checked against vLLM's after every step, and the invariants at the end."""
+    vllm = planner_workload.run(None, steps, seed, preempt_rate=preempt_rate, check=True)
+    check(vllm.state)
+    kinds_seen = {e.kind for e in vllm.log}
+    assert {"request_added", "blocks_allocated", "step_scheduled", "store_completed"} <= kinds_seen
 
 
 def _workload_log(tmp_path: Path, seed: str) -> bytes:
