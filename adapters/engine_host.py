@@ -44,13 +44,8 @@ class EngineHost:
 
     def apply(self, event: ev.Event) -> tuple[fx.Effect, ...]:
         self.state, effects = reduce(self.state, event, strict=self.strict)
-        if self.writer is None:
-            return effects
-        self._pending.append(event)
-        if isinstance(event, ev.StepScheduled):
-            self.writer.add_step(event.step_index, self._pending, self._digest_due(event.step_index))
-            self._pending.clear()
-            self.next_step = event.step_index + 1
+        if self.writer is not None:
+            self._record((event,))
         return effects
 
     def apply_step(self, events: list[ev.Event]) -> tuple[fx.Effect, ...]:
@@ -63,15 +58,19 @@ class EngineHost:
             return ()
         assert not any(isinstance(e, ev.StepScheduled) for e in events[:-1]), "step_scheduled ends a step"
         self.state, effects = reduce_step(self.state, events)
-        if self.writer is None:
-            return effects
+        if self.writer is not None:
+            self._record(events)
+        return effects
+
+    def _record(self, events: list[ev.Event] | tuple[ev.Event, ...]) -> None:
+        """Hold the events for their step; a `step_scheduled` (last) writes the step."""
+        assert self.writer is not None
         self._pending.extend(events)
         last = events[-1]
         if isinstance(last, ev.StepScheduled):
             self.writer.add_step(last.step_index, self._pending, self._digest_due(last.step_index))
             self._pending.clear()
             self.next_step = last.step_index + 1
-        return effects
 
     def _digest_due(self, step_index: int) -> str | None:
         interval = self.digest_interval

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-from .state import STORED, Core, RequestStatus, State
+from .state import STORED, RequestStatus, State
 
 ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
@@ -67,12 +67,8 @@ class Position:
     next_job_id: int
 
 
-def _core(state: State) -> Core:
-    return state.core
-
-
 def position(state: State) -> Position:
-    core = _core(state)
+    core = state.core
     return Position(core.step_index, core.epoch, core.next_job_id)
 
 
@@ -83,49 +79,49 @@ def next_job_id(state: State) -> int:
 
 def stats(state: State) -> dict[str, int]:
     """The running totals (hits, loads, stores, failures, evictions, ...)."""
-    return _core(state).stats.as_dict()
+    return state.core.stats.as_dict()
 
 
 def tier_usage(state: State) -> TierUsage:
-    core = _core(state)
+    core = state.core
     return TierUsage(core.num_used_slots(), core.config.num_tier_slots, len(core.slot_of_key),
                      len(core.policy), len(core.slot_loads))
 
 
 def device_usage(state: State) -> DeviceUsage:
-    core = _core(state)
+    core = state.core
     return DeviceUsage(sum(1 for c in core.block_refs if c), sum(1 for c in core.block_pins if c),
                        len(core.block_readers), len(core.block_writer))
 
 
 def is_loadable(state: State, key: bytes) -> bool:
     """The key is in the tier and its store completed on every worker: a hit may load it."""
-    core = _core(state)
+    core = state.core
     slot = core.slot_of_key.get(key, -1)
     return slot >= 0 and core.slot_state[slot] == STORED
 
 
 def loadable_keys(state: State) -> list[bytes]:
-    core = _core(state)
+    core = state.core
     state_of = core.slot_state
     return sorted(k for k, s in core.slot_of_key.items() if state_of[s] == STORED)
 
 
 def num_requests(state: State) -> int:
-    return len(_core(state).requests)
+    return len(state.core.requests)
 
 
 def request_ids(state: State) -> list[str]:
-    return sorted(_core(state).requests)
+    return sorted(state.core.requests)
 
 
 def request_status(state: State, request_id: str) -> RequestStatus | None:
-    request = _core(state).requests.get(request_id)
+    request = state.core.requests.get(request_id)
     return None if request is None else request.status
 
 
 def request_view(state: State, request_id: str) -> RequestView | None:
-    r = _core(state).requests.get(request_id)
+    r = state.core.requests.get(request_id)
     if r is None:
         return None
     return RequestView(
@@ -135,20 +131,20 @@ def request_view(state: State, request_id: str) -> RequestView | None:
 
 
 def has_jobs_in_flight(state: State) -> bool:
-    return bool(_core(state).jobs)
+    return bool(state.core.jobs)
 
 
 def num_jobs_in_flight(state: State) -> int:
-    return len(_core(state).jobs)
+    return len(state.core.jobs)
 
 
 def job_ids(state: State) -> list[int]:
-    return sorted(_core(state).jobs)
+    return sorted(state.core.jobs)
 
 
 def job_view(state: State, job_id: int) -> JobView | None:
     """A transfer still in flight; None once it ended (or never existed)."""
-    j = _core(state).jobs.get(job_id)
+    j = state.core.jobs.get(job_id)
     if j is None:
         return None
     return JobView(j.job_id, j.kind.value, j.request_id, tuple(k for group in j.keys for k in group),

@@ -41,8 +41,6 @@ from .checks import (
     free_problem,
     group_shape_problem,
     legal_request,
-    report_ok,
-    report_problem,
     reported_job,
     step_crossings,
     step_problem,
@@ -148,8 +146,12 @@ def _move(core: Core, request: RequestState, kind: str) -> RequestStatus | None:
         _free_table(core, request)
         del core.requests[request.request_id]
     else:
-        request.set_status(target, target in _STEPPABLE)
+        _enter(request, target)
     return target
+
+
+def _enter(request: RequestState, status: RequestStatus) -> None:
+    request.set_status(status, status in _STEPPABLE)
 
 
 # Handlers.
@@ -166,8 +168,7 @@ def _request_added(core: Core, event: ev.RequestAdded, out: list[fx.Effect]) -> 
             "too_many_hashes", f"{len(event.block_hashes)} hashes for {event.num_prompt_tokens} tokens",
             request_id=rid)
     request = RequestState(rid, event.num_prompt_tokens, core.groups)
-    target = _NEXT[event.kind][None]
-    request.set_status(target, target in _STEPPABLE)
+    _enter(request, _NEXT[event.kind][None])  # from no request at all
     _append_hashes(core, request, event.block_hashes)
     core.requests[rid] = request
 
@@ -599,16 +600,8 @@ def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: list[fx
 
 
 def _store_completed(core: Core, event: ev.StoreCompleted, out: list[fx.Effect]) -> None:
-    job = core.jobs.get(event.job_id)
-    worker = event.worker_index
-    if not report_ok(job, _STORE, worker, core.config.world_size):
-        report_problem(core, event.job_id, _STORE, worker)
-        raise disagree("report")
-    pending = job.pending_workers & ~(1 << worker)
-    job.pending_workers = pending
-    if not pending:
-        del core.jobs[job.job_id]
-        _store_ended(core, job, out)
+    job = reported_job(core, event.job_id, _STORE, event.worker_index)
+    _worker_reported(core, job, event.worker_index, out)
 
 
 def _store_failed(core: Core, event: ev.StoreFailed, out: list[fx.Effect]) -> None:

@@ -142,9 +142,10 @@ def load_ended(core: Core, job: Job) -> list[bytes]:
                 del slot_of_key[key]
                 dropped.append(key)
                 indexed = False
-            if loads or indexed:  # load_ended: still stored
-                if not loads:
-                    reusable.append(key)
+            if loads:
+                continue  # load_ended: another load still reads it
+            if indexed:
+                reusable.append(key)  # load_ended: stored, and evictable again
             else:
                 assert slot_state[slot] == orphaned[0], f"slot {slot}: an orphan that is not stored"
                 _release(core, slot, orphaned[1])

@@ -41,10 +41,6 @@ class _Job:
     copy: CopyJob
 
 
-WORKER_EFFECTS = tuple(sorted(kind.__name__ for kind, phase in ROUTES.items() if phase in WORKER_PHASES))
-assert WORKER_EFFECTS == ("FlushStores", "StartLoad", "StartStore"), "the runner must carry out every worker effect"
-
-
 class TransferRunner:
     def __init__(
         self,
@@ -78,14 +74,15 @@ class TransferRunner:
     def submit(self, effects: Iterable[Effect]) -> None:
         """Run worker effects in order. Any other kind is a routing bug, refused by name."""
         for effect in effects:
-            kind = type(effect)
-            if kind is StartStore or kind is StartLoad:
-                self._start(effect)  # type: ignore[arg-type]
-            elif kind is FlushStores:
-                self.wait(effect.job_ids, what="flush of stores")  # type: ignore[union-attr]
-            else:
-                raise TypeError(f"{kind.__name__} is not a worker effect (its route is "
-                                f"{ROUTES.get(kind)}); the runner carries out only {WORKER_EFFECTS}")
+            run = _RUN.get(type(effect))
+            if run is None:
+                raise TypeError(f"{type(effect).__name__} is not a worker effect (its route is "
+                                f"{ROUTES.get(type(effect))}); the runner carries out only "
+                                f"{sorted(kind.__name__ for kind in _RUN)}")
+            run(self, effect)
+
+    def _flush(self, effect: FlushStores) -> None:
+        self.wait(effect.job_ids, what="flush of stores")
 
     def _start(self, effect: StartStore | StartLoad) -> None:
         if self._closed:
@@ -189,3 +186,9 @@ class TransferRunner:
             return
         self._closed = True
         self._backend.shutdown(drain=drain, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+
+
+# Every worker effect (the worker phases of `engine.effects.ROUTES`) and what carries it out.
+_RUN = {StartStore: TransferRunner._start, StartLoad: TransferRunner._start, FlushStores: TransferRunner._flush}
+assert set(_RUN) == {kind for kind, phase in ROUTES.items() if phase in WORKER_PHASES}, \
+    "the runner must carry out every worker effect, and only those"
