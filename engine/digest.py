@@ -69,6 +69,9 @@ def digest(state: State) -> str:
     for jid in sorted(core.jobs):
         put(core.jobs[jid].canonical())
     put(sorted(core.stats.as_dict().items()))
+    if core.lower:  # only with lower tiers: logs without them keep their digests
+        put([tier.canonical() for tier in core.lower])
+        put(sorted(core.spill_reads.items()))
     return h.hexdigest()
 
 
@@ -93,6 +96,13 @@ def part_digest(state: State, part: int, parts: int) -> str:
     for jid in sorted(core.jobs):
         put(core.jobs[jid].canonical())
     put(sorted(core.stats.as_dict().items()))
+    if core.lower:
+        put(sorted(core.spill_reads.items()))
+        for tier in core.lower:
+            put((tier.name, tier.capacity, len(tier.held), sorted(tier.writing.items()),
+                 sorted(tier.reading.items()), sorted(tier.counts.items())))
+            lo, hi = _bounds(len(tier.held), part, parts)
+            put(tuple(islice(tier.held, lo, hi)))
     # Cut: the part-th slice of each large table.
     lo, hi = _bounds(core.config.num_device_blocks, part, parts)
     for column in (core.block_refs, core.block_pins, core.block_generation, core.block_group):

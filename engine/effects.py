@@ -39,13 +39,37 @@ class StartStore:
 
 @attrs.frozen(kw_only=True)
 class StartLoad:
-    """Copy tier slots into device blocks, before any forward reads them."""
+    """Copy tier slots into device blocks, before any forward reads them.
+
+    `promote_tiers[g][i]`, when given, is the lower tier the key is first read
+    from into its slot (0: the slot already holds it). A promoted key's slot is
+    -1 when no host slot could be had: that block fails at once (recomputed).
+    """
 
     job_id: int
     request_id: str
     keys: KeysByGroup
     source_slot_ids: IdsByGroup
     target_block_ids: IdsByGroup
+    promote_tiers: IdsByGroup = ()
+
+
+@attrs.frozen(kw_only=True)
+class StartSpill:
+    """Write these host slots to a lower tier (write-through: the host keeps them)."""
+
+    job_id: int
+    tier: int
+    keys: KeysByGroup
+    source_slot_ids: IdsByGroup
+
+
+@attrs.frozen(kw_only=True)
+class DropTierKeys:
+    """Remove these keys from a lower tier (evicted, failed, or reset)."""
+
+    tier: int
+    keys: tuple[bytes, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -88,7 +112,8 @@ class ReportViolation:
     job_id: int = -1
 
 
-Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysEvicted, ReportViolation]
+Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysEvicted, ReportViolation,
+               StartSpill, DropTierKeys]
 
 EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 
@@ -109,6 +134,8 @@ ROUTES: dict[type, Phase] = {
     FlushStores: Phase.BEFORE_STEP,
     StartLoad: Phase.LOADS,
     StartStore: Phase.AFTER_FORWARD,
+    StartSpill: Phase.AFTER_FORWARD,  # reads host slots only: any worker phase would do
+    DropTierKeys: Phase.AFTER_FORWARD,
     KeysEvicted: Phase.NOTIFICATION,
     ReportViolation: Phase.NOTIFICATION,
 }

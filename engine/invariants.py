@@ -31,6 +31,7 @@ from .state import ABORTING as _ABORTING
 from .state import LOAD as _LOAD
 from .state import LOADING as _LOADING
 from .state import PREEMPTED as _PREEMPTED
+from .state import SPILL as _SPILL
 from .state import STORE as _STORE
 from .state import STORED as _STORED
 from .state import STORING as _STORING
@@ -87,8 +88,8 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
             touched.append(jobs.get(job_id))
         stores = [job for job in touched if job is not None and job.kind is _STORE]
         suspects = [] if _stores_look_fine(core, stores) else stores  # a step's new stores, in one pass
-        suspects += [job for job in touched if job is not None and job.kind is _LOAD
-                     and not _load_looks_fine(core, job)]
+        suspects += [job for job in touched if job is not None and (
+            job.kind is _SPILL or (job.kind is _LOAD and not _load_looks_fine(core, job)))]
         _job_problems(core, suspects, problems)
     if problems:
         raise InvariantViolation(problems)
@@ -197,6 +198,10 @@ def _load_looks_fine(core: Core, job: Job) -> bool:
     jid = job.job_id
     if not _frame_looks_fine(core, job):
         return False
+    if job.promote_tiers:  # rare: the item checks are the pass
+        problems: list[str] = []
+        _job_problems(core, [job], problems)
+        return not problems
     slots = list(chain.from_iterable(job.slot_ids))
     if not slots:
         return True
@@ -231,7 +236,8 @@ def _job_problems(core: Core, jobs: list[Job], problems: list[str]) -> None:
         _check_job(core, job, problems)
         for slots in job.slot_ids:
             for slot in slots:
-                _check_slot(core, slot, problems)
+                if slot >= 0:  # -1: a promotion that got no slot
+                    _check_slot(core, slot, problems)
 
 
 def find_problems(core: Core) -> list[str]:
@@ -310,11 +316,20 @@ def _check_job(core: Core, job: Job, problems: list[str]) -> None:
         problems.append(f"job {jid}: pending workers {job.pending_workers:b} out of range")
     if not 0 < jid < core.next_job_id:
         problems.append(f"job {jid}: id not yet issued")
+    if job.kind is _SPILL:
+        _check_spill(core, job, problems)
+        return
     shape = [len(k) for k in job.keys]
     if shape != [len(b) for b in job.block_ids] or shape != [len(s) for s in job.slot_ids]:
         problems.append(f"job {jid}: keys, blocks and slots are not aligned")
-    for group_keys, group_blocks, group_slots in zip(job.keys, job.block_ids, job.slot_ids):
-        for key, block, slot in zip(group_keys, group_blocks, group_slots):
+    promote = job.promote_tiers or tuple(repeat((), len(job.keys)))
+    if job.promote_tiers and [len(t) for t in job.promote_tiers] != shape:
+        problems.append(f"job {jid}: promotion tiers are not aligned with its keys")
+    for group_keys, group_blocks, group_slots, group_tiers in zip(job.keys, job.block_ids, job.slot_ids, promote):
+        for key, block, slot, tier in zip(group_keys, group_blocks, group_slots, group_tiers or repeat(0)):
+            if tier:
+                _check_promotion(core, job, key, block, slot, tier, problems)
+                continue
             if block == NULL_BLOCK_ID:
                 problems.append(f"job {jid}: moves the null block")
             if core.slot_state[slot] == SlotState.FREE:
@@ -344,6 +359,45 @@ def _check_job(core: Core, job: Job, problems: list[str]) -> None:
             for block in job.flat_blocks():
                 if block not in held:
                     problems.append(f"job {jid}: target block {block} is no longer held by {job.request_id}")
+
+
+def _check_promotion(core: Core, job: Job, key: bytes, block: int, slot: int, tier: int,
+                     problems: list[str]) -> None:
+    """A key a load reads from a lower tier into a host slot of its own (or, with
+    no slot to be had, not at all: that block fails)."""
+    jid = job.job_id
+    if block == NULL_BLOCK_ID:
+        problems.append(f"job {jid}: moves the null block")
+    if core.block_writer.get(block) != jid:
+        problems.append(f"job {jid}: target block {block} is not marked as being loaded")
+    if not 0 < tier <= len(core.lower):
+        problems.append(f"job {jid}: promotes from tier {tier}, which does not exist")
+        return
+    if slot < 0:
+        return
+    if core.slot_state[slot] != SlotState.STORING or core.slot_key[slot] != key:
+        problems.append(f"job {jid}: promotion slot {slot} is not storing its key")
+    if core.lower[tier - 1].reading.get(key, 0) <= 0:
+        problems.append(f"job {jid}: tier {tier} does not record that key {key.hex()[:16]} is being read")
+
+
+def _check_spill(core: Core, job: Job, problems: list[str]) -> None:
+    """A spill reads stored host slots and writes keys its tier records as being written."""
+    jid = job.job_id
+    if [len(k) for k in job.keys] != [len(s) for s in job.slot_ids] or any(job.block_ids):
+        problems.append(f"job {jid}: a spill's keys and slots are not aligned, or it names device blocks")
+    if not 0 < job.tier <= len(core.lower):
+        problems.append(f"job {jid}: spills to tier {job.tier}, which does not exist")
+        return
+    writing = core.lower[job.tier - 1].writing
+    for group_keys, group_slots in zip(job.keys, job.slot_ids):
+        for key, slot in zip(group_keys, group_slots):
+            if core.slot_state[slot] != SlotState.STORED or core.slot_key[slot] != key:
+                problems.append(f"job {jid}: spill source slot {slot} does not hold its key stored")
+            if core.spill_reads.get(slot, 0) <= 0 or core.slot_loads.get(slot, 0) < core.spill_reads[slot]:
+                problems.append(f"job {jid}: spill source slot {slot} is not counted as read")
+            if writing.get(key) != jid:
+                problems.append(f"job {jid}: tier {job.tier} does not record the spill writing {key.hex()[:16]}")
 
 
 def _check_slot(core: Core, slot: int, problems: list[str]) -> None:
@@ -378,7 +432,7 @@ def _check_block_counts(core: Core, problems: list[str]) -> None:
             if not job.flushed:
                 for block in job.flat_blocks():
                     readers.setdefault(block, []).append(job.job_id)
-        else:
+        elif job.kind is JobKind.LOAD:
             for block in job.flat_blocks():
                 if block in writers:
                     problems.append(f"block {block}: two loads write it")
@@ -398,13 +452,21 @@ def _check_tier(core: Core, problems: list[str]) -> None:
             problems.append(f"slot {slot}: index points at a slot holding another key or none")
     used: Counter[int] = Counter()
     loads: Counter[int] = Counter()
+    spills: Counter[int] = Counter()
     for job in core.jobs.values():
-        for slots in job.slot_ids:
-            used.update(slots)
+        promote = job.promote_tiers or [()] * len(job.slot_ids)
+        for slots, tiers in zip(job.slot_ids, promote):
+            used.update(s for s in slots if s >= 0)
             if job.kind is JobKind.LOAD:
+                loads.update(s for s, t in zip(slots, tiers or repeat(0)) if not t)
+            elif job.kind is JobKind.SPILL:
                 loads.update(slots)
+                spills.update(slots)
     if dict(loads) != core.slot_loads:
-        problems.append("slot load counts do not match the open loads")
+        problems.append("slot load counts do not match the open loads and spills")
+    if dict(spills) != core.spill_reads:
+        problems.append("slot spill counts do not match the open spills")
+    _check_lower(core, problems)
     free = set(core.free_slots)
     if len(free) != len(core.free_slots):
         problems.append("a slot is on the free list twice")
@@ -437,3 +499,29 @@ def _check_tier(core: Core, problems: list[str]) -> None:
                     if core.slot_state[s] == SlotState.STORED and s not in core.slot_loads)
     if evictable != len(core.policy):
         problems.append(f"policy holds {len(core.policy)} keys, {evictable} are evictable")
+
+
+def _check_lower(core: Core, problems: list[str]) -> None:
+    """Each lower tier: held and written keys apart and within capacity (keys being
+    read may hold it over until their loads end), and its records of what is
+    being written and read match the open spills and loads."""
+    writing: list[dict[bytes, int]] = [{} for _ in core.lower]
+    reading: list[Counter[bytes]] = [Counter() for _ in core.lower]
+    for job in core.jobs.values():
+        if job.kind is JobKind.SPILL and 0 < job.tier <= len(core.lower):
+            for keys in job.keys:
+                writing[job.tier - 1].update(dict.fromkeys(keys, job.job_id))
+        for tier, key, slot, _ in job.promoted():
+            if slot >= 0 and 0 < tier <= len(core.lower):
+                reading[tier - 1][key] += 1
+    for index, tier in enumerate(core.lower, start=1):
+        if not tier.held.keys().isdisjoint(tier.writing):
+            problems.append(f"tier {index}: a key is both held and being written")
+        pinned = sum(1 for key in tier.reading if key in tier.held)
+        if len(tier.held) + len(tier.writing) - pinned > tier.capacity:
+            problems.append(f"tier {index}: {len(tier.held)} held and {len(tier.writing)} being written "
+                            f"exceed its capacity of {tier.capacity}")
+        if writing[index - 1] != tier.writing:
+            problems.append(f"tier {index}: keys being written do not match the open spills")
+        if dict(reading[index - 1]) != tier.reading:
+            problems.append(f"tier {index}: keys being read do not match the open loads")

@@ -33,7 +33,7 @@ def lookup(state: State, request_id: str, num_local_tokens: int) -> LookupResult
     if num_local_tokens % alignment:
         return MISS  # vLLM rounds the local hit down; anything else cannot extend
     best = (request.num_tokens - 1) // alignment * alignment  # leave one token to compute
-    slot_of_key = core.slot_of_key
+    known = _known(core)
 
     # Full-attention groups bound the hit by their first missing key.
     for group in core.groups:
@@ -42,31 +42,68 @@ def lookup(state: State, request_id: str, num_local_tokens: int) -> LookupResult
         keys = request.keys[group.group_id]
         position = num_local_tokens // group.block_size
         limit = min(best // group.block_size, len(keys))
-        while position < limit and keys[position] in slot_of_key:
+        while position < limit and known(keys[position]):
             position += 1
         best = min(best, position * group.block_size // alignment * alignment)
 
-    # Window groups: walk down to the largest boundary every group can serve.
+    # Window groups: walk down to the largest boundary every group can serve, and
+    # whose keys from lower tiers fit in host memory on their way to the device.
     end = best
     partial = [g for g in core.groups if g.kind is not GroupKind.FULL]
-    while end > num_local_tokens and not all(_covers(core, request, g, num_local_tokens, end) for g in partial):
+    while end > num_local_tokens:
+        if all(_covers(core, request, g, num_local_tokens, end, known) for g in partial):
+            sources = _sources(core, request, num_local_tokens, end)
+            if sources is None:
+                return LATER
+            if sources:
+                break
         end -= alignment
     if end <= num_local_tokens:
         return MISS
-
-    for group in core.groups:
-        keys = request.keys[group.group_id]
-        for position in hma.needed_range(group, num_local_tokens, end):
-            slot = slot_of_key[keys[position]]
-            if core.slot_state[slot] != SlotState.STORED or slot in core.slot_loads:
-                return LATER
     return LookupResult(end - num_local_tokens)
 
 
-def _covers(core, request, group, start: int, end: int) -> bool:
-    keys = request.keys[group.group_id]
+def _known(core):
+    """Whether some tier holds a key (whole or still being stored)."""
     slot_of_key = core.slot_of_key
+    if not core.lower:
+        return slot_of_key.__contains__
+    helds = [tier.held for tier in core.lower]
+    return lambda key: key in slot_of_key or any(key in held for held in helds)
+
+
+def _sources(core, request, start: int, end: int) -> bool | None:
+    """Whether the hit [start, end) can be loaded now: None if a host key is
+    still being stored or another request is loading it (ask again later),
+    False if its promotions need more host slots than can be freed."""
+    slot_of_key = core.slot_of_key
+    slot_state = core.slot_state
+    slot_loads = core.slot_loads
+    spill_reads = core.spill_reads
+    policy = core.policy
+    promotions = 0
+    pinned = 0  # evictable host keys the load itself reads: not room for promotions
+    for group in core.groups:
+        keys = request.keys[group.group_id]
+        for position in hma.needed_range(group, start, end):
+            key = keys[position]
+            slot = slot_of_key.get(key, -1)
+            if slot < 0:
+                promotions += 1  # a lower tier holds it
+                continue
+            if slot_state[slot] != SlotState.STORED:
+                return None
+            loads = slot_loads.get(slot, 0)
+            if loads and loads > spill_reads.get(slot, 0):
+                return None
+            if promotions or core.lower:
+                pinned += key in policy
+    return not promotions or promotions <= core.num_free_slots() + len(policy) - pinned
+
+
+def _covers(core, request, group, start: int, end: int, known) -> bool:
+    keys = request.keys[group.group_id]
     for position in hma.needed_range(group, start, end):
-        if position >= len(keys) or keys[position] not in slot_of_key:
+        if position >= len(keys) or not known(keys[position]):
             return False
     return True

@@ -29,7 +29,7 @@ from kvledger.events.config import Protection, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
 from . import effects as fx
-from . import hma, slots
+from . import hma, lower, slots
 from .checks import (
     ProtocolViolation,
     allocation_ok,
@@ -48,9 +48,10 @@ from .checks import (
     touch_problem,
 )
 from .state import LOAD as _LOAD
+from .state import SPILL as _SPILL
 from .state import STORE as _STORE
 from .state import STORED as _STORED
-from .state import Core, Job, RequestState, RequestStatus, State
+from .state import Core, Job, JobKind, RequestState, RequestStatus, State
 from .transitions import GONE, REQUEST_MOVES, STEPPABLE, moves_by_kind
 
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
@@ -268,14 +269,18 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
         _move(core, request, kind)
     if load is None:
         return
-    keys, slot_ids, targets = load
+    keys, slot_ids, targets, promote_tiers = load
     writer = core.block_writer
+    if promote_tiers:
+        slot_ids = _place_promotions(core, keys, slot_ids, promote_tiers)
+    else:
+        slots.load_planned(core, keys, slot_ids)
     job = Job(job_id=core.next_job_id, kind=_LOAD, request_id=rid, keys=keys, block_ids=targets,
               slot_ids=slot_ids, generations=(), pending_workers=(1 << core.config.world_size) - 1,
               num_tokens=ext)
+    job.promote_tiers = promote_tiers
     core.next_job_id += 1
     core.jobs[job.job_id] = job
-    slots.load_planned(core, keys, slot_ids)
     for group_keys, group_blocks in zip(keys, targets):
         for key, block in zip(group_keys, group_blocks):
             writer[block] = job.job_id
@@ -286,11 +291,23 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
     core.stats.hit_tokens += ext
     core.stats.keys_loaded += sum(len(k) for k in keys)
     out.append(fx.StartLoad(job_id=job.job_id, request_id=rid, keys=keys, source_slot_ids=slot_ids,
-                            target_block_ids=targets))
+                            target_block_ids=targets, promote_tiers=promote_tiers))
 
 
-def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> tuple[tuple, tuple, tuple]:
-    """The keys, slots and target blocks of the hit this allocation admits."""
+def _place_promotions(core: Core, keys: tuple, slot_ids: tuple, promote_tiers: tuple) -> tuple:
+    """Pin the host keys the load reads, then give each promoted key a host slot
+    (-1 where none is left). Returns the slots with the promoted ones filled in."""
+    host = [tuple(k for k, t in zip(gk, gt) if not t) for gk, gt in zip(keys, promote_tiers)]
+    host_slots = [tuple(s for s, t in zip(gs, gt) if not t) for gs, gt in zip(slot_ids, promote_tiers)]
+    slots.load_planned(core, tuple(host), tuple(host_slots))  # first: eviction below must not take them
+    promoted = [(g, t, k) for g, (gk, gt) in enumerate(zip(keys, promote_tiers)) for k, t in zip(gk, gt) if t]
+    placed = iter(lower.reserve_promotions(core, promoted))
+    return tuple(tuple(next(placed) if t else s for s, t in zip(gs, gt)) for gs, gt in zip(slot_ids, promote_tiers))
+
+
+def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> tuple[tuple, tuple, tuple, tuple]:
+    """The keys, slots and target blocks of the hit this allocation admits, and
+    per key the lower tier it is promoted from (0: in host memory; all 0: `()`)."""
     rid = request.request_id
     ext = event.num_external_tokens
     start = request.capacity_tokens
@@ -299,10 +316,11 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
         raise ProtocolViolation(
             "bad_hit", f"hit [{start}, {end}) is unaligned (alignment {core.alignment}) or leaves no token "
             f"to compute ({request.num_tokens} tokens)", request_id=rid)
-    keys, slot_ids, targets = [], [], []
+    keys, slot_ids, targets, tiers = [], [], [], []
+    promoting = False
     for group, ids in zip(core.groups, event.block_ids):
         table = request.table[group.group_id] + list(ids)
-        group_keys, group_slots, group_blocks = [], [], []
+        group_keys, group_slots, group_blocks, group_tiers = [], [], [], []
         for position in hma.needed_range(group, start, end):
             if position >= len(table) or table[position] == NULL_BLOCK_ID:
                 raise ProtocolViolation(
@@ -314,17 +332,27 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
                     request_id=rid)
             key = request.keys[group.group_id][position]
             slot = core.slot_of_key.get(key, -1)
-            if slot < 0 or core.slot_state[slot] != _STORED:
+            tier = 0
+            if slot < 0 and core.lower:
+                tier = lower.holder(core, key)
+                promoting = promoting or tier > 0
+            elif slot >= 0 and core.slot_state[slot] != _STORED:
+                slot = -1
+            if slot < 0 and not tier:
                 raise ProtocolViolation(
                     "load_not_stored", f"group {group.group_id} position {position}: key is not stored",
                     request_id=rid)
             group_keys.append(key)
             group_slots.append(slot)
             group_blocks.append(table[position])
+            group_tiers.append(tier)
         keys.append(tuple(group_keys))
         slot_ids.append(tuple(group_slots))
         targets.append(tuple(group_blocks))
-    return tuple(keys), tuple(slot_ids), tuple(targets)
+        tiers.append(tuple(group_tiers))
+    if not promoting:
+        return tuple(keys), tuple(slot_ids), tuple(targets), ()
+    return tuple(keys), tuple(slot_ids), tuple(targets), tuple(tiers)
 
 
 def _flush(core: Core, job_ids: list[int], out: list[fx.Effect]) -> None:
@@ -599,13 +627,19 @@ def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: list[fx
         _admit_store(core, "", candidates, out)
 
 
+def _writing_kind(core: Core, job_id: int) -> JobKind:
+    """A store report names a store (device to host) or a spill (host to a lower tier)."""
+    job = core.jobs.get(job_id)
+    return _SPILL if job is not None and job.kind is _SPILL else _STORE
+
+
 def _store_completed(core: Core, event: ev.StoreCompleted, out: list[fx.Effect]) -> None:
-    job = reported_job(core, event.job_id, _STORE, event.worker_index)
+    job = reported_job(core, event.job_id, _writing_kind(core, event.job_id), event.worker_index)
     _worker_reported(core, job, event.worker_index, out)
 
 
 def _store_failed(core: Core, event: ev.StoreFailed, out: list[fx.Effect]) -> None:
-    job = reported_job(core, event.job_id, _STORE, event.worker_index)
+    job = reported_job(core, event.job_id, _writing_kind(core, event.job_id), event.worker_index)
     all_keys = {k for group in job.keys for k in group}
     failed = set(event.keys) or all_keys
     if not failed <= all_keys:
@@ -646,8 +680,10 @@ def _worker_reported(core: Core, job: Job, worker: int, out: list[fx.Effect]) ->
     del core.jobs[job.job_id]
     if job.kind is _STORE:
         _store_ended(core, job, out)
-    else:
+    elif job.kind is _LOAD:
         _load_ended(core, job, out)
+    else:
+        lower.spill_ended(core, job, out)
 
 
 def _store_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
@@ -664,7 +700,13 @@ def _store_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     if failed:
         stats.store_failures += 1
         stats.keys_failed += len(failed)
-    stats.keys_stored += slots.store_ended(core, job)
+    stored = slots.store_ended(core, job)
+    stats.keys_stored += len(stored)
+    if core.lower and stored:
+        slot_of_key = core.slot_of_key
+        done = set(stored)
+        keys = tuple(tuple(k for k in group_keys if k in done) for group_keys in job.keys)
+        lower.plan_spills(core, keys, tuple(tuple(slot_of_key[k] for k in group) for group in keys), out)
 
 
 def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
@@ -676,7 +718,10 @@ def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
             del writer[block]
             if failed and key in failed:
                 block_key[block] = None
-    dropped = slots.load_ended(core, job)  # failed keys this load takes out of the index
+    host = lower.host_part(job)
+    dropped = slots.load_ended(core, job if host is None else host)  # failed keys this load takes out of the index
+    if host is not None:
+        lower.promotions_ended(core, job, out)
     failed_any = bool(job.failed_keys or job.failed_blocks)
     if failed_any:
         core.stats.load_failures += 1
@@ -722,6 +767,14 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None
     core.stats.evictions += len(dropped)
     if dropped:
         out.append(fx.KeysEvicted(keys=dropped))
+    if core.lower:
+        lower.drop_all(core, out)
+
+
+def _tier_keys_found(core: Core, event: ev.TierKeysFound, out: list[fx.Effect]) -> None:
+    if not 1 <= event.tier <= len(core.lower):
+        raise ProtocolViolation("unknown_tier", f"tier {event.tier}: the engine has {len(core.lower)} lower tiers")
+    lower.keys_found(core, event.tier, event.keys, out)
 
 
 _HANDLERS: dict[type, Callable[[Core, object, list[fx.Effect]], None]] = {
@@ -741,5 +794,6 @@ _HANDLERS: dict[type, Callable[[Core, object, list[fx.Effect]], None]] = {
     ev.LoadCompleted: _load_completed,
     ev.LoadFailed: _load_failed,
     ev.CacheReset: _cache_reset,
+    ev.TierKeysFound: _tier_keys_found,
 }
 assert set(_HANDLERS) == set(ev.EVENT_TYPES), "every event kind needs a handler"

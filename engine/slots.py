@@ -80,10 +80,10 @@ def reserve(core: Core, candidates: list[tuple[int, int, bytes]]) -> tuple[list[
     return keys, slots
 
 
-def store_ended(core: Core, job: Job) -> int:
+def store_ended(core: Core, job: Job) -> list[bytes]:
     """The store's last worker reported: each slot is stored (and evictable), or
     freed, failed or stale (its key was dropped, or the store predates a cache
-    reset). Returns how many keys were stored."""
+    reset). Returns the keys stored."""
     slot_of_key = core.slot_of_key
     slot_state = core.slot_state
     stale = job.stale
@@ -101,7 +101,7 @@ def store_ended(core: Core, job: Job) -> int:
                 stored.append(key)
     if stored:
         core.policy.insert_many(stored, False)
-    return len(stored)
+    return stored
 
 
 def load_planned(core: Core, keys: tuple[tuple[bytes, ...], ...], slots: tuple[tuple[int, ...], ...]) -> None:

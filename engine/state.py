@@ -35,8 +35,9 @@ class RequestStatus(enum.Enum):
 
 
 class JobKind(enum.Enum):
-    STORE = "store"
-    LOAD = "load"
+    STORE = "store"  # device blocks -> host slots
+    LOAD = "load"  # host slots (promoted from a lower tier first, where needed) -> device blocks
+    SPILL = "spill"  # host slots -> a lower tier
 
 
 class SlotState(enum.IntEnum):
@@ -51,7 +52,7 @@ class SlotState(enum.IntEnum):
 WAITING, LOADING, RUNNING, PREEMPTED, ABORTING = (
     RequestStatus.WAITING, RequestStatus.LOADING, RequestStatus.RUNNING, RequestStatus.PREEMPTED,
     RequestStatus.ABORTING)
-STORE, LOAD = JobKind.STORE, JobKind.LOAD
+STORE, LOAD, SPILL = JobKind.STORE, JobKind.LOAD, JobKind.SPILL
 FREE, STORING, STORED = SlotState.FREE, SlotState.STORING, SlotState.STORED
 
 
@@ -128,6 +129,7 @@ class Job:
     __slots__ = (
         "job_id", "kind", "request_id", "keys", "block_ids", "slot_ids", "generations",
         "pending_workers", "failed_keys", "failed_blocks", "flushed", "stale", "num_tokens",
+        "tier", "promote_tiers",
     )
 
     def __init__(
@@ -149,6 +151,8 @@ class Job:
         self.flushed = False  # STORE: the worker waited for it; sources are free to reuse
         self.stale = False  # started before a cache reset: its outcome no longer counts
         self.num_tokens = num_tokens  # LOAD: tokens the hit covers
+        self.tier = 0  # SPILL: the lower tier written (1 = the first below host memory)
+        self.promote_tiers: tuple = ()  # LOAD: per group, per key, the lower tier read first (0: none)
 
     def clone(self) -> Job:
         other = Job.__new__(Job)
@@ -162,11 +166,21 @@ class Job:
         return [b for ids in self.block_ids for b in ids]
 
     def canonical(self) -> tuple:
-        return (
+        base = (
             self.job_id, self.kind.value, self.request_id, self.keys, self.block_ids, self.slot_ids,
             self.generations, self.pending_workers, tuple(sorted(self.failed_keys)),
             tuple(sorted(self.failed_blocks)), self.flushed, self.stale, self.num_tokens,
         )
+        # Only with lower tiers: a log without them keeps its digests.
+        return base + (self.tier, self.promote_tiers) if self.tier or self.promote_tiers else base
+
+    def promoted(self) -> list[tuple[int, bytes, int, int]]:
+        """LOAD: (tier, key, slot, block) of each key read from a lower tier first."""
+        if not self.promote_tiers:
+            return []
+        return [(tier, key, slot, block)
+                for tiers, keys, slots, blocks in zip(self.promote_tiers, self.keys, self.slot_ids, self.block_ids)
+                for tier, key, slot, block in zip(tiers, keys, slots, blocks) if tier]
 
 
 class Stats:
@@ -192,6 +206,39 @@ class Stats:
         return {name: getattr(self, name) for name in Stats.__slots__}
 
 
+class LowerTier:
+    """What the engine knows of a tier below host memory, which it never reads
+    itself: keys whose block is whole there, in least recently used order,
+    keys being written, and keys being read (never evicted while read).
+    `held` and `writing` never share a key, and together fit in `capacity`.
+    """
+
+    __slots__ = ("name", "capacity", "held", "writing", "reading", "counts")
+
+    COUNTS = ("spills", "keys_written", "write_failures", "write_rejections", "keys_read", "read_failures",
+              "evictions", "keys_found")
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.held: dict[bytes, None] = {}
+        self.writing: dict[bytes, int] = {}  # key -> the spill job writing it
+        self.reading: dict[bytes, int] = {}  # key -> open loads promoting it
+        self.counts = dict.fromkeys(LowerTier.COUNTS, 0)
+
+    def clone(self) -> LowerTier:
+        other = LowerTier(self.name, self.capacity)
+        other.held = dict(self.held)
+        other.writing = dict(self.writing)
+        other.reading = dict(self.reading)
+        other.counts = dict(self.counts)
+        return other
+
+    def canonical(self) -> tuple:
+        return (self.name, self.capacity, tuple(self.held), tuple(sorted(self.writing.items())),
+                tuple(sorted(self.reading.items())), tuple(sorted(self.counts.items())))
+
+
 class Core:
     """The tables themselves. Only the reducer mutates them."""
 
@@ -205,6 +252,8 @@ class Core:
         # tier
         "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot",
         "policy",
+        # tiers below host memory, and the host slots spills are reading (slot -> count)
+        "lower", "spill_reads",
         # requests and jobs
         "requests", "jobs", "stats",
     )
@@ -241,6 +290,8 @@ class Core:
         self.free_slots: list[int] = []
         self.next_fresh_slot = 0
         self.policy: LRU | ARC = make_policy(config.policy, m)
+        self.lower = [LowerTier(t.name, t.num_blocks) for t in config.lower_tiers]
+        self.spill_reads: dict[int, int] = {}
         self.requests: dict[str, RequestState] = {}
         self.jobs: dict[int, Job] = {}
         self.stats = Stats()
@@ -259,6 +310,8 @@ class Core:
         other.slot_state = bytearray(self.slot_state)
         other.slot_loads = dict(self.slot_loads)
         other.policy = self.policy.clone()
+        other.lower = [t.clone() for t in self.lower]
+        other.spill_reads = dict(self.spill_reads)
         other.requests = {k: r.clone() for k, r in self.requests.items()}
         other.jobs = {k: j.clone() for k, j in self.jobs.items()}
         other.stats = self.stats.clone()
@@ -327,6 +380,6 @@ def initial_state(config: EngineConfig) -> State:
 
 
 __all__ = [
-    "Core", "Job", "JobKind", "RequestState", "RequestStatus", "SlotState", "State", "StaleStateError",
+    "Core", "Job", "JobKind", "LowerTier", "RequestState", "RequestStatus", "SlotState", "State", "StaleStateError",
     "Stats", "initial_state",
 ]

@@ -77,6 +77,24 @@ class GroupSpec:
 
 
 @attrs.frozen(kw_only=True)
+class LowerTierSpec:
+    """A tier below host memory (a file system, a shared store), sized in blocks.
+
+    `name` is vLLM 0.33's tier label ("1:fs"): metrics, logs and reports use it.
+    """
+
+    name: str
+    num_blocks: int = attrs.field(validator=_positive)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "num_blocks": self.num_blocks}
+
+
+def _lower_tiers(value: object) -> tuple[LowerTierSpec, ...]:
+    return tuple(t if isinstance(t, LowerTierSpec) else LowerTierSpec(**t) for t in value)  # type: ignore[union-attr]
+
+
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     groups: tuple[GroupSpec, ...] = attrs.field(converter=tuple)
     hash_block_size: int = attrs.field(validator=_positive)
@@ -86,6 +104,7 @@ class EngineConfig:
     protection: Protection = attrs.field(default=Protection.FLUSH, converter=Protection)
     world_size: int = attrs.field(default=1, validator=_positive)
     store_mode: StoreMode = attrs.field(default=StoreMode.EAGER, converter=StoreMode)
+    lower_tiers: tuple[LowerTierSpec, ...] = attrs.field(default=(), converter=_lower_tiers)
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -94,6 +113,9 @@ class EngineConfig:
             # Pinning a free block takes it out of vLLM's free queue and puts it
             # back at the most recent end: lazy stores would reorder vLLM's LRU.
             raise ConfigError("lazy store mode needs flush protection")
+        names = [t.name for t in self.lower_tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"lower tier names repeat: {names}")
         for index, group in enumerate(self.groups):
             if group.group_id != index:
                 raise ConfigError(f"groups must be numbered 0..n-1 in order; got {group.group_id} at {index}")
@@ -123,6 +145,8 @@ class EngineConfig:
         }
         if self.store_mode is not StoreMode.EAGER:  # only when set: older logs keep their digests
             data["store_mode"] = self.store_mode.value
+        if self.lower_tiers:  # likewise
+            data["lower_tiers"] = [t.to_dict() for t in self.lower_tiers]
         return data
 
     @classmethod

@@ -212,6 +212,17 @@ class CacheReset:
     epoch: int
 
 
+@attrs.frozen(kw_only=True)
+class TierKeysFound:
+    """A lower tier (1 = the first below host memory) holds these keys: found
+    at start, or by a lookup of keys another process wrote. Oldest first."""
+
+    kind: ClassVar[str] = "tier_keys_found"
+    version: ClassVar[int] = 1
+    tier: int
+    keys: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
+
+
 Event = Union[
     RequestAdded,
     BlockHashesAppended,
@@ -229,6 +240,7 @@ Event = Union[
     LoadCompleted,
     LoadFailed,
     CacheReset,
+    TierKeysFound,
 ]
 
 TransferEvent = Union[StoreCompleted, StoreFailed, LoadCompleted, LoadFailed]

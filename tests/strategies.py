@@ -38,6 +38,7 @@ EXAMPLE_EVENTS: dict[str, ev.Event] = {
         ev.LoadCompleted(job_id=43),
         ev.LoadFailed(job_id=44, worker_index=3, block_ids=(13, 14), keys=(_H[0], _H[1])),
         ev.CacheReset(epoch=2),
+        ev.TierKeysFound(tier=1, keys=(_H[2], _H[3])),
     )
 }
 assert set(EXAMPLE_EVENTS) == set(ev.KIND_TO_TYPE), "every event kind needs an example"
@@ -97,6 +98,7 @@ _BY_KIND: dict[str, st.SearchStrategy] = {
         keys=hash_tuples,
     ),
     "cache_reset": st.builds(ev.CacheReset, epoch=ints),
+    "tier_keys_found": st.builds(ev.TierKeysFound, tier=small_ints, keys=hash_tuples),
 }
 assert set(_BY_KIND) == set(ev.KIND_TO_TYPE), "every event kind needs a strategy"
 

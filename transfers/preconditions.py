@@ -40,7 +40,10 @@ def precondition_error(effect: StartStore | StartLoad, limits: Limits) -> str | 
         bad_block = next((i for i in b if not NULL_BLOCK_ID < i < limits.num_device_blocks), None)
         if bad_block is not None:
             return f"group {g}: block id {bad_block} is the null block or outside [1, {limits.num_device_blocks})"
-        bad_slot = next((i for i in s if not 0 <= i < limits.num_slots), None)
+        promoted = effect.promote_tiers[g] if isinstance(effect, StartLoad) and effect.promote_tiers else ()
+        # A promoted key with no host slot (-1) is failed by the runner, not copied.
+        bad_slot = next((i for j, i in enumerate(s) if not 0 <= i < limits.num_slots
+                         and not (i == -1 and promoted and promoted[j])), None)
         if bad_slot is not None:
             return f"group {g}: slot id {bad_slot} is outside [0, {limits.num_slots})"
     target_ids = [i for ids in (slots if isinstance(effect, StartStore) else blocks) for i in ids]

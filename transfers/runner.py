@@ -1,5 +1,8 @@
 """The effect runner: performs the worker's effects (`StartStore`,
-`StartLoad`, `FlushStores`: the worker phases of `engine.effects.ROUTES`).
+`StartLoad`, `FlushStores`, and on tiers below host memory `StartSpill` and
+`DropTierKeys`: the worker phases of `engine.effects.ROUTES`). A load that
+promotes keys from a lower tier reads them into their host slots first
+(`tier_jobs`), then copies what was read to the device.
 
 The engine describes work; this is where it happens. Outcomes come back as
 events from `poll()`, never as callbacks, one per job, carrying this
@@ -11,16 +14,26 @@ safely (a forward would read blocks still being written).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import attrs
 import structlog
 
-from kvledger.engine.effects import ROUTES, WORKER_PHASES, Effect, FlushStores, StartLoad, StartStore
+from kvledger.engine.effects import (
+    ROUTES,
+    WORKER_PHASES,
+    DropTierKeys,
+    Effect,
+    FlushStores,
+    StartLoad,
+    StartSpill,
+    StartStore,
+)
 from kvledger.events.keys import hex_keys
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed, TransferEvent
 from kvledger.transfers.backend import CopyBackend, CopyJob, Direction, JobOutcome, TransferTimeout
 from kvledger.transfers.preconditions import Limits, precondition_error
+from kvledger.transfers.tier_jobs import LowerTierJobs, Position, TierIO, TierStat
 
 _log = structlog.get_logger("kvledger.transfers.runner")
 
@@ -39,6 +52,8 @@ class TransferStat:
 class _Job:
     effect: StartStore | StartLoad
     copy: CopyJob
+    kept: tuple[tuple[int, ...], ...] | None = None  # a promoted load's copy skips what failed to read
+    failed: frozenset[Position] = frozenset()  # positions that failed before the copy
 
 
 class TransferRunner:
@@ -51,8 +66,10 @@ class TransferRunner:
         num_slots: int,
         worker_index: int = 0,
         timeout_s: float = 60.0,
+        lower_tiers: Mapping[int, TierIO] | None = None,
     ) -> None:
         self._backend = backend
+        self._lower = LowerTierJobs(lower_tiers or {}, num_slots, worker_index)
         self._limits = Limits(num_groups=num_groups, num_device_blocks=num_device_blocks, num_slots=num_slots)
         self.worker_index = worker_index
         self.timeout_s = timeout_s
@@ -69,7 +86,7 @@ class TransferRunner:
     @property
     def in_flight(self) -> frozenset[int]:
         """Jobs started whose completion event has not been returned yet."""
-        return frozenset(self._jobs)
+        return frozenset(self._jobs) | self._lower.in_flight
 
     def submit(self, effects: Iterable[Effect]) -> None:
         """Run worker effects in order. Any other kind is a routing bug, refused by name."""
@@ -84,11 +101,21 @@ class TransferRunner:
     def _flush(self, effect: FlushStores) -> None:
         self.wait(effect.job_ids, what="flush of stores")
 
+    def _spill(self, effect: StartSpill) -> None:
+        failed = self._lower.spill(effect) if not self._closed else StoreFailed(
+            job_id=effect.job_id, worker_index=self.worker_index, keys=tuple(k for g in effect.keys for k in g))
+        if failed is not None:
+            self._ready.append(failed)
+
+    def _drop(self, effect: DropTierKeys) -> None:
+        if not self._closed:
+            self._lower.drop(effect)
+
     def _start(self, effect: StartStore | StartLoad) -> None:
         if self._closed:
             self._reject(effect, "the runner was shut down")
             return
-        if effect.job_id in self._jobs:
+        if effect.job_id in self._jobs or effect.job_id in self._lower.in_flight:
             # The running job keeps going and reports too: two events for one id
             # let the engine see its own protocol error rather than lose a job.
             self._reject(effect, f"job {effect.job_id} is already in flight")
@@ -97,17 +124,35 @@ class TransferRunner:
         if problem is not None:
             self._reject(effect, problem)
             return
+        if isinstance(effect, StartLoad) and effect.promote_tiers:
+            failed = self._lower.promote(effect)
+            if failed is not None:  # nothing to read: copy what needs no promotion
+                self._copy(effect, failed)
+            return
+        self._copy(effect, set())
+
+    def _copy(self, effect: StartStore | StartLoad, failed: set[Position]) -> None:
+        """Start the device copy of every position but the `failed` ones."""
         if isinstance(effect, StartStore):
             direction, blocks, slots = Direction.STORE, effect.source_block_ids, effect.target_slot_ids
         else:
             direction, blocks, slots = Direction.LOAD, effect.target_block_ids, effect.source_slot_ids
-        copy = CopyJob(job_id=effect.job_id, direction=direction, block_ids=blocks, slot_ids=slots)
+        copy = CopyJob(job_id=effect.job_id, direction=direction,
+                       block_ids=blocks, slot_ids=tuple(tuple(max(s, 0) for s in g) for g in slots))
+        kept = None
+        if failed:
+            copy, kept = copy.without(failed)
+            if not copy.num_blocks:
+                self._ready.append(self._event(effect, JobOutcome(
+                    job_id=effect.job_id, direction=direction, failed=tuple(sorted(failed)),
+                    error="no block could be read from a lower tier")))
+                return
         try:
             self._backend.submit(copy)
         except Exception as exc:
             self._reject(effect, f"the copy backend refused the job: {exc!r}")
             return
-        self._jobs[effect.job_id] = _Job(effect, copy)
+        self._jobs[effect.job_id] = _Job(effect, copy, kept, frozenset(failed))
 
     def _reject(self, effect: StartStore | StartLoad, problem: str) -> None:
         """Every block of a job that never ran has failed."""
@@ -130,13 +175,24 @@ class TransferRunner:
 
     def poll(self) -> list[TransferEvent]:
         """Completion events since the last poll, in the order jobs finished."""
+        spilled, promoted = self._lower.poll()
+        self._ready.extend(spilled)
+        for effect, failed in promoted:
+            if self._closed:
+                self._reject(effect, "the runner was shut down")
+            else:
+                self._copy(effect, failed)
         events, self._ready = self._ready, []
         for outcome in self._backend.poll():
             job = self._jobs.pop(outcome.job_id, None)
             if job is None:
                 _log.warning("unknown_job_outcome", job_id=outcome.job_id)
                 continue
-            moved = [len(ids) for ids in job.copy.block_ids]
+            if job.kept is not None or job.failed:  # back to the load's own positions
+                kept = job.kept
+                mapped = tuple((g, kept[g][i]) for g, i in outcome.failed) if kept is not None else outcome.failed
+                outcome = attrs.evolve(outcome, failed=tuple(sorted(set(mapped) | job.failed)))
+            moved = [len(ids) for ids in job.effect.keys]
             for g, _ in outcome.failed:
                 moved[g] -= 1
             self._stats.append(TransferStat(outcome.direction, tuple(moved), outcome.seconds, outcome.ok))
@@ -157,6 +213,10 @@ class TransferRunner:
         """Jobs that finished since the last call (polled ones only)."""
         stats, self._stats = self._stats, []
         return stats
+
+    def take_tier_stats(self) -> list[TierStat]:
+        """Lower-tier reads and writes that finished since the last call."""
+        return self._lower.take_stats()
 
     def _event(self, effect: StartStore | StartLoad, outcome: JobOutcome) -> TransferEvent:
         job_id, worker = effect.job_id, self.worker_index
@@ -185,10 +245,12 @@ class TransferRunner:
         if self._closed:
             return
         self._closed = True
+        self._lower.shutdown(drain=drain, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
         self._backend.shutdown(drain=drain, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
 
 
 # Every worker effect (the worker phases of `engine.effects.ROUTES`) and what carries it out.
-_RUN = {StartStore: TransferRunner._start, StartLoad: TransferRunner._start, FlushStores: TransferRunner._flush}
+_RUN = {StartStore: TransferRunner._start, StartLoad: TransferRunner._start, FlushStores: TransferRunner._flush,
+        StartSpill: TransferRunner._spill, DropTierKeys: TransferRunner._drop}
 assert set(_RUN) == {kind for kind, phase in ROUTES.items() if phase in WORKER_PHASES}, \
     "the runner must carry out every worker effect, and only those"

@@ -4,9 +4,12 @@ It plays the scheduler (admission, chunked prefill, decode, preemption,
 sliding-window frees, finish, abort), the block pool (free queue, prefix
 cache, pins) and the workers (copies that run late unless flushed, and that
 can fail). Every device block and tier slot carries a shadow of its content,
-so the simulator can check what matters end to end: whenever a request is
-scheduled, every block its layers read holds the right content. A store that
-read a reused block, or a load of the wrong slot, shows up there.
+and so does each lower tier (a disk: key -> content), so the simulator can
+check what matters end to end: whenever a request is scheduled, every block
+its layers read holds the right content. A store that read a reused block, a
+load of the wrong slot, or a promoted block that was corrupted on disk and
+served anyway, shows up there. Lower tiers can be damaged (a key removed or
+its bytes corrupted) and written by another process (then found by a lookup).
 
 Used by the stateful property tests, the benchmarks and the golden logs.
 """
@@ -60,7 +63,7 @@ class SimRequest:
 class SimJob:
     __slots__ = ("effect", "pending", "copied", "failed")
 
-    def __init__(self, effect: fx.StartStore | fx.StartLoad, workers: int) -> None:
+    def __init__(self, effect: fx.StartStore | fx.StartLoad | fx.StartSpill, workers: int) -> None:
         self.effect = effect
         self.pending = set(range(workers))
         self.copied = False
@@ -90,6 +93,8 @@ class Simulator:
         self.cached_key: dict[int, bytes] = {}
         self.dirty: set[int] = set()
         self.slot_content: dict[int, object] = {}
+        self.disks: list[dict[bytes, object]] = [{} for _ in config.lower_tiers]  # per lower tier
+        self.damaged: set[bytes] = set()  # keys removed from a disk behind the engine's back
         self.requests: dict[str, SimRequest] = {}
         self.jobs: dict[int, SimJob] = {}
         self.step_index = -1
@@ -119,8 +124,13 @@ class Simulator:
     def _perform(self, effect: fx.Effect) -> None:
         _PERFORM[type(effect)](self, effect)
 
-    def _start(self, effect: fx.StartStore | fx.StartLoad) -> None:
+    def _start(self, effect: fx.StartStore | fx.StartLoad | fx.StartSpill) -> None:
         self.jobs[effect.job_id] = SimJob(effect, self.config.world_size)
+
+    def _drop(self, effect: fx.DropTierKeys) -> None:
+        disk = self.disks[effect.tier - 1]
+        for key in effect.keys:
+            disk.pop(key, None)
 
     def _flush(self, effect: fx.FlushStores) -> None:
         for job_id in effect.job_ids:
@@ -150,11 +160,33 @@ class Simulator:
             for blocks, slots in zip(effect.source_block_ids, effect.target_slot_ids):
                 for block, slot in zip(blocks, slots):
                     self.slot_content[slot] = self.content[block]
+        elif isinstance(effect, fx.StartSpill):
+            disk = self.disks[effect.tier - 1]
+            for keys, slots in zip(effect.keys, effect.source_slot_ids):
+                for key, slot in zip(keys, slots):
+                    disk[key] = self.slot_content.get(slot)
         else:
+            self._promote(job, effect)
             for slots, blocks in zip(effect.source_slot_ids, effect.target_block_ids):
                 for slot, block in zip(slots, blocks):
                     self.dirty.discard(block)  # the load stream runs after the zeroing
                     self.content[block] = None if block in job.failed else self.slot_content.get(slot)
+
+    def _promote(self, job: SimJob, effect: fx.StartLoad) -> None:
+        """Read promoted keys into their slots, as a worker checks a block file:
+        a missing or corrupted block, or one with no slot, fails its target."""
+        for tiers, keys, slots, blocks in zip(effect.promote_tiers, effect.keys, effect.source_slot_ids,
+                                              effect.target_block_ids):
+            for tier, key, slot, block in zip(tiers, keys, slots, blocks):
+                if not tier:
+                    continue
+                content = self.disks[tier - 1].get(key)
+                if slot < 0 or content != key:  # the header and checksum catch anything else
+                    job.failed.add(block)
+                    if slot >= 0:
+                        self.slot_content[slot] = None
+                else:
+                    self.slot_content[slot] = content
 
     # The block pool.
 
@@ -290,6 +322,8 @@ class Simulator:
             keys = self.keys(request, group.group_id)
             for position in hma.needed_range(group, local, local + ext):
                 slot = core.slot_of_key.get(keys[position], -1)
+                if slot < 0 and any(keys[position] in tier.held for tier in core.lower):
+                    continue  # promoted: its bytes are checked when read (they may be damaged)
                 if slot < 0 or core.slot_state[slot] != SlotState.STORED:
                     raise SimulationError(f"{request.rid}: hit needs key at {position} that is not stored")
                 if self.slot_content.get(slot) != keys[position]:
@@ -310,6 +344,36 @@ class Simulator:
             return
         self._free_table(request)
         del self.requests[rid]
+
+    def damage_tier(self, rng: random.Random, *, remove: bool) -> bytes | None:
+        """Corrupt (or remove) one block a lower tier holds, behind the engine's back."""
+        disks = [(i, k) for i, disk in enumerate(self.disks) for k in sorted(disk)]
+        if not disks:
+            return None
+        index, key = rng.choice(disks)
+        self.damaged.add(key)
+        if remove:
+            del self.disks[index][key]
+        else:
+            self.disks[index][key] = ("corrupt", key)
+        return key
+
+    def foreign_write(self, rng: random.Random, docs: int) -> None:
+        """Another process stores blocks of a document to lower tier 1; a lookup finds them."""
+        if not self.disks:
+            return
+        doc = rng.randrange(docs)
+        size = self.config.hash_block_size
+        hashes = [chain_hash(doc, i) for i in range(rng.randint(1, 4) * self.config.alignment_tokens // size)]
+        found = []
+        for group in self.groups:
+            per = group.block_size // size
+            suffix = group.group_id.to_bytes(4, "big")
+            for i in range(len(hashes) // per):
+                key = hashes[(i + 1) * per - 1] + suffix
+                self.disks[0][key] = key
+                found.append(key)
+        self.emit(ev.TierKeysFound(tier=1, keys=tuple(found)))
 
     def reset(self) -> None:
         self.epoch += 1
@@ -454,12 +518,15 @@ class Simulator:
             flat = [b for ids in effect.target_block_ids for b in ids]
             chosen = {b for b in flat if rng is None or rng.random() < 0.5} or {flat[0]}
             job.failed |= chosen
+        if isinstance(effect, fx.StartSpill) and fail:
+            job.copied = True  # a failed write leaves nothing on disk
         self._copy(job)
+        fail = fail or bool(job.failed)  # a promoted block that could not be read
         job.pending.discard(worker)
         last = not job.pending
         if last:
             del self.jobs[job_id]
-        if isinstance(effect, fx.StartStore):
+        if isinstance(effect, (fx.StartStore, fx.StartSpill)):
             if fail:
                 self.emit(ev.StoreFailed(job_id=job_id, worker_index=worker))
             else:
@@ -528,15 +595,24 @@ class Simulator:
         for key, slot in core.slot_of_key.items():
             if core.slot_state[slot] == SlotState.STORED and self.slot_content.get(slot) != key:
                 raise SimulationError(f"slot {slot} is offered for a key it does not hold")
+        for index, (tier, disk) in enumerate(zip(core.lower, self.disks), start=1):
+            lost = [k for k in tier.held if k not in disk and k not in self.damaged]
+            if lost:
+                raise SimulationError(f"tier {index}: holds {len(lost)} keys no write put there")
 
 
 def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: float = 0.5,
                docs: int = 3, max_prompt_blocks: int = 6, max_tokens: int = 6, fail_rate: float = 0.05,
                reset_rate: float = 0.0, abort_rate: float = 0.02, completion_rate: float = 0.4,
-               check_every: int = 0) -> None:
-    """A seeded workload: arrivals, admissions, steps and completions in random order."""
+               check_every: int = 0, damage_rate: float = 0.0, foreign_rate: float = 0.0) -> None:
+    """A seeded workload: arrivals, admissions, steps and completions in random order;
+    with lower tiers, blocks damaged on disk and blocks another process wrote."""
     size = sim.config.hash_block_size
     for n in range(steps):
+        if damage_rate and sim.disks and rng.random() < damage_rate:  # no draw without lower tiers
+            sim.damage_tier(rng, remove=rng.random() < 0.5)
+        if foreign_rate and sim.disks and rng.random() < foreign_rate:
+            sim.foreign_write(rng, docs)
         if rng.random() < arrivals:
             prompt = rng.randint(1, max_prompt_blocks) * size + rng.randrange(size)
             sim.add_request(rng.randrange(docs), prompt, rng.randint(1, max_tokens))
@@ -567,5 +643,7 @@ _PERFORM = {
     fx.UnpinDeviceBlocks: Simulator._unpin,
     fx.ReportViolation: Simulator._violation,
     fx.KeysEvicted: Simulator._evicted,
+    fx.StartSpill: Simulator._start,
+    fx.DropTierKeys: Simulator._drop,
 }
 assert set(_PERFORM) == set(fx.EFFECT_TYPES), "the simulator must carry out every effect kind"

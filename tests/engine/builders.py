@@ -49,6 +49,14 @@ SIMULATED_CONFIGS = [
     EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
                          GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
                  hash_block_size=32, num_device_blocks=32, num_tier_slots=16, store_mode="lazy"),
+    # A host tier smaller than the working set, with a disk below it.
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),),
+                 hash_block_size=16, num_device_blocks=24, num_tier_slots=4,
+                 lower_tiers=({"name": "1:fs", "num_blocks": 16},)),
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
+                         GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
+                 hash_block_size=32, num_device_blocks=32, num_tier_slots=6, world_size=2, policy="arc",
+                 lower_tiers=({"name": "1:fs", "num_blocks": 24},)),
 ]
 
 

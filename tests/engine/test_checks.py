@@ -43,7 +43,7 @@ def pool() -> tuple[State, ...]:
             done = 0
             for mark in SNAPSHOTS:
                 run_random(sim, rng, steps=mark - done, arrivals=0.9, max_tokens=max_tokens, completion_rate=0.3,
-                           fail_rate=0.2, reset_rate=0.03, abort_rate=0.08)
+                           fail_rate=0.2, reset_rate=0.03, abort_rate=0.08, damage_rate=0.1, foreign_rate=0.1)
                 done = mark
                 states.append(sim.state.clone())
     return tuple(states)

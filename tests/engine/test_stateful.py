@@ -88,6 +88,18 @@ class Protocol(RuleBasedStateMachine):
     def reset(self) -> None:
         self.sim.reset()
 
+    @precondition(lambda self: any(self.sim.disks))
+    @rule(remove=st.booleans())
+    def damage_tier(self, remove: bool) -> None:
+        """A block file removed or corrupted under the engine: its load must fail, never serve."""
+        self.sim.damage_tier(self.rng, remove=remove)
+
+    @precondition(lambda self: self.sim.disks)
+    @rule()
+    def foreign_write(self) -> None:
+        """Another process wrote blocks to the shared tier; a lookup found them."""
+        self.sim.foreign_write(self.rng, docs=3)
+
     @invariant()
     def engine_matches_model(self) -> None:
         if hasattr(self, "sim"):
@@ -96,6 +108,10 @@ class Protocol(RuleBasedStateMachine):
             for name in ("loads", "jobs_flushed", "preemptions", "load_failures", "evictions"):
                 if getattr(stats, name):
                     note_event(f"reached {name}")
+            for tier in self.sim.state.core.lower:
+                for name in ("keys_written", "keys_read", "read_failures", "write_failures", "evictions"):
+                    if tier.counts[name]:
+                        note_event(f"reached tier {name}")
 
 
 TestProtocol = Protocol.TestCase
@@ -111,7 +127,8 @@ def _trace(config: EngineConfig, seed: int) -> list:
     return log
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["full", "swa", "swa-pin-arc", "mamba", "swa-mixed", "swa-lazy"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["full", "swa", "swa-pin-arc", "mamba", "swa-mixed", "swa-lazy",
+                                                    "full-fs", "swa-fs-arc"])
 def test_reduce_step_equals_fold_of_reduce(config: EngineConfig) -> None:
     from kvledger.engine.digest import digest
     from kvledger.engine.state import initial_state
@@ -130,14 +147,14 @@ def test_reduce_step_equals_fold_of_reduce(config: EngineConfig) -> None:
 # The checks above must be able to fail. Each mutant breaks one rule of the
 # contract; the simulator or the invariants must notice within a few traces.
 
-def _run_until_caught(config: EngineConfig, seeds: int = 12) -> Exception | None:
+def _run_until_caught(config: EngineConfig, seeds: int = 12, **rates: float) -> Exception | None:
     from kvledger.adapters.testing.simulator import run_random
 
     for seed in range(seeds):
         sim = Simulator(config, check_every_event=True)
         try:
             run_random(sim, random.Random(seed), steps=200, arrivals=0.9, max_tokens=30,
-                       completion_rate=0.3, fail_rate=0.1, check_every=1)
+                       completion_rate=0.3, fail_rate=0.1, check_every=1, **rates)
         except AssertionError as caught:  # SimulationError and InvariantViolation
             return caught
     return None
@@ -172,3 +189,35 @@ def test_mutant_offering_unfinished_stores_is_caught(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(lookup_module, "SlotState", type("S", (), {"STORED": SlotState.STORING}))
     caught = _run_until_caught(CONFIGS[0])
     assert caught is not None, "hits on keys still being stored went unnoticed"
+
+
+def test_mutant_trusting_failed_spills_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvledger.engine import lower
+
+    real = lower.spill_ended
+
+    def trusting(core, job, out):  # a failed write counted as written
+        job.failed_keys.clear()
+        real(core, job, out)
+
+    monkeypatch.setattr(lower, "spill_ended", trusting)
+    caught = _run_until_caught(CONFIGS[6])
+    assert caught is not None, "a tier offering keys no write put there went unnoticed"
+
+
+def test_mutant_serving_damaged_promotions_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvledger.adapters.testing import simulator
+
+    real = simulator.Simulator._promote
+
+    def careless(self, job, effect):  # a worker that skips the checksum
+        for tiers, keys, slots in zip(effect.promote_tiers, effect.keys, effect.source_slot_ids):
+            for tier, key, slot in zip(tiers, keys, slots):
+                if tier and slot >= 0 and key in self.disks[tier - 1]:
+                    self.disks[tier - 1][key] = self.disks[tier - 1][key]
+        real(self, job, effect)
+        job.failed.clear()
+
+    monkeypatch.setattr(simulator.Simulator, "_promote", careless)
+    caught = _run_until_caught(CONFIGS[6], damage_rate=0.2)
+    assert caught is not None, "a damaged block served from a lower tier went unnoticed"

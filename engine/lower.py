@@ -1,0 +1,229 @@
+"""The tiers below host memory: what each holds, and the jobs that move keys
+between them and host memory. The engine never reads a lower tier itself;
+it knows what a tier holds from its own writes, from what was found there
+at start or by a lookup (`tier_keys_found`), and from failed reads.
+
+Write-through: a key is written down (a spill) as soon as its host store
+succeeds, while the host keeps it. So a host eviction costs no I/O and waits
+for none, and a crash loses only spills still in flight. The price is disk
+bandwidth for keys the host would have served anyway (bench/RESULTS.md).
+
+A spill reads its host slots the way a load does (their load count keeps
+them from eviction until it ends); `Core.spill_reads` tells those reads
+apart from device loads, which a lookup must wait for. A load that needs
+a key only a lower tier holds promotes it: the key gets a host slot
+(storing, as a store's would be), the worker reads the block into it and
+then copies it to the device, and at the end the slot is stored or freed
+like a store's.
+"""
+
+from __future__ import annotations
+
+from . import effects as fx
+from . import slots
+from .state import SPILL as _SPILL
+from .state import STORED as _STORED
+from .state import Core, Job, LowerTier
+
+
+class _Part:
+    """Some of a job's keys, in the shape `slots.store_ended`/`load_ended` read."""
+
+    __slots__ = ("keys", "slot_ids", "failed_keys", "stale")
+
+    def __init__(self, keys: tuple, slot_ids: tuple, failed_keys: set[bytes], stale: bool) -> None:
+        self.keys = keys
+        self.slot_ids = slot_ids
+        self.failed_keys = failed_keys
+        self.stale = stale
+
+
+def holder(core: Core, key: bytes) -> int:
+    """The first lower tier (1-based) holding `key` whole, or 0."""
+    for index, tier in enumerate(core.lower, start=1):
+        if key in tier.held:
+            return index
+    return 0
+
+
+def _evict(tier: LowerTier, count: int) -> list[bytes]:
+    """Up to `count` least recently used keys that no load is reading."""
+    reading = tier.reading
+    victims = []
+    for key in tier.held:
+        if len(victims) == count:
+            break
+        if key not in reading:
+            victims.append(key)
+    for key in victims:
+        del tier.held[key]
+    tier.counts["evictions"] += len(victims)
+    return victims
+
+
+def _trim(core: Core, index: int, out: list[fx.Effect]) -> None:
+    tier = core.lower[index - 1]
+    over = len(tier.held) + len(tier.writing) - tier.capacity
+    if over > 0:
+        victims = _evict(tier, over)
+        if victims:
+            out.append(fx.DropTierKeys(tier=index, keys=tuple(victims)))
+
+
+def plan_spills(core: Core, keys: tuple, slot_ids: tuple, out: list[fx.Effect]) -> None:
+    """Write these just-stored host keys (per group) to every lower tier that
+    lacks them; what a tier cannot make room for is not written."""
+    for index, tier in enumerate(core.lower, start=1):
+        held, writing = tier.held, tier.writing
+        wanted = [(g, key, slot) for g, (group_keys, group_slots) in enumerate(zip(keys, slot_ids))
+                  for key, slot in zip(group_keys, group_slots) if key not in held and key not in writing]
+        if not wanted:
+            continue
+        room = tier.capacity - len(held) - len(writing)
+        if len(wanted) > room:
+            victims = _evict(tier, len(wanted) - room)
+            if victims:
+                out.append(fx.DropTierKeys(tier=index, keys=tuple(victims)))
+            room += len(victims)
+            if len(wanted) > room:
+                tier.counts["write_rejections"] += len(wanted) - room
+                wanted = wanted[:room]
+        if not wanted:
+            continue
+        groups = range(len(core.groups))
+        job_keys = tuple(tuple(k for g, k, _ in wanted if g == group) for group in groups)
+        job_slots = tuple(tuple(s for g, _, s in wanted if g == group) for group in groups)
+        job_id = core.next_job_id
+        core.next_job_id = job_id + 1
+        job = Job(job_id, _SPILL, "", job_keys, tuple(() for _ in groups), job_slots, (),
+                  (1 << core.config.world_size) - 1)
+        job.tier = index
+        core.jobs[job_id] = job
+        slots.load_planned(core, job_keys, job_slots)  # the slots are read until the spill ends
+        spill_reads = core.spill_reads
+        for _, key, slot in wanted:
+            writing[key] = job_id
+            spill_reads[slot] = spill_reads.get(slot, 0) + 1
+        tier.counts["spills"] += 1
+        out.append(fx.StartSpill(job_id=job_id, tier=index, keys=job_keys, source_slot_ids=job_slots))
+
+
+def spill_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
+    """Written keys join the tier's held keys (most recent end); a failed or
+    stale one is removed wherever some worker wrote it. The host keeps every
+    key: a failed write never drops the host's copy."""
+    slots.load_ended(core, _Part(job.keys, job.slot_ids, set(), job.stale))
+    spill_reads = core.spill_reads
+    for group_slots in job.slot_ids:
+        for slot in group_slots:
+            count = spill_reads[slot] - 1
+            if count:
+                spill_reads[slot] = count
+            else:
+                del spill_reads[slot]
+    tier = core.lower[job.tier - 1]
+    failed = job.failed_keys
+    drop = []
+    for group_keys in job.keys:
+        for key in group_keys:
+            del tier.writing[key]
+            if job.stale or key in failed:
+                drop.append(key)
+            else:
+                tier.held[key] = None
+                tier.counts["keys_written"] += 1
+    tier.counts["write_failures"] += len(failed)
+    if drop:
+        out.append(fx.DropTierKeys(tier=job.tier, keys=tuple(drop)))
+
+
+def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]]) -> list[int]:
+    """Host slots for keys a load reads from a lower tier first ((group, tier, key)
+    each), evicting idle host keys as needed; -1 where none could be had (that
+    block fails, and is recomputed). Each lower tier learns its key is being read."""
+    free = core.num_free_slots()
+    short = len(promoted) - free
+    if short > 0:
+        evicted = slots.evict(core, min(short, len(core.policy)))
+        core.stats.evictions += len(evicted)
+        free += len(evicted)
+    taken = promoted[:free]
+    _, got = slots.reserve(core, [(g, 0, key) for g, _, key in taken])
+    for _, tier_index, key in taken:
+        reading = core.lower[tier_index - 1].reading
+        reading[key] = reading.get(key, 0) + 1
+    return got + [-1] * (len(promoted) - len(taken))
+
+
+def promotions_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
+    """A load's promoted keys: each slot is stored or freed as a store's would
+    be; a key that failed to read leaves its lower tier (its file is removed)."""
+    failed = job.failed_keys
+    drops: dict[int, list[bytes]] = {}
+    kept_keys, kept_slots = [], []
+    for tier_index, key, slot, _ in job.promoted():
+        if slot < 0:
+            continue  # never read: no slot, and nothing wrong with the tier's copy
+        tier = core.lower[tier_index - 1]
+        count = tier.reading[key] - 1
+        if count:
+            tier.reading[key] = count
+        else:
+            del tier.reading[key]
+        if key in failed:
+            if key in tier.held:
+                del tier.held[key]
+                drops.setdefault(tier_index, []).append(key)
+            tier.counts["read_failures"] += 1
+        else:
+            if key in tier.held:  # most recently used now
+                del tier.held[key]
+                tier.held[key] = None
+            tier.counts["keys_read"] += 1
+        kept_keys.append(key)
+        kept_slots.append(slot)
+    if kept_keys:
+        slots.store_ended(core, _Part((tuple(kept_keys),), (tuple(kept_slots),), failed, job.stale))
+    for tier_index, keys in drops.items():
+        out.append(fx.DropTierKeys(tier=tier_index, keys=tuple(keys)))
+
+
+def host_part(job: Job) -> _Part | None:
+    """A load's keys read from host slots it did not promote (all of them, without promotions)."""
+    if not job.promote_tiers:
+        return None
+    keys = tuple(tuple(k for k, t in zip(group_keys, tiers) if not t)
+                 for group_keys, tiers in zip(job.keys, job.promote_tiers))
+    slot_ids = tuple(tuple(s for s, t in zip(group_slots, tiers) if not t)
+                     for group_slots, tiers in zip(job.slot_ids, job.promote_tiers))
+    return _Part(keys, slot_ids, job.failed_keys, job.stale)
+
+
+def keys_found(core: Core, index: int, keys: tuple[bytes, ...], out: list[fx.Effect]) -> None:
+    tier = core.lower[index - 1]
+    held, writing = tier.held, tier.writing
+    new = [key for key in dict.fromkeys(keys) if key not in held and key not in writing]
+    for key in new:
+        held[key] = None
+    tier.counts["keys_found"] += len(new)
+    _trim(core, index, out)
+
+
+def drop_all(core: Core, out: list[fx.Effect]) -> int:
+    """A cache reset: every lower tier forgets (and removes) what it holds;
+    keys being written are removed when their (now stale) spills end."""
+    dropped = 0
+    for index, tier in enumerate(core.lower, start=1):
+        keys = tuple(tier.held)
+        tier.held.clear()
+        tier.counts["evictions"] += len(keys)
+        dropped += len(keys)
+        if keys:
+            out.append(fx.DropTierKeys(tier=index, keys=keys))
+    return dropped
+
+
+def is_stored(core: Core, key: bytes) -> bool:
+    """Whether a host slot holds `key` whole."""
+    slot = core.slot_of_key.get(key, -1)
+    return slot >= 0 and core.slot_state[slot] == _STORED

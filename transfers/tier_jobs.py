@@ -1,0 +1,168 @@
+"""The worker's jobs on tiers below host memory: spills, the reads that
+promote a load's keys into host slots, and removals.
+
+Each lower tier is an I/O object (`FsTierIO` for a file system) that moves
+blocks between host slots and its store on threads of its own. This module
+maps a job's (group, index) positions onto it and back: a spill ends as a
+store outcome, a promotion hands the runner the positions that could not be
+read, so that the runner copies only the others to the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import attrs
+import structlog
+
+from kvledger.engine.effects import DropTierKeys, IdsByGroup, KeysByGroup, StartLoad, StartSpill
+from kvledger.events.keys import hex_keys
+from kvledger.events.types import StoreCompleted, StoreFailed
+
+_log = structlog.get_logger("kvledger.transfers.tier_jobs")
+
+Position = tuple[int, int]
+
+
+class TierIO(Protocol):
+    def write(self, job_id: int, keys: KeysByGroup, slot_ids: IdsByGroup) -> None: ...
+    def read(self, job_id: int, keys: KeysByGroup, slot_ids: IdsByGroup) -> None: ...
+    def delete(self, keys: tuple[bytes, ...]) -> None: ...
+    def poll(self) -> list: ...
+    def shutdown(self, *, drain: bool = True, timeout_s: float = 30.0) -> None: ...
+
+
+@attrs.frozen
+class TierStat:
+    """One finished tier job, for metrics."""
+
+    tier: int
+    kind: str  # "write" (a spill) or "read" (a promotion)
+    nbytes: int
+    seconds: float
+    ok: bool
+
+
+@attrs.define
+class _Promotion:
+    effect: StartLoad
+    waiting: set[int]  # tiers still reading
+    positions: dict[int, list[Position]]  # tier -> the load's positions, in the order submitted
+    failed: set[Position]
+
+
+class LowerTierJobs:
+    def __init__(self, tiers: Mapping[int, TierIO], num_slots: int, worker_index: int) -> None:
+        self._tiers = dict(tiers)
+        self._num_slots = num_slots
+        self.worker_index = worker_index
+        self._spills: dict[int, StartSpill] = {}
+        self._promotions: dict[int, _Promotion] = {}
+        self._stats: list[TierStat] = []
+
+    @property
+    def in_flight(self) -> frozenset[int]:
+        return frozenset(self._spills) | frozenset(self._promotions)
+
+    def spill(self, effect: StartSpill) -> StoreFailed | None:
+        """Start writing; a spill that cannot start fails whole, at once."""
+        io = self._tiers.get(effect.tier)
+        problem = None
+        if io is None:
+            problem = f"this worker has no tier {effect.tier}"
+        elif effect.job_id in self._spills or effect.job_id in self._promotions:
+            problem = f"job {effect.job_id} is already in flight"
+        elif any(not 0 <= s < self._num_slots for slots in effect.source_slot_ids for s in slots):
+            problem = f"a source slot is outside [0, {self._num_slots})"
+        if problem is not None:
+            keys = tuple(k for group in effect.keys for k in group)
+            _log.warning("spill_rejected", job_id=effect.job_id, tier=effect.tier, keys=hex_keys(keys),
+                         problem=problem)
+            return StoreFailed(job_id=effect.job_id, worker_index=self.worker_index, keys=keys)
+        assert io is not None
+        self._spills[effect.job_id] = effect
+        io.write(effect.job_id, effect.keys, effect.source_slot_ids)
+        return None
+
+    def drop(self, effect: DropTierKeys) -> None:
+        io = self._tiers.get(effect.tier)
+        if io is None:
+            _log.warning("drop_rejected", tier=effect.tier, keys=hex_keys(effect.keys),
+                         problem=f"this worker has no tier {effect.tier}")
+            return
+        io.delete(effect.keys)
+
+    def promote(self, effect: StartLoad) -> set[Position] | None:
+        """Start reading the load's promoted keys into their host slots. Returns
+        the positions failed at once (no slot, no such tier) when nothing is left
+        to read, else None: `poll` hands the load back when the reads end."""
+        failed: set[Position] = set()
+        by_tier: dict[int, list[Position]] = {}
+        for g, (tiers, slots) in enumerate(zip(effect.promote_tiers, effect.source_slot_ids)):
+            for i, (tier, slot) in enumerate(zip(tiers, slots)):
+                if not tier:
+                    continue
+                if slot < 0 or tier not in self._tiers:
+                    failed.add((g, i))
+                else:
+                    by_tier.setdefault(tier, []).append((g, i))
+        if not by_tier:
+            return failed
+        self._promotions[effect.job_id] = _Promotion(effect, set(by_tier), by_tier, failed)
+        groups = len(effect.keys)
+        for tier, positions in by_tier.items():
+            keys = tuple(tuple(effect.keys[g][i] for g, i in positions if g == group) for group in range(groups))
+            slots = tuple(tuple(effect.source_slot_ids[g][i] for g, i in positions if g == group)
+                          for group in range(groups))
+            self._tiers[tier].read(effect.job_id, keys, slots)
+        return None
+
+    def poll(self) -> tuple[list[StoreCompleted | StoreFailed], list[tuple[StartLoad, set[Position]]]]:
+        """(spill outcomes, promoted loads whose reads all ended with their failed positions)."""
+        spilled: list[StoreCompleted | StoreFailed] = []
+        promoted: list[tuple[StartLoad, set[Position]]] = []
+        for tier, io in self._tiers.items():
+            for outcome in io.poll():
+                self._stats.append(TierStat(tier, outcome.kind, outcome.nbytes, outcome.seconds, outcome.ok))
+                if outcome.kind == "write":
+                    effect = self._spills.pop(outcome.job_id, None)
+                    if effect is None:
+                        _log.warning("unknown_tier_outcome", tier=tier, job_id=outcome.job_id, kind=outcome.kind)
+                        continue
+                    if outcome.ok:
+                        spilled.append(StoreCompleted(job_id=outcome.job_id, worker_index=self.worker_index))
+                    else:
+                        keys = tuple(effect.keys[g][i] for g, i in outcome.failed)
+                        spilled.append(StoreFailed(job_id=outcome.job_id, worker_index=self.worker_index, keys=keys))
+                    continue
+                promotion = self._promotions.get(outcome.job_id)
+                if promotion is None or tier not in promotion.waiting:
+                    _log.warning("unknown_tier_outcome", tier=tier, job_id=outcome.job_id, kind=outcome.kind)
+                    continue
+                mine = _own_positions(promotion.positions[tier])
+                promotion.failed.update(mine[position] for position in outcome.failed)
+                promotion.waiting.discard(tier)
+                if not promotion.waiting:
+                    del self._promotions[outcome.job_id]
+                    promoted.append((promotion.effect, promotion.failed))
+        return spilled, promoted
+
+    def take_stats(self) -> list[TierStat]:
+        stats, self._stats = self._stats, []
+        return stats
+
+    def shutdown(self, *, drain: bool, timeout_s: float) -> None:
+        for io in self._tiers.values():
+            io.shutdown(drain=drain, timeout_s=timeout_s)
+
+
+def _own_positions(positions: list[Position]) -> dict[Position, Position]:
+    """The I/O's (group, index within the submitted group) -> the load's position."""
+    mapping: dict[Position, Position] = {}
+    counts: dict[int, int] = {}
+    for g, i in positions:
+        index = counts.get(g, 0)
+        mapping[(g, index)] = (g, i)
+        counts[g] = index + 1
+    return mapping
