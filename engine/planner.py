@@ -28,7 +28,7 @@ set or dict of requests is iterated except in an order vLLM fixed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -85,17 +85,23 @@ class StepInputs:
     requests: Mapping[str, Request] = attrs.field(factory=dict)
     tables: Sequence[Mapping[str, Sequence[Block]]] = ()
     near_eviction: tuple[int, ...] = ()  # free blocks at the eviction end, in eviction order
+    keys_of: Callable[[Request], Sequence[bytes]] | None = None  # a request's block keys, if not its hashes
 
 
-def new_hashes(state: State, request_id: str, request: Request) -> ev.BlockHashesAppended | None:
-    """The hashes vLLM computed for the request that the engine does not know yet."""
+def new_hashes(state: State, request_id: str, request: Request,
+               keys_of: Callable[[Request], Sequence[bytes]] | None = None) -> ev.BlockHashesAppended | None:
+    """The hashes vLLM computed for the request that the engine does not know yet
+    (or, with `keys_of`, the block keys derived from them)."""
     mine = state.core.requests.get(request_id)
-    return None if mine is None else _new_hashes(mine, request)
+    return None if mine is None else _new_hashes(mine, request, keys_of)
 
 
-def _new_hashes(mine: RequestState, request: Request) -> ev.BlockHashesAppended | None:
+def _new_hashes(mine: RequestState, request: Request,
+                keys_of: Callable[[Request], Sequence[bytes]] | None) -> ev.BlockHashesAppended | None:
     known = len(mine.hashes)
-    hashes = request.block_hashes
+    if keys_of is not None and len(request.block_hashes) <= known:
+        return None  # nothing new: no keys to derive
+    hashes = request.block_hashes if keys_of is None else keys_of(request)
     if len(hashes) <= known:
         return None
     return ev.BlockHashesAppended(request_id=mine.request_id, num_tokens=request.num_tokens,
@@ -170,7 +176,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         mine = mine_of(rid)
         if mine is None:
             continue
-        appended = _new_hashes(mine, step.requests[rid])
+        appended = _new_hashes(mine, step.requests[rid], step.keys_of)
         if appended is not None:
             events.append(appended)
         blocks = tuple(t.get(rid, ()) for t in tables)
@@ -193,7 +199,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             continue
         seen.add(rid)
         admissions.append((admission, mine))
-        appended = _new_hashes(mine, step.requests[rid])
+        appended = _new_hashes(mine, step.requests[rid], step.keys_of)
         if appended is not None:
             events.append(appended)
     for admission, mine in admissions:

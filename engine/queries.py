@@ -77,6 +77,41 @@ def next_job_id(state: State) -> int:
     return state.core.next_job_id
 
 
+@attrs.frozen
+class LowerTierUsage:
+    name: str
+    capacity_blocks: int
+    held_keys: int
+    keys_being_written: int
+    keys_being_read: int
+    counts: dict[str, int]  # spills, keys_written, write_failures, keys_read, read_failures, evictions, ...
+
+
+def lower_tier_usage(state: State) -> list[LowerTierUsage]:
+    """Each tier below host memory, in order (empty without any)."""
+    return [LowerTierUsage(t.name, t.capacity, len(t.held), len(t.writing), len(t.reading), dict(t.counts))
+            for t in state.core.lower]
+
+
+def tier_holds(state: State, tier: int, key: bytes) -> bool:
+    """Whether lower tier `tier` (1-based) holds `key` whole."""
+    return key in state.core.lower[tier - 1].held
+
+
+def unknown_keys(state: State, request_id: str, from_tokens: int) -> list[bytes]:
+    """The request's block keys from token `from_tokens` on that no tier is known
+    to hold: what a lookup in a shared tier may find."""
+    core = state.core
+    request = core.requests.get(request_id)
+    if request is None:
+        return []
+    slot_of_key = core.slot_of_key
+    helds = [tier.held for tier in core.lower]
+    return [key for group, keys in zip(core.groups, request.keys)
+            for key in keys[from_tokens // group.block_size:]
+            if key not in slot_of_key and not any(key in held for held in helds)]
+
+
 def stats(state: State) -> dict[str, int]:
     """The running totals (hits, loads, stores, failures, evictions, ...)."""
     return state.core.stats.as_dict()

@@ -294,15 +294,21 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
                             target_block_ids=targets, promote_tiers=promote_tiers))
 
 
+LOST = -2  # `_plan_load`'s mark for a key no tier holds any more: its block fails at once
+
+
 def _place_promotions(core: Core, keys: tuple, slot_ids: tuple, promote_tiers: tuple) -> tuple:
     """Pin the host keys the load reads, then give each promoted key a host slot
-    (-1 where none is left). Returns the slots with the promoted ones filled in."""
+    (-1 where none is left, or the key was lost). Returns the slots with the
+    promoted ones filled in."""
     host = [tuple(k for k, t in zip(gk, gt) if not t) for gk, gt in zip(keys, promote_tiers)]
     host_slots = [tuple(s for s, t in zip(gs, gt) if not t) for gs, gt in zip(slot_ids, promote_tiers)]
     slots.load_planned(core, tuple(host), tuple(host_slots))  # first: eviction below must not take them
-    promoted = [(g, t, k) for g, (gk, gt) in enumerate(zip(keys, promote_tiers)) for k, t in zip(gk, gt) if t]
+    promoted = [(g, t, k) for g, (gk, gt, gs) in enumerate(zip(keys, promote_tiers, slot_ids))
+                for k, t, s in zip(gk, gt, gs) if t and s != LOST]
     placed = iter(lower.reserve_promotions(core, promoted))
-    return tuple(tuple(next(placed) if t else s for s, t in zip(gs, gt)) for gs, gt in zip(slot_ids, promote_tiers))
+    return tuple(tuple((-1 if s == LOST else next(placed)) if t else s for s, t in zip(gs, gt))
+                 for gs, gt in zip(slot_ids, promote_tiers))
 
 
 def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> tuple[tuple, tuple, tuple, tuple]:
@@ -333,12 +339,17 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
             key = request.keys[group.group_id][position]
             slot = core.slot_of_key.get(key, -1)
             tier = 0
-            if slot < 0 and core.lower:
-                tier = lower.holder(core, key)
-                promoting = promoting or tier > 0
-            elif slot >= 0 and core.slot_state[slot] != _STORED:
+            if slot >= 0 and core.slot_state[slot] != _STORED:
                 slot = -1
-            if slot < 0 and not tier:
+            if slot < 0 and core.lower:
+                # Not in host memory: promoted from a lower tier. Or, when an earlier
+                # admission of this step took the slot it was found in, lost: that
+                # block fails at once and is recomputed (no slot, tier 1's number).
+                tier = lower.holder(core, key)
+                if not tier:
+                    tier, slot = 1, LOST
+                promoting = True
+            if slot == -1 and not tier:
                 raise ProtocolViolation(
                     "load_not_stored", f"group {group.group_id} position {position}: key is not stored",
                     request_id=rid)

@@ -80,6 +80,23 @@ def reserve(core: Core, candidates: list[tuple[int, int, bytes]]) -> tuple[list[
     return keys, slots
 
 
+def reserve_unindexed(core: Core, keys: list[bytes]) -> list[int]:
+    """store_planned for keys another job already has a slot for (a second load
+    promoting the same key in one step): a slot each, storing, but not indexed,
+    so `store_ended` frees it as stale."""
+    taken = []
+    for key in keys:
+        if core.free_slots:
+            slot = core.free_slots.pop()
+        else:
+            slot = core.next_fresh_slot
+            core.next_fresh_slot += 1
+        core.slot_key[slot] = key
+        core.slot_state[slot] = _PLANNED_TO
+        taken.append(slot)
+    return taken
+
+
 def store_ended(core: Core, job: Job) -> list[bytes]:
     """The store's last worker reported: each slot is stored (and evictable), or
     freed, failed or stale (its key was dropped, or the store predates a cache

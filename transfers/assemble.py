@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -13,6 +13,9 @@ from kvledger.transfers.host_tier import HostTier
 from kvledger.transfers.kv_spec import KVCacheConfig
 from kvledger.transfers.layout import CanonicalKVCaches, LayerCaches, canonicalize
 from kvledger.transfers.runner import TransferRunner
+from kvledger.transfers.tier_jobs import TierIO
+
+LowerTierFactory = Callable[[HostTier, CanonicalKVCaches], Mapping[int, TierIO]]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -32,8 +35,10 @@ def open_transfers(
     store_hold_polls: int = 0,
     inline_cpu_copies: bool = False,
     timeout_s: float = 60.0,
+    lower_tiers: LowerTierFactory | None = None,
 ) -> Transfers:
-    """Canonical layout, host tier and runner, with the backend the device calls for."""
+    """Canonical layout, host tier and runner, with the backend the device calls for;
+    `lower_tiers` opens the tiers below host memory once the host tier exists."""
     layout = canonicalize(kv_caches, config)
     tier = HostTier(capacity_bytes=capacity_bytes, slot_bytes=layout.slot_bytes)
     backend: CopyBackend
@@ -45,13 +50,15 @@ def open_transfers(
         backend = CpuBackend(layout, tier, inline=inline_cpu_copies)
     if store_hold_polls:
         backend = DelayingBackend(backend, Direction.STORE, store_hold_polls)
-    runner = make_runner(layout, tier, backend, faults=faults, worker_index=worker_index, timeout_s=timeout_s)
+    runner = make_runner(layout, tier, backend, faults=faults, worker_index=worker_index, timeout_s=timeout_s,
+                         lower_tiers=lower_tiers(tier, layout) if lower_tiers is not None else None)
     return Transfers(layout=layout, tier=tier, runner=runner)
 
 
 def make_runner(
     layout: CanonicalKVCaches, tier: HostTier, backend: CopyBackend, *,
     faults: FaultPlan | Sequence[FaultPlan] | None = None, worker_index: int = 0, timeout_s: float = 60.0,
+    lower_tiers: Mapping[int, TierIO] | None = None,
 ) -> TransferRunner:
     """Wraps `backend` in fault injection when asked (one layer per plan), then in the runner."""
     plans = (faults,) if isinstance(faults, FaultPlan) else tuple(faults or ())
@@ -64,4 +71,5 @@ def make_runner(
         num_slots=tier.num_slots,
         worker_index=worker_index,
         timeout_s=timeout_s,
+        lower_tiers=lower_tiers,
     )

@@ -106,6 +106,8 @@ def summary(header: LogHeader, result: ReplayResult) -> dict:
         "digests_checked": result.digests_checked,
         "tier": {"used_slots": tier.used_slots, "capacity_slots": tier.capacity_slots,
                  "offered_keys": tier.offered_keys, "evictable_keys": tier.evictable_keys},
+        "lower_tiers": [{"name": t.name, "capacity_blocks": t.capacity_blocks, "held_keys": t.held_keys,
+                         **t.counts} for t in queries.lower_tier_usage(state)],
         "requests_live": queries.num_requests(state),
         "jobs_in_flight": queries.num_jobs_in_flight(state),
         "final_digest": digest(result.state),
@@ -131,6 +133,10 @@ def _print_summary(data: dict) -> None:
     print(f"evictions   {stats['evictions']}; preemptions {stats['preemptions']}")
     print(f"tier        {tier['used_slots']}/{tier['capacity_slots']} slots used, "
           f"{tier['offered_keys']} keys offered")
+    for lower in data["lower_tiers"]:
+        print(f"tier {lower['name']:<6} {lower['held_keys']}/{lower['capacity_blocks']} blocks held; "
+              f"{lower['keys_written']} written ({lower['write_failures']} failed), {lower['keys_read']} promoted "
+              f"({lower['read_failures']} failed), {lower['keys_found']} found, {lower['evictions']} evicted")
     print(f"digests     {data['digests_checked']} checked")
     problem = data["first_problem"]
     if problem is None:

@@ -20,8 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvledger.adapters.settings import parse_settings
 from kvledger.adapters.structlog_setup import configure_logging
-from kvledger.adapters.vllm.kv_cache_config import engine_config, transfer_config
+from kvledger.adapters.vllm.kv_cache_config import engine_config, slot_bytes, transfer_config
 from kvledger.adapters.vllm.kv_events import TierEvents, group_event_specs
+from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, engine_tiers
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata
 from kvledger.adapters.vllm.metrics import KVLedgerPromMetrics, KVLedgerStats
 from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
@@ -56,18 +57,23 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         configure_logging(settings.log_level, json=settings.log_json)
         self._scheduler: LedgerScheduler | None = None
         self._worker: LedgerWorker | None = None
+        world_size = vllm_config.parallel_config.world_size
         if role == KVConnectorRole.SCHEDULER:
             config = engine_config(
                 kv_cache_config, capacity_bytes=settings.capacity_bytes, policy=settings.eviction_policy,
                 protection=settings.protection, store_mode=settings.store_mode,
-                world_size=vllm_config.parallel_config.world_size,
-                block_size=vllm_config.cache_config.block_size)
+                world_size=world_size, block_size=vllm_config.cache_config.block_size,
+                lower_tiers=engine_tiers(settings, slot_bytes(transfer_config(kv_cache_config))))
             events = vllm_config.kv_events_config
-            tier_events = (TierEvents(group_event_specs(kv_cache_config))
+            tier_events = (TierEvents(group_event_specs(kv_cache_config), len(settings.secondary_tiers))
                            if events is not None and events.enable_kv_cache_events else None)
-            self._scheduler = LedgerScheduler(config, settings, tier_events=tier_events)
+            tiers = (SchedulerTiers(settings, vllm_config, kv_cache_config, world_size=world_size)
+                     if settings.secondary_tiers else None)
+            self._scheduler = LedgerScheduler(config, settings, tier_events=tier_events, tiers=tiers)
         else:
-            self._worker = LedgerWorker(transfer_config(kv_cache_config), settings, worker_index=_worker_index())
+            self._worker = LedgerWorker(transfer_config(kv_cache_config), settings, worker_index=_worker_index(),
+                                        vllm_config=vllm_config, vllm_kv_cache_config=kv_cache_config,
+                                        world_size=world_size)
 
     @property
     def scheduler(self) -> LedgerScheduler:

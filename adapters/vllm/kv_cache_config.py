@@ -14,6 +14,7 @@ from kvledger.events.config import (
     EngineConfig,
     GroupKind,
     GroupSpec,
+    LowerTierSpec,
     PolicyName,
     Protection,
     StoreMode,
@@ -102,7 +103,8 @@ def _engine_group(group_id: int, spec: vk.KVCacheSpec) -> GroupSpec:
 
 def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: PolicyName,
                   world_size: int, block_size: int, protection: Protection = Protection.FLUSH,
-                  store_mode: StoreMode = StoreMode.EAGER) -> EngineConfig:
+                  store_mode: StoreMode = StoreMode.EAGER,
+                  lower_tiers: tuple[LowerTierSpec, ...] = ()) -> EngineConfig:
     groups = tuple(_engine_group(i, g.kv_cache_spec) for i, g in enumerate(config.kv_cache_groups))
     hash_block_size = config.hash_block_size or block_size
     return EngineConfig(
@@ -114,4 +116,5 @@ def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: Poli
         protection=protection,
         world_size=world_size,
         store_mode=store_mode,
+        lower_tiers=lower_tiers,
     )

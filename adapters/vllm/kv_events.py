@@ -1,4 +1,6 @@
-"""KV cache events for the CPU tier: `BlockStored` and `BlockRemoved`.
+"""KV cache events for the CPU tier and the tiers below it (medium
+`STORAGE`, as vLLM 0.33's file-system tier reports): `BlockStored` and
+`BlockRemoved`.
 
 A router that reads these events will send requests here expecting a hit,
 so an event must never advertise a block that cannot be loaded. A block is
@@ -15,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvledger.engine import effects as fx
@@ -52,14 +54,21 @@ def group_event_specs(kv_cache_config: KVCacheConfig) -> tuple[GroupEventSpec, .
 class TierEvents:
     """Turns engine transitions into vLLM KV events, and holds them until taken."""
 
-    def __init__(self, groups: Sequence[GroupEventSpec]) -> None:
+    def __init__(self, groups: Sequence[GroupEventSpec], num_lower_tiers: int = 0) -> None:
         self._groups = tuple(groups)
-        self._advertised: set[bytes] = set()
+        # Per medium (the CPU tier, then each lower tier): the keys advertised there.
+        self._media = [MEDIUM_CPU] + [MEDIUM_STORAGE] * num_lower_tiers
+        self._advertised_in: list[set[bytes]] = [set() for _ in self._media]
+        self._advertised = self._advertised_in[0]
         self._pending: list[KVCacheEvent] = []
 
     @property
     def advertised(self) -> frozenset[bytes]:
         return frozenset(self._advertised)
+
+    def advertised_in(self, tier: int) -> frozenset[bytes]:
+        """Keys advertised in tier `tier` (0: host memory)."""
+        return frozenset(self._advertised_in[tier])
 
     def observe(self, events: Iterable[ev.Event], job_keys: Iterable[bytes], notifications: Iterable[fx.Effect],
                 state: State) -> None:
@@ -73,25 +82,34 @@ class TierEvents:
         for event in events:
             candidates.update(getattr(event, "keys", ()))
             if isinstance(event, ev.CacheReset):
-                candidates.update(self._advertised)
+                for advertised in self._advertised_in:
+                    candidates.update(advertised)
         for effect in notifications:
-            if isinstance(effect, fx.KeysEvicted):
+            if isinstance(effect, (fx.KeysEvicted, fx.DropTierKeys)):
                 candidates.update(effect.keys)
-        loadable = {k for k in candidates if queries.is_loadable(state, k)}
-        stored = sorted(k for k in candidates if k not in self._advertised and k in loadable)
-        removed = sorted(k for k in candidates if k in self._advertised and k not in loadable)
+        for tier, (medium, advertised) in enumerate(zip(self._media, self._advertised_in)):
+            if tier:
+                loadable = {k for k in candidates if queries.tier_holds(state, tier, k)}
+            else:
+                loadable = {k for k in candidates if queries.is_loadable(state, k)}
+            self._reconcile(candidates, loadable, advertised, medium)
+
+    def _reconcile(self, candidates: set[bytes], loadable: set[bytes], advertised: set[bytes],
+                   medium: str) -> None:
+        stored = sorted(k for k in candidates if k not in advertised and k in loadable)
+        removed = sorted(k for k in candidates if k in advertised and k not in loadable)
         for key in removed:
-            self._advertised.discard(key)
+            advertised.discard(key)
         if removed:
             for group, hashes in self._by_group(removed).items():
-                self._pending.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU, group_idx=group))
+                self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
         for key in stored:
-            self._advertised.add(key)
+            advertised.add(key)
             group = int.from_bytes(key[-_SUFFIX:], "big")
             spec = self._groups[group]
             self._pending.append(BlockStored(
                 block_hashes=[maybe_convert_block_hash(key[:-_SUFFIX])], parent_block_hash=None, token_ids=[],
-                block_size=spec.block_size, lora_id=None, medium=MEDIUM_CPU, lora_name=None, group_idx=group,
+                block_size=spec.block_size, lora_id=None, medium=medium, lora_name=None, group_idx=group,
                 kv_cache_spec_kind=spec.kind, kv_cache_spec_sliding_window=spec.sliding_window))
 
     @staticmethod

@@ -7,7 +7,9 @@ evictions, flushes, failures, tier usage). vLLM merges both halves with
 
 Where a meaning matches vLLM's own offloading connector, the name is its
 `vllm:kv_offload_*` name, so dashboards built for it keep working; the rest
-are `vllm:kvledger_*`.
+are `vllm:kvledger_*`. Tiers below host memory report under vLLM 0.33's
+`vllm:kv_offload_tiering_*` names, labelled `tier` ("1:fs"); in the stats
+such a value travels as `name|tier`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Metric:
     kind: str
     documentation: str
     buckets: tuple[float, ...] = ()
+    tiered: bool = False  # labelled by `tier`
 
 
 LOAD_BYTES = Metric("vllm:kv_offload_load_bytes", COUNTER, "Total bytes loaded from offload storage to GPU.")
@@ -66,9 +69,41 @@ TIER_USED = Metric("vllm:kvledger_tier_used_blocks", GAUGE, "Tier slots holding 
 TIER_CAPACITY = Metric("vllm:kvledger_tier_capacity_blocks", GAUGE, "Tier slots in all.")
 JOBS_IN_FLIGHT = Metric("vllm:kvledger_jobs_in_flight", GAUGE, "Store and load jobs not yet completed.")
 
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TIER_READ_BYTES = Metric("vllm:kv_offload_tiering_read_bytes", COUNTER,
+                         "Bytes promoted from a secondary tier into host memory.", tiered=True)
+TIER_READ_TIME = Metric("vllm:kv_offload_tiering_read_time", COUNTER,
+                        "Time the tier's I/O threads spent on promotions, in seconds.", tiered=True)
+TIER_WRITE_BYTES = Metric("vllm:kv_offload_tiering_write_bytes", COUNTER,
+                          "Bytes written from host memory to a secondary tier.", tiered=True)
+TIER_WRITE_TIME = Metric("vllm:kv_offload_tiering_write_time", COUNTER,
+                         "Time the tier's I/O threads spent on writes, in seconds.", tiered=True)
+TIER_PROMOTION_FAILURES = Metric("vllm:kv_offload_tiering_promotion_job_failures", COUNTER,
+                                 "Promotions (reads) from a secondary tier that failed in whole or part.", tiered=True)
+TIER_CASCADE_FAILURES = Metric("vllm:kv_offload_tiering_cascade_job_failures", COUNTER,
+                               "Writes to a secondary tier that failed in whole or part.", tiered=True)
+TIER_PROMOTION_LATENCY = Metric("vllm:kv_offload_tiering_promotion_latency_seconds", HISTOGRAM,
+                                "I/O time of a promotion from a secondary tier, in seconds.", _LATENCY_BUCKETS,
+                                tiered=True)
+TIER_HELD = Metric("vllm:kvledger_tiering_held_blocks", GAUGE, "Blocks a secondary tier holds.", tiered=True)
+TIER_BLOCKS_CAPACITY = Metric("vllm:kvledger_tiering_capacity_blocks", GAUGE,
+                              "Blocks a secondary tier can hold.", tiered=True)
+TIER_KEYS_READ = Metric("vllm:kvledger_tiering_promoted_blocks", COUNTER,
+                        "Blocks promoted from a secondary tier towards the device.", tiered=True)
+TIER_KEYS_WRITTEN = Metric("vllm:kvledger_tiering_written_blocks", COUNTER,
+                           "Blocks written to a secondary tier.", tiered=True)
+TIER_EVICTIONS = Metric("vllm:kvledger_tiering_evictions", COUNTER,
+                        "Blocks removed from a secondary tier to make room (or by a reset).", tiered=True)
+TIER_FOUND = Metric("vllm:kvledger_tiering_found_blocks", COUNTER,
+                    "Blocks found in a secondary tier at start or by a lookup (written by another process).",
+                    tiered=True)
+
 METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE, ALLOCATION_FAILURE,
            LOOKUP_DELAY, HIT_TOKENS, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
-           EVICTIONS, FLUSHES, FLUSHED_JOBS, VIOLATIONS, TIER_USED, TIER_CAPACITY, JOBS_IN_FLIGHT)
+           EVICTIONS, FLUSHES, FLUSHED_JOBS, VIOLATIONS, TIER_USED, TIER_CAPACITY, JOBS_IN_FLIGHT,
+           TIER_READ_BYTES, TIER_READ_TIME, TIER_WRITE_BYTES, TIER_WRITE_TIME, TIER_PROMOTION_FAILURES,
+           TIER_CASCADE_FAILURES, TIER_PROMOTION_LATENCY, TIER_HELD, TIER_BLOCKS_CAPACITY, TIER_KEYS_READ,
+           TIER_KEYS_WRITTEN, TIER_EVICTIONS, TIER_FOUND)
 _BY_NAME = {m.name: m for m in METRICS}
 
 
@@ -84,14 +119,16 @@ class KVLedgerStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {COUNTER: {}, GAUGE: {}, HISTOGRAM: {}}
 
-    def add(self, metric: Metric, value: float) -> None:
+    def add(self, metric: Metric, value: float, tier: str = "") -> None:
+        assert bool(tier) == metric.tiered, f"{metric.name}: tier {tier!r}"
+        name = f"{metric.name}|{tier}" if tier else metric.name
         if metric.kind == COUNTER:
             if value:
-                self.data[COUNTER][metric.name] = self.data[COUNTER].get(metric.name, 0) + value
+                self.data[COUNTER][name] = self.data[COUNTER].get(name, 0) + value
         elif metric.kind == GAUGE:
-            self.data[GAUGE][metric.name] = value
+            self.data[GAUGE][name] = value
         else:
-            self.data[HISTOGRAM].setdefault(metric.name, []).append(value)
+            self.data[HISTOGRAM].setdefault(name, []).append(value)
 
     def aggregate(self, other: KVConnectorStats) -> KVLedgerStats:
         if not isinstance(other, KVLedgerStats):
@@ -122,18 +159,23 @@ class KVLedgerPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children: dict[tuple[int, str], Any] = {}
+        self._families: dict[str, Any] = {}
+        self._engine_labels = per_engine_labelvalues
         for metric in METRICS:
+            names = [*labelnames, "tier"] if metric.tiered else labelnames
             if metric.kind == COUNTER:
                 family = self._counter_cls(name=metric.name, documentation=metric.documentation,
-                                           labelnames=labelnames)
+                                           labelnames=names)
             elif metric.kind == GAUGE:
                 family = self._gauge_cls(name=metric.name, documentation=metric.documentation,
-                                         labelnames=labelnames, multiprocess_mode="mostrecent")
+                                         labelnames=names, multiprocess_mode="mostrecent")
             else:
                 family = self._histogram_cls(name=metric.name, documentation=metric.documentation,
-                                             labelnames=labelnames, buckets=list(metric.buckets))
-            for engine, values in per_engine_labelvalues.items():
-                self._children[(engine, metric.name)] = family.labels(*values)
+                                             labelnames=names, buckets=list(metric.buckets))
+            self._families[metric.name] = family
+            if not metric.tiered:  # a tier's children appear with its first value
+                for engine, values in per_engine_labelvalues.items():
+                    self._children[(engine, metric.name)] = family.labels(*values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get(COUNTER, {}).items():
@@ -146,6 +188,13 @@ class KVLedgerPromMetrics(KVConnectorPromMetrics):
                 child.observe(value)
 
     def _child(self, engine_idx: int, name: str) -> Any:
-        if name not in _BY_NAME:
+        child = self._children.get((engine_idx, name))
+        if child is not None:
+            return child
+        base, _, tier = name.partition("|")
+        metric = _BY_NAME.get(base)
+        if metric is None or metric.tiered != bool(tier):
             raise KeyError(f"kvledger stats carry an unknown metric {name!r}")
-        return self._children[(engine_idx, name)]
+        child = self._children[(engine_idx, name)] = self._families[base].labels(
+            *self._engine_labels[engine_idx], tier)
+        return child

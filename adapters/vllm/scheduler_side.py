@@ -8,7 +8,13 @@ events it returns in one `reduce_step`, carries out the scheduler's own
 effects (block-pool references), and sends the workers theirs as the step's
 metadata, by phase (`engine.effects.route`).
 
-`get_num_new_matched_tokens` is a pure query of the engine state.
+`get_num_new_matched_tokens` is a pure query of the engine state, except
+with a shared tier below host memory: then a request's unknown keys are
+looked up there first (`lower_tiers.SchedulerTiers`), and it answers None
+until the lookup's findings have entered the log.
+
+With tiers below host memory, block keys are kvledger's own (`ChainKeys`,
+equal in every process), not vLLM's per-process block hashes.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from kvledger.adapters.log_files import unused_path
 from kvledger.adapters.settings import ConnectorSettings
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
+from kvledger.adapters.vllm.chain_keys import ChainKeys
 from kvledger.adapters.vllm.kv_events import TierEvents
+from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
@@ -51,11 +59,15 @@ _COUNTED = (("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORE
             ("evictions", m.EVICTIONS), ("flushes", m.FLUSHES), ("jobs_flushed", m.FLUSHED_JOBS))
 
 
+_TIER_COUNTED = (("keys_read", m.TIER_KEYS_READ), ("keys_written", m.TIER_KEYS_WRITTEN),
+                 ("evictions", m.TIER_EVICTIONS), ("keys_found", m.TIER_FOUND))
+
+
 class LedgerScheduler:
     """`tier_events` is given when vLLM publishes KV cache events."""
 
     def __init__(self, config: EngineConfig, settings: ConnectorSettings, *,
-                 tier_events: TierEvents | None = None) -> None:
+                 tier_events: TierEvents | None = None, tiers: SchedulerTiers | None = None) -> None:
         self.config = config
         self.settings = settings
         self.log_path = unused_path(settings.event_log) if settings.event_log else None
@@ -75,6 +87,12 @@ class LedgerScheduler:
         self._violations = 0
         self._reported: dict[str, int] = {}  # engine totals at the last stats report
         self._lookup_seconds: list[float] = []
+        self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
+        self._tiers = tiers
+        self._chain = ChainKeys(tiers.key_root, config.hash_block_size) if tiers is not None else None
+        self._keys_of = self._chain.keys if self._chain is not None else None
+        if tiers is not None:
+            self._apply(list(tiers.startup_events()))
 
     # Applying events and carrying out their effects.
 
@@ -93,6 +111,7 @@ class LedgerScheduler:
         effects = self.host.apply_step(events)
         if effects:
             self._carry_out(effects, jobs)
+            self._carried.extend(e for e in effects if fx.ROUTES[type(e)] in fx.WORKER_PHASES)
         for event in events:
             if type(event) in _FAILURES:
                 job = jobs.get(event.job_id)  # type: ignore[union-attr]
@@ -136,17 +155,33 @@ class LedgerScheduler:
     def on_new_request(self, request: Request) -> None:
         rid = request.request_id
         self._requests[rid] = request
+        hashes = request.block_hashes if self._keys_of is None else self._keys_of(request)
         self._apply([ev.RequestAdded(request_id=rid, num_prompt_tokens=request.num_prompt_tokens,
-                                     block_hashes=tuple(request.block_hashes))])
+                                     block_hashes=tuple(hashes))])
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         started = time.perf_counter()
         rid = request.request_id
         self._local_hit[rid] = num_computed_tokens
-        appended = new_hashes(self.host.state, rid, request)
+        appended = new_hashes(self.host.state, rid, request, self._keys_of)
         if appended is not None:
             self._apply([appended])
+        tiers = self._tiers
+        if tiers is not None and tiers.shared:
+            found = tiers.answers()
+            if found:
+                self._apply(list(found))
         result = lookup(self.host.state, rid, num_computed_tokens)
+        if result.ready and tiers is not None and tiers.shared:
+            # Keys beyond the hit that another process may have written: look once.
+            wanted = queries.unknown_keys(self.host.state, rid, num_computed_tokens + result.num_hit_tokens)
+            if tiers.ask(rid, wanted):
+                self._lookup_seconds.append(time.perf_counter() - started)
+                return None, False  # the lookup's answer enters the log before the next try
+            found = tiers.answers()
+            if found:
+                self._apply(list(found))
+                result = lookup(self.host.state, rid, num_computed_tokens)
         self._lookup_seconds.append(time.perf_counter() - started)
         if not result.ready:
             return None, False  # a needed key is still being stored or loaded: ask next step
@@ -165,12 +200,15 @@ class LedgerScheduler:
             step_index=self._step + 1, preempted=tuple(scheduler_output.preempted_req_ids or ()),
             scheduled=scheduled, admissions=self._admitted, requests=self._requests,
             tables=tuple(manager.req_to_blocks for manager in self._managers),
-            near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else ())
+            near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
+            keys_of=self._keys_of)
         events = plan_step(self.host.state, step)
         self._admitted = []
         if scheduled:
             self._step += 1
-        return KVLedgerMetadata.from_effects(self._apply(events))
+        self._apply(events)
+        carried, self._carried = self._carried, []  # this step's, after those of calls since the last
+        return KVLedgerMetadata.from_effects(carried)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -186,6 +224,10 @@ class LedgerScheduler:
             self._apply([ev.RequestAborted(request_id=rid)])
         self._requests.pop(rid, None)
         self._local_hit.pop(rid, None)
+        if self._chain is not None:
+            self._chain.forget(rid)
+        if self._tiers is not None:
+            self._tiers.forget(rid)
         return False, None  # blocks are freed now; the engine flushes stores that still read them
 
     def take_stats(self) -> m.KVLedgerStats:
@@ -205,6 +247,13 @@ class LedgerScheduler:
         stats.add(m.TIER_USED, tier.used_slots)
         stats.add(m.TIER_CAPACITY, tier.capacity_slots)
         stats.add(m.JOBS_IN_FLIGHT, queries.num_jobs_in_flight(state))
+        for usage in queries.lower_tier_usage(state):
+            stats.add(m.TIER_HELD, usage.held_keys, usage.name)
+            stats.add(m.TIER_BLOCKS_CAPACITY, usage.capacity_blocks, usage.name)
+            for field, metric in _TIER_COUNTED:
+                mark = f"{usage.name}/{field}"
+                stats.add(metric, usage.counts[field] - self._reported.get(mark, 0), usage.name)
+                self._reported[mark] = usage.counts[field]
         return stats
 
     def take_events(self) -> list:
@@ -212,7 +261,7 @@ class LedgerScheduler:
 
     def has_pending_work(self) -> bool:
         """Keep vLLM stepping while transfers run, or their completions never arrive."""
-        return queries.has_jobs_in_flight(self.host.state)
+        return queries.has_jobs_in_flight(self.host.state) or bool(self._carried)
 
     def has_pending_block_frees(self) -> bool:
         """Blocks kvledger holds for stores come back when those end: vLLM
@@ -225,6 +274,8 @@ class LedgerScheduler:
         return True
 
     def shutdown(self) -> None:
+        if self._tiers is not None:
+            self._tiers.close()
         self.host.close()
 
     def _near_eviction(self) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ engine applies it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import structlog
 import torch
@@ -33,6 +34,7 @@ from kvledger.transfers.faults import FaultPlan
 from kvledger.transfers.kv_spec import KVCacheConfig
 
 from .kv_cache_config import slot_bytes
+from .lower_tiers import open_worker_tiers, tier_name
 
 _log = structlog.get_logger("kvledger.adapters.vllm.worker")
 
@@ -49,14 +51,25 @@ def fault_plans(settings: ConnectorSettings) -> tuple[FaultPlan, ...]:
 
 
 class LedgerWorker:
-    def __init__(self, config: KVCacheConfig, settings: ConnectorSettings, *, worker_index: int) -> None:
+    def __init__(self, config: KVCacheConfig, settings: ConnectorSettings, *, worker_index: int,
+                 vllm_config: Any = None, vllm_kv_cache_config: Any = None, world_size: int = 1) -> None:
+        """`vllm_config` and vLLM's own KV cache config name the tiers' namespace
+        (needed only with tiers below host memory)."""
         self.config = config
         self.settings = settings
         self.worker_index = worker_index
+        self._vllm_configs = (vllm_config, vllm_kv_cache_config)
+        self._world_size = world_size
         self.transfers: Transfers | None = None
         self._load_requests: dict[int, str] = {}  # load job -> request
         self._events: list[TransferEvent] = []  # outcomes not yet sent to the scheduler
         self._invalid_blocks: set[int] = set()
+
+    def _open_lower_tiers(self, tier, layout):
+        vllm_config, kv_cache_config = self._vllm_configs
+        return open_worker_tiers(
+            self.settings, vllm_config, kv_cache_config, rank=self.worker_index, world_size=self._world_size,
+            rows=tier.rows, payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)))
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.transfers = open_transfers(
@@ -65,7 +78,8 @@ class LedgerWorker:
             store_hold_polls=self.settings.faults.store_hold_steps,
             # On vLLM-CPU the "device" is host memory and the forward uses every
             # core: copying in the step's own thread measured faster than a copy thread.
-            inline_cpu_copies=True)
+            inline_cpu_copies=True,
+            lower_tiers=self._open_lower_tiers if self.settings.secondary_tiers else None)
         expected = slot_bytes(self.config)
         if self.transfers.layout.slot_bytes != expected:
             raise ConfigError(
@@ -134,6 +148,17 @@ class LedgerWorker:
                 stats.add(m.STORE_BYTES, nbytes)
                 stats.add(m.STORE_TIME, job.seconds)
                 stats.add(m.STORE_SIZE, nbytes)
+        for job in self.transfers.runner.take_tier_stats():
+            tier = tier_name(job.tier, self.settings.secondary_tiers[job.tier - 1])
+            if job.kind == "read":
+                stats.add(m.TIER_READ_BYTES, job.nbytes, tier)
+                stats.add(m.TIER_READ_TIME, job.seconds, tier)
+                stats.add(m.TIER_PROMOTION_LATENCY, job.seconds, tier)
+                stats.add(m.TIER_PROMOTION_FAILURES, 0 if job.ok else 1, tier)
+            else:
+                stats.add(m.TIER_WRITE_BYTES, job.nbytes, tier)
+                stats.add(m.TIER_WRITE_TIME, job.seconds, tier)
+                stats.add(m.TIER_CASCADE_FAILURES, 0 if job.ok else 1, tier)
         return None if stats.is_empty() else stats
 
     def take_worker_meta(self) -> KVLedgerWorkerMetadata | None:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 
-from kvledger.adapters.settings import FaultSettings, parse_settings
+from kvledger.adapters.settings import FaultSettings, FsTierSettings, block_file_bytes, parse_settings
 from kvledger.adapters.vllm_version import UnsupportedVLLMVersion, check_vllm_version
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
+
+pytestmark = pytest.mark.fast
 
 
 def test_defaults_and_the_vllm_alias_for_capacity():
@@ -86,3 +92,189 @@ def test_an_unreadable_version_is_refused():
     with pytest.raises(UnsupportedVLLMVersion, match="cannot read the vLLM version 'dev'"):
         check_vllm_version("dev")
 
+
+
+# --- secondary_tiers: checked against the real file system ---
+
+
+def with_tiers(*tiers: dict) -> dict:
+    return {"capacity_bytes": 4096, "secondary_tiers": list(tiers)}
+
+
+def fs(path: str | Path, capacity_bytes: int = 1 << 20, **keys: object) -> dict:
+    return {"type": "fs", "path": str(path), "capacity_bytes": capacity_bytes, **keys}
+
+
+def problem(extra: dict) -> str:
+    with pytest.raises(ConfigError) as raised:
+        parse_settings(extra)
+    return str(raised.value)
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """Mounts a real tmpfs with the given options; skips where mounting is not permitted."""
+    mounts = []
+
+    def mount(options: str) -> Path:
+        point = tmp_path / f"mount{len(mounts)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_no_secondary_tiers_by_default():
+    assert parse_settings({"capacity_bytes": 1}).secondary_tiers == ()
+
+
+def test_an_fs_tier_with_its_defaults_and_its_directory_made(tmp_path):
+    path = tmp_path / "a" / "b" / "tier"
+    settings = parse_settings(with_tiers(fs(path, capacity_bytes=4096)))
+    assert settings.secondary_tiers == (FsTierSettings(path=str(path), capacity_bytes=4096),)
+    tier = settings.secondary_tiers[0]
+    assert (tier.kind, tier.threads, tier.shared) == ("fs", 8, True)
+    assert path.is_dir() and list(path.iterdir()) == []  # the write probe left nothing behind
+
+
+def test_every_fs_key_is_read_and_the_order_kept(tmp_path):
+    settings = parse_settings(with_tiers(
+        fs(tmp_path / "first", capacity_bytes=1 << 16, threads=2, shared=False),
+        {"type": "fs", "root_dir": str(tmp_path / "second"), "capacity_bytes": 1 << 17}))
+    assert settings.secondary_tiers == (
+        FsTierSettings(path=str(tmp_path / "first"), capacity_bytes=1 << 16, threads=2, shared=False),
+        FsTierSettings(path=str(tmp_path / "second"), capacity_bytes=1 << 17))
+
+
+def test_paths_are_made_absolute_and_normal(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tier, = parse_settings(with_tiers(fs("x/../tier/"))).secondary_tiers
+    assert tier.path == str(tmp_path / "tier")
+
+
+def test_path_and_root_dir_may_both_be_given_if_they_agree(tmp_path):
+    tier, = parse_settings(with_tiers({**fs(tmp_path / "t"), "root_dir": f"{tmp_path}/t/"})).secondary_tiers
+    assert tier.path == str(tmp_path / "t")
+    words = problem(with_tiers({**fs(tmp_path / "t"), "root_dir": str(tmp_path / "u")}))
+    assert "secondary_tiers[0].path and secondary_tiers[0].root_dir" in words and "disagree" in words
+
+
+def test_parsing_twice_as_the_worker_does_gives_the_same_settings(tmp_path):
+    extra = with_tiers(fs(tmp_path / "tier"), fs(tmp_path / "other"))
+    assert parse_settings(extra) == parse_settings(extra)
+
+
+@pytest.mark.parametrize("tiers, words", [
+    ({"type": "fs"}, "kv_connector_extra_config['secondary_tiers'] must be list"),
+    (["fs"], "secondary_tiers[0] must be a dict, got 'fs'"),
+    ([{"path": "/tmp/x", "capacity_bytes": 1}], "secondary_tiers[0] needs a 'type': one of 'fs'"),
+    ([{"type": "nfs"}], "secondary_tiers[0].type 'nfs' is not supported; supported types: 'fs'"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "size": 2}],
+     "unknown secondary_tiers[0] key(s) 'size'; a 'fs' tier knows: capacity_bytes, path, root_dir, shared, "
+     "threads, type"),
+    ([{"type": "fs", "capacity_bytes": 1}], "secondary_tiers[0] needs 'path'"),
+    ([{"type": "fs", "path": ""}], "secondary_tiers[0].path must be a non-empty str, got ''"),
+    ([{"type": "fs", "root_dir": 7}], "secondary_tiers[0].root_dir must be a non-empty str, got 7"),
+    ([{"type": "fs", "path": "/tmp/x"}], "secondary_tiers[0] needs 'capacity_bytes'"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": -1}],
+     "secondary_tiers[0].capacity_bytes must be a positive int, got -1"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 0}],
+     "secondary_tiers[0].capacity_bytes must be a positive int, got 0"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": True}],
+     "secondary_tiers[0].capacity_bytes must be a positive int, got True"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": "1GB"}],
+     "secondary_tiers[0].capacity_bytes must be a positive int, got '1GB'"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1.5}],
+     "secondary_tiers[0].capacity_bytes must be a positive int, got 1.5"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "threads": 0}],
+     "secondary_tiers[0].threads must be a positive int, got 0"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "shared": "yes"}],
+     "secondary_tiers[0].shared must be a bool, got 'yes'"),
+])
+def test_bad_tier_entries_name_the_key(tiers, words, tmp_path):
+    assert words in problem({"capacity_bytes": 1, "secondary_tiers": tiers})
+
+
+def test_the_index_of_a_bad_tier_is_named(tmp_path):
+    words = problem(with_tiers(fs(tmp_path / "good"), fs(tmp_path / "bad", threads=-2)))
+    assert words == "secondary_tiers[1].threads must be a positive int, got -2"
+
+
+def test_a_path_that_is_a_file(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    assert problem(with_tiers(fs(tmp_path / "file"))) == (
+        f"secondary_tiers[0].path {str(tmp_path / 'file')!r} is not a directory")
+
+
+def test_a_path_that_cannot_be_created(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    words = problem(with_tiers(fs(tmp_path / "file" / "tier")))
+    assert words.startswith(f"secondary_tiers[0].path {str(tmp_path / 'file' / 'tier')!r} cannot be created: ")
+    assert "Not a directory" in words
+
+
+def test_a_read_only_directory_is_refused(mounted):
+    read_only = mounted("ro,size=1m")
+    assert problem(with_tiers(fs(read_only, capacity_bytes=4096))).startswith(
+        f"secondary_tiers[0].path {str(read_only)!r} is not writable: [Errno 30] Read-only file system: "
+        f"{str(read_only / '.kvledger-probe-')!r}"[:-1])
+    words = problem(with_tiers(fs(read_only / "below", capacity_bytes=4096)))
+    assert "secondary_tiers[0].path" in words and "cannot be created" in words and "Read-only file system" in words
+
+
+def test_a_capacity_over_the_free_space_is_refused(mounted):
+    small = mounted("size=1m")
+    free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+    assert free == 1 << 20
+    assert parse_settings(with_tiers(fs(small, capacity_bytes=free))).secondary_tiers[0].capacity_bytes == free
+    assert problem(with_tiers(fs(small, capacity_bytes=free + 1))) == (
+        f"secondary_tiers[0].capacity_bytes {free + 1} does not fit in {str(small)!r}: the file system has "
+        f"{free} bytes free, and block files already there take 0")
+
+
+def test_block_files_already_in_the_tier_count_as_room(mounted):
+    small = mounted("size=1m")
+    for number in range(3):  # 600 KiB of block files, in the layout block_file.block_path makes
+        (small / "ns" / f"{number:02x}").mkdir(parents=True)
+        (small / "ns" / f"{number:02x}" / f"{number:02x}.kvb").write_bytes(bytes(200 << 10))
+    (small / "other.bin").write_bytes(bytes(200 << 10))  # not the tier's: no room
+    extra = with_tiers(fs(small, capacity_bytes=(1 << 20) - (64 << 10)))
+    words = problem(extra)
+    assert "secondary_tiers[0].capacity_bytes" in words and f"take {600 << 10}" in words
+    (small / "other.bin").unlink()
+    assert parse_settings(extra).secondary_tiers[0].path == str(small)
+
+
+def test_block_file_bytes_walks_the_tree_and_counts_only_block_files(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "k.kvb").write_bytes(bytes(100))
+    (tmp_path / "a" / "j.kvb").write_bytes(bytes(10))
+    (tmp_path / "a" / "j.kvb.tmp").write_bytes(bytes(1000))  # a write in flight
+    (tmp_path / "NAMESPACE.json").write_bytes(bytes(1000))
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "far.kvb").write_bytes(bytes(5000))
+    (tmp_path / "link").symlink_to(outside)  # not followed
+    assert block_file_bytes(str(tmp_path)) == 110
+    assert block_file_bytes(str(tmp_path / "missing")) == 0
+
+
+@pytest.mark.parametrize("second", ["{0}/tier", "{0}/tier/", "{0}/alias"])
+def test_two_tiers_in_one_directory_are_refused(tmp_path, second):
+    (tmp_path / "tier").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "tier")
+    words = problem(with_tiers(fs(tmp_path / "tier"), fs(second.format(tmp_path))))
+    assert words.startswith("secondary_tiers[1].path") and words.endswith("is also secondary_tiers[0].path")
+
+
+def test_a_tier_inside_another_is_refused(tmp_path):
+    words = problem(with_tiers(fs(tmp_path / "tier" / "inner"), fs(tmp_path / "tier")))
+    assert "secondary_tiers[1].path" in words and "secondary_tiers[0].path" in words and "nest" in words
+    assert parse_settings(with_tiers(fs(tmp_path / "tier1"), fs(tmp_path / "tier2"))).secondary_tiers

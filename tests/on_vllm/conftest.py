@@ -23,12 +23,15 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {name: build_model(name, root) for name in ("tiny-llama", "tiny-gemma3")}
 
 
-def run_engine(spec: dict, timeout: float = 300) -> dict:
-    """Run `engine_run.py` with `spec`; its RESULT line, parsed, plus the
-    JSON log lines it wrote to stderr under `"logs"`."""
+def run_engine(spec: dict, timeout: float = 300, hash_seed: str | None = None) -> dict:
+    """Run `engine_run.py` with `spec` (and `PYTHONHASHSEED`, when given); its
+    RESULT line, parsed, plus the JSON log lines it wrote to stderr under `"logs"`."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if hash_seed is not None:
+        env["PYTHONHASHSEED"] = hash_seed
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

@@ -9,6 +9,8 @@ Phases, in order, over the same engine:
 - `shifted`: new prompts sharing prefixes with the workload, restored;
 - `reference`: after `reset_prefix_cache(reset_connector=True)` empties the
   tier, `shifted` again, recomputed from scratch.
+A spec's `phases` runs a subset, in its order (a restart test runs `first`
+in two engines, one after the other, on one tier directory).
 
 With `kv_events`, vLLM publishes KV cache events and every batch the
 connector hands over is checked against the engine state at that moment.
@@ -115,9 +117,12 @@ def main() -> None:
         return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
                 "cached": [o.num_cached_tokens or 0 for o in outputs]}
 
-    result = {"first": run(first), "again": run(first), "shifted": run(shifted)}
-    llm.reset_prefix_cache(reset_connector=True)
-    result["reference"] = run(shifted)
+    phases = spec.get("phases", ["first", "again", "shifted", "reference"])
+    result = {}
+    for phase in phases:
+        if phase == "reference":
+            llm.reset_prefix_cache(reset_connector=True)
+        result[phase] = run(shifted if phase in ("shifted", "reference") else first)
     if kv_events is not None:
         result["kv_events"] = kv_events
     print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,164 @@
+"""Block keys that mean the same in every process.
+
+vLLM's block hashes (`request.block_hashes`) start their chain at
+`NONE_HASH`, which vLLM 0.32 derives from `PYTHONHASHSEED` when it is set
+and from a random per-process seed for its xxhash algorithms, and which
+pickles its input (a pickle protocol can change with Python). A tier that
+outlives the process (block files) needs keys that do not, so kvledger chains
+its own, at vLLM's blocks and with vLLM's extra keys:
+
+    key[i] = xxh3_128(key[i-1] ‖ the block's token ids ‖ its extra keys)
+    with xxh3_128(root) in place of key[-1] for the first block
+
+Token ids are little-endian int32, or int64 when one of the block's ids does
+not fit. Extra keys (LoRA, multimodal items, the cache salt, prompt-embeds
+digests) come from vLLM's own `generate_block_hash_extra_keys`, called with
+the block boundaries and multimodal index its block hasher uses, and only for
+blocks that can have any; they are encoded by `repr`, after checking
+that they hold only values whose `repr` is the same in every process. A block
+with neither int64 ids nor extra keys is hashed as the chain key and its ids
+alone; any other block ends with its extra keys' length and its id width.
+With every chain key 16 bytes (the root's too, hence its hash), a block's
+bytes can be read back one way only, for any root, at a given block size.
+
+`root` should name whatever else the cached KV depends on (the model, its
+dtype, the block size): two prefixes get the same keys only when they and
+their roots are equal (or xxh3_128 collides).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from vllm.multimodal.utils import get_mm_features_in_window
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+from xxhash import xxh3_128_digest
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+KEY_BYTES = 16  # xxh3_128
+
+# The types whose `repr` is the same in every process and which vLLM 0.32 puts in extra keys.
+_STABLE_REPR = frozenset((str, int, bytes, type(None)))
+
+
+class ChainKeys:
+    """Keys for each request's full blocks, as many as `request.block_hashes`.
+
+    Computed as the request grows (a new block costs one hash) and kept per
+    request id until `forget`. `keys` returns the request's own list: read it,
+    never change it.
+    """
+
+    def __init__(self, root: bytes, hash_block_size: int) -> None:
+        if not isinstance(root, bytes):
+            raise TypeError(f"root must be bytes, not {type(root).__name__}")
+        if hash_block_size < 1:
+            raise ValueError(f"hash_block_size must be positive, not {hash_block_size}")
+        self.root = root
+        self._root_key = xxh3_128_digest(root)
+        self.hash_block_size = hash_block_size
+        # One compiled struct per width: measured faster than array('i') or numpy
+        # for a block's ids (bench/chain_keys.py).
+        self._narrow = struct.Struct(f"<{hash_block_size}i").pack
+        self._wide = struct.Struct(f"<{hash_block_size}q").pack
+        self._chains: dict[str, list[bytes]] = {}
+
+    def keys(self, request: Request) -> Sequence[bytes]:
+        chain = self._chains.get(request.request_id)
+        if chain is None:
+            chain = self._chains[request.request_id] = []
+        wanted = len(request.block_hashes)
+        done = len(chain)
+        assert wanted >= done, f"request {request.request_id}: {wanted} block hashes, {done} keys before"
+        if wanted > done:
+            self._extend(chain, request, done, wanted)
+        return chain
+
+    def forget(self, request_id: str) -> None:
+        self._chains.pop(request_id, None)
+
+    def __len__(self) -> int:
+        """Requests with keys held."""
+        return len(self._chains)
+
+    def _extend(self, chain: list[bytes], request: Request, done: int, wanted: int) -> None:
+        size = self.hash_block_size
+        start = done * size
+        tokens = request.all_token_ids[start:wanted * size]
+        assert len(tokens) == (wanted - done) * size, (
+            f"request {request.request_id}: {wanted} block hashes of {size} tokens, "
+            f"{request.num_tokens} tokens")
+        prev = chain[-1] if chain else self._root_key
+        # vLLM's extra keys for the blocks up to `extra_end`, the bare ids after it.
+        extra_end = _extra_keys_end(request, start, len(tokens), size)
+        if extra_end:
+            mm_index = _first_mm_index(request, start, size)
+            for offset in range(0, extra_end, size):
+                extra_keys, mm_index = generate_block_hash_extra_keys(
+                    request, start + offset, start + offset + size, mm_index)
+                prev = xxh3_128_digest(prev + self._encoded(tokens[offset:offset + size], extra_keys))
+                chain.append(prev)
+        narrow = self._narrow
+        for offset in range(extra_end, len(tokens), size):
+            block = tokens[offset:offset + size]
+            try:
+                prev = xxh3_128_digest(prev + narrow(*block))
+            except struct.error:
+                prev = xxh3_128_digest(prev + self._encoded(block, None))
+            chain.append(prev)
+
+    def _encoded(self, block: list[int], extra_keys: tuple | None) -> bytes:
+        """A block's ids and extra keys, unless it has neither wide ids nor extra keys."""
+        try:
+            ids, width = self._narrow(*block), b"\x04"
+        except struct.error:
+            try:
+                ids, width = self._wide(*block), b"\x08"
+            except struct.error:
+                raise ValueError(f"a token id outside int64 in {block}") from None
+        if extra_keys is None:
+            if width == b"\x04":
+                return ids
+            extra = b""
+        else:
+            _check_stable(extra_keys)
+            extra = repr(extra_keys).encode()
+        return ids + extra + len(extra).to_bytes(4, "little") + width
+
+
+def _extra_keys_end(request: Request, start: int, count: int, size: int) -> int:
+    """How many of the `count` tokens from `start` lie in blocks vLLM may give
+    extra keys: all of them with a LoRA, images or prompt embeddings, the first
+    block with a cache salt (`generate_block_hash_extra_keys`), else none.
+    Most requests have none, and asking vLLM costs about 0.5 µs a block."""
+    if request.lora_request or request.mm_features or request.prompt_embeds is not None:
+        return count
+    if request.cache_salt and start == 0:
+        return min(size, count)
+    return 0
+
+
+def _first_mm_index(request: Request, start: int, size: int) -> int:
+    """The multimodal index vLLM's block hasher starts from at token `start`
+    (`get_request_block_hasher`)."""
+    features = request.mm_features
+    if start > 0 and features:
+        last = features[-1].mm_position
+        if last.offset + last.length > start:
+            return get_mm_features_in_window(features, start, start + size)[0]
+    return 0
+
+
+def _check_stable(extra_keys: tuple) -> None:
+    """vLLM 0.32 gives a tuple of flat tuples (a tag, then strs, ints or bytes)."""
+    for key in extra_keys:
+        if type(key) is not tuple:
+            raise TypeError(f"vLLM gave an extra key that is not a tuple: {key!r}")
+        for item in key:
+            if type(item) not in _STABLE_REPR:  # exact types: a subclass may define its own repr
+                raise TypeError(f"vLLM gave an extra key of type {type(item).__name__}, whose repr "
+                                f"may differ between processes: {key!r}")

@@ -1,0 +1,150 @@
+"""Tiers below host memory, as vLLM's two kinds of process see them.
+
+Both roles derive the same things from the settings and vLLM's config: the
+engine's view of each tier (`engine_tiers`: its name, `"1:fs"` as vLLM 0.33
+labels it, and its size in blocks) and the namespace of every tensor-parallel
+rank (`tier_namespace`), so the scheduler can tell which blocks every rank
+holds, and each worker writes only its own.
+
+The scheduler learns what a tier holds at start (a scan, entered in the log
+as `tier_keys_found`) and, when other processes share the directory, by an
+asynchronous lookup of the keys a new request would need
+(`get_num_new_matched_tokens` answers None until the lookup does, for at
+most `LOOKUP_TIMEOUT_S`). The worker moves the bytes (`FsTierIO`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+
+from kvledger.adapters.settings import ConnectorSettings, FsTierSettings
+from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, write_identity
+from kvledger.events import types as ev
+from kvledger.events.config import ConfigError, LowerTierSpec
+from kvledger.transfers.block_file import HEADER_BYTES
+from kvledger.transfers.fs_tier import FsTierIO, KeyLookups, scan_keys
+
+_log = structlog.get_logger("kvledger.adapters.vllm.lower_tiers")
+
+LOOKUP_TIMEOUT_S = 5.0
+"""A lookup not answered by then counts as finding nothing (a hung network file system)."""
+LOOKUP_WAIT_S = 0.002
+"""How long a lookup may hold the scheduler's call, so a fast disk answers at once."""
+LOOKUP_KEYS_MAX = 4096
+
+
+def tier_name(index: int, tier: FsTierSettings) -> str:
+    return f"{index}:{tier.kind}"
+
+
+def engine_tiers(settings: ConnectorSettings, slot_bytes: int) -> tuple[LowerTierSpec, ...]:
+    """Each tier's size in blocks: a block file is its header and at most a slot's bytes."""
+    specs = []
+    for index, tier in enumerate(settings.secondary_tiers, start=1):
+        blocks = tier.capacity_bytes // (HEADER_BYTES + slot_bytes)
+        if blocks < 1:
+            raise ConfigError(f"secondary_tiers[{index - 1}].capacity_bytes={tier.capacity_bytes} holds no block "
+                              f"file of {HEADER_BYTES + slot_bytes} bytes")
+        specs.append(LowerTierSpec(name=tier_name(index, tier), num_blocks=blocks))
+    return tuple(specs)
+
+
+class SchedulerTiers:
+    """The scheduler's side: what each tier holds, learned as events."""
+
+    def __init__(self, settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any, *,
+                 world_size: int) -> None:
+        self.tiers = settings.secondary_tiers
+        base = identity(vllm_config, kv_cache_config, rank=0, world_size=world_size)
+        self.key_root = key_root(base)
+        self.namespaces = tuple(namespace(identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size))
+                                for rank in range(world_size))
+        self._lookups = {index: KeyLookups(tier.path, self.namespaces)
+                         for index, tier in enumerate(self.tiers, start=1) if tier.shared}
+        self._asked: dict[str, float] = {}  # request -> when its lookup was sent (answered ones are dropped)
+        self._answered: set[str] = set()
+        self._found: list[ev.TierKeysFound] = []
+
+    def startup_events(self) -> list[ev.TierKeysFound]:
+        """What each tier holds now: blocks every rank has, oldest first."""
+        events = []
+        for index, tier in enumerate(self.tiers, start=1):
+            started = time.perf_counter()
+            keys = scan_keys(tier.path, self.namespaces[0])
+            for other in self.namespaces[1:]:
+                theirs = set(scan_keys(tier.path, other))
+                keys = [k for k in keys if k in theirs]
+            _log.info("tier_scanned", tier=tier_name(index, tier), path=tier.path, keys=len(keys),
+                      seconds=round(time.perf_counter() - started, 3))
+            if keys:
+                events.append(ev.TierKeysFound(tier=index, keys=tuple(keys)))
+        return events
+
+    @property
+    def shared(self) -> bool:
+        return bool(self._lookups)
+
+    def ask(self, request_id: str, keys: Sequence[bytes]) -> bool:
+        """Look up keys this process does not know for a request, once per request.
+        True while the request should wait for the answer (call `answers`)."""
+        if request_id in self._answered:
+            return False
+        if request_id not in self._asked:
+            if not keys:
+                self._answered.add(request_id)
+                return False
+            self._asked[request_id] = time.monotonic()
+            for lookups in self._lookups.values():
+                lookups.submit(request_id, tuple(keys[:LOOKUP_KEYS_MAX]))
+        deadline = time.monotonic() + LOOKUP_WAIT_S
+        while request_id in self._asked and time.monotonic() < deadline:
+            self._collect()
+            if request_id in self._asked:
+                time.sleep(0.0002)
+        if request_id in self._asked and time.monotonic() - self._asked[request_id] > LOOKUP_TIMEOUT_S:
+            _log.warning("tier_lookup_timed_out", request_id=request_id, timeout_s=LOOKUP_TIMEOUT_S)
+            self._done(request_id)
+        return request_id in self._asked
+
+    def _collect(self) -> None:
+        for index, lookups in self._lookups.items():
+            for request_id, found in lookups.poll():
+                if found:
+                    self._found.append(ev.TierKeysFound(tier=index, keys=found))
+                self._done(request_id)  # with several shared tiers, the first answer releases the request
+
+    def _done(self, request_id: object) -> None:
+        if self._asked.pop(request_id, None) is not None:  # type: ignore[call-overload]
+            self._answered.add(request_id)  # type: ignore[arg-type]
+
+    def answers(self) -> list[ev.TierKeysFound]:
+        """Keys lookups found since the last call, to apply before the next lookup."""
+        self._collect()
+        found, self._found = self._found, []
+        return found
+
+    def forget(self, request_id: str) -> None:
+        self._asked.pop(request_id, None)
+        self._answered.discard(request_id)
+
+    def close(self) -> None:
+        for lookups in self._lookups.values():
+            lookups.close()
+
+
+def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any, *, rank: int,
+                      world_size: int, rows: Any, payload_bytes: tuple[int, ...]) -> Mapping[int, FsTierIO]:
+    """This worker's I/O on each tier, in its own rank's namespace."""
+    ident = identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size)
+    space = namespace(ident)
+    ios = {}
+    for index, tier in enumerate(settings.secondary_tiers, start=1):
+        write_identity(tier.path, space, ident)
+        ios[index] = FsTierIO(root=tier.path, namespace=space, rows=rows, payload_bytes=payload_bytes,
+                              threads=tier.threads)
+        _log.info("tier_opened", tier=tier_name(index, tier), path=tier.path, namespace=space.hex(), rank=rank)
+    return ios

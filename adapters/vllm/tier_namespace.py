@@ -1,0 +1,194 @@
+"""What a persistent tier's blocks mean: the identity of the model and KV layout that wrote them.
+
+A block file outlives the process that wrote it, and a shared directory is
+read by other processes. Its bytes are only meaningful to a reader with the
+same model weights, KV dtype, page layout, block size and shard, so each
+block file carries a 16-byte namespace (`transfers/block_file.py`) and lives
+under `root/<namespace hex>/`: a reader that differs in any of these looks
+in another directory, and a file moved across is refused by its header.
+
+`identity` gathers those facts from vLLM's configs as a JSON-able dict;
+`namespace` digests it. `key_root` digests it without the rank, so every
+tensor-parallel rank derives the same block keys while each writes its own
+shard under its own namespace. The scheduler derives every rank's namespace
+from its own copy of the configs, so the identity holds only facts that copy
+shares with each worker's. `write_identity` leaves the dict beside the
+blocks, so an operator can tell what a directory holds.
+
+Reads use getattr with defaults: a field this vLLM lacks is left out, and a
+field a later vLLM adds does not change the namespace until it is named here.
+Anything missing from the identity that changes the bytes would let one
+model read another's KV, so when in doubt a fact belongs in it: the price
+of one too many is a cold tier after a change, not wrong output.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import Any
+
+from kvledger.transfers.block_file import FORMAT_VERSION, NAMESPACE_BYTES
+
+IDENTITY_FILE = "NAMESPACE.json"
+
+# Per KV cache spec: what shapes a block's bytes, read where the spec has it.
+# page_size_bytes covers heads, head sizes, dtype and padding together; the
+# parts are named too, so a namespace file says what the page holds.
+_SPEC_FIELDS = (
+    "block_size", "page_size_bytes", "num_kv_heads", "head_size", "head_size_v", "dtype",
+    "kv_quant_mode", "num_head_slots", "state_content_bytes", "tokens_per_state", "dcp_sharded",
+    "sliding_window", "extra_retained_tokens", "attention_chunk_size", "cache_dtype_str",
+    "shapes", "dtypes", "mamba_type", "mamba_cache_mode",
+)
+# Parallelism that changes which share of a block a worker holds.
+_PARALLEL_FIELDS = (
+    "tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
+    "prefill_context_parallel_size", "dcp_kv_cache_interleave_size", "cp_kv_cache_interleave_size",
+)
+_RANK = "rank"
+_MISSING = object()
+_names = itertools.count()
+
+
+def _read(obj: Any, name: str) -> Any:
+    """`obj.name`, or `_MISSING` where it is absent or None (a property may raise)."""
+    try:
+        value = getattr(obj, name)
+    except (AttributeError, NotImplementedError):
+        return _MISSING
+    return _MISSING if value is None else value
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A JSON value for `value`, the same in every process (never a repr with an address)."""
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if isinstance(value, enum.Enum):  # before int: an IntEnum is an int
+        return value.name
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, Fraction):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return str(value)  # "torch.bfloat16"
+    raise TypeError(f"{where}: no stable JSON form for {type(value).__name__} {value!r}")
+
+
+def _fields(obj: Any, names: tuple[str, ...], where: str) -> dict[str, Any]:
+    out = {}
+    for name in names:
+        value = _read(obj, name)
+        if value is not _MISSING:
+            out[name] = _plain(value, f"{where}.{name}")
+    return out
+
+
+def _spec(spec: Any, where: str) -> dict[str, Any]:
+    inner = _read(spec, "kv_cache_specs")
+    if inner is not _MISSING and inner:
+        # UniformTypeKVCacheSpecs (a spec per layer): the scheduler's copy of the
+        # config holds its first layer's spec instead (vLLM's
+        # generate_scheduler_kv_cache_config), and the scheduler derives every
+        # rank's namespace, so both sides describe the group by that spec. The
+        # other layers' specs follow from the model.
+        spec = next(iter(inner.values()))
+    return {"spec": type(spec).__name__, **_fields(spec, _SPEC_FIELDS, where)}
+
+
+def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: int) -> dict[str, Any]:
+    """Everything that makes this worker's block bytes meaningful, as a JSON-able dict."""
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    parallel_config = _read(vllm_config, "parallel_config")
+    model = {"name": str(model_config.model), "dtype": str(model_config.dtype)}
+    for name in ("revision", "quantization"):
+        value = _read(model_config, name)
+        if value is not _MISSING:
+            model[name] = str(value)
+
+    out: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "model": model,
+        "cache_dtype": str(cache_config.cache_dtype),
+        "groups": [
+            {**_spec(group.kv_cache_spec, f"kv_cache_groups[{index}]"), "layers": list(group.layer_names)}
+            for index, group in enumerate(kv_cache_config.kv_cache_groups)
+        ],
+    }
+    skipped = _read(cache_config, "kv_cache_dtype_skip_layers")  # layers kept out of a quantized KV dtype
+    if skipped is not _MISSING and skipped:
+        out["cache_dtype_skip_layers"] = sorted(map(str, skipped))
+    # From the KV cache config only: the engine core resolves both into it before
+    # the scheduler and the workers get their copies. cache_config's fields of
+    # the same names are set at run time, in each process on its own schedule.
+    for name in ("hash_block_size", "kv_cache_layout"):
+        value = _read(kv_cache_config, name)
+        if value is not _MISSING:
+            out[name] = _plain(value, name)
+    backend = _read(_read(vllm_config, "attention_config"), "backend")  # the page's byte order
+    if backend is not _MISSING:
+        out["attention_backend"] = _plain(backend, "attention_backend")
+    device = _read(_read(vllm_config, "device_config"), "device_type")
+    if device is not _MISSING:
+        out["device_type"] = str(device)
+    out["parallel"] = {"world_size": int(world_size), **_fields(parallel_config, _PARALLEL_FIELDS, "parallel")}
+    out[_RANK] = int(rank)
+    return out
+
+
+def canonical_json(identity: Mapping[str, Any]) -> bytes:
+    return json.dumps(identity, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _digest(identity: Mapping[str, Any]) -> bytes:
+    return hashlib.blake2b(canonical_json(identity), digest_size=NAMESPACE_BYTES).digest()
+
+
+def namespace(identity: Mapping[str, Any]) -> bytes:
+    """16 bytes naming the directory, and stamped in the header, of this worker's block files."""
+    return _digest(identity)
+
+
+def key_root(identity: Mapping[str, Any]) -> bytes:
+    """16 bytes to start the stable key chain from: the identity without the
+    rank, so every tensor-parallel rank derives the same keys."""
+    return _digest({k: v for k, v in identity.items() if k != _RANK})
+
+
+def write_identity(root: str | os.PathLike, namespace: bytes, identity: Mapping[str, Any]) -> None:
+    """`root/<namespace hex>/NAMESPACE.json`: the identity, for operators. Written
+    aside and renamed into place; left alone where it already says the same."""
+    if namespace != _digest(identity):
+        raise ValueError(f"namespace {namespace.hex()} is not the digest of this identity "
+                         f"({_digest(identity).hex()})")
+    directory = os.path.join(os.fspath(root), namespace.hex())
+    path = os.path.join(directory, IDENTITY_FILE)
+    text = json.dumps(identity, sort_keys=True, indent=2, allow_nan=False) + "\n"
+    try:
+        with open(path, encoding="utf-8") as existing:
+            if existing.read() == text:
+                return
+    except (FileNotFoundError, UnicodeDecodeError):
+        pass
+    os.makedirs(directory, exist_ok=True)
+    aside = f"{path}.{os.getpid()}.{next(_names)}.tmp"
+    try:
+        with open(aside, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(aside, path)
+    except BaseException:
+        try:
+            os.unlink(aside)
+        except FileNotFoundError:
+            pass
+        raise

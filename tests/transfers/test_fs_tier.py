@@ -1,0 +1,401 @@
+"""The file-system tier's I/O on real file systems: bytes round-trip exactly,
+every bad file fails only its own position with its reason, a full disk or a
+vanished directory fails blocks and never the tier, and queued work can be
+cancelled. Blocked jobs are made with FIFOs at a block's path: the reader's
+open() waits for a writer, a real hang and no mock."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from kvledger.transfers.backend import BackendClosed, TransferTimeout
+from kvledger.transfers.block_file import HEADER_BYTES, block_path, write_block
+from kvledger.transfers.fs_tier import FsTierIO, KeyLookups, TierIoOutcome, scan_keys
+
+NS = bytes(range(16))
+OTHER_NS = bytes(range(1, 17))
+ROW_BYTES = 64 << 10
+SIZES = (ROW_BYTES, 5000, 1)  # three groups: a full row, a ragged prefix, one byte
+
+
+def key(number: int, group: int = 0) -> bytes:
+    return bytes([group]) * 16 + number.to_bytes(16, "big")
+
+
+def random_rows(num_slots: int, row_bytes: int = ROW_BYTES, seed: int = 0) -> torch.Tensor:
+    data = np.random.default_rng(seed).integers(-128, 128, (num_slots, row_bytes), dtype=np.int8)
+    return torch.from_numpy(data)
+
+
+@pytest.fixture
+def tiers():
+    """Makes tiers and shuts each down after the test, so no thread outlives it."""
+    made: list[FsTierIO] = []
+
+    def make(root, *, rows=None, sizes=SIZES, threads=4, direct_writes=True) -> FsTierIO:
+        io = FsTierIO(root=str(root), namespace=NS, rows=random_rows(16) if rows is None else rows,
+                      payload_bytes=sizes, threads=threads, direct_writes=direct_writes)
+        made.append(io)
+        return io
+
+    yield make
+    for io in made:
+        with contextlib.suppress(TransferTimeout):
+            io.shutdown(drain=False, timeout_s=5)
+
+
+def run(io: FsTierIO, kind: str, job_id: int, keys, slots) -> TierIoOutcome:
+    getattr(io, kind)(job_id, keys, slots)
+    io.wait([job_id], 30)
+    outcomes = io.poll()
+    assert [o.job_id for o in outcomes] == [job_id]
+    return outcomes[0]
+
+
+def payload(io: FsTierIO, slot: int, group: int) -> bytes:
+    return io.rows[slot, : io.payload_bytes[group]].numpy().tobytes()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 1 MiB tmpfs; skipped only where mounting is not permitted."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def leftovers(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.name.startswith(".")]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("direct_writes", [True, False])
+def test_write_then_read_round_trips_every_group_exactly(tmp_path, tiers, direct_writes):
+    io = tiers(tmp_path, direct_writes=direct_writes)
+    keys = tuple(tuple(key(n, g) for n in range(3)) for g in range(3))
+    sources = ((0, 1, 2), (3, 4, 5), (6, 7, 8))
+    targets = ((9, 10, 11), (12, 13, 14), (15, 0, 1))
+    expected = {(g, i): payload(io, s, g) for g, slots in enumerate(sources) for i, s in enumerate(slots)}
+    written = run(io, "write", 1, keys, sources)
+    assert written.ok and written.kind == "write" and written.reasons == ()
+    assert written.nbytes == 3 * sum(SIZES) and written.seconds > 0
+    for g, group_keys in enumerate(keys):
+        for k in group_keys:  # whole files, truncated back to their size, nothing left aside
+            assert block_path(tmp_path, NS, k).stat().st_size == HEADER_BYTES + SIZES[g]
+    assert leftovers(tmp_path) == []
+    io.rows.zero_()
+    read = run(io, "read", 2, keys, targets)
+    assert read.ok and read.kind == "read" and read.nbytes == 3 * sum(SIZES)
+    for g, slots in enumerate(targets):
+        for i, s in enumerate(slots):
+            assert payload(io, s, g) == expected[(g, i)], (g, i)
+    assert io.direct_writes is direct_writes
+
+
+@pytest.mark.fast
+def test_direct_and_buffered_writes_make_the_same_file(tmp_path, tiers):
+    direct = tiers(tmp_path / "direct", direct_writes=True)
+    buffered = tiers(tmp_path / "buffered", rows=direct.rows, direct_writes=False)
+    keys = ((key(1),), (key(2, 1),), (key(3, 2),))
+    for io in (direct, buffered):
+        assert run(io, "write", 1, keys, ((0,), (1,), (2,))).ok
+    for group in keys:
+        a = block_path(tmp_path / "direct", NS, group[0]).read_bytes()
+        b = block_path(tmp_path / "buffered", NS, group[0]).read_bytes()
+        assert a == b
+
+
+@pytest.mark.fast
+def test_each_bad_file_fails_only_its_own_position_with_its_reason(tmp_path, tiers):
+    io = tiers(tmp_path, sizes=(ROW_BYTES, 5000))
+    keys = ((key(0), key(1), key(2)), (key(3, 1), key(4, 1), key(5, 1)))
+    assert run(io, "write", 1, keys, ((0, 1, 2), (3, 4, 5))).ok
+    good = {(0, 0): payload(io, 0, 0), (1, 2): payload(io, 5, 1)}
+    os.unlink(block_path(tmp_path, NS, key(1)))  # (0, 1): missing
+    os.truncate(block_path(tmp_path, NS, key(2)), HEADER_BYTES + 100)  # (0, 2): truncated
+    flipped = block_path(tmp_path, NS, key(3, 1))  # (1, 0): one payload byte corrupted
+    raw = bytearray(flipped.read_bytes())
+    raw[HEADER_BYTES + 1234] ^= 0x01
+    flipped.write_bytes(bytes(raw))
+    stranger = block_path(tmp_path, NS, key(4, 1))  # (1, 1): another namespace's file at this path
+    write_block(stranger, OTHER_NS, key(4, 1), np.zeros(5000, dtype=np.uint8))
+    io.rows.zero_()
+    with capture_logs() as logs:
+        outcome = run(io, "read", 2, keys, ((6, 7, 8), (9, 10, 11)))
+    assert outcome.failed == ((0, 1), (0, 2), (1, 0), (1, 1))
+    assert outcome.reasons == ("missing", "truncated", "corrupt", "foreign")
+    assert not outcome.ok and outcome.nbytes == ROW_BYTES + 5000
+    assert payload(io, 6, 0) == good[(0, 0)] and payload(io, 11, 1) == good[(1, 2)]
+    warnings = [entry for entry in logs if entry["event"] == "tier_io_failed"]
+    assert len(warnings) == 1  # once per job, not once per block
+    assert warnings[0]["job_id"] == 2 and warnings[0]["failed"] == 4 and warnings[0]["blocks"] == 6
+    assert warnings[0]["reasons"] == {"missing": 1, "truncated": 1, "corrupt": 1, "foreign": 1}
+    assert warnings[0]["first_path"] == str(block_path(tmp_path, NS, key(1)))
+
+
+@pytest.mark.parametrize("direct_writes", [True, False])
+def test_a_full_disk_fails_the_writes_that_do_not_fit_and_leaves_no_temp_files(small_tmpfs, tiers, direct_writes):
+    size = 300 << 10  # 1 MiB holds three of these and their headers
+    io = tiers(small_tmpfs, rows=random_rows(16, size), sizes=(size,), threads=4, direct_writes=direct_writes)
+    keys = (tuple(key(n) for n in range(8)),)
+    outcome = run(io, "write", 1, keys, (tuple(range(8)),))
+    assert set(outcome.reasons) == {"unwritable"}
+    stored = [n for n in range(8) if (0, n) not in outcome.failed]
+    assert 1 <= len(stored) <= 3 and len(outcome.failed) == 8 - len(stored)
+    assert outcome.nbytes == len(stored) * size
+    assert leftovers(small_tmpfs) == []
+    for n in range(8):
+        assert block_path(small_tmpfs, NS, key(n)).exists() == (n in stored)
+    assert io.direct_writes is direct_writes  # ENOSPC is a full disk, not a refusal of O_DIRECT
+    expected = [payload(io, n, 0) for n in stored]
+    io.rows.zero_()
+    read = run(io, "read", 2, (tuple(key(n) for n in stored),), (tuple(range(8, 8 + len(stored))),))
+    assert read.ok
+    assert [payload(io, 8 + n, 0) for n in range(len(stored))] == expected
+
+
+def test_a_file_system_that_refuses_direct_io_falls_back_to_the_page_cache(tmp_path, tiers):
+    """ramfs refuses O_DIRECT (EINVAL), after creating the file."""
+    mount = tmp_path / "ramfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {done.stderr.strip()}")
+    try:
+        io = tiers(mount, sizes=(ROW_BYTES,), threads=1)
+        with capture_logs() as logs:
+            outcome = run(io, "write", 1, ((key(0), key(1)),), ((0, 1),))
+        assert outcome.ok and io.direct_writes is False
+        assert [e["event"] for e in logs if e["event"] == "tier_direct_io_off"] == ["tier_direct_io_off"]
+        assert leftovers(mount) == []
+        expected = payload(io, 1, 0)
+        assert run(io, "read", 2, ((key(1),),), ((5,),)).ok and payload(io, 5, 0) == expected
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.fast
+def test_a_directory_removed_under_a_running_tier(tmp_path, tiers):
+    io = tiers(tmp_path, sizes=(ROW_BYTES,))
+    keys = ((key(0), key(1), key(2)),)
+    assert run(io, "write", 1, keys, ((0, 1, 2),)).ok
+    shutil.rmtree(tmp_path / NS.hex())
+    outcome = run(io, "read", 2, keys, ((3, 4, 5),))
+    assert outcome.failed == ((0, 0), (0, 1), (0, 2)) and outcome.reasons == ("missing",) * 3
+    assert outcome.nbytes == 0
+    assert run(io, "write", 3, keys, ((0, 1, 2),)).ok  # parents made again
+    expected = [payload(io, s, 0) for s in (0, 1, 2)]
+    assert run(io, "read", 4, keys, ((3, 4, 5),)).ok
+    assert [payload(io, s, 0) for s in (3, 4, 5)] == expected
+
+
+@pytest.mark.fast
+def test_delete_removes_files_ignores_missing_ones_and_logs_other_errors(tmp_path, tiers):
+    io = tiers(tmp_path, sizes=(ROW_BYTES,), threads=1)  # one thread: work runs in submission order
+    keys = ((key(0), key(1), key(2)),)
+    assert run(io, "write", 1, keys, ((0, 1, 2),)).ok
+    stuck = block_path(tmp_path, NS, key(9))
+    (stuck / "inside").mkdir(parents=True)  # a directory where a file should be: unlink fails
+    with capture_logs() as logs:
+        io.delete([key(0), key(2), key(7), key(9)])
+        outcome = run(io, "read", 2, ((key(1),),), ((5,),))  # runs after the deletes
+    assert outcome.ok
+    assert not block_path(tmp_path, NS, key(0)).exists() and not block_path(tmp_path, NS, key(2)).exists()
+    assert block_path(tmp_path, NS, key(1)).exists()
+    failures = [e for e in logs if e["event"] == "tier_delete_failed"]
+    assert len(failures) == 1 and failures[0]["path"] == str(stuck) and failures[0]["log_level"] == "warning"
+    assert [e for e in logs if e["event"] == "tier_io_failed"] == []
+
+
+def blocking_key(root: Path, number: int) -> bytes:
+    """A FIFO at the key's path: a read of it waits in open() until `release`."""
+    path = block_path(root, NS, key(number))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    return key(number)
+
+
+def started(io: FsTierIO, timeout_s: float = 10.0) -> None:
+    """Until the threads took every queued block (with one thread: it sits in the FIFO's open)."""
+    deadline = time.monotonic() + timeout_s
+    while io._queue:
+        assert time.monotonic() < deadline, "the tier's threads never took the queued work"
+        time.sleep(0.005)
+
+
+def release(root: Path, number: int, timeout_s: float = 10.0) -> None:
+    """Open the FIFO's writing end once the reader waits, and close it: the reader sees an empty file."""
+    path = block_path(root, NS, key(number))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:  # ENXIO: no reader yet
+                raise
+            time.sleep(0.01)
+
+
+@pytest.mark.fast
+def test_wait_times_out_on_a_blocked_job_and_other_jobs_go_on(tmp_path, tiers):
+    io = tiers(tmp_path, sizes=(ROW_BYTES,), threads=2)
+    io.read(1, ((blocking_key(tmp_path, 0),),), ((0,),))
+    assert run(io, "write", 2, ((key(1),),), ((1,),)).ok  # the other thread serves it
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout, match="job 1"):
+        io.wait([1], 0.2)
+    assert time.monotonic() - started >= 0.2
+    io.wait([2, 99], 0.01)  # finished and unknown ids do not wait
+    release(tmp_path, 0)
+    io.wait([1], 10)
+    [outcome] = io.poll()
+    assert outcome.job_id == 1 and outcome.reasons == ("truncated",)
+
+
+@pytest.mark.fast
+def test_shutdown_without_drain_cancels_queued_jobs(tmp_path, tiers):
+    io = tiers(tmp_path, sizes=(ROW_BYTES,), threads=1)
+    io.read(1, ((blocking_key(tmp_path, 0),),), ((0,),))
+    started(io)
+    io.write(2, ((key(1), key(2)),), ((1, 2),))
+    io.read(3, ((key(3),),), ((3,),))
+    io.delete([key(4)])
+    with pytest.raises(TransferTimeout):  # the thread is still inside job 1's open()
+        io.shutdown(drain=False, timeout_s=0.2)
+    outcomes = {o.job_id: o for o in io.poll()}
+    assert set(outcomes) == {2, 3}
+    assert outcomes[2].failed == ((0, 0), (0, 1)) and outcomes[2].reasons == ("cancelled", "cancelled")
+    assert outcomes[3].reasons == ("cancelled",) and outcomes[2].nbytes == outcomes[3].nbytes == 0
+    assert not block_path(tmp_path, NS, key(1)).exists()
+    with pytest.raises(BackendClosed):
+        io.write(4, ((key(5),),), ((5,),))
+    release(tmp_path, 0)
+    io.wait([1], 10)
+    assert [(o.job_id, o.reasons) for o in io.poll()] == [(1, ("truncated",))]
+    io._threads[0].join(10)
+    assert not io._threads[0].is_alive()
+
+
+@pytest.mark.fast
+def test_shutdown_with_drain_finishes_queued_jobs(tmp_path, tiers):
+    io = tiers(tmp_path, sizes=(ROW_BYTES,), threads=2)
+    for job in range(5):
+        io.write(job, ((key(2 * job), key(2 * job + 1)),), ((job, job + 5),))
+    io.shutdown(drain=True, timeout_s=30)
+    outcomes = io.poll()
+    assert sorted(o.job_id for o in outcomes) == list(range(5)) and all(o.ok for o in outcomes)
+    assert all(not t.is_alive() for t in io._threads)
+
+
+@pytest.mark.fast
+def test_malformed_jobs_are_refused_at_submit_and_empty_ones_finish_at_once(tmp_path, tiers):
+    io = tiers(tmp_path, sizes=(ROW_BYTES, 5000))
+    with pytest.raises(ValueError, match="groups"):
+        io.write(1, ((key(0),),), ((0,),))
+    with pytest.raises(ValueError, match="keys for"):
+        io.write(1, ((key(0),), ()), ((0,), (1,)))
+    with pytest.raises(ValueError, match="slot"):
+        io.read(1, ((key(0),), ()), ((16,), ()))
+    with pytest.raises(ValueError, match="key is"):
+        io.read(1, ((b"",), ()), ((0,), ()))
+    io.read(1, ((blocking_key(tmp_path, 0),), ()), ((0,), ()))
+    with pytest.raises(ValueError, match="already in flight"):
+        io.read(1, ((key(1),), ()), ((1,), ()))
+    io.write(2, ((), ()), ((), ()))
+    assert io.poll() == [TierIoOutcome(2, "write", (), (), 0.0, 0)]
+    release(tmp_path, 0)
+
+
+def touch(root: Path, number: int, mtime_s: int, namespace: bytes = NS) -> Path:
+    path = block_path(root, namespace, key(number))
+    write_block(path, namespace, key(number), np.zeros(100, dtype=np.uint8))
+    os.utime(path, ns=(mtime_s * 10**9, mtime_s * 10**9))
+    return path
+
+
+@pytest.mark.fast
+def test_scan_keys_oldest_first_skipping_what_is_not_a_block_file(tmp_path):
+    assert scan_keys(str(tmp_path / "nowhere"), NS) == []
+    touch(tmp_path, 5, 300)
+    touch(tmp_path, 3, 100)
+    touch(tmp_path, 9, 200)
+    touch(tmp_path, 7, 200)  # same time as 9: ordered by key
+    touch(tmp_path, 1, 400, namespace=OTHER_NS)  # another namespace's directory
+    folder = block_path(tmp_path, NS, key(3)).parent
+    junk = {
+        f".{key(4).hex()}.kvb.1.2.3.tmp": HEADER_BYTES + 100,  # a writer's temp file
+        "notes.txt": 10,
+        f"{key(0xab).hex().upper()}.kvb": HEADER_BYTES + 100,  # block_path never writes this
+        f"{key(4).hex()[:-1]}.kvb": HEADER_BYTES + 100,  # odd length
+        f"{key(6).hex()}.kvb": 10,  # shorter than a header: a crash's leftover
+    }
+    for name, size in junk.items():
+        (folder / name).write_bytes(bytes(size))
+    misplaced = tmp_path / NS.hex() / "ff" / (key(8).hex() + ".kvb")  # in the wrong fan-out folder
+    misplaced.parent.mkdir()
+    misplaced.write_bytes(bytes(HEADER_BYTES + 100))
+    (folder / (key(10).hex() + ".kvb")).mkdir()  # a directory with a key's name
+    (tmp_path / NS.hex() / "NAMESPACE.json").write_text("{}")
+    assert scan_keys(str(tmp_path), NS) == [key(3), key(7), key(9), key(5)]
+    assert scan_keys(str(tmp_path), OTHER_NS) == [key(1)]
+    assert scan_keys(str(tmp_path / NS.hex() / "NAMESPACE.json"), NS) == []
+
+
+def answers(lookups: KeyLookups, count: int, timeout_s: float = 10.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got += lookups.poll()
+        time.sleep(0.005)
+    return got
+
+
+@pytest.mark.fast
+def test_key_lookups_find_a_key_only_where_every_namespace_has_it(tmp_path):
+    for number in (1, 2, 5):
+        touch(tmp_path, number, 100, NS)
+        touch(tmp_path, number, 100, OTHER_NS)
+    touch(tmp_path, 3, 100, NS)  # only the first rank
+    touch(tmp_path, 4, 100, OTHER_NS)  # only the second
+    os.truncate(block_path(tmp_path, OTHER_NS, key(5)), HEADER_BYTES - 1)  # too short to be a block
+    lookups = KeyLookups(str(tmp_path), (NS, OTHER_NS))
+    try:
+        lookups.submit("a", tuple(key(n) for n in (4, 2, 3, 1, 5, 6)))
+        lookups.submit(("b", 1), (key(1), key(2)))
+        lookups.submit("c", ())
+        got = answers(lookups, 3)
+        assert got == [("a", (key(2), key(1))), (("b", 1), (key(1), key(2))), ("c", ())]
+        touch(tmp_path, 3, 100, OTHER_NS)  # the second rank catches up
+        lookups.submit("d", (key(3),))
+        assert answers(lookups, 1) == [("d", (key(3),))]
+        assert lookups.poll() == []
+    finally:
+        lookups.close()
+    assert not lookups._thread.is_alive()
+    with pytest.raises(BackendClosed):
+        lookups.submit("e", (key(1),))
+    only_one = KeyLookups(str(tmp_path / "nowhere"), (NS,))
+    try:
+        only_one.submit("f", (key(1),))
+        assert answers(only_one, 1) == [("f", ())]
+    finally:
+        only_one.close()

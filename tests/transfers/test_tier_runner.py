@@ -1,0 +1,123 @@
+"""The runner with a file-system tier below host memory, on a real directory:
+spills write exactly the slots' bytes, a promoted load brings them back to
+the device byte for byte, and a block that cannot be read fails alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvledger.engine.effects import DropTierKeys, FlushStores, StartLoad, StartSpill
+from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
+from kvledger.transfers.assemble import make_runner
+from kvledger.transfers.block_file import block_path
+from kvledger.transfers.cpu_backend import CpuBackend
+from kvledger.transfers.fs_tier import FsTierIO
+from kvledger.transfers.host_tier import HostTier
+from kvledger.transfers.layout import canonicalize
+from tests.transfers import layouts
+from tests.transfers.harness import keys_for, store
+
+pytestmark = pytest.mark.fast
+NAMESPACE = bytes(range(16))
+
+
+def _rig(tmp_path, case):
+    layout = canonicalize(case.kv_caches, case.config)
+    tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=False)
+    io = FsTierIO(root=str(tmp_path), namespace=NAMESPACE, rows=tier.rows,
+                  payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)), threads=2)
+    runner = make_runner(layout, tier, CpuBackend(layout, tier), worker_index=1, lower_tiers={1: io})
+    return layout, tier, runner
+
+
+def _poll_until(runner, count: int, timeout_s: float = 10.0) -> list:
+    events: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(events) < count and time.monotonic() < deadline:
+        events += runner.poll()
+        time.sleep(0.005)
+    return events
+
+
+def _device_bytes(case, layout, blocks_by_group) -> list[torch.Tensor]:
+    return [layout.span_view(span)[block].clone()
+            for g, blocks in enumerate(blocks_by_group) for span in layout.group_spans[g] for block in blocks]
+
+
+@pytest.mark.parametrize("build", [lambda: layouts.cpu_attention(packing="layer"), layouts.hybrid_sliding])
+def test_spill_then_promote_restores_the_device_bytes(tmp_path, build) -> None:
+    case = build()
+    layout, tier, runner = _rig(tmp_path, case)
+    groups = layout.num_groups
+    blocks = tuple((1, 2) if g == 0 else (3,) for g in range(groups))
+    slots = tuple((0, 1) if g == 0 else (2,) for g in range(groups))
+    keys = keys_for(1, blocks)
+    runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
+    assert runner.poll() == [StoreCompleted(job_id=1, worker_index=1)]
+    original = _device_bytes(case, layout, blocks)
+
+    runner.submit([StartSpill(job_id=2, tier=1, keys=keys, source_slot_ids=slots)])
+    assert _poll_until(runner, 1) == [StoreCompleted(job_id=2, worker_index=1)]
+    for group_keys in keys:
+        for key in group_keys:
+            assert block_path(tmp_path, NAMESPACE, key).exists()
+
+    tier.rows.fill_(7)  # the host copy is gone: only the files hold the blocks
+    for raw in case.raws:
+        raw.fill_(-3)
+    fresh_slots = tuple(tuple(s + 8 for s in group) for group in slots)
+    promote = tuple(tuple(1 for _ in group) for group in keys)
+    runner.submit([StartLoad(job_id=3, request_id="r", keys=keys, source_slot_ids=fresh_slots,
+                             target_block_ids=blocks, promote_tiers=promote)])
+    assert _poll_until(runner, 1) == [LoadCompleted(job_id=3, worker_index=1)]
+    restored = _device_bytes(case, layout, blocks)
+    assert all(torch.equal(a, b) for a, b in zip(original, restored))
+
+
+def test_a_damaged_or_unplaced_block_fails_alone(tmp_path) -> None:
+    case = layouts.cpu_attention(packing="layer")
+    layout, tier, runner = _rig(tmp_path, case)
+    blocks, slots = ((1, 2, 3),), ((0, 1, 2),)
+    keys = keys_for(1, blocks)
+    runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
+    runner.poll()
+    runner.submit([StartSpill(job_id=2, tier=1, keys=keys, source_slot_ids=slots)])
+    assert _poll_until(runner, 1) == [StoreCompleted(job_id=2, worker_index=1)]
+    original = _device_bytes(case, layout, blocks)
+
+    damaged = block_path(tmp_path, NAMESPACE, keys[0][1])
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF  # one payload byte
+    damaged.write_bytes(bytes(data))
+    for raw in case.raws:
+        raw.fill_(-3)
+    # Block 3's key got no host slot (-1): it fails without a read.
+    runner.submit([StartLoad(job_id=3, request_id="r", keys=keys, source_slot_ids=((8, 9, -1),),
+                             target_block_ids=blocks, promote_tiers=((1, 1, 1),))])
+    events = _poll_until(runner, 1)
+    assert events == [LoadFailed(job_id=3, worker_index=1, block_ids=(2, 3), keys=(keys[0][1], keys[0][2]))]
+    restored = _device_bytes(case, layout, blocks)
+    assert torch.equal(restored[0], original[0])  # block 1 was read and copied
+    assert not torch.equal(restored[1], original[1])  # the damaged one was never copied
+
+
+def test_drops_remove_files_and_a_spill_to_an_unknown_tier_fails(tmp_path) -> None:
+    case = layouts.cpu_attention(packing="layer")
+    layout, tier, runner = _rig(tmp_path, case)
+    blocks, slots = ((1, 2),), ((0, 1),)
+    keys = keys_for(1, blocks)
+    runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
+    runner.poll()
+    runner.submit([StartSpill(job_id=2, tier=1, keys=keys, source_slot_ids=slots)])
+    assert _poll_until(runner, 1) == [StoreCompleted(job_id=2, worker_index=1)]
+    runner.submit([DropTierKeys(tier=1, keys=keys[0])])
+    deadline = time.monotonic() + 5
+    while any(block_path(tmp_path, NAMESPACE, k).exists() for k in keys[0]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(block_path(tmp_path, NAMESPACE, k).exists() for k in keys[0])
+    # A spill to a tier the worker does not have fails whole, at once.
+    runner.submit([StartSpill(job_id=4, tier=2, keys=keys, source_slot_ids=slots)])
+    assert runner.poll() == [StoreFailed(job_id=4, worker_index=1, keys=keys[0])]
