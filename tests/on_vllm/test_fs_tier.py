@@ -37,8 +37,10 @@ def _block_files(tier: Path) -> list[Path]:
 def test_a_new_process_restores_what_an_earlier_one_stored(models, tmp_path, model):
     tier = tmp_path / "tier"
     first, one = _engine(models, model, tmp_path / "one.log", tier, hash_seed=None)
-    assert one["lower_tiers"][0]["keys_written"] > 0
-    assert len(_block_files(tier)) == one["lower_tiers"][0]["held_keys"]
+    # Writes run on the worker's threads: a short run may end before their outcomes
+    # reach the scheduler, but shutdown drains them, so the files are all there.
+    files = _block_files(tier)
+    assert len(files) >= one["lower_tiers"][0]["held_keys"] and files
     assert (next(tier.iterdir()) / "NAMESPACE.json").exists()
     # Another process, another PYTHONHASHSEED: vLLM's block hashes differ, kvledger's keys do not.
     second, two = _engine(models, model, tmp_path / "two.log", tier, hash_seed="4242")
@@ -46,7 +48,7 @@ def test_a_new_process_restores_what_an_earlier_one_stored(models, tmp_path, mod
     assert all(c > 0 for c in second["first"]["cached"])
     assert first["first"]["cached"][:3] == [0, 0, 0]
     lower = two["lower_tiers"][0]
-    assert lower["keys_found"] == one["lower_tiers"][0]["held_keys"]
+    assert lower["keys_found"] == len(files)
     assert lower["keys_read"] > 0 and lower["read_failures"] == 0
     assert two["stats"]["hit_tokens"] == sum(second["first"]["cached"])
 
@@ -82,3 +84,38 @@ def test_corrupted_block_files_are_recomputed(models, tmp_path, model):
     lower = two["lower_tiers"][0]
     assert lower["read_failures"] > 0 and lower["keys_read"] == 0
     assert two["stats"]["load_failures"] > 0
+
+
+def test_two_engines_at_once_on_one_directory(models, tmp_path):
+    """Two processes write the same blocks to one directory at the same time
+    (write aside, then rename: never a torn file); a third restores them."""
+    import json
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .conftest import HERE, REPO
+
+    tier = tmp_path / "tier"
+    extra = {**_fs(tier), "capacity_bytes": 32 << 20}
+
+    def spec(name: str) -> str:
+        return json.dumps({"model": str(models["tiny-llama"]), "log": str(tmp_path / f"{name}.log"),
+                           "phases": ["first"], "extra": extra})
+
+    def launch(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(HERE / "engine_run.py"), spec(name)], capture_output=True,
+                              text=True, timeout=300, cwd=REPO)
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(launch, ["a", "b"]))
+    tokens = []
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+        tokens.append(json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])["first"])
+    assert tokens[0]["tokens"] == tokens[1]["tokens"]
+    assert not list(tier.rglob("*.tmp"))
+    third, summary = _engine(models, "tiny-llama", tmp_path / "c.log", tier, hash_seed="99")
+    assert third["first"]["tokens"] == tokens[0]["tokens"]
+    assert all(c > 0 for c in third["first"]["cached"])
+    assert summary["lower_tiers"][0]["read_failures"] == 0
