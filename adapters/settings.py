@@ -49,7 +49,7 @@ class FsTierSettings:
 
     path: str  # absolute, normalised
     capacity_bytes: int
-    threads: int = 8  # I/O threads per worker
+    threads: int = 16  # I/O threads per worker (bench/fs_tier_io.py: reads 10% faster than 8, 32 no faster)
     shared: bool = True  # other processes may write this directory: look up keys this process does not know
     kind: ClassVar[str] = "fs"
 
@@ -248,7 +248,7 @@ def _parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
     if "capacity_bytes" not in entry:
         raise ConfigError(f"{where} needs 'capacity_bytes': bytes of block files the tier may hold")
     capacity = _positive_int(f"{where}.capacity_bytes", entry["capacity_bytes"])
-    threads = _positive_int(f"{where}.threads", entry.get("threads", 8))
+    threads = _positive_int(f"{where}.threads", entry.get("threads", attrs.fields(FsTierSettings).threads.default))
     shared = entry.get("shared", True)
     if not isinstance(shared, bool):
         raise ConfigError(f"{where}.shared must be a bool, got {shared!r}")

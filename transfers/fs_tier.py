@@ -1,26 +1,28 @@
 """The file-system tier's I/O: host slots to block files and back, on threads.
 
 Every block is one file (`block_file`), so a job's blocks go to a pool of
-threads: one thread waits on the disk per block, and a 2 MiB block keeps a
-virtual disk busy only with several in flight. Errors are per block and end
-as failed positions of the job's outcome, never as exceptions: the caller
-drops a key that failed to read and recomputes it.
+threads: each waits on the disk for one block, and the disk is kept busy
+only with many in flight. Errors are per block and end as failed positions
+of the job's outcome, never as exceptions: the caller drops a key that
+failed to read and recomputes it.
 
-Direct I/O, measured on this project's VM (ext4 on a virtio disk, 2 cores),
-1 GiB of 2 MiB blocks, write timed to the end of `os.sync()`, read from a
-dropped page cache, median of 3 (`bench/fs_tier_io.py`, /tmp/ experiments):
+Numbers from `bench/fs_tier_io.py` on this project's VM (ext4 on a virtio
+disk, 2 cores): 1 GiB per measurement, writes timed to the end of
+`os.sync()`, reads from a dropped page cache, median of 3, two runs (GB/s):
 
-- Writes use O_DIRECT: 1.5-1.9 GB/s against 0.4-0.8 GB/s through the page
-  cache (8-16 threads; 256 KiB blocks 0.9-1.0 against 0.5-0.6). Buffered, the
-  work lands in `sync`, where ext4's delayed allocation and writeback take
-  the files one by one. Host rows are only 64-byte aligned (torch's
-  allocator), so each thread stages header and payload in a page-aligned
-  bounce buffer: one memcpy, a small cost against the disk. A payload that
-  is not a multiple of 4096 bytes is written padded and truncated back. A
-  file system that refuses O_DIRECT (EINVAL) turns it off for the tier.
-- Reads stay buffered (`read_block_into` straight into the host row):
-  O_DIRECT reads ran at 1.0-1.5 GB/s against 1.1-2.2 GB/s (readahead keeps
-  more requests in flight), and they would need a bounce copy as well.
+- Writes use O_DIRECT. 2 MiB blocks: 1.3-1.5 against 0.5-0.9 through the
+  page cache (raw sequential 1.1-1.2); 256 KiB: 0.4-0.6 against 0.4. Through
+  the page cache a job ends sooner, but the work only moves to writeback,
+  where ext4's delayed allocation takes the files one by one. Host rows are
+  only 64-byte aligned (torch's allocator), so each thread stages header and
+  payload in a page-aligned bounce buffer (one memcpy, small against the
+  disk); a payload that is not a multiple of 4096 bytes is written padded and
+  truncated back. A file system that refuses O_DIRECT (EINVAL: ramfs, some
+  FUSE) turns it off for the tier.
+- Reads stay buffered (`read_block_into` straight into the host row, no
+  copy): 2 MiB blocks 2.0-2.2 against 1.0-1.3 with O_DIRECT (readahead keeps
+  more requests in flight), raw sequential 1.9-2.0; 256 KiB 0.9-1.2 either way.
+- 16 threads: reads 2.2 against 2.0 with 8 (32 adds nothing), writes the same.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class FsTierIO:
     `root/<namespace hex>/`. `direct_writes=False` writes through the page cache."""
 
     def __init__(self, *, root: str, namespace: bytes, rows: torch.Tensor, payload_bytes: tuple[int, ...],
-                 threads: int = 8, direct_writes: bool = True) -> None:
+                 threads: int = 16, direct_writes: bool = True) -> None:
         if len(namespace) != NAMESPACE_BYTES:
             raise ValueError(f"a namespace is {NAMESPACE_BYTES} bytes, not {len(namespace)}")
         if rows.dim() != 2 or rows.dtype != torch.int8 or rows.device.type != "cpu" or not rows.is_contiguous():

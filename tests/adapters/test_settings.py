@@ -140,7 +140,7 @@ def test_an_fs_tier_with_its_defaults_and_its_directory_made(tmp_path):
     settings = parse_settings(with_tiers(fs(path, capacity_bytes=4096)))
     assert settings.secondary_tiers == (FsTierSettings(path=str(path), capacity_bytes=4096),)
     tier = settings.secondary_tiers[0]
-    assert (tier.kind, tier.threads, tier.shared) == ("fs", 8, True)
+    assert (tier.kind, tier.threads, tier.shared) == ("fs", 16, True)
     assert path.is_dir() and list(path.iterdir()) == []  # the write probe left nothing behind
 
 
