@@ -95,7 +95,7 @@ def summary(header: LogHeader, result: ReplayResult) -> dict:
     state = result.state
     tier = queries.tier_usage(state)
     problem = result.first_problem
-    return {
+    data = {
         "engine_version": header.engine_version,
         "events": result.events,
         "steps": result.steps,
@@ -106,8 +106,6 @@ def summary(header: LogHeader, result: ReplayResult) -> dict:
         "digests_checked": result.digests_checked,
         "tier": {"used_slots": tier.used_slots, "capacity_slots": tier.capacity_slots,
                  "offered_keys": tier.offered_keys, "evictable_keys": tier.evictable_keys},
-        "lower_tiers": [{"name": t.name, "capacity_blocks": t.capacity_blocks, "held_keys": t.held_keys,
-                         **t.counts} for t in queries.lower_tier_usage(state)],
         "requests_live": queries.num_requests(state),
         "jobs_in_flight": queries.num_jobs_in_flight(state),
         "final_digest": digest(result.state),
@@ -115,6 +113,11 @@ def summary(header: LogHeader, result: ReplayResult) -> dict:
         "first_problem": None if problem is None else {"seq": problem.seq, "kind": problem.kind,
                                                        "detail": problem.detail},
     }
+    lower = queries.lower_tier_usage(state)
+    if lower:  # only with tiers below host memory: other summaries keep their shape
+        data["lower_tiers"] = [{"name": t.name, "capacity_blocks": t.capacity_blocks, "held_keys": t.held_keys,
+                                **t.counts} for t in lower]
+    return data
 
 
 def _print_summary(data: dict) -> None:
@@ -133,7 +136,7 @@ def _print_summary(data: dict) -> None:
     print(f"evictions   {stats['evictions']}; preemptions {stats['preemptions']}")
     print(f"tier        {tier['used_slots']}/{tier['capacity_slots']} slots used, "
           f"{tier['offered_keys']} keys offered")
-    for lower in data["lower_tiers"]:
+    for lower in data.get("lower_tiers", ()):
         print(f"tier {lower['name']:<6} {lower['held_keys']}/{lower['capacity_blocks']} blocks held; "
               f"{lower['keys_written']} written ({lower['write_failures']} failed), {lower['keys_read']} promoted "
               f"({lower['read_failures']} failed), {lower['keys_found']} found, {lower['evictions']} evicted")
