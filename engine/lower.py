@@ -137,7 +137,7 @@ def spill_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
         out.append(fx.DropTierKeys(tier=job.tier, keys=tuple(drop)))
 
 
-def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]]) -> list[int]:
+def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]], out: list[fx.Effect]) -> list[int]:
     """Host slots for keys a load reads from a lower tier first ((group, tier, key)
     each), evicting idle host keys as needed; -1 where none could be had (that
     block fails, and is recomputed). Each lower tier learns its key is being read."""
@@ -147,6 +147,8 @@ def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]]) -> li
         evicted = slots.evict(core, min(short, len(core.policy)))
         core.stats.evictions += len(evicted)
         free += len(evicted)
+        if evicted:
+            out.append(fx.KeysEvicted(keys=tuple(evicted)))
     taken = promoted[:free]
     # A key another load in this step is promoting already has a slot: this load
     # reads the block again into a slot of its own, left out of the index.

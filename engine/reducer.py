@@ -272,7 +272,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
     keys, slot_ids, targets, promote_tiers = load
     writer = core.block_writer
     if promote_tiers:
-        slot_ids = _place_promotions(core, keys, slot_ids, promote_tiers)
+        slot_ids = _place_promotions(core, keys, slot_ids, promote_tiers, out)
     else:
         slots.load_planned(core, keys, slot_ids)
     job = Job(job_id=core.next_job_id, kind=_LOAD, request_id=rid, keys=keys, block_ids=targets,
@@ -297,7 +297,8 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
 LOST = -2  # `_plan_load`'s mark for a key no tier holds any more: its block fails at once
 
 
-def _place_promotions(core: Core, keys: tuple, slot_ids: tuple, promote_tiers: tuple) -> tuple:
+def _place_promotions(core: Core, keys: tuple, slot_ids: tuple, promote_tiers: tuple,
+                      out: list[fx.Effect]) -> tuple:
     """Pin the host keys the load reads, then give each promoted key a host slot
     (-1 where none is left, or the key was lost). Returns the slots with the
     promoted ones filled in."""
@@ -306,7 +307,7 @@ def _place_promotions(core: Core, keys: tuple, slot_ids: tuple, promote_tiers: t
     slots.load_planned(core, tuple(host), tuple(host_slots))  # first: eviction below must not take them
     promoted = [(g, t, k) for g, (gk, gt, gs) in enumerate(zip(keys, promote_tiers, slot_ids))
                 for k, t, s in zip(gk, gt, gs) if t and s != LOST]
-    placed = iter(lower.reserve_promotions(core, promoted))
+    placed = iter(lower.reserve_promotions(core, promoted, out))
     return tuple(tuple((-1 if s == LOST else next(placed)) if t else s for s, t in zip(gs, gt))
                  for gs, gt in zip(slot_ids, promote_tiers))
 

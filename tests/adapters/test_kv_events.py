@@ -110,3 +110,25 @@ def test_int_block_hashes_follow_vllms_setting(monkeypatch):
     e.run_and_store("a", 32, (1,))
     (stored,) = e.tier_events.take()
     assert stored.block_hashes == [int.from_bytes(chain(1)[0], "big") & ((1 << 64) - 1)]
+
+
+def test_a_disk_tier_is_advertised_with_medium_storage_while_it_holds_a_block(monkeypatch):
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    from tests.engine.builders import FULL
+
+    e = Watched(make_config(groups=(FULL,), lower_tiers=({"name": "1:fs", "num_blocks": 2},)), SPECS[:1])
+    e.tier_events = TierEvents(SPECS[:1], num_lower_tiers=1)
+    e.add("a", 96)
+    e.alloc("a", (1, 2, 3))
+    e.step(("a", 0, 96))
+    e.finish_all_jobs()  # stores, then the spills they start
+    events = e.tier_events.take()
+    cpu = [x for x in events if x.medium == "CPU"]
+    storage = [x for x in events if x.medium == "STORAGE"]
+    assert all(isinstance(x, BlockStored) for x in events)
+    assert len(cpu) == 3 and len(storage) == 2  # the disk holds two blocks
+    assert e.tier_events.advertised_in(1) == frozenset(e.core.lower[0].held)
+    e.apply(ev.CacheReset(epoch=1))
+    removed = e.tier_events.take()
+    assert {x.medium for x in removed if isinstance(x, BlockRemoved)} == {"CPU", "STORAGE"}
+    assert not e.tier_events.advertised_in(1) and not e.tier_events.advertised

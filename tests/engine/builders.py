@@ -174,14 +174,16 @@ class Engine:
         return self.apply(ev.LoadCompleted(job_id=job_id, worker_index=worker))
 
     def finish_all_jobs(self) -> None:
-        for job_id in sorted(self.core.jobs):
-            job = self.core.jobs[job_id]
-            for worker in range(self.config.world_size):
-                if job.pending_workers >> worker & 1:
-                    if job.kind.value == "store":
-                        self.store_done(job_id, worker)
-                    else:
-                        self.load_done(job_id, worker)
+        """Complete every job, and the spills their completions start, until none is left."""
+        while self.core.jobs:
+            for job_id in sorted(self.core.jobs):
+                job = self.core.jobs.get(job_id)
+                for worker in range(self.config.world_size):
+                    if job is not None and job.pending_workers >> worker & 1:
+                        if job.kind.value in ("store", "spill"):  # a spill reports as a store
+                            self.store_done(job_id, worker)
+                        else:
+                            self.load_done(job_id, worker)
 
     # Composite setups.
 

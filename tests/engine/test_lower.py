@@ -1,0 +1,173 @@
+"""Tiers below host memory, event by event: write-through, promotion, the
+races of one step's admissions, failures, capacity, discovery and reset."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.engine import effects as fx
+from kvledger.engine import queries
+from kvledger.engine.invariants import check
+from kvledger.engine.lookup import lookup
+from kvledger.events import types as ev
+from tests.engine.builders import FULL, Engine, chain, key, make_config, only
+
+pytestmark = pytest.mark.fast
+
+
+def tiered(slots: int = 8, disk: int = 16) -> Engine:
+    return Engine(make_config(groups=(FULL,), num_tier_slots=slots,
+                              lower_tiers=({"name": "1:fs", "num_blocks": disk},)))
+
+
+def stored_and_spilled(e: Engine, rid: str = "a", tokens: int = 96, blocks=(1, 2, 3), tag: str = "a") -> None:
+    e.run_and_store(rid, tokens, blocks, tag=tag)
+    e.apply(ev.RequestFinished(request_id=rid, block_ids=(blocks,)))
+
+
+def disk(e: Engine) -> list[bytes]:
+    return list(e.core.lower[0].held)
+
+
+def test_a_stored_block_is_written_through_and_the_host_keeps_it() -> None:
+    e = tiered()
+    e.add("a", 96)
+    e.alloc("a", (1, 2, 3))
+    e.step(("a", 0, 96))
+    (store,) = [j for j in e.core.jobs.values()]
+    effects = e.store_done(store.job_id)
+    (spill,) = only(effects, fx.StartSpill)
+    keys = tuple(key(h, 0) for h in chain(3))
+    assert spill.tier == 1 and spill.keys == (keys,)
+    assert spill.source_slot_ids == (tuple(e.core.slot_of_key[k] for k in keys),)
+    assert e.core.lower[0].writing == dict.fromkeys(keys, spill.job_id)
+    # The host copy is loadable while it is being written, and stays after.
+    assert all(queries.is_loadable(e.state, k) for k in keys)
+    e.store_done(spill.job_id)
+    assert disk(e) == list(keys) and not e.core.lower[0].writing
+    assert all(queries.is_loadable(e.state, k) for k in keys)
+    check(e.state)
+
+
+def test_a_failed_write_keeps_the_host_copy_and_removes_any_partial_file() -> None:
+    e = tiered()
+    e.add("a", 64)
+    e.alloc("a", (1, 2))
+    e.step(("a", 0, 64))
+    (store,) = list(e.core.jobs.values())
+    (spill,) = only(e.store_done(store.job_id), fx.StartSpill)
+    bad = spill.keys[0][0]
+    effects = e.apply(ev.StoreFailed(job_id=spill.job_id, keys=(bad,)))
+    assert only(effects, fx.DropTierKeys) == [fx.DropTierKeys(tier=1, keys=(bad,))]
+    assert disk(e) == [spill.keys[0][1]]
+    assert queries.is_loadable(e.state, bad)  # still in host memory
+    assert e.core.lower[0].counts["write_failures"] == 1
+    check(e.state)
+
+
+def evict_host(e: Engine, tag: str = "z", blocks=(10, 11, 12, 13, 14, 15, 16, 17)) -> None:
+    """Fill host memory with another document, so the first one is on disk only."""
+    stored_and_spilled(e, "filler", 32 * len(blocks), blocks, tag=tag)
+
+
+def test_a_hit_on_disk_only_is_promoted_through_a_host_slot() -> None:
+    e = tiered()
+    stored_and_spilled(e)
+    evict_host(e)
+    keys = [key(h, 0) for h in chain(3)]
+    assert not any(k in e.core.slot_of_key for k in keys) and set(keys) <= set(disk(e))
+    e.add("b", 100)
+    assert lookup(e.state, "b", 0).num_hit_tokens == 96
+    effects = e.alloc("b", (20, 21, 22, 23), ext=96)
+    (load,) = only(effects, fx.StartLoad)
+    assert load.promote_tiers == ((1, 1, 1),)
+    assert all(s >= 0 for s in load.source_slot_ids[0])
+    assert e.core.lower[0].reading == dict.fromkeys(keys, 1)
+    check(e.state)
+    e.load_done(load.job_id)
+    assert all(queries.is_loadable(e.state, k) for k in keys)  # promoted: host memory holds them again
+    assert e.core.lower[0].counts["keys_read"] == 3 and not e.core.lower[0].reading
+    assert disk(e)[-3:] == keys  # most recently used now
+    check(e.state)
+
+
+def test_a_damaged_promotion_fails_drops_the_key_and_removes_the_file() -> None:
+    e = tiered()
+    stored_and_spilled(e)
+    evict_host(e)
+    e.add("b", 100)
+    (load,) = only(e.alloc("b", (20, 21, 22, 23), ext=96), fx.StartLoad)
+    bad = load.keys[0][1]
+    effects = e.apply(ev.LoadFailed(job_id=load.job_id, block_ids=(21,), keys=(bad,)))
+    assert fx.DropTierKeys(tier=1, keys=(bad,)) in effects
+    assert bad not in e.core.lower[0].held and bad not in e.core.slot_of_key
+    assert queries.is_loadable(e.state, load.keys[0][0])  # the first block was read fine
+    assert e.core.lower[0].counts["read_failures"] == 1
+    check(e.state)
+
+
+def test_two_admissions_in_one_step_promoting_the_same_keys() -> None:
+    """vLLM looks both up before either allocation is applied: both saw the keys on disk only."""
+    e = tiered()
+    stored_and_spilled(e)
+    evict_host(e)
+    e.add("b", 100)
+    e.add("c", 100)
+    assert lookup(e.state, "b", 0).num_hit_tokens == lookup(e.state, "c", 0).num_hit_tokens == 96
+    (first,) = only(e.alloc("b", (20, 21, 22, 23), ext=96), fx.StartLoad)
+    (second,) = only(e.alloc("c", (24, 25, 26, 27), ext=96), fx.StartLoad)
+    assert second.promote_tiers == ((1, 1, 1),)
+    assert set(first.source_slot_ids[0]).isdisjoint(second.source_slot_ids[0])
+    check(e.state)
+    e.load_done(second.job_id)  # the unindexed copies are freed
+    e.load_done(first.job_id)
+    assert all(queries.is_loadable(e.state, k) for k in first.keys[0])
+    check(e.state)
+
+
+def test_a_key_lost_to_an_earlier_admission_fails_its_block() -> None:
+    """Host-only keys an earlier admission of the step evicted: that block fails, nothing raises."""
+    e = Engine(make_config(groups=(FULL,), num_tier_slots=4, lower_tiers=({"name": "1:fs", "num_blocks": 2},)))
+    e.run_and_store("a", 96, (1, 2, 3))  # 3 host slots; the disk holds only 2 of them
+    e.apply(ev.RequestFinished(request_id="a", block_ids=((1, 2, 3),)))
+    on_disk = disk(e)
+    assert len(on_disk) == 2
+    host_only = next(k for k in (key(h, 0) for h in chain(3)) if k not in on_disk)
+    e.add("b", 100)
+    assert lookup(e.state, "b", 0).num_hit_tokens == 96
+    # An earlier admission of the same step evicted it to make room for its promotions
+    # (done here by hand: the slot module's eviction, for this one key).
+    slot = e.core.slot_of_key.pop(host_only)
+    e.core.policy.remove(host_only)
+    e.core.slot_key[slot] = None
+    e.core.slot_state[slot] = 0
+    e.core.free_slots.append(slot)
+    (load,) = only(e.alloc("b", (20, 21, 22, 23), ext=96), fx.StartLoad)
+    position = load.keys[0].index(host_only)
+    assert load.source_slot_ids[0][position] == -1 and load.promote_tiers[0][position] == 1
+    check(e.state)
+
+
+def test_capacity_evicts_least_recently_used_files() -> None:
+    e = tiered(slots=16, disk=4)
+    stored_and_spilled(e, "a", 96, (1, 2, 3), tag="a")
+    first = disk(e)
+    stored_and_spilled(e, "b", 64, (4, 5), tag="b")
+    assert len(disk(e)) == 4 and first[0] not in disk(e)
+    assert e.core.lower[0].counts["evictions"] == 1
+    check(e.state)
+
+
+def test_keys_found_join_the_tier_and_a_reset_removes_everything() -> None:
+    e = tiered(disk=3)
+    found = tuple(key(h, 0) for h in chain(4, "other"))
+    effects = e.apply(ev.TierKeysFound(tier=1, keys=found))
+    assert disk(e) == list(found[1:])  # oldest first: over capacity, the oldest goes
+    assert effects == (fx.DropTierKeys(tier=1, keys=(found[0],)),)
+    e.add("b", 100, hashes=chain(3, "other"))
+    assert lookup(e.state, "b", 0).num_hit_tokens == 0  # the first block is gone: no prefix
+    effects = e.apply(ev.CacheReset(epoch=1))
+    assert fx.DropTierKeys(tier=1, keys=found[1:]) in effects and not disk(e)
+    with pytest.raises(Exception, match="unknown_tier"):
+        e.apply(ev.TierKeysFound(tier=2, keys=found))
+    check(e.state)
