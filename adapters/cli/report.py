@@ -102,6 +102,11 @@ def bucketed(series: dict, max_points: int = MAX_POINTS) -> tuple[dict, int]:
     for name in ("hit_tokens", "prompt_tokens_computed", "tokens_computed", "store_blocks", "load_blocks",
                  "keys_failed", *(name for name, _, _ in INCIDENTS)):
         out[name] = [sum(series[name][i:i + k]) for i in starts]
+    if "lower_tiers" in series:
+        out["lower_tiers"] = [
+            {**tier, "held": [tier["held"][min(i + k, n) - 1] for i in starts],
+             **{name: [sum(tier[name][i:i + k]) for i in starts] for name, _, _ in TIER_BARS}}
+            for tier in series["lower_tiers"]]
     return out, k
 
 
@@ -200,7 +205,35 @@ def _figures(full: dict, series: dict, k: int) -> dict[str, object]:
     figure.update_yaxes(autorange="reversed", type="category", automargin=True, categoryorder="array",
                         categoryarray=[t["request_id"] for t in timelines])
     figures["requests"] = figure
+    for index, tier in enumerate(series.get("lower_tiers", ()), start=1):
+        figures[f"tier-{index}"] = _tier_figure(tier, steps, x_title, step_word, common)
     return figures
+
+
+TIER_BARS = (("keys_written", "written (write-through)", "#1f77b4"),
+             ("keys_read", "promoted towards the device", "#2ca02c"),
+             ("keys_found", "found (at start, or written by another process)", "#9467bd"),
+             ("evictions", "evicted (capacity, or a reset)", "#ff7f0e"),
+             ("read_failures", "failed reads (recomputed)", "#d62728"),
+             ("write_failures", "failed writes", "#8c564b"))
+
+
+def _tier_figure(tier: dict, steps: list[int], x_title: str, step_word: str, common: dict) -> object:
+    """One tier below host memory: blocks held (line), and what moved per step (bars)."""
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    for name, label, color in TIER_BARS:
+        figure.add_trace(go.Bar(x=steps, y=tier[name], name=f"{label} ({sum(tier[name])})", marker_color=color,
+                                yaxis="y2"))
+    figure.add_trace(go.Scatter(x=steps, y=tier["held"], name=f"blocks held (capacity {tier['capacity_blocks']})",
+                                mode="lines", line=dict(shape="hv", color="#333333")))
+    figure.update_layout(title=f"Tier {tier['name']}: blocks held, and blocks moved per {step_word}",
+                         xaxis_title=x_title, yaxis=dict(title="blocks held", rangemode="tozero"),
+                         yaxis2=dict(title=f"blocks per {step_word}", overlaying="y", side="right",
+                                     rangemode="tozero"),
+                         barmode="group", bargap=0.1, **common)
+    return figure
 
 
 def _positions(series: dict) -> Callable[[int, int | None], float]:
@@ -273,6 +306,12 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
                      f"{totals['preemptions']} preemptions"),
         ("digests", f"{outcome['digests_checked']} checked"),
     ]
+    for tier in series.get("lower_tiers", ()):
+        rows.insert(-1, (f"tier {tier['name']}", (
+            f"{tier['held'][-1] if tier['held'] else 0}/{tier['capacity_blocks']} blocks held; "
+            f"{sum(tier['keys_written'])} written ({sum(tier['write_failures'])} failed), "
+            f"{sum(tier['keys_read'])} promoted ({sum(tier['read_failures'])} failed), "
+            f"{sum(tier['keys_found'])} found, {sum(tier['evictions'])} evicted")))
     table = "\n".join(f"<tr><th>{e(name)}</th><td>{e(value)}</td></tr>" for name, value in rows)
     if problem is None:
         verdict = '<p>Replay result: ok.</p>'
@@ -298,6 +337,11 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
     }
     bucket_note = (f'<p class="note">This log has {len(series["steps"])} steps: the step plots sum them in '
                    f'buckets of {k} steps. The embedded series keep every step.</p>' if k > 1 else "")
+    for index in range(1, len(series.get("lower_tiers", ())) + 1):
+        notes[f"tier-{index}"] = (
+            "A tier below host memory. Blocks are written through when their host store succeeds, and "
+            "promoted (read into host memory, then copied to the device) when a hit needs a block only "
+            "this tier holds. A failed read drops the block, which is recomputed.")
     sections = []
     for name, figure in figures.items():
         sections.append(

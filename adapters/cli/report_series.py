@@ -20,6 +20,8 @@ from kvledger.events.config import EngineConfig
 MAX_REQUESTS_DRAWN = 200
 # Per-step counters taken from the engine's running totals.
 _STAT_SERIES = ("hit_tokens", "keys_loaded", "store_failures", "load_failures", "flushes", "keys_failed")
+# Per-step counters of each tier below host memory, from its running totals.
+_TIER_COUNTS = ("keys_written", "keys_read", "write_failures", "read_failures", "keys_found", "evictions")
 
 
 class SeriesFold:
@@ -46,6 +48,8 @@ class SeriesFold:
         self._status: dict[str, str] = {}
         self._load_owner: dict[int, str] = {}
         self.num_requests = 0
+        # Per tier below host memory, per column: its usage after the column's last event.
+        self._lower: list[list[queries.LowerTierUsage]] = []
 
     def records(self, records: Iterable[object]) -> Iterator[object]:
         """Pass the records through, noting each one's step index for `observe`."""
@@ -65,6 +69,12 @@ class SeriesFold:
         self._seq_ranges[-1][1] = seq
         self._stats_end[-1] = queries.stats(state)
         self._used_slots[-1] = queries.tier_usage(state).used_slots
+        if self.config.lower_tiers:
+            usage = queries.lower_tier_usage(state)
+            if len(self._lower) < len(self.steps):
+                self._lower.append(usage)
+            else:
+                self._lower[-1] = usage
         for effect in effects:
             if isinstance(effect, fx.StartStore):
                 self._store_blocks[-1] += sum(len(keys) for keys in effect.keys)
@@ -143,7 +153,7 @@ class SeriesFold:
                 timeline["segments"][-1].update(end=last_step + 1, end_seq=None)
             timelines.append(timeline)
         problem = result.first_problem
-        return {
+        series = {
             "steps": list(self.steps),
             "seq_ranges": [list(r) for r in self._seq_ranges],
             "capacity_slots": self.config.num_tier_slots,
@@ -167,6 +177,26 @@ class SeriesFold:
                        "first_problem": None if problem is None else
                        {"seq": problem.seq, "kind": problem.kind, "detail": problem.detail}},
         }
+        if self.config.lower_tiers:
+            series["lower_tiers"] = self._lower_series()
+        return series
+
+    def _lower_series(self) -> list[dict]:
+        """Per tier below host memory: blocks held after each step, and per step the
+        blocks written, promoted, failed (either way), found and evicted."""
+        tiers = []
+        for index, spec in enumerate(self.config.lower_tiers):
+            before = dict.fromkeys(_TIER_COUNTS, 0)
+            per_step: dict[str, list[int]] = {name: [] for name in _TIER_COUNTS}
+            held = []
+            for usage in self._lower:
+                tier = usage[index]
+                held.append(tier.held_keys)
+                for name in _TIER_COUNTS:
+                    per_step[name].append(tier.counts[name] - before[name])
+                    before[name] = tier.counts[name]
+            tiers.append({"name": spec.name, "capacity_blocks": spec.num_blocks, "held": held, **per_step})
+        return tiers
 
 
 def _rejected(effects: tuple[fx.Effect, ...]) -> bool:

@@ -307,3 +307,31 @@ def test_cli_bad_report_path_exits_2(tmp_path: Path, where: str, capsys: pytest.
     assert captured.err.startswith("kvledger: ") and "Traceback" not in captured.err
     assert captured.out == ""  # refused before the replay
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_tier_below_host_memory_gets_its_row_and_panel(tmp_path: Path) -> None:
+    import random
+
+    from kvledger.adapters.engine_host import EngineHost
+    from kvledger.adapters.testing.simulator import Simulator, run_random
+    from tests.engine.builders import SIMULATED_CONFIGS
+
+    config = next(c for c in SIMULATED_CONFIGS if c.lower_tiers and len(c.groups) == 1)
+    path = tmp_path / "tiered.jsonl"
+    with EngineHost(config, log_path=path, fmt="jsonl") as host:
+        run_random(Simulator(config, host=host), random.Random(3), steps=150, arrivals=0.9, max_tokens=10,
+                   completion_rate=0.4, fail_rate=0.1, damage_rate=0.1, foreign_rate=0.05)
+    series, plain, _ = _replayed(path)
+    (tier,) = series["lower_tiers"]
+    (expected,) = plain["lower_tiers"]
+    assert tier["name"] == expected["name"] == "1:fs" and len(tier["held"]) == len(series["steps"])
+    assert tier["held"][-1] == expected["held_keys"]
+    for name in ("keys_written", "keys_read", "write_failures", "read_failures", "keys_found", "evictions"):
+        assert sum(tier[name]) == expected[name], name
+    assert expected["keys_read"] > 0 and expected["keys_written"] > 0
+    shown, k = report.bucketed(series, max_points=20)
+    assert sum(shown["lower_tiers"][0]["keys_read"]) == expected["keys_read"] and k > 1
+    parser = _parse(report.render_html(series, source="log", max_points=20))
+    figure = _figure(parser, "tier-1")
+    assert _trace(figure, "promoted")["y"] and "Tier 1:fs" in figure["layout"]["title"]["text"]
+    assert any(f"{expected['keys_read']} promoted" in text for text in parser.texts)
