@@ -41,14 +41,16 @@ def tier_name(index: int, tier: FsTierSettings) -> str:
     return f"{index}:{tier.kind}"
 
 
-def engine_tiers(settings: ConnectorSettings, slot_bytes: int) -> tuple[LowerTierSpec, ...]:
-    """Each tier's size in blocks: a block file is its header and at most a slot's bytes."""
+def engine_tiers(settings: ConnectorSettings, slot_bytes: int, world_size: int = 1) -> tuple[LowerTierSpec, ...]:
+    """Each tier's size in blocks: a block is a file per worker (each holds its rank's
+    shard), each file its header and at most a slot's bytes; `capacity_bytes` bounds them all."""
     specs = []
+    per_block = world_size * (HEADER_BYTES + slot_bytes)
     for index, tier in enumerate(settings.secondary_tiers, start=1):
-        blocks = tier.capacity_bytes // (HEADER_BYTES + slot_bytes)
+        blocks = tier.capacity_bytes // per_block
         if blocks < 1:
-            raise ConfigError(f"secondary_tiers[{index - 1}].capacity_bytes={tier.capacity_bytes} holds no block "
-                              f"file of {HEADER_BYTES + slot_bytes} bytes")
+            raise ConfigError(f"secondary_tiers[{index - 1}].capacity_bytes={tier.capacity_bytes} holds no block: "
+                              f"{world_size} file(s) of {HEADER_BYTES + slot_bytes} bytes each")
         specs.append(LowerTierSpec(name=tier_name(index, tier), num_blocks=blocks))
     return tuple(specs)
 

@@ -123,6 +123,10 @@ def main() -> None:
         if phase == "reference":
             llm.reset_prefix_cache(reset_connector=True)
         result[phase] = run(shifted if phase in ("shifted", "reference") else first)
+        if phase == "first" and spec.get("remove_after_first"):  # a directory that vanishes under the engine
+            import shutil
+
+            shutil.rmtree(spec["remove_after_first"])
     if kv_events is not None:
         result["kv_events"] = kv_events
     print("RESULT " + json.dumps(result), flush=True)
