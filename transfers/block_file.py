@@ -113,10 +113,7 @@ def _write_all(fd: int, buffers: tuple[memoryview, ...]) -> None:
 
 def read_block_into(path: str | os.PathLike, namespace: bytes, key: bytes, out: object) -> None:
     """Fill `out` (a writable buffer of the block's size) from the file, or
-    raise `BlockFileError` naming why the file cannot be served.
-
-    One `readv` reads the header, the payload and one byte past it (a file
-    too long), where separate reads cost a syscall each."""
+    raise `BlockFileError` naming why the file cannot be served."""
     target = memoryview(out).cast("B")  # type: ignore[arg-type]
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -124,28 +121,22 @@ def read_block_into(path: str | os.PathLike, namespace: bytes, key: bytes, out: 
         raise BlockFileError("missing", path, "no such file") from None
     except OSError as exc:
         raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
-    header = bytearray(HEADER_BYTES)
-    extra = bytearray(1)
     try:
-        got = os.readv(fd, [header, target, extra])
-        expected = HEADER_BYTES + target.nbytes
-        while got < expected:  # a short read (rare on a regular file): read on until the end
-            rest = [memoryview(header)[got:], target] if got < HEADER_BYTES else [target[got - HEADER_BYTES:]]
-            more = os.readv(fd, [*rest, extra])
-            if not more:
-                break
-            got += more
-        if got == expected:
-            got += os.readv(fd, [extra])
+        with os.fdopen(fd, "rb", buffering=0, closefd=True) as file:
+            header = file.read(HEADER_BYTES)
+            _check_header(path, header, namespace, key, target.nbytes)
+            got = 0
+            while got < target.nbytes:
+                count = file.readinto(target[got:])
+                if not count:
+                    break
+                got += count
+            if got != target.nbytes:
+                raise BlockFileError("truncated", path, f"{got} of {target.nbytes} payload bytes")
+            if file.read(1):
+                raise BlockFileError("corrupt", path, "bytes after the payload")
     except OSError as exc:
         raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
-    finally:
-        os.close(fd)
-    _check_header(path, bytes(header[:min(got, HEADER_BYTES)]), namespace, key, target.nbytes)
-    if got < HEADER_BYTES + target.nbytes:
-        raise BlockFileError("truncated", path, f"{max(0, got - HEADER_BYTES)} of {target.nbytes} payload bytes")
-    if got > HEADER_BYTES + target.nbytes:
-        raise BlockFileError("corrupt", path, "bytes after the payload")
     if xxhash.xxh3_64_intdigest(target) != _FIXED.unpack_from(header)[6]:
         raise BlockFileError("corrupt", path, "payload checksum mismatch")
 
