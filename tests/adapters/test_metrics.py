@@ -80,3 +80,27 @@ def test_prometheus_metrics_use_vllm_names_where_the_meaning_matches():
     assert value("vllm:kv_offload_allocation_failure_total") == 0
     with pytest.raises(KeyError, match="unknown metric"):
         prom.observe({m.COUNTER: {"vllm:something_else": 1}})
+
+
+def test_tier_metrics_carry_vllm_033_names_and_a_tier_label():
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    config = SimpleNamespace(kv_transfer_config=None)
+    prom = KVLedgerConnector.build_prom_metrics(config, types, list(LABELS), {0: list(LABELS.values())})
+    worker, scheduler = m.KVLedgerStats(), m.KVLedgerStats()
+    worker.add(m.TIER_READ_BYTES, 2 << 20, "1:fs")
+    worker.add(m.TIER_PROMOTION_LATENCY, 0.004, "1:fs")
+    worker.add(m.TIER_CASCADE_FAILURES, 1, "1:fs")
+    scheduler.add(m.TIER_HELD, 12, "1:fs")
+    # Across processes as vLLM sends it (pickled), then merged and observed.
+    rebuilt = KVLedgerConnector.build_kv_connector_stats(pickle.loads(pickle.dumps(worker.aggregate(scheduler).to_dict())))
+    prom.observe(rebuilt.to_dict())
+    tier = {**LABELS, "tier": "1:fs"}
+    assert registry.get_sample_value("vllm:kv_offload_tiering_read_bytes_total", tier) == 2 << 20
+    assert registry.get_sample_value("vllm:kv_offload_tiering_promotion_latency_seconds_count", tier) == 1
+    assert registry.get_sample_value("vllm:kv_offload_tiering_cascade_job_failures_total", tier) == 1
+    assert registry.get_sample_value("vllm:kvledger_tiering_held_blocks", tier) == 12
+    with pytest.raises(AssertionError):
+        worker.add(m.TIER_READ_BYTES, 1)  # a tier metric needs its tier
+    with pytest.raises(KeyError, match="unknown metric"):
+        prom.observe({m.COUNTER: {"vllm:kv_offload_load_bytes|1:fs": 1}})  # not a tier metric

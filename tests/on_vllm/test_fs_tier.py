@@ -53,10 +53,11 @@ def test_a_new_process_restores_what_an_earlier_one_stored(models, tmp_path, mod
     assert two["stats"]["hit_tokens"] == sum(second["first"]["cached"])
 
 
-def test_a_host_tier_smaller_than_the_working_set_promotes_from_disk(models, tmp_path):
+@pytest.mark.parametrize("model", MODELS)
+def test_a_host_tier_smaller_than_the_working_set_promotes_from_disk(models, tmp_path, model):
     tier = tmp_path / "tier"
     # A host tier of a few slots: most of what `again` needs is only on disk.
-    result, summary = _engine(models, "tiny-llama", tmp_path / "events.log", tier, hash_seed=None,
+    result, summary = _engine(models, model, tmp_path / "events.log", tier, hash_seed=None,
                               host_bytes=1 << 20, phases=("first", "again", "shifted", "reference"))
     assert result["again"]["tokens"] == result["first"]["tokens"]
     assert result["shifted"]["tokens"] == result["reference"]["tokens"]
