@@ -22,7 +22,6 @@ from __future__ import annotations
 from . import effects as fx
 from . import slots
 from .state import SPILL as _SPILL
-from .state import STORED as _STORED
 from .state import Core, Job, LowerTier
 
 
@@ -230,8 +229,3 @@ def drop_all(core: Core, out: list[fx.Effect]) -> int:
             out.append(fx.DropTierKeys(tier=index, keys=keys))
     return dropped
 
-
-def is_stored(core: Core, key: bytes) -> bool:
-    """Whether a host slot holds `key` whole."""
-    slot = core.slot_of_key.get(key, -1)
-    return slot >= 0 and core.slot_state[slot] == _STORED
