@@ -86,6 +86,7 @@ class LedgerScheduler:
         self.tier_events = tier_events
         self._violations = 0
         self._reported: dict[str, int] = {}  # engine totals at the last stats report
+        self._tier_reported: dict[tuple[str, str], int] = {}  # each lower tier's, likewise
         self._lookup_seconds: list[float] = []
         self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
         self._tiers = tiers
@@ -251,9 +252,9 @@ class LedgerScheduler:
             stats.add(m.TIER_HELD, usage.held_keys, usage.name)
             stats.add(m.TIER_BLOCKS_CAPACITY, usage.capacity_blocks, usage.name)
             for field, metric in _TIER_COUNTED:
-                mark = f"{usage.name}/{field}"
-                stats.add(metric, usage.counts[field] - self._reported.get(mark, 0), usage.name)
-                self._reported[mark] = usage.counts[field]
+                mark = (usage.name, field)
+                stats.add(metric, usage.counts[field] - self._tier_reported.get(mark, 0), usage.name)
+                self._tier_reported[mark] = usage.counts[field]
         return stats
 
     def take_events(self) -> list:

@@ -104,3 +104,24 @@ def test_tier_metrics_carry_vllm_033_names_and_a_tier_label():
         worker.add(m.TIER_READ_BYTES, 1)  # a tier metric needs its tier
     with pytest.raises(KeyError, match="unknown metric"):
         prom.observe({m.COUNTER: {"vllm:kv_offload_load_bytes|1:fs": 1}})  # not a tier metric
+
+
+def test_the_scheduler_reports_each_tier_count_once():
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from kvledger.events import types as ev
+    from tests.engine.builders import FULL, chain, make_config
+
+    config = make_config(groups=(FULL,), lower_tiers=({"name": "1:fs", "num_blocks": 8},))
+    scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
+    try:
+        scheduler.host.apply(ev.TierKeysFound(tier=1, keys=chain(3)))
+        first = scheduler.take_stats().data
+        assert first[m.COUNTER]["vllm:kvledger_tiering_found_blocks|1:fs"] == 3
+        assert first[m.GAUGE]["vllm:kvledger_tiering_held_blocks|1:fs"] == 3
+        scheduler.host.apply(ev.TierKeysFound(tier=1, keys=chain(2, "b")))
+        second = scheduler.take_stats().data
+        assert second[m.COUNTER]["vllm:kvledger_tiering_found_blocks|1:fs"] == 2  # the change, not the total
+        assert "vllm:kvledger_tiering_found_blocks|1:fs" not in scheduler.take_stats().data[m.COUNTER]
+    finally:
+        scheduler.shutdown()
