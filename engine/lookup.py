@@ -18,13 +18,16 @@ class LookupResult:
 
     num_hit_tokens: int
     ready: bool = True
+    slots_taken: int = 0  # with lower tiers: host slots the hit's load takes from the evictable pool
 
 
 MISS = LookupResult(0)
 LATER = LookupResult(0, ready=False)
 
 
-def lookup(state: State, request_id: str, num_local_tokens: int) -> LookupResult:
+def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised: int = 0) -> LookupResult:
+    """`slots_promised`: host slots earlier hits of this step will take (the sum of
+    their `slots_taken`): vLLM admits several requests before the engine sees any."""
     core = state.core
     request = core.requests.get(request_id)
     if request is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -50,17 +53,18 @@ def lookup(state: State, request_id: str, num_local_tokens: int) -> LookupResult
     # whose keys from lower tiers fit in host memory on their way to the device.
     end = best
     partial = [g for g in core.groups if g.kind is not GroupKind.FULL]
+    taken = 0
     while end > num_local_tokens:
         if all(_covers(core, request, g, num_local_tokens, end, known) for g in partial):
-            sources = _sources(core, request, num_local_tokens, end)
-            if sources is None:
+            taken = _slots_taken(core, request, num_local_tokens, end, slots_promised)
+            if taken is None:
                 return LATER
-            if sources:
+            if taken >= 0:
                 break
         end -= alignment
     if end <= num_local_tokens:
         return MISS
-    return LookupResult(end - num_local_tokens)
+    return LookupResult(end - num_local_tokens, slots_taken=taken)
 
 
 def _known(core):
@@ -72,10 +76,12 @@ def _known(core):
     return lambda key: key in slot_of_key or any(key in held for held in helds)
 
 
-def _sources(core, request, start: int, end: int) -> bool | None:
-    """Whether the hit [start, end) can be loaded now: None if a host key is
-    still being stored or another request is loading it (ask again later),
-    False if its promotions need more host slots than can be freed."""
+def _slots_taken(core, request, start: int, end: int, promised: int) -> int | None:
+    """With lower tiers, the host slots the hit [start, end) takes from the
+    evictable pool: a slot for each key a lower tier holds (a promotion), and
+    each evictable host key it reads (pinned while it does); 0 without. None if
+    a host key is still being stored or another request is loading it (ask
+    again later), -1 if the promotions need more slots than can be freed."""
     slot_of_key = core.slot_of_key
     slot_state = core.slot_state
     slot_loads = core.slot_loads
@@ -96,9 +102,11 @@ def _sources(core, request, start: int, end: int) -> bool | None:
             loads = slot_loads.get(slot, 0)
             if loads and loads > spill_reads.get(slot, 0):
                 return None
-            if promotions or core.lower:
+            if core.lower:
                 pinned += key in policy
-    return not promotions or promotions <= core.num_free_slots() + len(policy) - pinned
+    if promotions and promotions > core.num_free_slots() + len(policy) - pinned - promised:
+        return -1
+    return promotions + pinned
 
 
 def _covers(core, request, group, start: int, end: int, known) -> bool:

@@ -35,6 +35,8 @@ LOOKUP_TIMEOUT_S = 5.0
 LOOKUP_WAIT_S = 0.002
 """How long a lookup may hold the scheduler's call, so a fast disk answers at once."""
 LOOKUP_KEYS_MAX = 4096
+TOMBSTONES_MAX = 1 << 16
+"""Keys this process removed, remembered so a lookup that raced the removal cannot bring them back."""
 
 
 def tier_name(index: int, tier: FsTierSettings) -> str:
@@ -70,6 +72,9 @@ class SchedulerTiers:
         self._asked: dict[str, float] = {}  # request -> when its lookup was sent (answered ones are dropped)
         self._answered: set[str] = set()
         self._found: list[ev.TierKeysFound] = []
+        # Per tier, keys this process asked its workers to remove, oldest first. A lookup can see
+        # such a file before the worker has removed it: finding it would offer a block that is gone.
+        self._tombstones: dict[int, dict[bytes, None]] = {index: {} for index in self._lookups}
 
     def startup_events(self) -> list[ev.TierKeysFound]:
         """What each tier holds now: blocks every rank has, oldest first."""
@@ -112,9 +117,22 @@ class SchedulerTiers:
             self._done(request_id)
         return request_id in self._asked
 
+    def removed(self, tier: int, keys: Sequence[bytes]) -> None:
+        """The engine dropped these keys from a tier (`DropTierKeys`): lookups must not find them."""
+        tombstones = self._tombstones.get(tier)
+        if tombstones is None:
+            return
+        for key in keys:
+            tombstones.pop(key, None)
+            tombstones[key] = None
+        while len(tombstones) > TOMBSTONES_MAX:
+            del tombstones[next(iter(tombstones))]
+
     def _collect(self) -> None:
         for index, lookups in self._lookups.items():
+            tombstones = self._tombstones[index]
             for request_id, found in lookups.poll():
+                found = tuple(k for k in found if k not in tombstones)
                 if found:
                     self._found.append(ev.TierKeysFound(tier=index, keys=found))
                 self._done(request_id)  # with several shared tiers, the first answer releases the request

@@ -81,6 +81,8 @@ class LedgerScheduler:
         self._requests: dict[str, Request] = {}
         self._local_hit: dict[str, int] = {}  # the local hit vLLM passed to the last lookup
         self._admitted: list[Admission] = []  # this step's, in vLLM's order
+        self._promised = 0  # host slots this step's admitted hits take (promotions, and keys they pin)
+        self._pending_promotions: dict[str, int] = {}  # slots each request's last hit would take
         self._step = 0
         self._epoch = 0
         self.tier_events = tier_events
@@ -113,6 +115,10 @@ class LedgerScheduler:
         if effects:
             self._carry_out(effects, jobs)
             self._carried.extend(e for e in effects if fx.ROUTES[type(e)] in fx.WORKER_PHASES)
+            if self._tiers is not None:
+                for effect in effects:
+                    if type(effect) is fx.DropTierKeys:
+                        self._tiers.removed(effect.tier, effect.keys)
         for event in events:
             if type(event) in _FAILURES:
                 job = jobs.get(event.job_id)  # type: ignore[union-attr]
@@ -172,7 +178,7 @@ class LedgerScheduler:
             found = tiers.answers()
             if found:
                 self._apply(list(found))
-        result = lookup(self.host.state, rid, num_computed_tokens)
+        result = lookup(self.host.state, rid, num_computed_tokens, self._promised)
         if result.ready and tiers is not None and tiers.shared:
             # Keys beyond the hit that another process may have written: look once.
             wanted = queries.unknown_keys(self.host.state, rid, num_computed_tokens + result.num_hit_tokens)
@@ -182,17 +188,20 @@ class LedgerScheduler:
             found = tiers.answers()
             if found:
                 self._apply(list(found))
-                result = lookup(self.host.state, rid, num_computed_tokens)
+                result = lookup(self.host.state, rid, num_computed_tokens, self._promised)
         self._lookup_seconds.append(time.perf_counter() - started)
         if not result.ready:
             return None, False  # a needed key is still being stored or loaded: ask next step
         hit = result.num_hit_tokens
+        self._pending_promotions[rid] = result.slots_taken
         return hit, hit > 0  # loads are asynchronous: the request waits for them in WAITING_FOR_REMOTE_KVS
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         rid = request.request_id
         if queries.request_status(self.host.state, rid) in queries.ADMITTABLE:
             self._admitted.append(Admission(rid, self._local_hit.pop(rid, 0), num_external_tokens))
+            if num_external_tokens:  # admitted with its hit: its promotions are spoken for
+                self._promised += self._pending_promotions.pop(rid, 0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLedgerMetadata:
         assert self._managers, "bind_kv_cache_manager was not called"
@@ -205,6 +214,8 @@ class LedgerScheduler:
             keys_of=self._keys_of)
         events = plan_step(self.host.state, step)
         self._admitted = []
+        self._promised = 0
+        self._pending_promotions.clear()
         if scheduled:
             self._step += 1
         self._apply(events)

@@ -171,3 +171,16 @@ def test_keys_found_join_the_tier_and_a_reset_removes_everything() -> None:
     with pytest.raises(Exception, match="unknown_tier"):
         e.apply(ev.TierKeysFound(tier=2, keys=found))
     check(e.state)
+
+
+def test_a_lookup_counts_the_slots_earlier_hits_of_the_step_will_take() -> None:
+    e = tiered(slots=4)
+    stored_and_spilled(e)
+    evict_host(e, blocks=(10, 11, 12, 13))
+    e.add("b", 100)
+    alone = lookup(e.state, "b", 0)
+    assert alone.num_hit_tokens == 96 and alone.slots_taken == 3  # three promotions
+    # Earlier admissions of this step already took two of the four slots: two blocks fit.
+    assert lookup(e.state, "b", 0, slots_promised=2).num_hit_tokens == 64
+    assert lookup(e.state, "b", 0, slots_promised=3).num_hit_tokens == 32
+    assert lookup(e.state, "b", 0, slots_promised=4).num_hit_tokens == 0

@@ -56,12 +56,13 @@ def test_a_new_process_restores_what_an_earlier_one_stored(models, tmp_path, mod
 @pytest.mark.parametrize("model", MODELS)
 def test_a_host_tier_smaller_than_the_working_set_promotes_from_disk(models, tmp_path, model):
     tier = tmp_path / "tier"
-    # A host tier of a few slots: most of what `again` needs is only on disk.
+    # A host tier of a few slots (6 for tiny-llama): much of what `again` needs is only on disk.
     result, summary = _engine(models, model, tmp_path / "events.log", tier, hash_seed=None,
-                              host_bytes=1 << 20, phases=("first", "again", "shifted", "reference"))
+                              host_bytes=192 << 10, phases=("first", "again", "shifted", "reference"))
     assert result["again"]["tokens"] == result["first"]["tokens"]
     assert result["shifted"]["tokens"] == result["reference"]["tokens"]
-    assert all(c > 0 for c in result["again"]["cached"])
+    # Four requests at once share six host slots: a hit whose promotions find no slot is trimmed.
+    assert sum(result["again"]["cached"]) > 0
     lower = summary["lower_tiers"][0]
     assert lower["keys_read"] > 0 and lower["read_failures"] == 0
     assert summary["stats"]["evictions"] > 0  # the host tier did overflow
