@@ -135,6 +135,11 @@ class FsTierIO:
         self._queue: collections.deque[_Block | tuple[str, bytes] | None] = collections.deque()
         self._pending: dict[int, _Job] = {}
         self._finished: list[TierIoOutcome] = []
+        # Removals not yet carried out, per key. A write of a key first carries out the removals
+        # queued before it, so a removal that a slower thread reaches later never deletes the new
+        # file; removals and those writes' first step hold `_removing`, so they cannot interleave.
+        self._removals: dict[bytes, int] = {}
+        self._removing = threading.Lock()
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"kvledger-fs-{n}", daemon=True)
                          for n in range(threads)]
@@ -186,7 +191,10 @@ class FsTierIO:
             if self._closed:
                 return
             before = len(self._queue)
-            self._queue.extend(("delete", bytes(k)) for k in keys)
+            for key in keys:
+                key = bytes(key)
+                self._removals[key] = self._removals.get(key, 0) + 1
+                self._queue.append(("delete", key))
             self._cond.notify(len(self._queue) - before)
 
     def poll(self) -> list[TierIoOutcome]:
@@ -250,6 +258,7 @@ class FsTierIO:
             if job.kind == "read":
                 read_block_into(path, self.namespace, key, payload)
             else:
+                self._remove_before_write(key, path)
                 self._write(path, key, payload, bounce)
             nbytes = payload.nbytes
         except BlockFileError as error:
@@ -274,7 +283,26 @@ class FsTierIO:
         write_block(path, self.namespace, key, payload)
 
     def _delete(self, key: bytes) -> None:
-        path = block_path(self.root, self.namespace, key)
+        with self._removing:
+            with self._cond:
+                pending = self._removals.get(key, 0)
+                if not pending:
+                    return  # a later write of the key carried it out first
+                if pending == 1:
+                    del self._removals[key]
+                else:
+                    self._removals[key] = pending - 1
+            self._unlink(block_path(self.root, self.namespace, key))
+
+    def _remove_before_write(self, key: bytes, path: Path) -> None:
+        with self._removing:
+            with self._cond:
+                pending = self._removals.pop(key, 0)
+            if pending:
+                self._unlink(path)
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
         try:
             os.unlink(path)
         except FileNotFoundError:

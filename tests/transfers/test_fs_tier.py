@@ -399,3 +399,21 @@ def test_key_lookups_find_a_key_only_where_every_namespace_has_it(tmp_path):
         assert answers(only_one, 1) == [("f", ())]
     finally:
         only_one.close()
+
+
+def test_a_removal_queued_before_a_write_of_the_same_key_never_deletes_the_new_file(tmp_path, tiers) -> None:
+    """Evicted, then written again at once: whichever thread gets there first, the new file stays."""
+    io = tiers(tmp_path, threads=16)
+    keys = tuple(key(n) for n in range(8))
+    groups = len(SIZES)
+    only_first = lambda ids: tuple(ids if g == 0 else () for g in range(groups))  # noqa: E731
+    for job_id in range(1, 40):
+        io.delete(keys)
+        io.write(job_id, only_first(keys), only_first(tuple(range(8))))
+        io.wait([job_id], 30)
+        assert io.poll()[0].ok
+        # The removals of this round are done or skipped once the queue drains.
+        deadline = time.monotonic() + 5
+        while io._removals and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert all(block_path(tmp_path, NS, k).exists() for k in keys), job_id
