@@ -121,6 +121,8 @@ def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
         blocks = list(filter(None, blocks))
     if not blocks:
         return True
+    if max(blocks) >= len(core.block_refs) or min(blocks) < 0:
+        return False  # named by `_block_problems`
     if min(map(core.block_refs.__getitem__, blocks)) <= (0 if held else -1):
         return False
     # Pins change only with pinning stores (their jobs are checked); in flush mode never.
@@ -147,6 +149,9 @@ def _block_problems(core: Core, blocks: list[int], held: bool, request_id: str |
     """`_check_block` of each block and, if the request `request_id` now `held`
     them, a positive count."""
     for block in blocks:
+        if not 0 <= block < len(core.block_refs):
+            problems.append(f"block {block}: outside the device pool [0, {len(core.block_refs)})")
+            continue
         _check_block(core, block, problems)
         if held and block != NULL_BLOCK_ID and core.block_refs[block] <= 0:
             problems.append(f"request {request_id}: holds block {block} whose ref count "

@@ -95,14 +95,16 @@ def replay(
         result.by_kind[event.kind] += 1
         if event.kind == "step_scheduled":
             result.steps += 1
+        rejected = False
         for effect in produced:
             if isinstance(effect, fx.ReportViolation):
+                rejected = True
                 result.violations.append((seq, effect))
                 if result.first_problem is None:
                     result.first_problem = Finding(seq, "violation", f"{effect.code}: {effect.message}")
         if observe is not None:
             observe(seq, event, state, produced)
-        if check_invariants:
+        if check_invariants and not rejected:  # a rejected event changed nothing: no footprint to check
             try:
                 check_event(state, event, first_new_job)
             except InvariantViolation as broken:

@@ -53,9 +53,27 @@ class PolicyName(enum.Enum):
     ARC = "arc"
 
 
+# Upper bounds, so a damaged or hostile log header cannot ask for an impossible
+# engine (10^30 slots overflow; 2^31 device blocks take 100 GB; 10^9 workers run
+# for minutes). Each is far beyond any real deployment (an H200 holds under 2^20
+# blocks of a small model; 2 TB of host memory, 2^25 slots of 64 KiB), and at
+# the limits the engine's tables take about 3 GB.
+LIMITS = {
+    "block_size": 1 << 20, "window": 1 << 30, "hash_block_size": 1 << 20, "group_id": 1 << 10,
+    "num_device_blocks": 1 << 24, "num_tier_slots": 1 << 28, "num_blocks": 1 << 40, "world_size": 1 << 12,
+}
+
+
+def _bounded(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    limit = LIMITS[attribute.name]
+    if isinstance(value, int) and value > limit:
+        raise ConfigError(f"{attribute.name} must be at most {limit}, got {value}")
+
+
 def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+    _bounded(_inst, attribute, value)
 
 
 @attrs.frozen(kw_only=True)
@@ -68,8 +86,10 @@ class GroupSpec:
     window: int = 0  # tokens; SLIDING only
 
     def __attrs_post_init__(self) -> None:
-        if self.group_id < 0:
-            raise ConfigError(f"group_id must be >= 0, got {self.group_id}")
+        if not 0 <= self.group_id <= LIMITS["group_id"]:
+            raise ConfigError(f"group_id must be in [0, {LIMITS['group_id']}], got {self.group_id}")
+        if self.window > LIMITS["window"]:
+            raise ConfigError(f"window must be at most {LIMITS['window']}, got {self.window}")
         if self.kind is GroupKind.SLIDING and self.window <= 0:
             raise ConfigError(f"group {self.group_id}: a sliding group needs window > 0")
         if self.kind is not GroupKind.SLIDING and self.window != 0:

@@ -245,6 +245,8 @@ def _parse_line(line: bytes, number: int) -> dict:
         obj = json.loads(line)
     except ValueError as exc:
         raise LogError(f"corrupt: bad JSON ({exc})", line=number) from None
+    except RecursionError:  # a value nested thousands deep: no record of ours is
+        raise LogError("corrupt: JSON nested too deeply", line=number) from None
     if type(obj) is not dict:
         raise LogError(f"corrupt: expected a JSON object, got {type(obj).__name__}", line=number)
     return obj

@@ -68,6 +68,37 @@ def test_violation_names_its_seq(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert "FIRST PROBLEM at seq 2 (violation)" in out and "illegal_request_event" in out
 
 
+def test_replay_check_names_a_block_outside_the_pool(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`--check` once crashed with IndexError here, where plain replay names the violation."""
+    from kvledger.adapters.engine_host import EngineHost
+    from kvledger.events import types as ev
+    from kvledger.events.config import EngineConfig, GroupSpec
+
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
+                          num_device_blocks=8, num_tier_slots=8)
+    path = tmp_path / "outside.jsonl"
+    with EngineHost(config, log_path=path, fmt="jsonl") as host:
+        host.apply(ev.RequestAdded(request_id="a", num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
+        host.apply(ev.BlocksAllocated(request_id="a", block_ids=((1, 99),)))
+    assert main(["replay", str(path), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "FIRST PROBLEM at seq 1 (violation)" in out and "block_out_of_range" in out
+
+
+def test_the_footprint_check_names_blocks_outside_the_pool() -> None:
+    from kvledger.engine import invariants
+    from kvledger.engine.state import initial_state
+    from kvledger.events.config import EngineConfig, GroupSpec
+
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
+                          num_device_blocks=8, num_tier_slots=8)
+    core = initial_state(config).core
+    problems: list[str] = []
+    assert not invariants._blocks_look_fine(core, [1, 8], False)
+    invariants._block_problems(core, [1, 8, -1], False, "a", problems)
+    assert problems == ["block 8: outside the device pool [0, 8)", "block -1: outside the device pool [0, 8)"]
+
+
 @pytest.mark.parametrize("damage", ["missing", "empty", "truncated", "garbage"])
 def test_bad_files_exit_2_with_a_message(tmp_path: Path, hybrid_log: Path, damage: str,
                                          capsys: pytest.CaptureFixture) -> None:

@@ -124,6 +124,13 @@ def test_a_line_must_be_an_object() -> None:
     fails(lines, "corrupt: expected a JSON object, got list", 3)
 
 
+def test_a_line_nested_too_deeply_is_corrupt_not_a_crash() -> None:
+    """json once raised RecursionError out of the reader here."""
+    lines = jsonl(EXAMPLE_RECORDS)
+    lines[2] = b"[" * 100_000 + b"]" * 100_000 + b"\n"
+    fails(lines, "corrupt: JSON nested too deeply", 3)
+
+
 def test_unknown_kind() -> None:
     lines = jsonl(EXAMPLE_RECORDS)
     lines[2] = lines[2].replace(b'"kind":"block_hashes_appended"', b'"kind":"hashes_grown"')
@@ -217,6 +224,11 @@ def _header_line(**changes: object) -> bytes:
         (_header_line(config={**CONFIG.to_dict(), "groups": [{"group_id": 0}]}), "config: .*'kind'"),
         (_header_line(config={**CONFIG.to_dict(), "policy": "fifo"}), "config: .*'fifo'"),
         (_header_line(config=[1]), "config: config must be a mapping"),
+        # Impossible sizes are refused before anything is allocated (they once overflowed,
+        # filled memory, or ran for minutes).
+        (_header_line(config={**CONFIG.to_dict(), "num_tier_slots": 10**30}), "config: num_tier_slots must be at most"),
+        (_header_line(config={**CONFIG.to_dict(), "num_device_blocks": 2**31}), "config: num_device_blocks must be at most"),
+        (_header_line(config={**CONFIG.to_dict(), "world_size": 10**9}), "config: world_size must be at most"),
         (_header_line(schema_version=LOG_SCHEMA_VERSION + 1),
          rf"schema_version {LOG_SCHEMA_VERSION + 1} is newer than this reader knows \({LOG_SCHEMA_VERSION}\)"),
         (_header_line(schema_version="1"), "schema_version must be an int"),
