@@ -29,7 +29,7 @@ class EngineHost:
 
     def __init__(self, config: EngineConfig, *, log_path: str | os.PathLike | None = None,
                  fmt: str = "binary", digest_interval: int = 64, strict: bool = False,
-                 overwrite: bool = False, background: bool = False) -> None:
+                 overwrite: bool = False, background: bool = False, next_free: bool = False) -> None:
         self.state: State = initial_state(config)
         self.strict = strict
         self.digest_interval = digest_interval
@@ -40,7 +40,7 @@ class EngineHost:
         if log_path is not None:
             header = LogHeader(engine_version=__version__, config=config, digest_interval=digest_interval)
             self.writer = LogWriter(log_path, header, fmt, overwrite=overwrite,  # type: ignore[arg-type]
-                                    background=background)
+                                    background=background, next_free=next_free)
 
     def apply(self, event: ev.Event) -> tuple[fx.Effect, ...]:
         self.state, effects = reduce(self.state, event, strict=self.strict)

@@ -75,13 +75,30 @@ def _records(records: Iterator[Record], file: BinaryIO, source: str) -> Iterator
 def unused_path(path: str) -> str:
     """`path`, or `name.1.ext`, `name.2.ext`, ... if taken: a restarted server,
     or a second engine, must never overwrite the log of an earlier run."""
-    if not os.path.exists(path):
-        return path
+    for candidate in _candidates(path):
+        if not os.path.exists(candidate):
+            return candidate
+    raise AssertionError("unreachable")
+
+
+def _candidates(path: str) -> Iterator[str]:
+    yield path
     root, ext = os.path.splitext(path)
     n = 1
-    while os.path.exists(f"{root}.{n}{ext}"):
+    while True:
+        yield f"{root}.{n}{ext}"
         n += 1
-    return f"{root}.{n}{ext}"
+
+
+def create_unused(path: str | os.PathLike) -> tuple[BinaryIO, Path]:
+    """Create the first free name of `unused_path`'s sequence, atomically: two
+    engines starting at once on one path each get a file of their own."""
+    for candidate in _candidates(os.fspath(path)):
+        try:
+            return open(candidate, "xb", buffering=0), Path(candidate)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def open_log(path: str | os.PathLike) -> tuple[LogHeader, Iterator[Record]]:
@@ -149,8 +166,10 @@ class LogWriter:
 
     def __init__(
         self, path: str | os.PathLike, header: LogHeader, fmt: Format = "jsonl", *, overwrite: bool = False,
-        background: bool = False,
+        background: bool = False, next_free: bool = False,
     ) -> None:
+        """`next_free`: if `path` is taken, write `name.1.ext`, `name.2.ext`, ...
+        (the first free one, claimed atomically); `self.path` says which."""
         if fmt not in ("jsonl", "binary"):
             raise ValueError(f"fmt must be 'jsonl' or 'binary', got {fmt!r}")
         self.path = Path(path)
@@ -167,7 +186,10 @@ class LogWriter:
         head = encode_binary_header(header) if fmt == "binary" else encode_jsonl_header(header)
         # Unbuffered: each step is one write of whole frames, and no copy of a
         # half-written buffer can be flushed twice (by a forked child, say).
-        self._file: BinaryIO | None = self.path.open("wb" if overwrite else "xb", buffering=0)
+        if next_free and not overwrite:
+            self._file, self.path = create_unused(self.path)
+        else:
+            self._file = self.path.open("wb" if overwrite else "xb", buffering=0)
         self._owner = os.getpid()
         try:
             self._write(head)

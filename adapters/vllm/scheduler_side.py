@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import structlog
 
 from kvledger.adapters.engine_host import EngineHost
-from kvledger.adapters.log_files import unused_path
 from kvledger.adapters.settings import ConnectorSettings
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
@@ -39,7 +38,7 @@ from kvledger.engine.lookup import lookup
 from kvledger.engine.planner import Admission, StepInputs, new_hashes, plan_step
 from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
-from kvledger.events.config import EngineConfig, StoreMode
+from kvledger.events.config import ConfigError, EngineConfig, StoreMode
 from kvledger.events.keys import hex_keys
 
 if TYPE_CHECKING:
@@ -70,10 +69,14 @@ class LedgerScheduler:
                  tier_events: TierEvents | None = None, tiers: SchedulerTiers | None = None) -> None:
         self.config = config
         self.settings = settings
-        self.log_path = unused_path(settings.event_log) if settings.event_log else None
-        self.host = EngineHost(
-            config, log_path=self.log_path, fmt=settings.event_log_format,
-            digest_interval=settings.digest_interval, background=True)
+        try:
+            self.host = EngineHost(
+                config, log_path=settings.event_log, fmt=settings.event_log_format,
+                digest_interval=settings.digest_interval, background=True, next_free=True)
+        except OSError as exc:  # a missing or read-only directory: name the setting
+            raise ConfigError(f"event_log {settings.event_log!r} cannot be created: "
+                              f"{exc.strerror or exc} (errno {exc.errno})") from None
+        self.log_path = str(self.host.writer.path) if self.host.writer is not None else None
         if self.log_path is not None:
             _log.info("event_log_opened", path=self.log_path)
         self._managers: tuple = ()  # vLLM's per-group managers, in group order

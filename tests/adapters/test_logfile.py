@@ -317,3 +317,44 @@ def test_a_forked_child_leaves_its_parents_log_alone(tmp_path: Path, background:
     expected.append(writer._pending[0])
     writer.close()
     assert read(path) == expected
+
+
+def test_engines_starting_at_once_on_one_path_each_get_a_log(tmp_path: Path) -> None:
+    """Checking for a free name, then creating it, once lost this race (FileExistsError)."""
+    import threading
+
+    log = tmp_path / "events.log"
+    start = threading.Barrier(8)
+    paths: list[Path] = []
+    errors: list[BaseException] = []
+
+    def open_one() -> None:
+        start.wait()
+        try:
+            writer = LogWriter(log, HEADER, "binary", next_free=True)
+            paths.append(writer.path)
+            writer.close()
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert sorted(paths) == sorted([log] + [tmp_path / f"events.{n}.log" for n in range(1, 8)])
+    for path in paths:
+        header, records = open_log(path)
+        assert header == HEADER and list(records) == []
+
+
+@pytest.mark.vllm
+def test_an_event_log_that_cannot_be_created_names_the_setting(tmp_path: Path) -> None:
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from kvledger.events.config import ConfigError
+
+    settings = parse_settings({"capacity_bytes": 1 << 20, "event_log": str(tmp_path / "missing" / "events.log")})
+    with pytest.raises(ConfigError, match=r"event_log '.*missing/events.log' cannot be created: No such file"):
+        LedgerScheduler(HEADER.config, settings)
