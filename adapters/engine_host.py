@@ -3,7 +3,10 @@ vLLM connector, the simulator) turns events into state, effects and a log."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+
+import structlog
 
 from kvledger import __version__
 from kvledger.adapters.log_files import LogWriter
@@ -13,7 +16,9 @@ from kvledger.engine.reducer import reduce, reduce_step
 from kvledger.engine.state import State, initial_state
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig
-from kvledger.events.log_records import LogHeader
+from kvledger.events.log_records import LogError, LogHeader
+
+_log = structlog.get_logger("kvledger.adapters.engine_host")
 
 
 class EngineHost:
@@ -29,13 +34,19 @@ class EngineHost:
 
     def __init__(self, config: EngineConfig, *, log_path: str | os.PathLike | None = None,
                  fmt: str = "binary", digest_interval: int = 64, strict: bool = False,
-                 overwrite: bool = False, background: bool = False, next_free: bool = False) -> None:
+                 overwrite: bool = False, background: bool = False, next_free: bool = False,
+                 keep_serving: bool = False) -> None:
+        """`keep_serving`: a log that cannot be written (a full disk, an I/O error)
+        is stopped, with one error logged and `log_failure` set, and the engine
+        goes on; without it the failure is raised to the caller."""
         self.state: State = initial_state(config)
         self.strict = strict
         self.digest_interval = digest_interval
         self.next_step = 0
         self.digest_parts = parts_for(config)
         self._pending: list[ev.Event] = []  # this step's events, written when it is scheduled
+        self.keep_serving = keep_serving
+        self.log_failure: Exception | None = None  # why the log stopped, when it did
         self.writer: LogWriter | None = None
         if log_path is not None:
             header = LogHeader(engine_version=__version__, config=config, digest_interval=digest_interval)
@@ -68,9 +79,23 @@ class EngineHost:
         self._pending.extend(events)
         last = events[-1]
         if isinstance(last, ev.StepScheduled):
-            self.writer.add_step(last.step_index, self._pending, self._digest_due(last.step_index))
+            try:
+                self.writer.add_step(last.step_index, self._pending, self._digest_due(last.step_index))
+            except (LogError, ValueError) as exc:  # ValueError: closed at interpreter exit, before us
+                self._log_failed(exc)
             self._pending.clear()
             self.next_step = last.step_index + 1
+
+    def _log_failed(self, exc: Exception) -> None:
+        if not self.keep_serving:
+            raise exc
+        writer, self.writer = self.writer, None
+        self.log_failure = exc
+        _log.error("event_log_stopped", path=str(writer.path) if writer is not None else None, error=str(exc),
+                   next_step=self.next_step)
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()
 
     def _digest_due(self, step_index: int) -> str | None:
         interval = self.digest_interval
@@ -80,10 +105,13 @@ class EngineHost:
 
     def close(self) -> None:
         if self.writer is not None:
-            if self._pending:
-                self.writer.add_step(self.next_step, self._pending)
-            self._pending.clear()
-            self.writer.close()
+            try:
+                if self._pending:
+                    self.writer.add_step(self.next_step, self._pending)
+                self._pending.clear()
+                self.writer.close()
+            except (LogError, ValueError) as exc:
+                self._log_failed(exc)
 
     def __enter__(self) -> EngineHost:
         return self

@@ -154,11 +154,13 @@ class LogWriter:
     `background=True` encodes and writes on a thread of its own, as a live
     scheduler needs: encoding a step costs about as much as the connector's
     own work in it, and on a GPU the scheduler's thread then waits on the
-    forward, when the writer's thread can run. At most `MAX_QUEUED_STEPS` wait
-    (then `end_step` waits for room: nothing is dropped); a failure there is
-    raised by the next call, or by `close`. `close` runs at interpreter exit
-    for a writer still open, so an engine that never shuts down cleanly still
-    leaves every step it handed over on disk.
+    forward, when the writer's thread can run. At most `MAX_QUEUED_STEPS` wait:
+    a disk that far behind fails the log rather than stall the step (the
+    engine host then stops logging and serves on); a failure there is
+    raised by the next call, or by `close`. At interpreter exit the queued
+    steps are written and later steps go straight to the file (`_at_exit`),
+    so an engine that never shuts down cleanly still leaves every step it
+    handed over on disk, those of vLLM's own shutdown included.
     """
 
     MAX_QUEUED_STEPS = 256
@@ -201,7 +203,7 @@ class LogWriter:
             self._queue = queue.Queue(self.MAX_QUEUED_STEPS)
             self._thread = threading.Thread(target=self._drain, name="kvledger-log", daemon=True)
             self._thread.start()
-            atexit.register(self.close)
+            atexit.register(self._at_exit)
 
     @property
     def next_seq(self) -> int:
@@ -238,7 +240,13 @@ class LogWriter:
             return
         step = (first, step_index, tuple(events), digest)
         if self._queue is not None:
-            self._queue.put(step)
+            try:
+                self._queue.put_nowait(step)
+            except queue.Full:  # the disk is this far behind: stop rather than stall the step
+                self._failure = LogError(f"the log's disk fell {self.MAX_QUEUED_STEPS} steps behind",
+                                         source=str(self.path))
+                self._failure_raised = True
+                raise self._failure from None
             return
         try:
             self._write_step(_step_records(step))
@@ -332,10 +340,22 @@ class LogWriter:
                         self._failure = exc if isinstance(exc, LogError) else LogError(
                             f"step failed to encode: {type(exc).__name__}: {exc}", source=str(self.path))
 
+    def _at_exit(self) -> None:
+        """At interpreter exit: write the queued steps, then write in the caller's
+        thread. vLLM may shut down after this hook has run, and the steps of its
+        shutdown belong in the log too; the file is closed by `close`, or by the
+        process's end (every write has reached the OS by then: it is unbuffered)."""
+        if self._file is None or os.getpid() != self._owner:
+            return
+        try:
+            self._stop_thread()
+        finally:
+            self._queue = None
+
     def _stop_thread(self) -> None:
         if self._thread is None:
             return
-        atexit.unregister(self.close)
+        atexit.unregister(self._at_exit)
         assert self._queue is not None
         self._queue.put(None)
         self._thread.join(self.CLOSE_TIMEOUT_S)

@@ -66,6 +66,7 @@ class ConnectorSettings:
     lazy_target_blocks: int = 64
     event_log: str | None = None
     event_log_format: str = "binary"
+    event_log_on_error: str = "continue"  # or "stop": a log that cannot be written stops vLLM
     digest_interval: int = 64
     log_level: str = "warning"
     log_json: bool = False
@@ -82,6 +83,7 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "lazy_target_blocks": (int, "lazy mode: how far from the eviction end of the free queue to store"),
     "event_log": (str, "path of the event log the scheduler writes"),
     "event_log_format": (str, "'binary' or 'jsonl'"),
+    "event_log_on_error": (str, "'continue' (stop the log, keep serving) or 'stop' (stop vLLM)"),
     "digest_interval": (int, "a state digest every this many steps"),
     "log_level": (str, "one of " + ", ".join(LOG_LEVELS)),
     "log_json": (bool, "structured logs as JSON lines"),
@@ -159,6 +161,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     fmt = extra.get("event_log_format", "binary")
     if fmt not in LOG_FORMATS:
         raise ConfigError(f"event_log_format must be 'binary' or 'jsonl', got {fmt!r}")
+    on_error = extra.get("event_log_on_error", "continue")
+    if on_error not in ("continue", "stop"):
+        raise ConfigError(f"event_log_on_error must be 'continue' or 'stop', got {on_error!r}")
     level = extra.get("log_level", "warning")
     if level not in LOG_LEVELS:
         raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
@@ -175,6 +180,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         lazy_target_blocks=target,
         event_log=event_log,
         event_log_format=fmt,
+        event_log_on_error=on_error,
         digest_interval=interval,
         log_level=level,
         log_json=extra.get("log_json", False),

@@ -65,6 +65,8 @@ FLUSHES = Metric("vllm:kvledger_flushes", COUNTER,
 FLUSHED_JOBS = Metric("vllm:kvledger_flushed_jobs", COUNTER, "Store jobs a step waited for.")
 VIOLATIONS = Metric("vllm:kvledger_protocol_violations", COUNTER,
                     "Connector calls the engine refused as protocol violations (see the logs).")
+LOG_FAILURES = Metric("vllm:kvledger_event_log_failures", COUNTER,
+                     "Event logs stopped because they could not be written (vLLM served on).")
 TIER_USED = Metric("vllm:kvledger_tier_used_blocks", GAUGE, "Tier slots holding or receiving a block.")
 TIER_CAPACITY = Metric("vllm:kvledger_tier_capacity_blocks", GAUGE, "Tier slots in all.")
 JOBS_IN_FLIGHT = Metric("vllm:kvledger_jobs_in_flight", GAUGE, "Store and load jobs not yet completed.")
@@ -100,7 +102,7 @@ TIER_FOUND = Metric("vllm:kvledger_tiering_found_blocks", COUNTER,
 
 METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE, ALLOCATION_FAILURE,
            LOOKUP_DELAY, HIT_TOKENS, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
-           EVICTIONS, FLUSHES, FLUSHED_JOBS, VIOLATIONS, TIER_USED, TIER_CAPACITY, JOBS_IN_FLIGHT,
+           EVICTIONS, FLUSHES, FLUSHED_JOBS, VIOLATIONS, LOG_FAILURES, TIER_USED, TIER_CAPACITY, JOBS_IN_FLIGHT,
            TIER_READ_BYTES, TIER_READ_TIME, TIER_WRITE_BYTES, TIER_WRITE_TIME, TIER_PROMOTION_FAILURES,
            TIER_CASCADE_FAILURES, TIER_PROMOTION_LATENCY, TIER_HELD, TIER_BLOCKS_CAPACITY, TIER_KEYS_READ,
            TIER_KEYS_WRITTEN, TIER_EVICTIONS, TIER_FOUND)

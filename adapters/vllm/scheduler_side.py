@@ -72,7 +72,8 @@ class LedgerScheduler:
         try:
             self.host = EngineHost(
                 config, log_path=settings.event_log, fmt=settings.event_log_format,
-                digest_interval=settings.digest_interval, background=True, next_free=True)
+                digest_interval=settings.digest_interval, background=True, next_free=True,
+                keep_serving=settings.event_log_on_error == "continue")
         except OSError as exc:  # a missing or read-only directory: name the setting
             raise ConfigError(f"event_log {settings.event_log!r} cannot be created: "
                               f"{exc.strerror or exc} (errno {exc.errno})") from None
@@ -92,6 +93,7 @@ class LedgerScheduler:
         self._violations = 0
         self._reported: dict[str, int] = {}  # engine totals at the last stats report
         self._tier_reported: dict[tuple[str, str], int] = {}  # each lower tier's, likewise
+        self._log_failure_reported = False
         self._lookup_seconds: list[float] = []
         self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
         self._tiers = tiers
@@ -254,6 +256,9 @@ class LedgerScheduler:
             stats.add(metric, totals[field] - self._reported.get(field, 0))
         self._reported = totals
         stats.add(m.VIOLATIONS, self._violations)
+        if self.host.log_failure is not None and not self._log_failure_reported:
+            stats.add(m.LOG_FAILURES, 1)
+            self._log_failure_reported = True
         self._violations = 0
         for seconds in self._lookup_seconds:
             stats.add(m.LOOKUP_DELAY, seconds)

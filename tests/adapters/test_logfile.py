@@ -281,6 +281,28 @@ def test_a_background_writer_left_open_is_closed_at_exit(tmp_path: Path) -> None
     assert len([r for r in read(path) if isinstance(r, EventRecord)]) == 900
 
 
+def test_steps_handed_over_after_the_exit_hook_are_written_too(tmp_path: Path) -> None:
+    """vLLM can shut down after the writer's exit hook ran; its last steps once raised
+    'the log writer is closed' and were lost."""
+    path = tmp_path / "run.log"
+    code = (
+        "import atexit\n"
+        "from pathlib import Path\n"
+        "from kvledger.adapters.log_files import LogWriter\n"
+        "from tests.adapters.test_logfile import write_steps\n"
+        "from tests.events.logs import HEADER\n"
+        "def late_shutdown():\n"  # registered first, so it runs after the writer's hook
+        "    write_steps(writer, range(300, 310))\n"
+        "atexit.register(late_shutdown)\n"
+        f"writer = LogWriter(Path({str(path)!r}), HEADER, fmt='binary', background=True)\n"
+        "write_steps(writer, range(300))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    assert len([r for r in read(path) if isinstance(r, EventRecord)]) == 930
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_add_step_writes_what_append_and_end_step_write(tmp_path: Path, background: bool) -> None:
     paths = tmp_path / "append.log", tmp_path / "add.log"
@@ -358,3 +380,49 @@ def test_an_event_log_that_cannot_be_created_names_the_setting(tmp_path: Path) -
     settings = parse_settings({"capacity_bytes": 1 << 20, "event_log": str(tmp_path / "missing" / "events.log")})
     with pytest.raises(ConfigError, match=r"event_log '.*missing/events.log' cannot be created: No such file"):
         LedgerScheduler(HEADER.config, settings)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    """A real 64 KiB tmpfs (as root): the test fails, not skips, where it cannot be mounted."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_full_log_disk_stops_the_log_and_the_engine_goes_on(tiny_tmpfs: Path, background: bool) -> None:
+    """A full log disk once raised out of the scheduler's step and took vLLM down."""
+    import random
+
+    from kvledger.adapters.engine_host import EngineHost
+    from kvledger.adapters.testing.simulator import Simulator, run_random
+    from tests.engine.builders import SIMULATED_CONFIGS
+
+    config = SIMULATED_CONFIGS[0]
+    host = EngineHost(config, log_path=tiny_tmpfs / "events.log", fmt="jsonl", background=background,
+                      keep_serving=True)
+    sim = Simulator(config, host=host)
+    run_random(sim, random.Random(1), steps=600, arrivals=0.9, max_tokens=20, completion_rate=0.4)
+    assert host.log_failure is not None and "No space left" in str(host.log_failure)
+    assert host.writer is None  # the log stopped; the engine went on
+    assert sim.step_index == 599  # every step ran
+    sim.check()
+    host.close()
+
+
+def test_without_keep_serving_a_full_log_disk_is_raised(tiny_tmpfs: Path) -> None:
+    import random
+
+    from kvledger.adapters.engine_host import EngineHost
+    from kvledger.adapters.testing.simulator import Simulator, run_random
+    from tests.engine.builders import SIMULATED_CONFIGS
+
+    host = EngineHost(SIMULATED_CONFIGS[0], log_path=tiny_tmpfs / "events.log", fmt="jsonl")
+    with pytest.raises(LogError, match="No space left"):
+        run_random(Simulator(SIMULATED_CONFIGS[0], host=host), random.Random(1), steps=600, arrivals=0.9,
+                   max_tokens=20, completion_rate=0.4)
