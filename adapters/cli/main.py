@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvledger.events.log_records import LogError
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except FileExistsError as exc:
         print(f"kvledger: {exc.filename} exists (use --force to overwrite)", file=sys.stderr)
         return log_commands.EXIT_BAD_INPUT
+    except BrokenPipeError:  # `kvledger replay LOG | head`: the reader has all it wanted
+        # Python would report the pipe again when it flushes stdout at exit: point it at nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -142,3 +142,20 @@ def test_recording_is_independent_of_hash_seed(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         logs.append(out_path.read_bytes())
     assert logs[0] == logs[1]
+
+
+def test_a_reader_that_stops_early_is_no_error(hybrid_log: Path) -> None:
+    """`kvledger replay LOG | head` once ended in a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    try:
+        done = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli.main", "replay", str(hybrid_log)],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[2])
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
