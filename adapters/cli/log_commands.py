@@ -11,6 +11,7 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Iterator
 
 from kvledger.adapters.log_files import open_log
 from kvledger.engine import effects as fx
@@ -19,16 +20,43 @@ from kvledger.engine.digest import digest
 from kvledger.engine.replay import ReplayResult, replay
 from kvledger.engine.state import RequestStatus, State
 from kvledger.events import types as ev
-from kvledger.events.log_records import EventRecord, LogHeader, Record
+from kvledger.events.log_records import EventRecord, LogError, LogHeader, Record
 
 from . import report, report_series
 
 EXIT_OK, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
 
 
-def _load(path: str) -> tuple[LogHeader, list[Record]]:
+class Prefix:
+    """A log's records read lazily, up to the first damage: a log cut by a crash
+    or a full disk still replays up to its tear. `tear` is the damage met, if
+    any (a replay that stops earlier, as `--until` does, never meets it)."""
+
+    def __init__(self, records: Iterator[Record]) -> None:
+        self._records = records
+        self.tear: LogError | None = None
+        self.last_seq = -1
+
+    def __iter__(self) -> Iterator[Record]:
+        try:
+            for record in self._records:
+                self.last_seq = record.seq  # type: ignore[attr-defined]
+                yield record
+        except LogError as exc:
+            self.tear = exc
+
+
+def _load(path: str) -> tuple[LogHeader, Prefix]:
     header, records = open_log(path)
-    return header, list(records)
+    return header, Prefix(records)
+
+
+def _report_tear(records: Prefix) -> int:
+    """Exit 2 after the good prefix, naming the damage and the last good seq."""
+    assert records.tear is not None
+    print(f"kvledger: {records.tear}; the records up to seq {records.last_seq} were replayed "
+          f"(the summary above stops there)", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def _parse_key(text: str) -> bytes:
@@ -178,6 +206,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     check_invariants=args.check, until_seq=args.until,
                     observe=observe if watching or fold is not None else None)
     data = summary(header, result)
+    if records.tear is not None:
+        data["tear"] = {"error": str(records.tear), "last_good_seq": records.last_seq}
     if fold is not None:
         try:
             size = report.write_report(args.report, fold.finish(result), source=args.log)
@@ -196,6 +226,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         _print_summary(data)
         if fold is not None:
             print(f"report      {args.report} ({size / 1e6:.1f} MB)")
+    if records.tear is not None:
+        return _report_tear(records)
     return EXIT_OK if result.ok else EXIT_PROBLEM
 
 
@@ -236,11 +268,13 @@ def state_view(state: State) -> dict:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     header, records = _load(args.log)
-    last = max((r.seq for r in records if isinstance(r, EventRecord)), default=-1)
-    if not 0 <= args.at <= last:
-        print(f"kvledger: --at {args.at} is outside the log (seq 0..{last})", file=sys.stderr)
+    events = (r for r in records if isinstance(r, EventRecord))
+    result = replay(header.config, events, until_seq=args.at)
+    if result.last_seq < args.at:
+        where = f"it is torn after seq {records.last_seq} ({records.tear})" if records.tear else (
+            f"its last is seq {result.last_seq}")
+        print(f"kvledger: --at {args.at} is outside the log: {where}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    result = replay(header.config, [r for r in records if isinstance(r, EventRecord)], until_seq=args.at)
     view = state_view(result.state)
     view["at_seq"] = args.at
     view["violations_so_far"] = len(result.violations)

@@ -159,3 +159,27 @@ def test_a_reader_that_stops_early_is_no_error(hybrid_log: Path) -> None:
     finally:
         os.close(write_end)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("fmt", ["binary", "jsonl"])
+def test_a_torn_log_replays_up_to_the_tear(tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture) -> None:
+    """A log cut by a crash or a full disk: the reader once read the whole file first, so even
+    `--until 10` failed on damage at the end."""
+    path = tmp_path / f"whole.{fmt}"
+    assert main(["simulate", "--scenario", "hybrid", "--steps", "120", "--seed", "3", "--format", fmt,
+                 "--out", str(path)]) == 0
+    data = path.read_bytes()
+    cut = tmp_path / f"cut.{fmt}"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    capsys.readouterr()
+    assert main(["replay", str(cut), "--until", "10"]) == 0  # the damage lies beyond
+    assert main(["inspect", str(cut), "--at", "10"]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(cut), "--json"]) == 2
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert "truncated" in data["tear"]["error"] and "were replayed" in err
+    last = data["tear"]["last_good_seq"]
+    assert data["last_seq"] == last > 10 and data["events"] > 10
+    assert main(["inspect", str(cut), "--at", str(last + 1)]) == 2
+    assert f"torn after seq {last}" in capsys.readouterr().err
