@@ -11,7 +11,7 @@ import structlog
 from kvledger import __version__
 from kvledger.adapters.log_files import LogWriter
 from kvledger.engine import effects as fx
-from kvledger.engine.digest import part_digest, parts_for
+from kvledger.engine.digest import digest, part_digest, parts_for
 from kvledger.engine.reducer import reduce, reduce_step
 from kvledger.engine.state import State, initial_state
 from kvledger.events import types as ev
@@ -104,11 +104,15 @@ class EngineHost:
         return part_digest(self.state, step_index // interval % self.digest_parts, self.digest_parts)
 
     def close(self) -> None:
+        """Write what is pending, then the end mark: a full digest of the final
+        state (every other digest is a part digest), which says the log was
+        closed, not cut, and lets a replay check the state it ends in."""
         if self.writer is not None:
             try:
                 if self._pending:
                     self.writer.add_step(self.next_step, self._pending)
                 self._pending.clear()
+                self.writer.add_step(self.next_step, [], digest(self.state))
                 self.writer.close()
             except (LogError, ValueError) as exc:
                 self._log_failed(exc)

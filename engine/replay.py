@@ -37,6 +37,7 @@ class ReplayResult:
     digests_checked: int = 0
     first_problem: Finding | None = None
     last_seq: int = -1
+    ends_with_full_digest: bool = False  # a live engine's end mark (its other digests are part digests)
 
     @property
     def ok(self) -> bool:
@@ -66,6 +67,7 @@ def replay(
         if until_seq is not None and seq > until_seq:
             break
         event = getattr(record, "event", None)
+        result.ends_with_full_digest = event is None and ":" not in record.digest  # type: ignore[attr-defined]
         if event is None:
             recorded = record.digest  # type: ignore[attr-defined]
             if check_invariants:

@@ -169,6 +169,11 @@ def _print_summary(data: dict) -> None:
               f"{lower['keys_written']} written ({lower['write_failures']} failed), {lower['keys_read']} promoted "
               f"({lower['read_failures']} failed), {lower['keys_found']} found, {lower['evictions']} evicted")
     print(f"digests     {data['digests_checked']} checked")
+    if data.get("closed") is True:
+        print("log end     closed by its process (its final state checked against the end mark)")
+    elif data.get("closed") is False:
+        print(f"log end     NOT CLOSED: the process did not close this log (it was killed, or still runs); "
+              f"at its end {data['requests_live']} requests were live and {data['jobs_in_flight']} jobs in flight")
     problem = data["first_problem"]
     if problem is None:
         print("result      ok")
@@ -208,6 +213,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     data = summary(header, result)
     if records.tear is not None:
         data["tear"] = {"error": str(records.tear), "last_good_seq": records.last_seq}
+    elif args.until is None and header.schema_version >= 2:  # schema 1 had no end mark
+        data["closed"] = result.ends_with_full_digest
     if fold is not None:
         try:
             size = report.write_report(args.report, fold.finish(result), source=args.log)

@@ -183,3 +183,23 @@ def test_a_torn_log_replays_up_to_the_tear(tmp_path: Path, fmt: str, capsys: pyt
     assert data["last_seq"] == last > 10 and data["events"] > 10
     assert main(["inspect", str(cut), "--at", str(last + 1)]) == 2
     assert f"torn after seq {last}" in capsys.readouterr().err
+
+
+def test_a_log_says_whether_its_process_closed_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A killed engine's log once replayed as plain `ok`, indistinguishable from a closed one."""
+    path = tmp_path / "whole.jsonl"
+    assert main(["simulate", "--scenario", "hybrid", "--steps", "60", "--seed", "3", "--format", "jsonl",
+                 "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["closed"] is True
+    # Killed between two steps: every line whole, but no end mark.
+    lines = path.read_bytes().splitlines(keepends=True)
+    cut = tmp_path / "killed.jsonl"
+    cut.write_bytes(b"".join(lines[: len(lines) // 2]))
+    assert main(["replay", str(cut), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["closed"] is False and data["ok"]
+    assert main(["replay", str(cut)]) == 0
+    out = capsys.readouterr().out
+    assert "NOT CLOSED" in out and f"{data['requests_live']} requests were live" in out
