@@ -13,6 +13,7 @@ import random
 import sys
 from collections.abc import Iterator
 
+from kvledger import __version__
 from kvledger.adapters.log_files import open_log
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
@@ -169,6 +170,9 @@ def _print_summary(data: dict) -> None:
               f"{lower['keys_written']} written ({lower['write_failures']} failed), {lower['keys_read']} promoted "
               f"({lower['read_failures']} failed), {lower['keys_found']} found, {lower['evictions']} evicted")
     print(f"digests     {data['digests_checked']} checked")
+    if "replayed_by" in data:
+        print(f"versions    recorded by kvledger {data['engine_version']}, replayed by {data['replayed_by']}: "
+              f"a violation or digest mismatch may come from a change in the engine, not the run")
     if data.get("closed") is True:
         print("log end     closed by its process (its final state checked against the end mark)")
     elif data.get("closed") is False:
@@ -215,6 +219,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         data["tear"] = {"error": str(records.tear), "last_good_seq": records.last_seq}
     elif args.until is None and header.schema_version >= 2:  # schema 1 had no end mark
         data["closed"] = result.ends_with_full_digest
+    if header.engine_version != __version__:
+        data["replayed_by"] = __version__  # another version's engine may decide some steps differently
     if fold is not None:
         try:
             size = report.write_report(args.report, fold.finish(result), source=args.log)

@@ -203,3 +203,16 @@ def test_a_log_says_whether_its_process_closed_it(tmp_path: Path, capsys: pytest
     assert main(["replay", str(cut)]) == 0
     out = capsys.readouterr().out
     assert "NOT CLOSED" in out and f"{data['requests_live']} requests were live" in out
+
+
+def test_a_log_from_another_kvledger_version_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "old.jsonl"
+    assert main(["simulate", "--scenario", "full", "--steps", "20", "--seed", "1", "--format", "jsonl",
+                 "--out", str(path)]) == 0
+    lines = path.read_bytes().splitlines(keepends=True)
+    header = json.loads(lines[0])
+    header["engine_version"] = "0.0.1"
+    path.write_bytes(json.dumps(header).encode() + b"\n" + b"".join(lines[1:]))
+    capsys.readouterr()
+    assert main(["replay", str(path)]) == 0
+    assert "recorded by kvledger 0.0.1, replayed by" in capsys.readouterr().out
