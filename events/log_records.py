@@ -269,6 +269,8 @@ def _decode_digest(obj: dict, cursor: Cursor, number: int) -> DigestRecord:
 def _decode_event(obj: dict, cursor: Cursor, number: int) -> EventRecord:
     seq = obj.pop("seq", None)
     kind = obj.get("kind")
+    if type(kind) is not str:  # found by the log fuzzer: a list here once raised TypeError
+        raise LogError(f"corrupt: a record's kind must be a string, got {kind!r:.40}", line=number)
     step_index = obj.get("step_index") if kind in _STEP_FIELD_KINDS else obj.pop("step_index", None)
     problem = cursor.check(seq, step_index)
     if problem:

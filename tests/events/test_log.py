@@ -131,6 +131,13 @@ def test_a_line_nested_too_deeply_is_corrupt_not_a_crash() -> None:
     fails(lines, "corrupt: JSON nested too deeply", 3)
 
 
+def test_a_kind_that_is_not_a_string_is_corrupt() -> None:
+    """Found by the log fuzzer: a list here once raised TypeError out of the reader."""
+    lines = jsonl(EXAMPLE_RECORDS)
+    lines[2] = lines[2].replace(b'"kind":"block_hashes_appended"', b'"kind":[]')
+    fails(lines, "corrupt: a record's kind must be a string, got \\[\\]", 3)
+
+
 def test_unknown_kind() -> None:
     lines = jsonl(EXAMPLE_RECORDS)
     lines[2] = lines[2].replace(b'"kind":"block_hashes_appended"', b'"kind":"hashes_grown"')
