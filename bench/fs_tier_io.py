@@ -39,6 +39,7 @@ import numpy as np
 import structlog
 import torch
 import xxhash
+from fs_block_io import drop_caches  # the sibling script (bench/ is on sys.path when run)
 
 from kvledger.transfers.block_file import _FIXED, HEADER_BYTES, _check_header, block_path
 from kvledger.transfers.fs_tier import DIRECT_ALIGN, FsTierIO
@@ -76,16 +77,6 @@ def others_busy(window_s: float = 2.0) -> float | None:
         return round((sample() - before) / window_s, 2)
     except (OSError, ValueError):
         return None
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as file:
-            file.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def raw_write(path: str, flat: memoryview) -> float:

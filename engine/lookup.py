@@ -7,7 +7,7 @@ import attrs
 
 from kvledger.events.config import GroupKind
 
-from . import hma
+from . import hma, lower
 from .state import RequestStatus, SlotState, State
 
 
@@ -36,7 +36,7 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
     if num_local_tokens % alignment:
         return MISS  # vLLM rounds the local hit down; anything else cannot extend
     best = (request.num_tokens - 1) // alignment * alignment  # leave one token to compute
-    known = _known(core)
+    known = lower.known(core)
 
     # Full-attention groups bound the hit by their first missing key.
     for group in core.groups:
@@ -65,15 +65,6 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
     if end <= num_local_tokens:
         return MISS
     return LookupResult(end - num_local_tokens, slots_taken=taken)
-
-
-def _known(core):
-    """Whether some tier holds a key (whole or still being stored)."""
-    slot_of_key = core.slot_of_key
-    if not core.lower:
-        return slot_of_key.__contains__
-    helds = [tier.held for tier in core.lower]
-    return lambda key: key in slot_of_key or any(key in held for held in helds)
 
 
 def _slots_taken(core, request, start: int, end: int, promised: int) -> int | None:

@@ -19,6 +19,8 @@ like a store's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from . import effects as fx
 from . import slots
 from .state import SPILL as _SPILL
@@ -35,6 +37,16 @@ class _Part:
         self.slot_ids = slot_ids
         self.failed_keys = failed_keys
         self.stale = stale
+
+
+def known(core: Core) -> Callable[[bytes], bool]:
+    """Whether some tier holds a key: host memory (whole or still being stored), or
+    a lower tier (whole). Without lower tiers, the host index's own `in`."""
+    slot_of_key = core.slot_of_key
+    if not core.lower:
+        return slot_of_key.__contains__
+    helds = [tier.held for tier in core.lower]
+    return lambda key: key in slot_of_key or any(key in held for held in helds)
 
 
 def holder(core: Core, key: bytes) -> int:
@@ -60,13 +72,17 @@ def _evict(tier: LowerTier, count: int) -> list[bytes]:
     return victims
 
 
-def _trim(core: Core, index: int, out: list[fx.Effect]) -> None:
+def _make_room(core: Core, index: int, wanted: int, out: list[fx.Effect]) -> int:
+    """Evict least recently used keys of tier `index` until `wanted` more fit, or
+    none is left to evict (keys being read stay); the room there is then."""
     tier = core.lower[index - 1]
-    over = len(tier.held) + len(tier.writing) - tier.capacity
-    if over > 0:
-        victims = _evict(tier, over)
+    room = tier.capacity - len(tier.held) - len(tier.writing)
+    if wanted > room:
+        victims = _evict(tier, wanted - room)
         if victims:
             out.append(fx.DropTierKeys(tier=index, keys=tuple(victims)))
+        room += len(victims)
+    return room
 
 
 def plan_spills(core: Core, keys: tuple, slot_ids: tuple, out: list[fx.Effect]) -> None:
@@ -78,15 +94,10 @@ def plan_spills(core: Core, keys: tuple, slot_ids: tuple, out: list[fx.Effect]) 
                   for key, slot in zip(group_keys, group_slots) if key not in held and key not in writing]
         if not wanted:
             continue
-        room = tier.capacity - len(held) - len(writing)
+        room = _make_room(core, index, len(wanted), out)
         if len(wanted) > room:
-            victims = _evict(tier, len(wanted) - room)
-            if victims:
-                out.append(fx.DropTierKeys(tier=index, keys=tuple(victims)))
-            room += len(victims)
-            if len(wanted) > room:
-                tier.counts["write_rejections"] += len(wanted) - room
-                wanted = wanted[:room]
+            tier.counts["write_rejections"] += len(wanted) - room
+            wanted = wanted[:room]
         if not wanted:
             continue
         groups = range(len(core.groups))
@@ -213,7 +224,7 @@ def keys_found(core: Core, index: int, keys: tuple[bytes, ...], out: list[fx.Eff
     for key in new:
         held[key] = None
     tier.counts["keys_found"] += len(new)
-    _trim(core, index, out)
+    _make_room(core, index, 0, out)  # found beyond capacity: the oldest go
 
 
 def drop_all(core: Core, out: list[fx.Effect]) -> int:

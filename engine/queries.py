@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import attrs
 
+from . import lower
 from .state import STORED, RequestStatus, State
 
 ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -105,11 +106,9 @@ def unknown_keys(state: State, request_id: str, from_tokens: int) -> list[bytes]
     request = core.requests.get(request_id)
     if request is None:
         return []
-    slot_of_key = core.slot_of_key
-    helds = [tier.held for tier in core.lower]
+    known = lower.known(core)
     return [key for group, keys in zip(core.groups, request.keys)
-            for key in keys[from_tokens // group.block_size:]
-            if key not in slot_of_key and not any(key in held for held in helds)]
+            for key in keys[from_tokens // group.block_size:] if not known(key)]
 
 
 def stats(state: State) -> dict[str, int]:

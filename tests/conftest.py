@@ -26,3 +26,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not _NOT_FAST & {m.name for m in item.iter_markers()}:
             item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """Mounts a real file system for a test (`mount("tmpfs", "size=1m")`, `mount("ramfs")`)
+    and unmounts it after. Tests run as root (CI too): a mount that fails fails the test."""
+    import subprocess
+
+    points = []
+
+    def make(fstype: str, options: str = ""):
+        point = tmp_path / f"{fstype}{len(points)}"
+        point.mkdir()
+        args = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(point)]
+        done = subprocess.run(args, capture_output=True, text=True)
+        assert done.returncode == 0, f"cannot mount {fstype} ({options}): {done.stderr.strip()}"
+        points.append(point)
+        return point
+
+    yield make
+    for point in reversed(points):
+        subprocess.run(["umount", "-l", str(point)], check=False)

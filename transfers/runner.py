@@ -115,7 +115,7 @@ class TransferRunner:
         if self._closed:
             self._reject(effect, "the runner was shut down")
             return
-        if effect.job_id in self._jobs or effect.job_id in self._lower.in_flight:
+        if effect.job_id in self._jobs or effect.job_id in self._lower:
             # The running job keeps going and reports too: two events for one id
             # let the engine see its own protocol error rather than lose a job.
             self._reject(effect, f"job {effect.job_id} is already in flight")
@@ -137,8 +137,8 @@ class TransferRunner:
             direction, blocks, slots = Direction.STORE, effect.source_block_ids, effect.target_slot_ids
         else:
             direction, blocks, slots = Direction.LOAD, effect.target_block_ids, effect.source_slot_ids
-        copy = CopyJob(job_id=effect.job_id, direction=direction,
-                       block_ids=blocks, slot_ids=tuple(tuple(max(s, 0) for s in g) for g in slots))
+        # A promoted key with no host slot (-1) is always among `failed`: `without` drops it.
+        copy = CopyJob(job_id=effect.job_id, direction=direction, block_ids=blocks, slot_ids=slots)
         kept = None
         if failed:
             copy, kept = copy.without(failed)
@@ -188,10 +188,9 @@ class TransferRunner:
             if job is None:
                 _log.warning("unknown_job_outcome", job_id=outcome.job_id)
                 continue
-            if job.kept is not None or job.failed:  # back to the load's own positions
-                kept = job.kept
-                mapped = tuple((g, kept[g][i]) for g, i in outcome.failed) if kept is not None else outcome.failed
-                outcome = attrs.evolve(outcome, failed=tuple(sorted(set(mapped) | job.failed)))
+            if job.kept is not None:  # a copy without the failed positions: back to the load's own
+                mapped = {(g, job.kept[g][i]) for g, i in outcome.failed}
+                outcome = attrs.evolve(outcome, failed=tuple(sorted(mapped | job.failed)))
             moved = [len(ids) for ids in job.effect.keys]
             for g, _ in outcome.failed:
                 moved[g] -= 1

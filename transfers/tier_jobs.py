@@ -65,13 +65,16 @@ class LowerTierJobs:
     def in_flight(self) -> frozenset[int]:
         return frozenset(self._spills) | frozenset(self._promotions)
 
+    def __contains__(self, job_id: int) -> bool:
+        return job_id in self._spills or job_id in self._promotions
+
     def spill(self, effect: StartSpill) -> StoreFailed | None:
         """Start writing; a spill that cannot start fails whole, at once."""
         io = self._tiers.get(effect.tier)
         problem = None
         if io is None:
             problem = f"this worker has no tier {effect.tier}"
-        elif effect.job_id in self._spills or effect.job_id in self._promotions:
+        elif effect.job_id in self:
             problem = f"job {effect.job_id} is already in flight"
         elif any(not 0 <= s < self._num_slots for slots in effect.source_slot_ids for s in slots):
             problem = f"a source slot is outside [0, {self._num_slots})"

@@ -119,7 +119,6 @@ class LedgerScheduler:
         effects = self.host.apply_step(events)
         if effects:
             self._carry_out(effects, jobs)
-            self._carried.extend(e for e in effects if fx.ROUTES[type(e)] in fx.WORKER_PHASES)
             if self._tiers is not None:
                 for effect in effects:
                     if type(effect) is fx.DropTierKeys:
@@ -137,8 +136,11 @@ class LedgerScheduler:
         return effects
 
     def _carry_out(self, effects: tuple[fx.Effect, ...], jobs: dict[int, queries.JobView]) -> None:
-        """The scheduler's own effects and the notifications; the workers' travel as metadata."""
+        """The scheduler's own effects and the notifications; the workers' wait for the
+        step's metadata (those of calls between steps ride on the next one)."""
         routed = fx.route(effects)
+        for phase in fx.WORKER_PHASES:
+            self._carried.extend(routed[phase])
         for effect in routed[fx.Phase.SCHEDULER]:
             if isinstance(effect, fx.PinDeviceBlocks):
                 self._block_pool.touch(effect.block_ids)

@@ -383,15 +383,9 @@ def test_an_event_log_that_cannot_be_created_names_the_setting(tmp_path: Path) -
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path: Path):
-    """A real 64 KiB tmpfs (as root): the test fails, not skips, where it cannot be mounted."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def tiny_tmpfs(mount) -> Path:
+    """A real 64 KiB tmpfs."""
+    return mount("tmpfs", "size=64k")
 
 
 @pytest.mark.parametrize("background", [False, True])

@@ -191,18 +191,11 @@ def test_lazy_mode_stores_under_pressure_and_restores_what_vllm_evicted(models, 
     assert stats["loads"] > 0
 
 
-def test_a_full_event_log_disk_stops_the_log_not_vllm(models, tmp_path):
+def test_a_full_event_log_disk_stops_the_log_not_vllm(models, mount):
     """The log on a real 8 KiB tmpfs: it fills within the first steps; vLLM must serve on."""
-    import subprocess
-
-    disk = tmp_path / "logdisk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(disk)], check=True)
-    try:
-        result = run_engine({"model": str(models["tiny-llama"]), "log": str(disk / "events.log"),
-                             "phases": ["first", "again"], "extra": {"log_json": True, "event_log_format": "jsonl"}})
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+    disk = mount("tmpfs", "size=8k")
+    result = run_engine({"model": str(models["tiny-llama"]), "log": str(disk / "events.log"),
+                         "phases": ["first", "again"], "extra": {"log_json": True, "event_log_format": "jsonl"}})
     assert result["again"]["tokens"] == result["first"]["tokens"]
     assert all(c > 0 for c in result["again"]["cached"])  # the engine kept storing and loading
     stopped = [line for line in result["logs"] if line.get("event") == "event_log_stopped"]

@@ -123,33 +123,25 @@ def test_two_engines_at_once_on_one_directory(models, tmp_path):
     assert summary["lower_tiers"][0]["read_failures"] == 0
 
 
-def test_a_full_disk_fails_writes_and_the_outputs_stay_right(models, tmp_path):
+def test_a_full_disk_fails_writes_and_the_outputs_stay_right(models, tmp_path, mount):
     """A real tmpfs, nearly full: most writes fail (ENOSPC), a log line each, no crash or hang,
     and what is restored is still right."""
-    import subprocess
-
-    tier = tmp_path / "tier"
-    tier.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(tier)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        # A large file the capacity check counts as the tier's own (a .kvb outside any
-        # namespace), so the configured 3 MiB passes, while almost nothing is left to write.
-        (tier / "filler.kvb").write_bytes(b"\0" * ((4 << 20) - (96 << 10)))
-        extra = {**_fs(tier, capacity=3 << 20), "capacity_bytes": 32 << 20, "log_json": True}
-        result = run_engine({"model": str(models["tiny-llama"]), "log": str(tmp_path / "events.log"),
-                             "phases": ["first", "again"], "extra": extra})
-        summary = replay_summary(tmp_path / "events.log")
-        assert summary["violations"] == 0
-        assert result["again"]["tokens"] == result["first"]["tokens"]
-        assert all(c > 0 for c in result["again"]["cached"])  # host memory still serves
-        lower = summary["lower_tiers"][0]
-        assert lower["write_failures"] > 0
-        assert not list(tier.rglob("*.tmp")) and not list(tier.rglob(".*.tmp"))
-        failed = [line for line in result["logs"] if line.get("event") == "tier_io_failed"]
-        assert failed and all(line["kind"] == "write" for line in failed)
-    finally:
-        subprocess.run(["umount", str(tier)])
+    tier = mount("tmpfs", "size=4m")
+    # A large file the capacity check counts as the tier's own (a .kvb outside any
+    # namespace), so the configured 3 MiB passes, while almost nothing is left to write.
+    (tier / "filler.kvb").write_bytes(b"\0" * ((4 << 20) - (96 << 10)))
+    extra = {**_fs(tier, capacity=3 << 20), "capacity_bytes": 32 << 20, "log_json": True}
+    result = run_engine({"model": str(models["tiny-llama"]), "log": str(tmp_path / "events.log"),
+                         "phases": ["first", "again"], "extra": extra})
+    summary = replay_summary(tmp_path / "events.log")
+    assert summary["violations"] == 0
+    assert result["again"]["tokens"] == result["first"]["tokens"]
+    assert all(c > 0 for c in result["again"]["cached"])  # host memory still serves
+    lower = summary["lower_tiers"][0]
+    assert lower["write_failures"] > 0
+    assert not list(tier.rglob("*.tmp")) and not list(tier.rglob(".*.tmp"))
+    failed = [line for line in result["logs"] if line.get("event") == "tier_io_failed"]
+    assert failed and all(line["kind"] == "write" for line in failed)
 
 
 def test_a_tier_directory_removed_under_a_running_engine(models, tmp_path):

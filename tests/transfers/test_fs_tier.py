@@ -10,7 +10,6 @@ import contextlib
 import errno
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -68,18 +67,9 @@ def payload(io: FsTierIO, slot: int, group: int) -> bytes:
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A real 1 MiB tmpfs; skipped only where mounting is not permitted."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_tmpfs(mount):
+    """A real 1 MiB tmpfs."""
+    return mount("tmpfs", "size=1m")
 
 
 def leftovers(root: Path) -> list[Path]:
@@ -172,24 +162,17 @@ def test_a_full_disk_fails_the_writes_that_do_not_fit_and_leaves_no_temp_files(s
     assert [payload(io, 8 + n, 0) for n in range(len(stored))] == expected
 
 
-def test_a_file_system_that_refuses_direct_io_falls_back_to_the_page_cache(tmp_path, tiers):
+def test_a_file_system_that_refuses_direct_io_falls_back_to_the_page_cache(tiers, mount):
     """ramfs refuses O_DIRECT (EINVAL), after creating the file."""
-    mount = tmp_path / "ramfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a ramfs here: {done.stderr.strip()}")
-    try:
-        io = tiers(mount, sizes=(ROW_BYTES,), threads=1)
-        with capture_logs() as logs:
-            outcome = run(io, "write", 1, ((key(0), key(1)),), ((0, 1),))
-        assert outcome.ok and io.direct_writes is False
-        assert [e["event"] for e in logs if e["event"] == "tier_direct_io_off"] == ["tier_direct_io_off"]
-        assert leftovers(mount) == []
-        expected = payload(io, 1, 0)
-        assert run(io, "read", 2, ((key(1),),), ((5,),)).ok and payload(io, 5, 0) == expected
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    ramfs = mount("ramfs")
+    io = tiers(ramfs, sizes=(ROW_BYTES,), threads=1)
+    with capture_logs() as logs:
+        outcome = run(io, "write", 1, ((key(0), key(1)),), ((0, 1),))
+    assert outcome.ok and io.direct_writes is False
+    assert [e["event"] for e in logs if e["event"] == "tier_direct_io_off"] == ["tier_direct_io_off"]
+    assert leftovers(ramfs) == []
+    expected = payload(io, 1, 0)
+    assert run(io, "read", 2, ((key(1),),), ((5,),)).ok and payload(io, 5, 0) == expected
 
 
 @pytest.mark.fast
