@@ -11,6 +11,7 @@ the steps still queued for the writer's thread, usually none or one.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gzip
 import os
 import queue
@@ -318,12 +319,19 @@ class LogWriter:
         self._write(data)
 
     def _write(self, data: bytes) -> None:
+        """Write all of `data`, or none: a write cut short (a full disk) is
+        truncated away, so the log ends at its last whole step, not in a torn
+        frame or half of a step's lines, which a JSONL reader could not tell
+        from a whole step."""
         assert self._file is not None
+        start = self._file.tell()
         try:
             view = memoryview(data)
             while view:
                 view = view[self._file.write(view):]  # a raw write may take less than all
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._file.fileno(), start)
             self._failure = LogError(f"write failed: {exc}", source=str(self.path))
             raise self._failure from exc
 

@@ -129,6 +129,7 @@ def summary(header: LogHeader, result: ReplayResult) -> dict:
         "events": result.events,
         "steps": result.steps,
         "last_seq": result.last_seq,
+        "last_step": queries.position(state).step_index,  # -1: no step was scheduled
         "events_by_kind": dict(sorted(result.by_kind.items())),
         "stats": queries.stats(state),
         "violations": len(result.violations),
@@ -176,8 +177,11 @@ def _print_summary(data: dict) -> None:
     if data.get("closed") is True:
         print("log end     closed by its process (its final state checked against the end mark)")
     elif data.get("closed") is False:
+        reached = (f"replayed to the end of step {data['last_step']}, the last it wrote whole"
+                   if data["last_step"] >= 0 else "it wrote no step")
         print(f"log end     NOT CLOSED: the process did not close this log (it was killed, or still runs); "
-              f"at its end {data['requests_live']} requests were live and {data['jobs_in_flight']} jobs in flight")
+              f"{reached}; at its end {data['requests_live']} requests were live and "
+              f"{data['jobs_in_flight']} jobs in flight")
     problem = data["first_problem"]
     if problem is None:
         print("result      ok")

@@ -10,14 +10,24 @@ bytes are not its key, which is what wrong output would be.
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvledger.adapters.cli.log_commands import Prefix
+from kvledger.adapters.engine_host import EngineHost
+from kvledger.adapters.log_files import open_log
 from kvledger.adapters.testing.simulator import Simulator
+from kvledger.engine.digest import digest
 from kvledger.engine.reducer import reduce, reduce_step
+from kvledger.engine.replay import replay
+from kvledger.engine.state import initial_state
+from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig
 from tests.engine.builders import SIMULATED_CONFIGS
 
@@ -115,6 +125,95 @@ class Protocol(RuleBasedStateMachine):
 
 
 TestProtocol = Protocol.TestCase
+
+
+class LoggedProtocol(Protocol):
+    """The same machine with the event log written as it runs. `crash` cuts the
+    log at any byte, as a killed process or a full disk leaves it, replays what
+    was cut lazily and compares with the live engine's state after the last
+    event the cut log holds; then a fresh engine reopens on the same path, as a
+    restarted server does (taking the next free name). Teardown closes the log,
+    whose replay must end in the live state with the end mark checked."""
+
+    @initialize(config=st.sampled_from(CONFIGS), prefix_caching=st.booleans(),
+                chunk=st.sampled_from([0, 0, 48]), seed=st.integers(0, 2**16),
+                fmt=st.sampled_from(["binary", "jsonl"]), digest_interval=st.sampled_from([0, 1, 3]))
+    def setup(self, config: EngineConfig, prefix_caching: bool, chunk: int, seed: int,  # type: ignore[override]
+              fmt: str, digest_interval: int) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvledger-stateful-log-"))
+        self.options = dict(config=config, prefix_caching=prefix_caching, chunk=chunk, fmt=fmt,
+                            digest_interval=digest_interval)
+        self.rng = random.Random(seed)
+        self.crashes = 0
+        self._open_engine()
+
+    def _open_engine(self) -> None:
+        """A fresh engine and a log of its own: `log.bin` or the next free name."""
+        o = self.options
+        self.host = EngineHost(o["config"], log_path=self.dir / f"log.{o['fmt']}", fmt=o["fmt"],
+                               digest_interval=o["digest_interval"], strict=True, next_free=True)
+        self.sim = Simulator(o["config"], prefix_caching=o["prefix_caching"], chunk_tokens=o["chunk"],
+                             check_every_event=True, host=self.host)
+        self.after_event: list[str] = []  # the live state's digest after each event
+        self.applied = 0
+        self.writes: list[tuple[int, int]] = [(self.host.writer.path.stat().st_size, 0)]  # (bytes, events)
+        apply, add_step = self.host.apply, self.host.writer.add_step
+
+        def applied(event: ev.Event) -> tuple:
+            self.applied += 1  # the step's write happens inside apply
+            effects = apply(event)
+            self.after_event.append(digest(self.host.state))
+            return effects
+
+        def added(step_index: int, events: list, digest_hex: str | None = None) -> None:
+            add_step(step_index, events, digest_hex)
+            self.writes.append((self.host.writer.path.stat().st_size, self.applied))
+
+        self.host.apply = applied  # type: ignore[method-assign]
+        self.host.writer.add_step = added  # type: ignore[method-assign]
+
+    @rule(data=st.data())
+    def crash(self, data: st.DataObject) -> None:
+        path = self.host.writer.path
+        written = path.read_bytes()
+        header_bytes = self.writes[0][0]
+        cut = data.draw(st.integers(header_bytes, len(written)), label="cut")
+        cut_log = self.dir / f"crash{self.crashes}.{self.options['fmt']}"
+        cut_log.write_bytes(written[:cut])
+        self.crashes += 1
+        header, records = open_log(cut_log)
+        prefix = Prefix(records)
+        result = replay(header.config, prefix, check_invariants=True)
+        assert result.ok, result.first_problem
+        whole = max(events for size, events in self.writes if size <= cut)  # events of the whole steps kept
+        if self.options["fmt"] == "binary":
+            assert result.events == whole, "a binary log keeps exactly its whole frames"
+            at_boundary = any(size == cut for size, _ in self.writes)
+        else:
+            assert result.events >= whole, "a torn JSONL log lost a whole line"
+            at_boundary = written[cut - 1:cut] == b"\n"
+        assert (prefix.tear is None) == at_boundary, (cut, prefix.tear)
+        expected = self.after_event[result.events - 1] if result.events else digest(initial_state(header.config))
+        assert digest(result.state) == expected, "the replayed prefix differs from the live state it recorded"
+        assert not result.ends_with_full_digest, "a cut log must not look closed"
+        note_event(f"crash {'at a step boundary' if at_boundary else 'torn'}")
+        self.host.writer.close()  # the crashed process's file handle; its file stays as it was
+        self.host.writer = None
+        self._open_engine()
+
+    def teardown(self) -> None:
+        if hasattr(self, "host"):
+            self.host.close()
+            header, records = open_log(self.host.writer.path)
+            result = replay(header.config, records, check_invariants=True)
+            assert result.ok, result.first_problem
+            assert result.ends_with_full_digest, "a closed log ends in its end mark"
+            assert digest(result.state) == digest(self.host.state)
+        if hasattr(self, "dir"):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TestLoggedProtocol = LoggedProtocol.TestCase
 
 
 def _trace(config: EngineConfig, seed: int) -> list:
