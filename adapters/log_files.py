@@ -166,6 +166,7 @@ class LogWriter:
 
     MAX_QUEUED_STEPS = 256
     CLOSE_TIMEOUT_S = 120.0
+    FAILED_CLOSE_WAIT_S = 0.5
 
     def __init__(
         self, path: str | os.PathLike, header: LogHeader, fmt: Format = "jsonl", *, overwrite: bool = False,
@@ -186,6 +187,7 @@ class LogWriter:
         self._failure_raised = False
         self._queue: queue.Queue[list[Record] | _Step | None] | None = None
         self._thread: threading.Thread | None = None
+        self._closing = False
         head = encode_binary_header(header) if fmt == "binary" else encode_jsonl_header(header)
         # Unbuffered: each step is one write of whole frames, and no copy of a
         # half-written buffer can be flushed twice (by a forked child, say).
@@ -324,14 +326,18 @@ class LogWriter:
         frame or half of a step's lines, which a JSONL reader could not tell
         from a whole step."""
         assert self._file is not None
-        start = self._file.tell()
+        try:
+            start: int | None = self._file.tell()
+        except OSError:  # a pipe: nothing to take back
+            start = None
         try:
             view = memoryview(data)
             while view:
                 view = view[self._file.write(view):]  # a raw write may take less than all
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._file.fileno(), start)
+            if start is not None:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._file.fileno(), start)
             self._failure = LogError(f"write failed: {exc}", source=str(self.path))
             raise self._failure from exc
 
@@ -340,6 +346,8 @@ class LogWriter:
         a failure, take the rest without writing (the log cannot go on with a gap)."""
         assert self._queue is not None
         while (item := self._queue.get()) is not None:
+            if self._failure is not None and self._closing:
+                return  # closed after a failure: what is queued will never be written
             if self._failure is None:
                 try:
                     self._write_step(item if type(item) is list else _step_records(item))
@@ -361,12 +369,17 @@ class LogWriter:
             self._queue = None
 
     def _stop_thread(self) -> None:
+        """Wait for the queued steps; after a failure, not at all: the thread
+        may be stuck in a write to a stalled disk, and the caller serves."""
         if self._thread is None:
             return
         atexit.unregister(self._at_exit)
         assert self._queue is not None
-        self._queue.put(None)
-        self._thread.join(self.CLOSE_TIMEOUT_S)
+        self._closing = True
+        wait = self.CLOSE_TIMEOUT_S if self._failure is None else self.FAILED_CLOSE_WAIT_S
+        with contextlib.suppress(queue.Full):  # the thread also stops on _closing after a failure
+            self._queue.put(None, timeout=wait)
+        self._thread.join(wait)
         if self._thread.is_alive() and self._failure is None:
             self._failure = LogError(f"steps still unwritten after {self.CLOSE_TIMEOUT_S:.0f} s",
                                      source=str(self.path))

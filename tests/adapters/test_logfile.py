@@ -413,6 +413,51 @@ def test_a_full_log_disk_stops_the_log_and_the_engine_goes_on(tiny_tmpfs: Path, 
     _ends_at_a_whole_step(tiny_tmpfs / "events.log")
 
 
+def test_a_stalled_log_sink_stops_the_log_and_the_engine_goes_on(tmp_path: Path) -> None:
+    """A log whose writes block (a named pipe nobody reads: a hung NFS mount, a
+    stalled disk): the writer's thread stalls, the steps queue up to the bound,
+    then the log stops, one error, and every step still runs without waiting."""
+    import random
+    import threading
+
+    from kvledger.adapters.engine_host import EngineHost
+    from kvledger.adapters.testing.simulator import Simulator, run_random
+    from tests.engine.builders import SIMULATED_CONFIGS
+
+    fifo = tmp_path / "events.log"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # opened, never read: writes block once the pipe is full
+    try:
+        config = SIMULATED_CONFIGS[0]
+        host = EngineHost(config, log_path=fifo, fmt="jsonl", background=True, keep_serving=True, overwrite=True)
+        sim = Simulator(config, host=host)
+        started = time.monotonic()
+        run_random(sim, random.Random(1), steps=1200, arrivals=0.9, max_tokens=20, completion_rate=0.4)
+        took = time.monotonic() - started
+        assert sim.step_index == 1199
+        assert host.writer is None and "steps behind" in str(host.log_failure), host.log_failure
+        closing = time.monotonic()
+        host.close()  # once, this waited forever on the stalled thread
+        assert time.monotonic() - closing < 5
+        drain = threading.Thread(target=_drain, args=(reader,), daemon=True)
+        drain.start()  # let the writer's thread finish its blocked write and end
+        drain.join(30)
+    finally:
+        os.close(reader)
+    assert took < LogWriter.CLOSE_TIMEOUT_S  # no step waited on the stalled writer
+
+
+def _drain(fd: int) -> None:
+    import select
+
+    while select.select([fd], [], [], 5)[0]:  # until the writer closes its end (EOF) or 5 s of silence
+        try:
+            if not os.read(fd, 1 << 16):
+                return
+        except BlockingIOError:
+            continue
+
+
 def _ends_at_a_whole_step(path: Path) -> None:
     """A write cut short by the full disk was taken back: the log ends where its
     last whole step ends, with no torn line and no half of a step."""

@@ -86,6 +86,12 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     if not spec.get("multiprocess", False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if spec.get("file_size_limit"):  # the kernel fails writes past this size (EFBIG): a write error
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_size_limit"],) * 2)
     from vllm import LLM, SamplingParams
 
     from kvledger.adapters.settings import kv_transfer_config

@@ -200,3 +200,17 @@ def test_a_full_event_log_disk_stops_the_log_not_vllm(models, mount):
     assert all(c > 0 for c in result["again"]["cached"])  # the engine kept storing and loading
     stopped = [line for line in result["logs"] if line.get("event") == "event_log_stopped"]
     assert len(stopped) == 1 and "No space left" in stopped[0]["error"]
+
+
+def test_a_log_write_error_stops_the_log_not_vllm(models, tmp_path):
+    """Writes past a file-size limit fail in the kernel (EFBIG): the log stops at
+    its last whole step, vLLM serves on with outputs equal, and the log replays."""
+    log = tmp_path / "events.log"
+    result = run_engine({"model": str(models["tiny-llama"]), "log": str(log), "phases": ["first", "again"],
+                         "file_size_limit": 6000, "extra": {"log_json": True, "event_log_format": "jsonl"}})
+    assert result["again"]["tokens"] == result["first"]["tokens"]
+    assert all(c > 0 for c in result["again"]["cached"])
+    stopped = [line for line in result["logs"] if line.get("event") == "event_log_stopped"]
+    assert len(stopped) == 1 and "File too large" in stopped[0]["error"], stopped
+    summary = replay_summary(log)
+    assert summary["closed"] is False and summary["steps"] > 0
