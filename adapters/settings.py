@@ -4,24 +4,27 @@ A typo in a deployment's JSON must stop vLLM with a message that names the
 key, not run with a default nobody chose. Both roles parse the same dict, so
 the scheduler and the worker agree on the tier size and the fault plan.
 
-`secondary_tiers` names the tiers below host memory, in order, as vLLM 0.33's
-tiering does. A file system tier is checked against the file system while
-parsing (the directory exists or is made, takes a file, has room), so a
-deployment learns of a wrong path at start, not at its first spill. Parsing
-again, as the worker process does, finds the same directory and passes.
+`secondary_tiers`, the tiers below host memory, is parsed in `tier_settings`.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
+from kvledger.adapters.tier_settings import (
+    FsTierSettings,
+    TierSettings,
+    ValkeyTierSettings,
+    block_file_bytes,
+    parse_tiers,
+)
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
-from kvledger.transfers.block_file import SUFFIX as BLOCK_FILE_SUFFIX
+
+__all__ = ["ConnectorSettings", "FaultSettings", "FsTierSettings", "TierSettings", "ValkeyTierSettings",
+           "block_file_bytes", "kv_transfer_config", "parse_settings"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("binary", "jsonl")
@@ -41,20 +44,6 @@ class FaultSettings:
     seed: int = 0
     corrupt: bool = False  # a failed load still writes garbage into its blocks, and reports success
     store_hold_steps: int = 0  # each store starts this many steps late (unless flushed): a slow transfer
-
-
-@attrs.frozen(kw_only=True)
-class FsTierSettings:
-    """A tier of block files in a directory (local disk, NFS, a parallel file system)."""
-
-    path: str  # absolute, normalised
-    capacity_bytes: int
-    threads: int = 16  # I/O threads per worker (bench/fs_tier_io.py: reads 10% faster than 8, 32 no faster)
-    shared: bool = True  # other processes may write this directory: look up keys this process does not know
-    kind: ClassVar[str] = "fs"
-
-
-TierSettings = FsTierSettings  # a Union once there is a second tier type
 
 
 @attrs.frozen(kw_only=True)
@@ -185,7 +174,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         log_level=level,
         log_json=extra.get("log_json", False),
         faults=_parse_faults(extra.get("fault_injection", {})),
-        secondary_tiers=_parse_tiers(extra.get("secondary_tiers", ())),
+        secondary_tiers=parse_tiers(extra.get("secondary_tiers", ())),
     )
 
 
@@ -206,129 +195,3 @@ def _parse_faults(raw: Mapping[str, Any]) -> FaultSettings:
     if values.get("store_hold_steps", 0) < 0:
         raise ConfigError(f"fault_injection.store_hold_steps must be >= 0, got {values['store_hold_steps']}")
     return FaultSettings(**values)
-
-
-def _parse_tiers(raw: list | tuple) -> tuple[TierSettings, ...]:
-    tiers = []
-    for index, entry in enumerate(raw):
-        where = f"secondary_tiers[{index}]"
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"{where} must be a dict, got {entry!r}")
-        supported = ", ".join(map(repr, _TIER_TYPES))
-        if "type" not in entry:
-            raise ConfigError(f"{where} needs a 'type': one of {supported}")
-        kind = entry["type"]
-        if kind not in _TIER_TYPES:
-            raise ConfigError(f"{where}.type {kind!r} is not supported; supported types: {supported}")
-        keys, parse = _TIER_TYPES[kind]
-        unknown = sorted(set(entry) - set(keys) - {"type"})
-        if unknown:
-            raise ConfigError(
-                f"unknown {where} key(s) {', '.join(map(repr, unknown))}; a {kind!r} tier knows: "
-                f"{', '.join(sorted({'type', *keys}))}")
-        tiers.append(parse(where, entry))
-    _check_distinct_dirs(tiers)
-    return tuple(tiers)
-
-
-def _positive_int(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{where} must be a positive int, got {value!r}")
-    return value
-
-
-def _parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
-    paths = {}
-    for name in ("path", "root_dir"):  # root_dir: vLLM 0.33's name
-        if name in entry:
-            value = entry[name]
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"{where}.{name} must be a non-empty str, got {value!r}")
-            paths[name] = os.path.abspath(os.path.expanduser(value))
-    if not paths:
-        raise ConfigError(f"{where} needs 'path': the tier's directory ('root_dir', vLLM's name, also works)")
-    if len(set(paths.values())) > 1:
-        raise ConfigError(f"{where}.path and {where}.root_dir are the same setting and disagree: "
-                          f"{entry['path']!r} and {entry['root_dir']!r}")
-    path = next(iter(paths.values()))
-    if "capacity_bytes" not in entry:
-        raise ConfigError(f"{where} needs 'capacity_bytes': bytes of block files the tier may hold")
-    capacity = _positive_int(f"{where}.capacity_bytes", entry["capacity_bytes"])
-    threads = _positive_int(f"{where}.threads", entry.get("threads", attrs.fields(FsTierSettings).threads.default))
-    shared = entry.get("shared", True)
-    if not isinstance(shared, bool):
-        raise ConfigError(f"{where}.shared must be a bool, got {shared!r}")
-
-    _make_writable_dir(f"{where}.path", path)
-    free = _free_bytes(path)
-    reusable = block_file_bytes(path)
-    if capacity > free + reusable:
-        raise ConfigError(
-            f"{where}.capacity_bytes {capacity} does not fit in {path!r}: the file system has {free} bytes "
-            f"free, and block files already there take {reusable}")
-    return FsTierSettings(path=path, capacity_bytes=capacity, threads=threads, shared=shared)
-
-
-# A tier type: the keys its dict takes (besides 'type'), and its parser.
-_TIER_TYPES: dict[str, tuple[tuple[str, ...], Callable[[str, Mapping[str, Any]], TierSettings]]] = {
-    FsTierSettings.kind: (("path", "root_dir", "capacity_bytes", "threads", "shared"), _parse_fs_tier),
-}
-
-
-def _make_writable_dir(where: str, path: str) -> None:
-    """Make `path` (and its parents) if missing; prove a file can be made in it."""
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{where} {path!r} is not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"{where} {path!r} cannot be created: {error}") from error
-    try:
-        handle, probe = tempfile.mkstemp(dir=path, prefix=".kvledger-probe-")
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as error:
-        raise ConfigError(f"{where} {path!r} is not writable: {error}") from error
-
-
-def _free_bytes(path: str) -> int:
-    stats = os.statvfs(path)
-    return stats.f_bavail * stats.f_frsize
-
-
-def block_file_bytes(root: str) -> int:
-    """Bytes of kvledger block files (`*.kvb`) anywhere under `root`. Files
-    that vanish while it looks (another process evicting) are not counted."""
-    total = 0
-    pending = [root]
-    while pending:
-        try:
-            entries = os.scandir(pending.pop())
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        with entries:
-            for entry in entries:
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append(entry.path)
-                    elif entry.name.endswith(BLOCK_FILE_SUFFIX) and entry.is_file(follow_symlinks=False):
-                        total += entry.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    continue
-    return total
-
-
-def _check_distinct_dirs(tiers: list[TierSettings]) -> None:
-    """No two tiers share a directory, or hold one inside the other (a tier
-    would count, and find at start, the other's blocks as its own)."""
-    seen: dict[str, int] = {}
-    for index, tier in enumerate(tiers):
-        real = os.path.realpath(tier.path)
-        for other_real, other in seen.items():
-            if real == other_real or os.path.samefile(tier.path, tiers[other].path):  # a bind mount, say
-                raise ConfigError(f"secondary_tiers[{index}].path {tier.path!r} is also "
-                                  f"secondary_tiers[{other}].path")
-            if os.path.commonpath([real, other_real]) in (real, other_real):
-                raise ConfigError(f"secondary_tiers[{index}].path {tier.path!r} and secondary_tiers[{other}].path "
-                                  f"{tiers[other].path!r} nest: each tier needs a directory of its own")
-        seen[real] = index

@@ -48,3 +48,29 @@ def mount(tmp_path):
     yield make
     for point in reversed(points):
         subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@pytest.fixture
+def valkey_server():
+    """A real valkey-server on a free loopback port, killed after the test."""
+    from kvledger.adapters.testing.valkey_servers import ServerProcess
+
+    made = []
+
+    def make(**options):
+        made.append(ServerProcess(**options))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster():
+    """Three masters with a replica each, shared by the session's cluster tests."""
+    from kvledger.adapters.testing.valkey_servers import ClusterProcesses
+
+    cluster = ClusterProcesses()
+    yield cluster
+    cluster.close()

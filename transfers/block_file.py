@@ -64,15 +64,28 @@ def block_path(root: str | os.PathLike, namespace: bytes, key: bytes) -> Path:
     return Path(root) / namespace.hex() / text[:2] / (text + SUFFIX)
 
 
-def encode_header(namespace: bytes, key: bytes, payload: memoryview) -> bytes:
+def compact_header_bytes(key: bytes) -> int:
+    """The unpadded header's size: what a value in a key-value store carries."""
+    return _FIXED.size + len(key) + _HEADER_CHECKSUM.size
+
+
+def encode_header(namespace: bytes, key: bytes, payload: memoryview, size: int = HEADER_BYTES) -> bytes:
+    """The header, padded to `size` bytes (a file's 4096, or a value's
+    `compact_header_bytes`); `size` is recorded in it and checked on read."""
     if len(namespace) != NAMESPACE_BYTES:
         raise ValueError(f"a namespace is {NAMESPACE_BYTES} bytes, not {len(namespace)}")
     if not 0 < len(key) <= KEY_BYTES_MAX:
         raise ValueError(f"a key is 1 to {KEY_BYTES_MAX} bytes, not {len(key)}")
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, namespace, payload.nbytes,
+    if size < compact_header_bytes(key):
+        raise ValueError(f"a header with a {len(key)}-byte key takes {compact_header_bytes(key)} bytes, not {size}")
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, size, 0, namespace, payload.nbytes,
                         xxhash.xxh3_64_intdigest(payload), len(key)) + key
     header = fixed + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(fixed))
-    return header.ljust(HEADER_BYTES, b"\0")
+    return header.ljust(size, b"\0")
+
+
+def payload_checksum(header: bytes) -> int:
+    return _FIXED.unpack_from(header)[6]
 
 
 def write_block(path: str | os.PathLike, namespace: bytes, key: bytes, payload: object) -> int:
@@ -124,7 +137,7 @@ def read_block_into(path: str | os.PathLike, namespace: bytes, key: bytes, out: 
     try:
         with os.fdopen(fd, "rb", buffering=0, closefd=True) as file:
             header = file.read(HEADER_BYTES)
-            _check_header(path, header, namespace, key, target.nbytes)
+            check_header(path, header, namespace, key, target.nbytes)
             got = 0
             while got < target.nbytes:
                 count = file.readinto(target[got:])
@@ -137,22 +150,23 @@ def read_block_into(path: str | os.PathLike, namespace: bytes, key: bytes, out: 
                 raise BlockFileError("corrupt", path, "bytes after the payload")
     except OSError as exc:
         raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
-    if xxhash.xxh3_64_intdigest(target) != _FIXED.unpack_from(header)[6]:
+    if xxhash.xxh3_64_intdigest(target) != payload_checksum(header):
         raise BlockFileError("corrupt", path, "payload checksum mismatch")
 
 
-def _check_header(path: str | os.PathLike, header: bytes, namespace: bytes, key: bytes, size: int) -> None:
+def check_header(path: str | os.PathLike, header: bytes, namespace: bytes, key: bytes, size: int,
+                  expected_bytes: int = HEADER_BYTES) -> None:
     if len(header) < _FIXED.size:
         raise BlockFileError("truncated", path, f"{len(header)} header bytes")
     magic, version, header_bytes, _flags, their_namespace, payload_bytes, _checksum, key_length = (
         _FIXED.unpack_from(header))
     if magic != MAGIC:
         raise BlockFileError("foreign", path, "not a kvledger block file")
-    if version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
+    if version != FORMAT_VERSION or header_bytes != expected_bytes:
         raise BlockFileError("foreign", path, f"format {version} with a {header_bytes}-byte header, "
-                             f"this is format {FORMAT_VERSION}")
-    if len(header) < HEADER_BYTES:
-        raise BlockFileError("truncated", path, f"{len(header)} of {HEADER_BYTES} header bytes")
+                             f"expected format {FORMAT_VERSION} with {expected_bytes}")
+    if len(header) < expected_bytes:
+        raise BlockFileError("truncated", path, f"{len(header)} of {expected_bytes} header bytes")
     end = _FIXED.size + key_length
     if key_length > KEY_BYTES_MAX or (
             _HEADER_CHECKSUM.unpack_from(header, end)[0] != xxhash.xxh3_64_intdigest(header[:end])):

@@ -36,10 +36,9 @@ import os
 import re
 import threading
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
-import attrs
 import structlog
 import torch
 
@@ -56,6 +55,7 @@ from kvledger.transfers.block_file import (
     read_block_into,
     write_block,
 )
+from kvledger.transfers.tier_io import TierIoOutcome, TierJob
 
 DIRECT_ALIGN = 4096
 """Address, offset and length alignment that O_DIRECT accepts on any common device."""
@@ -65,39 +65,10 @@ _names = itertools.count()
 _KEY_FILE = re.compile(r"(?:[0-9a-f]{2})+" + re.escape(SUFFIX))
 
 
-@attrs.frozen
-class TierIoOutcome:
-    job_id: int
-    kind: str  # "write" (host slots -> files) or "read" (files -> host slots)
-    failed: tuple[tuple[int, int], ...]  # (group, index) positions, sorted
-    reasons: tuple[str, ...]  # per failed position: a BlockFileError reason, or "cancelled"
-    seconds: float  # from the start of the first block's I/O to the end of the last
-    nbytes: int  # payload bytes of the positions that succeeded
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed
+__all__ = ["FsTierIO", "IdsByGroup", "KeysByGroup", "TierIoOutcome", "files_present", "scan_keys"]
 
 
-__all__ = ["FsTierIO", "IdsByGroup", "KeyLookups", "KeysByGroup", "TierIoOutcome", "scan_keys"]
-
-
-class _Job:
-    __slots__ = ("job_id", "kind", "total", "remaining", "failed", "nbytes", "started", "ended", "done")
-
-    def __init__(self, job_id: int, kind: str, total: int) -> None:
-        self.job_id = job_id
-        self.kind = kind
-        self.total = total
-        self.remaining = total
-        self.failed: list[tuple[int, int, str, str]] = []  # group, index, reason, path
-        self.nbytes = 0
-        self.started = float("inf")
-        self.ended = float("-inf")
-        self.done = threading.Event()
-
-
-_Block = tuple[_Job, int, int, bytes, int]  # job, group, index, key, slot
+_Block = tuple[TierJob, int, int, bytes, int]  # job, group, index, key, slot
 _STOP = None
 
 
@@ -133,7 +104,7 @@ class FsTierIO:
         self._bounce_bytes = _round_up(HEADER_BYTES + max(self.payload_bytes), DIRECT_ALIGN)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Block | tuple[str, bytes] | None] = collections.deque()
-        self._pending: dict[int, _Job] = {}
+        self._pending: dict[int, TierJob] = {}
         self._finished: list[TierIoOutcome] = []
         # Removals not yet carried out, per key. A write of a key first carries out the removals
         # queued before it, so a removal that a slower thread reaches later never deletes the new
@@ -158,7 +129,7 @@ class FsTierIO:
         self._check(keys, slot_ids)
         blocks = [(g, i, bytes(k), int(s)) for g, (ks, ss) in enumerate(zip(keys, slot_ids))
                   for i, (k, s) in enumerate(zip(ks, ss))]
-        job = _Job(job_id, kind, len(blocks))
+        job = TierJob(job_id, kind, len(blocks))
         with self._cond:
             if self._closed:
                 raise BackendClosed("the file-system tier was shut down")
@@ -248,7 +219,7 @@ class FsTierIO:
             else:
                 self._run_block(*item, bounce)  # type: ignore[misc]
 
-    def _run_block(self, job: _Job, g: int, i: int, key: bytes, slot: int, bounce: list[mmap.mmap]) -> None:
+    def _run_block(self, job: TierJob, g: int, i: int, key: bytes, slot: int, bounce: list[mmap.mmap]) -> None:
         started = time.perf_counter()
         reason: str | None = None
         nbytes = 0
@@ -310,32 +281,15 @@ class FsTierIO:
         except Exception as exc:
             _log.warning("tier_delete_failed", path=str(path), error=repr(exc))
 
-    def _settle(self, job: _Job, g: int, i: int, reason: str | None, path: Path, nbytes: int,
+    def _settle(self, job: TierJob, g: int, i: int, reason: str | None, path: Path, nbytes: int,
                 span: tuple[float, float] | None) -> None:
         with self._cond:
-            if reason is None:
-                job.nbytes += nbytes
-            else:
-                job.failed.append((g, i, reason, str(path)))
-            if span is not None:
-                job.started = min(job.started, span[0])
-                job.ended = max(job.ended, span[1])
-            job.remaining -= 1
-            if job.remaining:
+            outcome = job.settle(g, i, reason, str(path), nbytes, span)
+            if outcome is None:
                 return
-            job.failed.sort()
-            outcome = TierIoOutcome(
-                job_id=job.job_id, kind=job.kind, failed=tuple((f[0], f[1]) for f in job.failed),
-                reasons=tuple(f[2] for f in job.failed),
-                seconds=job.ended - job.started if job.ended >= job.started else 0.0,
-                nbytes=job.nbytes)
             self._finished.append(outcome)
             del self._pending[job.job_id]
-        job.done.set()
-        if job.failed:
-            _log.warning("tier_io_failed", job_id=job.job_id, kind=job.kind, blocks=job.total,
-                         failed=len(job.failed), reasons=dict(collections.Counter(outcome.reasons)),
-                         first_path=job.failed[0][3])
+        job.finished(outcome)
 
 
 def _write_direct(path: Path, namespace: bytes, key: bytes, payload: memoryview, bounce: mmap.mmap) -> None:
@@ -412,64 +366,13 @@ def scan_keys(root: str, namespace: bytes) -> list[bytes]:
     return [key for _, key in found]
 
 
-class KeyLookups:
-    """Which keys have a block file in every namespace, asked off the scheduler's
-    thread: a stat on a network file system can take milliseconds or hang."""
+def files_present(root: str, namespaces: tuple[bytes, ...], keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """The keys with a block file in every namespace (one per tensor-parallel rank)."""
+    return tuple(key for key in keys if all(_present(root, space, key) for space in namespaces))
 
-    def __init__(self, root: str, namespaces: tuple[bytes, ...]) -> None:
-        if not namespaces:
-            raise ValueError("KeyLookups needs at least one namespace")
-        self.root = os.fspath(root)
-        self.namespaces = tuple(namespaces)
-        self._asks: collections.deque[tuple[Hashable, tuple[bytes, ...]] | None] = collections.deque()
-        self._cond = threading.Condition()
-        self._answers: list[tuple[Hashable, tuple[bytes, ...]]] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name="kvledger-fs-lookups", daemon=True)
-        self._thread.start()
 
-    def submit(self, token: Hashable, keys: tuple[bytes, ...]) -> None:
-        with self._cond:
-            if self._closed:
-                raise BackendClosed("the key lookups were closed")
-            self._asks.append((token, tuple(keys)))
-            self._cond.notify()
-
-    def poll(self) -> list[tuple[Hashable, tuple[bytes, ...]]]:
-        with self._cond:
-            answers, self._answers = self._answers, []
-        return answers
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Unanswered asks are dropped; a thread stuck on a hung stat is left behind (a daemon)."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._asks.clear()
-            self._asks.append(None)
-            self._cond.notify()
-        self._thread.join(timeout_s)
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._asks:
-                    self._cond.wait()
-                ask = self._asks.popleft()
-            if ask is None:
-                return
-            token, keys = ask
-            found = tuple(key for key in keys if self._present(key))
-            with self._cond:
-                if not self._closed:
-                    self._answers.append((token, found))
-
-    def _present(self, key: bytes) -> bool:
-        for namespace in self.namespaces:
-            try:
-                if os.stat(block_path(self.root, namespace, key)).st_size < HEADER_BYTES:
-                    return False
-            except Exception:  # missing, unreadable, a bad key: absent
-                return False
-        return True
+def _present(root: str, namespace: bytes, key: bytes) -> bool:
+    try:
+        return os.stat(block_path(root, namespace, key)).st_size >= HEADER_BYTES
+    except Exception:  # missing, unreadable, a bad key: absent
+        return False

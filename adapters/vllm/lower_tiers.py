@@ -15,18 +15,22 @@ most `LOOKUP_TIMEOUT_S`). The worker moves the bytes (`FsTierIO`).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
 
-from kvledger.adapters.settings import ConnectorSettings, FsTierSettings
+from kvledger.adapters.settings import ConnectorSettings, FsTierSettings, TierSettings, ValkeyTierSettings
 from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, write_identity
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, LowerTierSpec
-from kvledger.transfers.block_file import HEADER_BYTES
-from kvledger.transfers.fs_tier import FsTierIO, KeyLookups, scan_keys
+from kvledger.transfers.block_file import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
+from kvledger.transfers.fs_tier import FsTierIO, files_present, scan_keys
+from kvledger.transfers.key_lookups import Find, KeyLookups
+from kvledger.transfers.valkey_store import ValkeyStore
+from kvledger.transfers.valkey_tier import Health, ValkeyTierIO, keys_present
 
 _log = structlog.get_logger("kvledger.adapters.vllm.lower_tiers")
 
@@ -39,20 +43,25 @@ TOMBSTONES_MAX = 1 << 16
 """Keys this process removed, remembered so a lookup that raced the removal cannot bring them back."""
 
 
-def tier_name(index: int, tier: FsTierSettings) -> str:
+def tier_name(index: int, tier: TierSettings) -> str:
     return f"{index}:{tier.kind}"
+
+
+def _header_bytes(tier: TierSettings) -> int:
+    """What a block costs a tier besides its bytes: a file's header, a value's (at most)."""
+    return HEADER_BYTES if isinstance(tier, FsTierSettings) else compact_header_bytes(bytes(KEY_BYTES_MAX))
 
 
 def engine_tiers(settings: ConnectorSettings, slot_bytes: int, world_size: int = 1) -> tuple[LowerTierSpec, ...]:
     """Each tier's size in blocks: a block is a file per worker (each holds its rank's
     shard), each file its header and at most a slot's bytes; `capacity_bytes` bounds them all."""
     specs = []
-    per_block = world_size * (HEADER_BYTES + slot_bytes)
     for index, tier in enumerate(settings.secondary_tiers, start=1):
-        blocks = tier.capacity_bytes // per_block
+        each = _header_bytes(tier) + slot_bytes
+        blocks = tier.capacity_bytes // (world_size * each)
         if blocks < 1:
             raise ConfigError(f"secondary_tiers[{index - 1}].capacity_bytes={tier.capacity_bytes} holds no block: "
-                              f"{world_size} file(s) of {HEADER_BYTES + slot_bytes} bytes each")
+                              f"{world_size} part(s) of {each} bytes each")
         specs.append(LowerTierSpec(name=tier_name(index, tier), num_blocks=blocks))
     return tuple(specs)
 
@@ -67,19 +76,33 @@ class SchedulerTiers:
         self.key_root = key_root(base)
         self.namespaces = tuple(namespace(identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size))
                                 for rank in range(world_size))
-        self._lookups = {index: KeyLookups(tier.path, self.namespaces)
+        self.health: dict[int, Health] = {}  # per Valkey tier, as the scheduler's lookups see the server
+        self._stores: list[ValkeyStore] = []
+        self._lookups = {index: KeyLookups(self._finder(index, tier), tier_name(index, tier))
                          for index, tier in enumerate(self.tiers, start=1) if tier.shared}
         self._asked: dict[str, float] = {}  # request -> when its lookup was sent (answered ones are dropped)
         self._answered: set[str] = set()
         self._found: list[ev.TierKeysFound] = []
         # Per tier, keys this process asked its workers to remove, oldest first. A lookup can see
         # such a file before the worker has removed it: finding it would offer a block that is gone.
-        self._tombstones: dict[int, dict[bytes, None]] = {index: {} for index in self._lookups}
+        # A Valkey tier deletes nothing (the store is shared), so it needs none.
+        self._tombstones: dict[int, dict[bytes, None]] = {
+            index: {} for index in self._lookups if isinstance(self.tiers[index - 1], FsTierSettings)}
+
+    def _finder(self, index: int, tier: TierSettings) -> Find:
+        if isinstance(tier, FsTierSettings):
+            return functools.partial(files_present, tier.path, self.namespaces)
+        store = ValkeyStore(tier.server)  # used by the lookups' thread alone
+        self._stores.append(store)
+        self.health[index] = Health(tier_name(index, tier), tier.server.where)
+        return functools.partial(keys_present, store, self.health[index], self.namespaces)
 
     def startup_events(self) -> list[ev.TierKeysFound]:
         """What each tier holds now: blocks every rank has, oldest first."""
         events = []
         for index, tier in enumerate(self.tiers, start=1):
+            if not isinstance(tier, FsTierSettings):
+                continue  # a store shared by many instances is not scanned: lookups find what requests need
             started = time.perf_counter()
             keys = scan_keys(tier.path, self.namespaces[0])
             for other in self.namespaces[1:]:
@@ -130,7 +153,7 @@ class SchedulerTiers:
 
     def _collect(self) -> None:
         for index, lookups in self._lookups.items():
-            tombstones = self._tombstones[index]
+            tombstones = self._tombstones.get(index, {})
             for request_id, found in lookups.poll():
                 found = tuple(k for k in found if k not in tombstones)
                 if found:
@@ -154,17 +177,25 @@ class SchedulerTiers:
     def close(self) -> None:
         for lookups in self._lookups.values():
             lookups.close()
+        for store in self._stores:
+            store.close()
 
 
 def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any, *, rank: int,
-                      world_size: int, rows: Any, payload_bytes: tuple[int, ...]) -> Mapping[int, FsTierIO]:
+                      world_size: int, rows: Any, payload_bytes: tuple[int, ...]) -> Mapping[int, FsTierIO | ValkeyTierIO]:
     """This worker's I/O on each tier, in its own rank's namespace."""
     ident = identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size)
     space = namespace(ident)
-    ios = {}
+    ios: dict[int, FsTierIO | ValkeyTierIO] = {}
     for index, tier in enumerate(settings.secondary_tiers, start=1):
+        name = tier_name(index, tier)
+        if isinstance(tier, ValkeyTierSettings):
+            ios[index] = ValkeyTierIO(server=tier.server, name=name, namespace=space, rows=rows,
+                                      payload_bytes=payload_bytes, connections=tier.connections)
+            _log.info("tier_opened", tier=name, server=tier.server.where, namespace=space.hex(), rank=rank)
+            continue
         write_identity(tier.path, space, ident)
         ios[index] = FsTierIO(root=tier.path, namespace=space, rows=rows, payload_bytes=payload_bytes,
                               threads=tier.threads)
-        _log.info("tier_opened", tier=tier_name(index, tier), path=tier.path, namespace=space.hex(), rank=rank)
+        _log.info("tier_opened", tier=name, path=tier.path, namespace=space.hex(), rank=rank)
     return ios

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import shutil
 import time
@@ -20,7 +21,8 @@ from structlog.testing import capture_logs
 
 from kvledger.transfers.backend import BackendClosed, TransferTimeout
 from kvledger.transfers.block_file import HEADER_BYTES, block_path, write_block
-from kvledger.transfers.fs_tier import FsTierIO, KeyLookups, TierIoOutcome, scan_keys
+from kvledger.transfers.fs_tier import FsTierIO, TierIoOutcome, files_present, scan_keys
+from kvledger.transfers.key_lookups import KeyLookups
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
@@ -138,7 +140,7 @@ def test_each_bad_file_fails_only_its_own_position_with_its_reason(tmp_path, tie
     assert len(warnings) == 1  # once per job, not once per block
     assert warnings[0]["job_id"] == 2 and warnings[0]["failed"] == 4 and warnings[0]["blocks"] == 6
     assert warnings[0]["reasons"] == {"missing": 1, "truncated": 1, "corrupt": 1, "foreign": 1}
-    assert warnings[0]["first_path"] == str(block_path(tmp_path, NS, key(1)))
+    assert warnings[0]["first_failed"] == str(block_path(tmp_path, NS, key(1)))
 
 
 @pytest.mark.parametrize("direct_writes", [True, False])
@@ -360,7 +362,7 @@ def test_key_lookups_find_a_key_only_where_every_namespace_has_it(tmp_path):
     touch(tmp_path, 3, 100, NS)  # only the first rank
     touch(tmp_path, 4, 100, OTHER_NS)  # only the second
     os.truncate(block_path(tmp_path, OTHER_NS, key(5)), HEADER_BYTES - 1)  # too short to be a block
-    lookups = KeyLookups(str(tmp_path), (NS, OTHER_NS))
+    lookups = KeyLookups(functools.partial(files_present, str(tmp_path), (NS, OTHER_NS)), "1:fs")
     try:
         lookups.submit("a", tuple(key(n) for n in (4, 2, 3, 1, 5, 6)))
         lookups.submit(("b", 1), (key(1), key(2)))
@@ -376,12 +378,26 @@ def test_key_lookups_find_a_key_only_where_every_namespace_has_it(tmp_path):
     assert not lookups._thread.is_alive()
     with pytest.raises(BackendClosed):
         lookups.submit("e", (key(1),))
-    only_one = KeyLookups(str(tmp_path / "nowhere"), (NS,))
+    only_one = KeyLookups(functools.partial(files_present, str(tmp_path / "nowhere"), (NS,)), "1:fs")
     try:
         only_one.submit("f", (key(1),))
         assert answers(only_one, 1) == [("f", ())]
     finally:
         only_one.close()
+
+
+@pytest.mark.fast
+def test_a_lookup_that_raises_finds_nothing() -> None:
+    """A store that is down: the ask is answered, empty, so the request computes."""
+    def down(keys):
+        raise ConnectionError("refused")
+
+    lookups = KeyLookups(down, "2:valkey")
+    try:
+        lookups.submit("a", (key(1),))
+        assert answers(lookups, 1) == [("a", ())]
+    finally:
+        lookups.close()
 
 
 def test_a_removal_queued_before_a_write_of_the_same_key_never_deletes_the_new_file(tmp_path, tiers) -> None:

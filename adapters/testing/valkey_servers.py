@@ -1,0 +1,207 @@
+"""Real Valkey servers on loopback ports, for tests and benchmarks: one server,
+or a cluster of three masters with a replica each, made with the server's
+own cluster tool. Faults are real: `kill` (SIGKILL), `pause` (SIGSTOP),
+`restart` (empty: no persistence), and a small `maxmemory`.
+
+`valkey-server` comes from Debian (`make valkey`); a Redis server binary is
+used when no Valkey one is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def server_binary() -> str:
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise RuntimeError("no valkey-server (or redis-server) on PATH: run `make valkey` to install it")
+
+
+def cli_binary() -> str:
+    for name in ("valkey-cli", "redis-cli"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise RuntimeError("no valkey-cli (or redis-cli) on PATH: run `make valkey` to install it")
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; a cluster node's bus port (10000 higher) must be free too."""
+    for _ in range(1000):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if not cluster:
+            return port
+        if port <= 55535 and _free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class ServerProcess:
+    """One `valkey-server` process. `url` is what a tier's settings name."""
+
+    def __init__(self, *, maxmemory: str = "256mb", policy: str = "allkeys-lru", cluster: bool = False,
+                 port: int | None = None, folder: Path | None = None) -> None:
+        self.port = port or free_port(cluster)
+        self.folder = folder or Path(tempfile.mkdtemp(prefix=f"kvledger-valkey-{self.port}-"))
+        self.maxmemory = maxmemory
+        self.policy = policy
+        self.cluster = cluster
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start (again, after `kill`): empty, since nothing is persisted."""
+        args = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy, "--dir", str(self.folder),
+                "--protected-mode", "no", "--daemonize", "no", "--logfile", str(self.folder / "server.log")]
+        if self.cluster:
+            (self.folder / "nodes.conf").unlink(missing_ok=True)
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.folder / "nodes.conf"),
+                     "--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0",
+                     "--repl-diskless-sync-delay", "0"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.cli("PING", check=False).strip() == "PONG":
+                return
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"valkey-server on port {self.port} exited:\n{self.log_tail()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"valkey-server on port {self.port} did not answer PING within {timeout_s} s")
+
+    def cli(self, *args: str, check: bool = True) -> str:
+        done = subprocess.run([cli_binary(), "-p", str(self.port), *args], capture_output=True, text=True,
+                              timeout=30)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"valkey-cli {' '.join(args)}: {done.stderr or done.stdout}")
+        return done.stdout
+
+    def log_tail(self) -> str:
+        log = self.folder / "server.log"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a paused server must die too
+            self.process.kill()
+            self.process.wait()
+
+    def pause(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class ClusterProcesses:
+    """Three masters and a replica each (six servers), joined by `valkey-cli --cluster create`."""
+
+    def __init__(self, *, masters: int = 3, maxmemory: str = "128mb") -> None:
+        self.servers = [ServerProcess(cluster=True, maxmemory=maxmemory) for _ in range(masters * 2)]
+        try:
+            nodes = [f"127.0.0.1:{s.port}" for s in self.servers]
+            done = subprocess.run([cli_binary(), "--cluster", "create", *nodes, "--cluster-replicas", "1",
+                                   "--cluster-yes"], capture_output=True, text=True, timeout=60)
+            if done.returncode != 0:
+                raise RuntimeError(f"cluster create failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+            self.wait_ok()
+            self.wait_replicas()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers[:3]]
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every live node says the cluster is ok (after a create or a failover)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            live = [s for s in self.servers if s.process is not None and s.process.poll() is None]
+            if all("cluster_state:ok" in s.cli("CLUSTER", "INFO", check=False) for s in live):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def wait_replicas(self, timeout_s: float = 30.0) -> None:
+        """Until every replica has synced with its master: only then can it take over."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            infos = [s.cli("INFO", "replication", check=False) for s in self.servers]
+            replicas = [i for i in infos if "role:slave" in i]
+            if len(replicas) == len(self.servers) // 2 and all("master_link_status:up" in i for i in replicas):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the replicas did not sync with their masters")
+
+    def fail_over(self, victim: ServerProcess, timeout_s: float = 30.0) -> None:
+        """Kill `victim` (a master) and wait until a replica serves its slots."""
+        victim.kill()
+        live = next(s for s in self.servers if s.process is not None and s.process.poll() is None)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for fields in (line.split() for line in live.cli("CLUSTER", "NODES", check=False).splitlines()):
+                port = fields[1].split(":")[1].split("@")[0] if len(fields) > 1 else ""
+                if port == str(victim.port) and "fail" in fields[2].split(",") and len(fields) == 8:
+                    self.wait_ok(max(1.0, deadline - time.monotonic()))  # failed, and its slots moved
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"no failover of port {victim.port} within {timeout_s} s")
+
+    def master_of(self, key: bytes) -> ServerProcess:
+        live = next(s for s in self.servers if s.process is not None and s.process.poll() is None)
+        slot = int(live.cli("CLUSTER", "KEYSLOT", key.decode()).strip())
+        for line in live.cli("CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if "master" not in fields[2] or "fail" in fields[2]:
+                continue
+            for span in fields[8:]:
+                low, _, high = span.partition("-")
+                if low.isdigit() and int(low) <= slot <= int(high or low):
+                    port = int(fields[1].split(":")[1].split("@")[0])
+                    return next(s for s in self.servers if s.port == port)
+        raise RuntimeError(f"no master serves slot {slot}")
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()

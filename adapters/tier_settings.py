@@ -1,0 +1,271 @@
+"""`secondary_tiers`: the tiers below host memory, in order, as vLLM 0.33's
+tiering names them, each a dict with a `type`.
+
+A tier is checked against the world while parsing, so a deployment learns of
+a wrong path or an unreachable server at start, not at its first spill: a
+file-system tier's directory exists or is made, takes a file and has room; a
+Valkey tier's server answers (or, with `on_unreachable: "warn"`, the tier
+starts down and comes up when the server does). Parsing again, as the worker
+process does, finds the same answers.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import attrs
+import structlog
+
+from kvledger.events.config import ConfigError
+from kvledger.transfers.block_file import SUFFIX as BLOCK_FILE_SUFFIX
+from kvledger.transfers.valkey_store import StoreDown, ValkeyServer, ValkeyStore
+
+_log = structlog.get_logger("kvledger.adapters.tier_settings")
+
+
+@attrs.frozen(kw_only=True)
+class FsTierSettings:
+    """A tier of block files in a directory (local disk, NFS, a parallel file system)."""
+
+    path: str  # absolute, normalised
+    capacity_bytes: int
+    threads: int = 16  # I/O threads per worker (bench/fs_tier_io.py: reads 10% faster than 8, 32 no faster)
+    shared: bool = True  # other processes may write this directory: look up keys this process does not know
+    kind: ClassVar[str] = "fs"
+
+
+def parse_tiers(raw: list | tuple) -> tuple[TierSettings, ...]:
+    tiers = []
+    for index, entry in enumerate(raw):
+        where = f"secondary_tiers[{index}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where} must be a dict, got {entry!r}")
+        supported = ", ".join(map(repr, _TIER_TYPES))
+        if "type" not in entry:
+            raise ConfigError(f"{where} needs a 'type': one of {supported}")
+        kind = entry["type"]
+        if kind not in _TIER_TYPES:
+            raise ConfigError(f"{where}.type {kind!r} is not supported; supported types: {supported}")
+        keys, parse = _TIER_TYPES[kind]
+        unknown = sorted(set(entry) - set(keys) - {"type"})
+        if unknown:
+            raise ConfigError(
+                f"unknown {where} key(s) {', '.join(map(repr, unknown))}; a {kind!r} tier knows: "
+                f"{', '.join(sorted({'type', *keys}))}")
+        tiers.append(parse(where, entry))
+    _check_distinct_dirs(tiers)
+    return tuple(tiers)
+
+
+def _positive_int(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{where} must be a positive int, got {value!r}")
+    return value
+
+
+def _parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
+    paths = {}
+    for name in ("path", "root_dir"):  # root_dir: vLLM 0.33's name
+        if name in entry:
+            value = entry[name]
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{where}.{name} must be a non-empty str, got {value!r}")
+            paths[name] = os.path.abspath(os.path.expanduser(value))
+    if not paths:
+        raise ConfigError(f"{where} needs 'path': the tier's directory ('root_dir', vLLM's name, also works)")
+    if len(set(paths.values())) > 1:
+        raise ConfigError(f"{where}.path and {where}.root_dir are the same setting and disagree: "
+                          f"{entry['path']!r} and {entry['root_dir']!r}")
+    path = next(iter(paths.values()))
+    if "capacity_bytes" not in entry:
+        raise ConfigError(f"{where} needs 'capacity_bytes': bytes of block files the tier may hold")
+    capacity = _positive_int(f"{where}.capacity_bytes", entry["capacity_bytes"])
+    threads = _positive_int(f"{where}.threads", entry.get("threads", attrs.fields(FsTierSettings).threads.default))
+    shared = entry.get("shared", True)
+    if not isinstance(shared, bool):
+        raise ConfigError(f"{where}.shared must be a bool, got {shared!r}")
+
+    _make_writable_dir(f"{where}.path", path)
+    free = _free_bytes(path)
+    reusable = block_file_bytes(path)
+    if capacity > free + reusable:
+        raise ConfigError(
+            f"{where}.capacity_bytes {capacity} does not fit in {path!r}: the file system has {free} bytes "
+            f"free, and block files already there take {reusable}")
+    return FsTierSettings(path=path, capacity_bytes=capacity, threads=threads, shared=shared)
+
+
+VALKEY_SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}  # scheme -> TLS
+
+
+@attrs.frozen(kw_only=True)
+class ValkeyTierSettings:
+    """A tier on a Valkey (or Redis) server or cluster, shared by every vLLM instance that names it."""
+
+    server: ValkeyServer
+    capacity_bytes: int  # what this instance tracks in the store; the server's maxmemory bounds it all
+    connections: int = 4  # I/O threads per worker, each with its own connection
+    on_unreachable: str = "error"  # or "warn": start with the tier down
+    shared: ClassVar[bool] = True  # always: other instances write the same keys
+    kind: ClassVar[str] = "valkey"
+
+
+TierSettings = FsTierSettings | ValkeyTierSettings
+
+
+def _parse_url(where: str, url: Any) -> tuple[str, int, bool, int, str | None, str | None]:
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"{where} must be a non-empty str such as 'redis://HOST:6379', got {url!r}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in VALKEY_SCHEMES:
+        raise ConfigError(f"{where} scheme {parts.scheme!r} is not supported; use one of "
+                          f"{', '.join(s + '://' for s in VALKEY_SCHEMES)}")
+    try:
+        port = parts.port or 6379
+    except ValueError as exc:
+        raise ConfigError(f"{where} has a bad port: {exc}") from None
+    if not parts.hostname:
+        raise ConfigError(f"{where} names no host")
+    db_text = parts.path.strip("/")
+    if db_text and not db_text.isdigit():
+        raise ConfigError(f"{where} path must be a database number, got {parts.path!r}")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{where} takes no query or fragment; set timeouts with timeout_s")
+    unquote = urllib.parse.unquote
+    return (parts.hostname, port, VALKEY_SCHEMES[parts.scheme], int(db_text or 0),
+            unquote(parts.username) if parts.username else None, unquote(parts.password) if parts.password else None)
+
+
+def _parse_valkey_tier(where: str, entry: Mapping[str, Any]) -> ValkeyTierSettings:
+    if ("url" in entry) == ("urls" in entry):
+        raise ConfigError(f"{where} needs 'url' (a server, 'redis://HOST:PORT') or 'urls' (a cluster's seed "
+                          f"nodes), one of them")
+    if "urls" in entry:
+        urls = entry["urls"]
+        if not isinstance(urls, (list, tuple)) or not urls:
+            raise ConfigError(f"{where}.urls must be a non-empty list of URLs, got {urls!r}")
+        parsed = [_parse_url(f"{where}.urls[{i}]", u) for i, u in enumerate(urls)]
+    else:
+        parsed = [_parse_url(f"{where}.url", entry["url"])]
+    if len({(p[2], p[3], p[4], p[5]) for p in parsed}) > 1:
+        raise ConfigError(f"{where}.urls disagree on TLS, database or credentials")
+    _, _, tls, db, username, password = parsed[0]
+    cluster = entry.get("cluster", len(parsed) > 1)
+    if not isinstance(cluster, bool):
+        raise ConfigError(f"{where}.cluster must be a bool, got {cluster!r}")
+    if len(parsed) > 1 and not cluster:
+        raise ConfigError(f"{where}.urls names {len(parsed)} servers; several are a cluster's seed nodes "
+                          f"(cluster: true)")
+    if cluster and db:
+        raise ConfigError(f"{where}: a cluster has only database 0, the URL names {db}")
+    if "password_env" in entry:
+        name = entry["password_env"]
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}.password_env must name an environment variable, got {name!r}")
+        if password is not None:
+            raise ConfigError(f"{where}: the password is in the URL and in password_env; give one")
+        password = os.environ.get(name)
+        if password is None:
+            raise ConfigError(f"{where}.password_env names {name!r}, which is not set")
+    if "capacity_bytes" not in entry:
+        raise ConfigError(f"{where} needs 'capacity_bytes': bytes of blocks this instance may keep in the store")
+    capacity = _positive_int(f"{where}.capacity_bytes", entry["capacity_bytes"])
+    timeout = entry.get("timeout_s", 1.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
+        raise ConfigError(f"{where}.timeout_s must be a number of seconds in (0, 60], got {timeout!r}")
+    connections = _positive_int(f"{where}.connections", entry.get("connections", 4))
+    on_unreachable = entry.get("on_unreachable", "error")
+    if on_unreachable not in ("error", "warn"):
+        raise ConfigError(f"{where}.on_unreachable must be 'error' or 'warn', got {on_unreachable!r}")
+    server = ValkeyServer(nodes=tuple((p[0], p[1]) for p in parsed), cluster=cluster, tls=tls, db=db,
+                          username=username, password=password, timeout_s=float(timeout))
+    tier = ValkeyTierSettings(server=server, capacity_bytes=capacity, connections=connections,
+                              on_unreachable=on_unreachable)
+    _check_reachable(where, tier)
+    return tier
+
+
+def _check_reachable(where: str, tier: ValkeyTierSettings) -> None:
+    store = ValkeyStore(tier.server)
+    try:
+        store.ping()
+    except StoreDown as exc:
+        if tier.on_unreachable == "error":
+            raise ConfigError(f"{where}: the Valkey server at {tier.server.where} cannot be reached: {exc} "
+                              f"(on_unreachable: 'warn' starts with the tier down instead)") from None
+        _log.warning("tier_unreachable_at_start", where=where, server=tier.server.where, error=str(exc))
+    finally:
+        store.close()
+
+
+# A tier type: the keys its dict takes (besides 'type'), and its parser.
+_TIER_TYPES: dict[str, tuple[tuple[str, ...], Callable[[str, Mapping[str, Any]], TierSettings]]] = {
+    FsTierSettings.kind: (("path", "root_dir", "capacity_bytes", "threads", "shared"), _parse_fs_tier),
+    ValkeyTierSettings.kind: (("url", "urls", "cluster", "password_env", "capacity_bytes", "timeout_s",
+                               "connections", "on_unreachable"), _parse_valkey_tier),
+}
+
+
+def _make_writable_dir(where: str, path: str) -> None:
+    """Make `path` (and its parents) if missing; prove a file can be made in it."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{where} {path!r} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"{where} {path!r} cannot be created: {error}") from error
+    try:
+        handle, probe = tempfile.mkstemp(dir=path, prefix=".kvledger-probe-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ConfigError(f"{where} {path!r} is not writable: {error}") from error
+
+
+def _free_bytes(path: str) -> int:
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+def block_file_bytes(root: str) -> int:
+    """Bytes of kvledger block files (`*.kvb`) anywhere under `root`. Files
+    that vanish while it looks (another process evicting) are not counted."""
+    total = 0
+    pending = [root]
+    while pending:
+        try:
+            entries = os.scandir(pending.pop())
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif entry.name.endswith(BLOCK_FILE_SUFFIX) and entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+    return total
+
+
+def _check_distinct_dirs(tiers: list[TierSettings]) -> None:
+    """No two tiers share a directory, or hold one inside the other (a tier
+    would count, and find at start, the other's blocks as its own)."""
+    seen: dict[str, int] = {}
+    for index, tier in enumerate(tiers):
+        if not isinstance(tier, FsTierSettings):
+            continue
+        real = os.path.realpath(tier.path)
+        for other_real, other in seen.items():
+            if real == other_real or os.path.samefile(tier.path, tiers[other].path):  # a bind mount, say
+                raise ConfigError(f"secondary_tiers[{index}].path {tier.path!r} is also "
+                                  f"secondary_tiers[{other}].path")
+            if os.path.commonpath([real, other_real]) in (real, other_real):
+                raise ConfigError(f"secondary_tiers[{index}].path {tier.path!r} and secondary_tiers[{other}].path "
+                                  f"{tiers[other].path!r} nest: each tier needs a directory of its own")
+        seen[real] = index

@@ -1,0 +1,220 @@
+"""The Valkey tier's I/O against a real valkey-server: blocks round trip,
+and every way the shared store can fail a block (evicted, lost, corrupted,
+foreign, a full server, a killed or paused one, a cluster master lost) ends
+as a failed position, in bounded time, never as served bytes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from kvledger.transfers.block_value import encode_value, store_key
+from kvledger.transfers.valkey_store import ValkeyServer, ValkeyStore
+from kvledger.transfers.valkey_tier import BATCH_BLOCKS, RETRY_S, Health, ValkeyTierIO, keys_present
+
+NS = bytes(range(16))
+OTHER_NS = bytes(range(1, 17))
+SIZES = (4096, 1024)  # two groups, blocks of different sizes
+SLOTS = 160
+
+
+def key(n: int, group: int = 0) -> bytes:
+    return n.to_bytes(16, "big") + group.to_bytes(4, "big")
+
+
+def server_of(process, timeout_s: float = 0.5) -> ValkeyServer:
+    return ValkeyServer(nodes=(("127.0.0.1", process.port),), timeout_s=timeout_s)
+
+
+@pytest.fixture
+def rows() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randint(-128, 127, (SLOTS, max(SIZES)), dtype=torch.int8)
+
+
+@pytest.fixture
+def tier(rows):
+    made = []
+
+    def make(server: ValkeyServer, namespace: bytes = NS, connections: int = 3) -> ValkeyTierIO:
+        made.append(ValkeyTierIO(server=server, name="1:valkey", namespace=namespace, rows=rows,
+                                 payload_bytes=SIZES, connections=connections))
+        return made[-1]
+
+    yield make
+    for io in made:
+        io.shutdown(drain=False, timeout_s=10)
+
+
+def run(io: ValkeyTierIO, job_id: int, kind: str, keys, slots, timeout_s: float = 30.0):
+    getattr(io, kind)(job_id, keys, slots)
+    io.wait([job_id], timeout_s)
+    (outcome,) = io.poll()
+    assert outcome.job_id == job_id and outcome.kind == kind
+    return outcome
+
+
+def both_groups(numbers: list[int], first_slot: int):
+    keys = (tuple(key(n) for n in numbers), tuple(key(n, 1) for n in numbers))
+    slots = (tuple(range(first_slot, first_slot + len(numbers))),
+             tuple(range(first_slot + len(numbers), first_slot + 2 * len(numbers))))
+    return keys, slots
+
+
+def test_blocks_round_trip_in_batches_and_land_in_their_slots(valkey_server, tier, rows) -> None:
+    io = tier(server_of(valkey_server()))
+    numbers = list(range(BATCH_BLOCKS + 5))  # more than a batch per group
+    keys, slots = both_groups(numbers, 0)
+    wrote = run(io, 1, "write", keys, slots)
+    assert wrote.ok and wrote.nbytes == len(numbers) * sum(SIZES)
+    expected = rows.clone()
+    rows[:] = 0
+    back, back_slots = both_groups(numbers, 2 * len(numbers))
+    read = run(io, 2, "read", back, back_slots)
+    assert read.ok and read.nbytes == wrote.nbytes
+    for g, size in enumerate(SIZES):
+        for src, dst in zip(slots[g], back_slots[g]):
+            assert torch.equal(rows[dst, :size], expected[src, :size])
+
+
+def test_a_missing_corrupt_truncated_or_foreign_value_fails_its_position_only(valkey_server, tier, rows) -> None:
+    process = valkey_server()
+    io = tier(server_of(process))
+    numbers = list(range(6))
+    keys, slots = both_groups(numbers, 0)
+    assert run(io, 1, "write", keys, slots).ok
+    store = ValkeyStore(server_of(process))
+    try:
+        client = store._connect()
+        client.delete(store_key(NS, key(0)))  # evicted, or lost in a restart
+        client.setrange(store_key(NS, key(1)), 200, b"\xff\x00")  # a flipped payload
+        value = client.get(store_key(NS, key(2)))
+        client.set(store_key(NS, key(2)), value[:-100])  # cut short
+        client.set(store_key(NS, key(3)), encode_value(OTHER_NS, key(3), rows[0, :SIZES[0]].numpy()))  # another model
+        client.set(store_key(NS, key(4, 1)), encode_value(NS, key(4, 1), rows[0, :512].numpy()))  # another size
+    finally:
+        store.close()
+    before = rows.clone()
+    back, back_slots = both_groups(numbers, 40)
+    with capture_logs() as logs:
+        read = run(io, 2, "read", back, back_slots)
+    assert dict(zip(read.failed, read.reasons)) == {
+        (0, 0): "missing", (0, 1): "corrupt", (0, 2): "truncated", (0, 3): "foreign", (1, 4): "foreign"}
+    assert read.nbytes == sum(SIZES[g] for g in range(2) for i in range(6) if (g, i) not in read.failed)
+    assert [e for e in logs if e["event"] == "tier_io_failed"][0]["failed"] == 5
+    for g, size in enumerate(SIZES):  # the good positions hold the blocks written
+        for i, (src, dst) in enumerate(zip(slots[g], back_slots[g])):
+            if (g, i) not in read.failed:
+                assert torch.equal(rows[dst, :size], before[src, :size])
+
+
+def test_a_killed_server_fails_jobs_in_bounded_time_and_the_tier_comes_back(valkey_server, tier) -> None:
+    process = valkey_server()
+    io = tier(server_of(process))
+    keys, slots = both_groups([1, 2, 3], 0)
+    assert run(io, 1, "write", keys, slots).ok
+    process.kill()
+    started = time.monotonic()
+    with capture_logs() as logs:
+        read = run(io, 2, "read", keys, slots)
+        again = run(io, 3, "write", keys, slots)
+    assert time.monotonic() - started < 5
+    assert set(read.reasons) == {"unreachable"} and len(read.failed) == 6
+    assert set(again.reasons) == {"unreachable"}
+    assert not io.health.up and io.health.downs == 1
+    assert [e["event"] for e in logs].count("valkey_tier_down") == 1
+    process.start()  # back, and empty
+    time.sleep(RETRY_S + 0.1)
+    with capture_logs() as logs:
+        read = run(io, 4, "read", keys, slots)
+    assert set(read.reasons) == {"missing"} and io.health.up  # reached it: its keys were lost with it
+    assert "valkey_tier_up" in [e["event"] for e in logs]
+    assert run(io, 5, "write", keys, slots).ok and run(io, 6, "read", keys, slots).ok
+
+
+def test_a_paused_server_costs_one_timeout_then_jobs_fail_at_once(valkey_server, tier) -> None:
+    process = valkey_server()
+    io = tier(server_of(process, timeout_s=0.5))
+    keys, slots = both_groups([1, 2], 0)
+    assert run(io, 1, "write", keys, slots).ok
+    process.pause()
+    try:
+        started = time.monotonic()
+        first = run(io, 2, "read", keys, slots)
+        took_first = time.monotonic() - started
+        started = time.monotonic()
+        second = run(io, 3, "read", keys, slots)
+        took_second = time.monotonic() - started
+    finally:
+        process.resume()
+    assert set(first.reasons) == set(second.reasons) == {"unreachable"}
+    assert took_first < 3 and took_second < 0.2
+    time.sleep(RETRY_S + 0.1)
+    assert run(io, 4, "read", keys, slots).ok  # the server kept its keys through the pause
+
+
+def test_a_full_server_refuses_writes_and_an_evicting_one_loses_old_keys(valkey_server, tier) -> None:
+    refusing = tier(server_of(valkey_server(maxmemory="2mb", policy="noeviction")))
+    numbers = list(range(600))  # 600 x 5 KiB: more than 2 MB
+    keys = (tuple(key(n) for n in numbers), tuple(key(n, 1) for n in numbers))
+    slots = (tuple(n % SLOTS for n in numbers), tuple(n % SLOTS for n in numbers))
+    with capture_logs() as logs:
+        wrote = run(refusing, 1, "write", keys, slots)
+    assert wrote.failed and set(wrote.reasons) == {"unwritable"} and refusing.health.up
+    assert any("maxmemory" in e["error"] for e in logs if e["event"] == "valkey_set_refused")
+    evicting = tier(server_of(valkey_server(maxmemory="2mb", policy="allkeys-lru")))
+    assert run(evicting, 2, "write", keys, slots).ok
+    read = run(evicting, 3, "read", keys, slots)
+    assert read.failed and set(read.reasons) == {"missing"}  # the oldest were evicted
+    assert len(read.failed) < 2 * len(numbers)
+
+
+def test_lookups_find_keys_every_namespace_holds_and_nothing_while_down(valkey_server, tier) -> None:
+    process = valkey_server()
+    server = server_of(process)
+    mine, theirs = tier(server, NS), tier(server, OTHER_NS)
+    keys, slots = both_groups([1, 2, 3], 0)
+    assert run(mine, 1, "write", keys, slots).ok
+    only_some = ((key(1), key(3)), ())
+    assert run(theirs, 2, "write", only_some, ((0, 1), ())).ok
+    store = ValkeyStore(server)
+    health = Health("1:valkey", server.where)
+    try:
+        ask = (key(1), key(2), key(3), key(4))
+        assert keys_present(store, health, (NS,), ask) == (key(1), key(2), key(3))
+        assert keys_present(store, health, (NS, OTHER_NS), ask) == (key(1), key(3))
+        process.kill()
+        started = time.monotonic()
+        assert keys_present(store, health, (NS,), ask) == ()
+        assert keys_present(store, health, (NS,), ask) == ()
+        assert time.monotonic() - started < 3 and not health.up
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_a_cluster_round_trips_and_survives_a_master_failover(valkey_cluster, tier, rows) -> None:
+    server = ValkeyServer(nodes=tuple(("127.0.0.1", s.port) for s in valkey_cluster.servers[:3]), cluster=True,
+                          timeout_s=0.5)
+    io = tier(server)
+    numbers = list(range(60))  # spread over every master's slots
+    keys, slots = both_groups(numbers, 0)
+    assert run(io, 1, "write", keys, slots).ok
+    assert run(io, 2, "read", keys, slots).ok
+    victim = valkey_cluster.master_of(store_key(NS, key(0)))
+    time.sleep(0.5)  # replication is asynchronous: let the replicas catch up
+    valkey_cluster.fail_over(victim)  # killed; a replica took over
+    time.sleep(RETRY_S + 0.1)
+    deadline = time.monotonic() + 20
+    job = 3
+    while True:  # the client learns the new map within a few batches
+        read = run(io, job, "read", keys, slots)
+        job += 1
+        if read.ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert read.ok, dict(zip(read.failed, read.reasons))
+    assert run(io, job, "write", keys, slots).ok

@@ -1,0 +1,52 @@
+"""One KV block as a value in a key-value store (Valkey, Redis).
+
+A value is `block_file`'s header without its padding (about 100 bytes, not
+4096), then the block's bytes. The store is shared and may evict, lose or
+overwrite any key, so a value is checked the way a file is: one that was
+cut short, flipped, or written by another model or layout under the same
+key is told apart from a good one, and the caller fails the load (recomputed).
+Keys are readable (`kvledger:<namespace hex>:<key hex>`), so an operator can
+find a deployment's blocks with `SCAN MATCH kvledger:<namespace hex>:*`.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+from kvledger.transfers.block_file import (
+    BlockFileError,
+    check_header,
+    compact_header_bytes,
+    encode_header,
+    payload_checksum,
+)
+
+KEY_PREFIX = b"kvledger:"
+
+
+def store_key(namespace: bytes, key: bytes) -> bytes:
+    return b"%s%s:%s" % (KEY_PREFIX, namespace.hex().encode(), key.hex().encode())
+
+
+def encode_value(namespace: bytes, key: bytes, payload: object) -> bytes:
+    """Header and payload as one value (one copy of the payload: a SET takes one buffer)."""
+    data = memoryview(payload).cast("B")  # type: ignore[arg-type]
+    return b"".join((encode_header(namespace, key, data, compact_header_bytes(key)), data))
+
+
+def decode_value_into(value: bytes | None, namespace: bytes, key: bytes, out: object) -> None:
+    """Fill `out` (a writable buffer of the block's size) from `value`, or raise
+    `BlockFileError` naming why the value cannot be served (None: "missing")."""
+    source = store_key(namespace, key).decode()
+    if value is None:
+        raise BlockFileError("missing", source, "no such key (evicted, expired, or never written)")
+    target = memoryview(out).cast("B")  # type: ignore[arg-type]
+    size = compact_header_bytes(key)
+    check_header(source, value[:size], namespace, key, target.nbytes, size)
+    payload = memoryview(value)[size:]
+    if payload.nbytes != target.nbytes:
+        what = "truncated" if payload.nbytes < target.nbytes else "corrupt"
+        raise BlockFileError(what, source, f"{payload.nbytes} payload bytes, expected {target.nbytes}")
+    if xxhash.xxh3_64_intdigest(payload) != payload_checksum(value):
+        raise BlockFileError("corrupt", source, "payload checksum mismatch")
+    target[:] = payload

@@ -1,0 +1,73 @@
+"""Which keys a shared tier holds, asked off the scheduler's thread: a stat on
+a network file system, or a round trip to a store, can take milliseconds or
+hang, and the scheduler's call must not wait on it."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Hashable
+
+import structlog
+
+from kvledger.transfers.backend import BackendClosed
+
+_log = structlog.get_logger("kvledger.transfers.key_lookups")
+
+Find = Callable[[tuple[bytes, ...]], tuple[bytes, ...]]
+"""Given keys, those the tier holds; it may raise (a store that is down): nothing found."""
+
+
+class KeyLookups:
+    """Answers `submit(token, keys)` asks with `find`, one at a time, on a thread of its own."""
+
+    def __init__(self, find: Find, name: str) -> None:
+        self.find = find
+        self.name = name
+        self._asks: collections.deque[tuple[Hashable, tuple[bytes, ...]] | None] = collections.deque()
+        self._cond = threading.Condition()
+        self._answers: list[tuple[Hashable, tuple[bytes, ...]]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=f"kvledger-lookups-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, token: Hashable, keys: tuple[bytes, ...]) -> None:
+        with self._cond:
+            if self._closed:
+                raise BackendClosed("the key lookups were closed")
+            self._asks.append((token, tuple(keys)))
+            self._cond.notify()
+
+    def poll(self) -> list[tuple[Hashable, tuple[bytes, ...]]]:
+        with self._cond:
+            answers, self._answers = self._answers, []
+        return answers
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Unanswered asks are dropped; a thread stuck on a hung stat is left behind (a daemon)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._asks.clear()
+            self._asks.append(None)
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._asks:
+                    self._cond.wait()
+                ask = self._asks.popleft()
+            if ask is None:
+                return
+            token, keys = ask
+            try:
+                found = self.find(keys)
+            except Exception as exc:  # a store that is down finds nothing; the request computes
+                _log.debug("tier_lookup_failed", tier=self.name, error=repr(exc))
+                found = ()
+            with self._cond:
+                if not self._closed:
+                    self._answers.append((token, found))
