@@ -6,10 +6,18 @@ import os
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
-from kvledger.adapters.settings import FaultSettings, FsTierSettings, block_file_bytes, parse_settings
+from kvledger.adapters.settings import (
+    FaultSettings,
+    FsTierSettings,
+    ValkeyTierSettings,
+    block_file_bytes,
+    parse_settings,
+)
 from kvledger.adapters.vllm_version import UnsupportedVLLMVersion, check_vllm_version
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
+from kvledger.transfers.valkey_store import ValkeyServer
 
 pytestmark = pytest.mark.fast
 
@@ -263,3 +271,77 @@ def test_a_tier_inside_another_is_refused(tmp_path):
     words = problem(with_tiers(fs(tmp_path / "tier" / "inner"), fs(tmp_path / "tier")))
     assert "secondary_tiers[1].path" in words and "secondary_tiers[0].path" in words and "nest" in words
     assert parse_settings(with_tiers(fs(tmp_path / "tier1"), fs(tmp_path / "tier2"))).secondary_tiers
+
+
+# -- the Valkey tier ------------------------------------------------------------------------------
+
+
+def valkey(url: str = "redis://127.0.0.1:1", **more) -> dict:
+    return {"type": "valkey", "url": url, "capacity_bytes": 1 << 20, **more}
+
+
+def test_a_valkey_tier_from_its_url(valkey_server, monkeypatch):
+    server = valkey_server()
+    tier, = parse_settings(with_tiers(valkey(server.url))).secondary_tiers
+    assert tier == ValkeyTierSettings(server=ValkeyServer(nodes=(("127.0.0.1", server.port),)),
+                                      capacity_bytes=1 << 20)
+    assert (tier.kind, tier.shared, tier.connections, tier.server.timeout_s) == ("valkey", True, 4, 1.0)
+    other, = parse_settings(with_tiers(valkey(f"valkey://127.0.0.1:{server.port}/0", timeout_s=0.25,
+                                              connections=2))).secondary_tiers
+    assert other.server.timeout_s == 0.25 and other.connections == 2
+
+
+def test_a_password_from_the_url_or_the_environment_is_never_shown(valkey_server, monkeypatch):
+    server = valkey_server()
+    server.cli("CONFIG", "SET", "requirepass", "s3cret word")
+    tier, = parse_settings(with_tiers(valkey(f"redis://:s3cret%20word@127.0.0.1:{server.port}"))).secondary_tiers
+    assert tier.server.password == "s3cret word" and "s3cret" not in repr(tier)
+    monkeypatch.setenv("KVLEDGER_TEST_PASSWORD", "s3cret word")
+    tier, = parse_settings(with_tiers(valkey(server.url, password_env="KVLEDGER_TEST_PASSWORD"))).secondary_tiers
+    assert tier.server.password == "s3cret word"
+    words = problem(with_tiers(valkey(server.url)))  # no password: the server refuses
+    assert "secondary_tiers[0]: the Valkey server at valkey://127.0.0.1" in words and "s3cret" not in words
+
+
+@pytest.mark.parametrize("entry, words", [
+    (valkey("http://127.0.0.1:6379"), "secondary_tiers[0].url scheme 'http' is not supported"),
+    (valkey("redis://"), "secondary_tiers[0].url names no host"),
+    (valkey("redis://127.0.0.1:notaport"), "secondary_tiers[0].url has a bad port"),
+    (valkey("redis://127.0.0.1:6379/db"), "path must be a database number"),
+    (valkey("redis://127.0.0.1:6379?timeout=1"), "takes no query"),
+    (valkey(None), "secondary_tiers[0].url must be a non-empty str"),
+    ({"type": "valkey", "capacity_bytes": 1}, "needs 'url'"),
+    ({**valkey(), "urls": ["redis://a:1"]}, "needs 'url'"),
+    ({"type": "valkey", "urls": ["redis://a:1", "redis://b:1"], "cluster": False, "capacity_bytes": 1},
+     "several are a cluster's seed nodes"),
+    ({"type": "valkey", "urls": ["redis://a:1", "rediss://b:1"], "capacity_bytes": 1}, "disagree on TLS"),
+    ({"type": "valkey", "urls": ["redis://a:1/2"], "cluster": True, "capacity_bytes": 1}, "only database 0"),
+    ({"type": "valkey", "url": "redis://a:1"}, "needs 'capacity_bytes'"),
+    (valkey(timeout_s=0), "secondary_tiers[0].timeout_s must be a number of seconds in (0, 60]"),
+    (valkey(connections=0), "secondary_tiers[0].connections must be a positive int"),
+    (valkey(on_unreachable="ignore"), "secondary_tiers[0].on_unreachable must be 'error' or 'warn'"),
+    (valkey(password_env="KVLEDGER_SURELY_UNSET"), "password_env names 'KVLEDGER_SURELY_UNSET', which is not set"),
+    (valkey("redis://:pw@a:1", password_env="HOME"), "the password is in the URL and in password_env"),
+    (valkey(host="a"), "unknown secondary_tiers[0] key(s) 'host'"),
+])
+def test_a_bad_valkey_tier_names_its_key(entry, words):
+    assert words in problem(with_tiers(entry))
+
+
+def test_an_unreachable_server_stops_start_or_with_warn_starts_the_tier_down(valkey_server):
+    server = valkey_server()
+    port = server.port
+    server.kill()
+    words = problem(with_tiers(valkey(f"redis://127.0.0.1:{port}")))
+    assert f"the Valkey server at valkey://127.0.0.1:{port} cannot be reached" in words
+    assert "on_unreachable" in words
+    with capture_logs() as logs:
+        tier, = parse_settings(with_tiers(valkey(f"redis://127.0.0.1:{port}", on_unreachable="warn"))).secondary_tiers
+    assert tier.on_unreachable == "warn"
+    assert [e["event"] for e in logs] == ["tier_unreachable_at_start"]
+
+
+def test_a_cluster_from_its_seed_nodes(valkey_cluster):
+    urls = valkey_cluster.urls
+    tier, = parse_settings(with_tiers({"type": "valkey", "urls": urls, "capacity_bytes": 1 << 20})).secondary_tiers
+    assert tier.server.cluster and len(tier.server.nodes) == 3

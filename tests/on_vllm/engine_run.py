@@ -133,6 +133,10 @@ def main() -> None:
             import shutil
 
             shutil.rmtree(spec["remove_after_first"])
+        if phase == "first" and spec.get("kill_after_first"):  # a server that dies under the engine
+            import signal
+
+            os.kill(spec["kill_after_first"], signal.SIGKILL)
     if kv_events is not None:
         result["kv_events"] = kv_events
     print("RESULT " + json.dumps(result), flush=True)
