@@ -42,6 +42,7 @@ class TierStat:
     nbytes: int
     seconds: float
     ok: bool
+    unreachable: int = 0  # blocks failed because the tier's store was down or too slow
 
 
 @attrs.define
@@ -127,7 +128,8 @@ class LowerTierJobs:
         promoted: list[tuple[StartLoad, set[Position]]] = []
         for tier, io in self._tiers.items():
             for outcome in io.poll():
-                self._stats.append(TierStat(tier, outcome.kind, outcome.nbytes, outcome.seconds, outcome.ok))
+                self._stats.append(TierStat(tier, outcome.kind, outcome.nbytes, outcome.seconds, outcome.ok,
+                                           outcome.reasons.count("unreachable")))
                 if outcome.kind == "write":
                     effect = self._spills.pop(outcome.job_id, None)
                     if effect is None:

@@ -81,6 +81,9 @@ class SchedulerTiers:
         self._lookups = {index: KeyLookups(self._finder(index, tier), tier_name(index, tier))
                          for index, tier in enumerate(self.tiers, start=1) if tier.shared}
         self._asked: dict[str, float] = {}  # request -> when its lookup was sent (answered ones are dropped)
+        self.counts: dict[int, dict[str, int]] = {  # per shared tier, for metrics
+            index: {"lookup_keys": 0, "lookup_timeouts": 0} for index, tier in enumerate(self.tiers, start=1)
+            if tier.shared}
         self._answered: set[str] = set()
         self._found: list[ev.TierKeysFound] = []
         # Per tier, keys this process asked its workers to remove, oldest first. A lookup can see
@@ -128,8 +131,9 @@ class SchedulerTiers:
                 self._answered.add(request_id)
                 return False
             self._asked[request_id] = time.monotonic()
-            for lookups in self._lookups.values():
+            for index, lookups in self._lookups.items():
                 lookups.submit(request_id, tuple(keys[:LOOKUP_KEYS_MAX]))
+                self.counts[index]["lookup_keys"] += min(len(keys), LOOKUP_KEYS_MAX)
         deadline = time.monotonic() + LOOKUP_WAIT_S
         while request_id in self._asked and time.monotonic() < deadline:
             self._collect()
@@ -137,6 +141,8 @@ class SchedulerTiers:
                 time.sleep(0.0002)
         if request_id in self._asked and time.monotonic() - self._asked[request_id] > LOOKUP_TIMEOUT_S:
             _log.warning("tier_lookup_timed_out", request_id=request_id, timeout_s=LOOKUP_TIMEOUT_S)
+            for counts in self.counts.values():
+                counts["lookup_timeouts"] += 1
             self._done(request_id)
         return request_id in self._asked
 

@@ -99,13 +99,24 @@ TIER_EVICTIONS = Metric("vllm:kvledger_tiering_evictions", COUNTER,
 TIER_FOUND = Metric("vllm:kvledger_tiering_found_blocks", COUNTER,
                     "Blocks found in a secondary tier at start or by a lookup (written by another process).",
                     tiered=True)
+TIER_UNREACHABLE = Metric("vllm:kvledger_tiering_unreachable_blocks", COUNTER,
+                          "Blocks a tier job failed because the tier's server was down or slower than its timeout.",
+                          tiered=True)
+TIER_LOOKUP_KEYS = Metric("vllm:kvledger_tiering_lookup_blocks", COUNTER,
+                          "Blocks looked up in a shared tier (found ones: vllm:kvledger_tiering_found_blocks).",
+                          tiered=True)
+TIER_LOOKUP_TIMEOUTS = Metric("vllm:kvledger_tiering_lookup_timeouts", COUNTER,
+                              "Lookups in a shared tier not answered in time (the request computed).", tiered=True)
+TIER_UP = Metric("vllm:kvledger_tiering_up", GAUGE,
+                 "1 while a shared tier's server answers the scheduler's lookups, 0 while it is down.", tiered=True)
 
 METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE, ALLOCATION_FAILURE,
            LOOKUP_DELAY, HIT_TOKENS, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
            EVICTIONS, FLUSHES, FLUSHED_JOBS, VIOLATIONS, LOG_FAILURES, TIER_USED, TIER_CAPACITY, JOBS_IN_FLIGHT,
            TIER_READ_BYTES, TIER_READ_TIME, TIER_WRITE_BYTES, TIER_WRITE_TIME, TIER_PROMOTION_FAILURES,
            TIER_CASCADE_FAILURES, TIER_PROMOTION_LATENCY, TIER_HELD, TIER_BLOCKS_CAPACITY, TIER_KEYS_READ,
-           TIER_KEYS_WRITTEN, TIER_EVICTIONS, TIER_FOUND)
+           TIER_KEYS_WRITTEN, TIER_EVICTIONS, TIER_FOUND, TIER_UNREACHABLE, TIER_LOOKUP_KEYS, TIER_LOOKUP_TIMEOUTS,
+           TIER_UP)
 _BY_NAME = {m.name: m for m in METRICS}
 
 

@@ -30,7 +30,7 @@ from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
 from kvledger.adapters.vllm.chain_keys import ChainKeys
 from kvledger.adapters.vllm.kv_events import TierEvents
-from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
+from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, tier_name
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
@@ -276,7 +276,20 @@ class LedgerScheduler:
                 mark = (usage.name, field)
                 stats.add(metric, usage.counts[field] - self._tier_reported.get(mark, 0), usage.name)
                 self._tier_reported[mark] = usage.counts[field]
+        if self._tiers is not None:
+            self._tier_lookup_stats(stats)
         return stats
+
+    def _tier_lookup_stats(self, stats: m.KVLedgerStats) -> None:
+        assert self._tiers is not None
+        for index, counts in self._tiers.counts.items():
+            name = tier_name(index, self._tiers.tiers[index - 1])
+            for field, metric in (("lookup_keys", m.TIER_LOOKUP_KEYS), ("lookup_timeouts", m.TIER_LOOKUP_TIMEOUTS)):
+                mark = (name, field)
+                stats.add(metric, counts[field] - self._tier_reported.get(mark, 0), name)
+                self._tier_reported[mark] = counts[field]
+        for index, health in self._tiers.health.items():
+            stats.add(m.TIER_UP, 1 if health.up else 0, tier_name(index, self._tiers.tiers[index - 1]))
 
     def take_events(self) -> list:
         return [] if self.tier_events is None else self.tier_events.take()

@@ -155,10 +155,12 @@ class LedgerWorker:
                 stats.add(m.TIER_READ_TIME, job.seconds, tier)
                 stats.add(m.TIER_PROMOTION_LATENCY, job.seconds, tier)
                 stats.add(m.TIER_PROMOTION_FAILURES, 0 if job.ok else 1, tier)
+                stats.add(m.TIER_UNREACHABLE, job.unreachable, tier)
             else:
                 stats.add(m.TIER_WRITE_BYTES, job.nbytes, tier)
                 stats.add(m.TIER_WRITE_TIME, job.seconds, tier)
                 stats.add(m.TIER_CASCADE_FAILURES, 0 if job.ok else 1, tier)
+                stats.add(m.TIER_UNREACHABLE, job.unreachable, tier)
         return None if stats.is_empty() else stats
 
     def take_worker_meta(self) -> KVLedgerWorkerMetadata | None:

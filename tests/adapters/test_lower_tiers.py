@@ -9,10 +9,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vllm package")
 import torch
+from valkey import Valkey
 
 from kvledger.adapters.settings import parse_settings
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 from kvledger.transfers.block_file import block_path, write_block
+from kvledger.transfers.block_value import encode_value, store_key
 from tests.adapters.test_tier_namespace import kv_cache_config, vllm_config
 
 pytestmark = pytest.mark.vllm
@@ -56,5 +58,52 @@ def test_a_key_this_process_removed_is_not_found_again(tmp_path) -> None:
         _store(tiers, tmp_path, b"d" * 20)
         tiers.removed(1, [b"d" * 20])
         assert _ask_until_answered(tiers, "r2", [b"d" * 20]) == []
+    finally:
+        tiers.close()
+
+
+def _valkey_tiers(url: str, **more) -> SchedulerTiers:
+    settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [
+        {"type": "valkey", "url": url, "capacity_bytes": 1 << 20, "timeout_s": 0.5, **more}]})
+    return SchedulerTiers(settings, vllm_config(), kv_cache_config(), world_size=1)
+
+
+def test_a_valkey_tier_is_looked_up_not_scanned_and_counts_for_metrics(valkey_server) -> None:
+    server = valkey_server()
+    tiers = _valkey_tiers(server.url)
+    try:
+        space = tiers.namespaces[0]
+        payload = torch.zeros(64, dtype=torch.int8).numpy()
+        server_keys = [b"a" * 20, b"b" * 20]
+        client = Valkey(port=server.port)
+        for key in server_keys:
+            client.set(store_key(space, key), encode_value(space, key, payload))
+        client.close()
+        assert tiers.startup_events() == []  # a shared store is not scanned
+        (answer,) = _ask_until_answered(tiers, "r1", [b"a" * 20, b"c" * 20, b"b" * 20])
+        assert answer.tier == 1 and answer.keys == (b"a" * 20, b"b" * 20)
+        assert tiers.counts[1] == {"lookup_keys": 3, "lookup_timeouts": 0}
+        assert tiers.health[1].up
+        tiers.removed(1, [b"a" * 20])  # nothing is deleted from a shared store: still found
+        assert _ask_until_answered(tiers, "r2", [b"a" * 20])[0].keys == (b"a" * 20,)
+        server.kill()
+        assert _ask_until_answered(tiers, "r3", [b"a" * 20]) == []  # down: found nothing, in bounded time
+        assert not tiers.health[1].up
+    finally:
+        tiers.close()
+
+
+def test_a_valkey_tier_down_at_start_with_warn_comes_up_with_its_server(valkey_server) -> None:
+    server = valkey_server()
+    port = server.port
+    server.kill()
+    tiers = _valkey_tiers(f"redis://127.0.0.1:{port}", on_unreachable="warn")
+    try:
+        assert _ask_until_answered(tiers, "r1", [b"a" * 20]) == []
+        assert not tiers.health[1].up
+        server.start()
+        time.sleep(1.1)  # the tier's retry interval
+        assert _ask_until_answered(tiers, "r2", [b"a" * 20]) == []  # reached, and empty
+        assert tiers.health[1].up
     finally:
         tiers.close()
