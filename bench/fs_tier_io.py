@@ -41,7 +41,7 @@ import torch
 import xxhash
 from fs_block_io import drop_caches  # the sibling script (bench/ is on sys.path when run)
 
-from kvledger.transfers.block_file import _FIXED, HEADER_BYTES, _check_header, block_path
+from kvledger.transfers.block_file import _FIXED, HEADER_BYTES, block_path, check_header
 from kvledger.transfers.fs_tier import DIRECT_ALIGN, FsTierIO
 
 NAMESPACE = bytes(range(16))
@@ -138,7 +138,7 @@ def direct_read(root: str, rows: torch.Tensor, threads: int) -> float:
         staged = memoryview(local.bounce)
         assert got == HEADER_BYTES + size, f"{path}: {got} bytes"
         header = bytes(staged[:HEADER_BYTES])
-        _check_header(path, header, NAMESPACE, key, size)
+        check_header(path, header, NAMESPACE, key, size)
         target = memoryview(array[index]).cast("B")
         target[:] = staged[HEADER_BYTES : HEADER_BYTES + size]
         assert xxhash.xxh3_64_intdigest(target) == _FIXED.unpack_from(header)[6], f"{path}: checksum"

