@@ -27,7 +27,6 @@ disk, 2 cores): 1 GiB per measurement, writes timed to the end of
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import itertools
@@ -43,10 +42,8 @@ import structlog
 import torch
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
-from kvledger.transfers.backend import BackendClosed, TransferTimeout
 from kvledger.transfers.block_file import (
     HEADER_BYTES,
-    KEY_BYTES_MAX,
     NAMESPACE_BYTES,
     SUFFIX,
     BlockFileError,
@@ -55,7 +52,7 @@ from kvledger.transfers.block_file import (
     read_block_into,
     write_block,
 )
-from kvledger.transfers.tier_io import TierIoOutcome, TierJob
+from kvledger.transfers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
 
 DIRECT_ALIGN = 4096
 """Address, offset and length alignment that O_DIRECT accepts on any common device."""
@@ -68,8 +65,6 @@ _KEY_FILE = re.compile(r"(?:[0-9a-f]{2})+" + re.escape(SUFFIX))
 __all__ = ["FsTierIO", "IdsByGroup", "KeysByGroup", "TierIoOutcome", "files_present", "scan_keys"]
 
 
-_Block = tuple[TierJob, int, int, bytes, int]  # job, group, index, key, slot
-_STOP = None
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -80,81 +75,34 @@ class _DirectUnsupported(Exception):
     """This file system refuses O_DIRECT (EINVAL on open or an aligned write)."""
 
 
-class FsTierIO:
+class FsTierIO(ThreadedTierIO):
     """Moves blocks between `rows[slot, :payload_bytes[g]]` and block files under
     `root/<namespace hex>/`. `direct_writes=False` writes through the page cache."""
+
+    what = "the file-system tier"
 
     def __init__(self, *, root: str, namespace: bytes, rows: torch.Tensor, payload_bytes: tuple[int, ...],
                  threads: int = 16, direct_writes: bool = True) -> None:
         if len(namespace) != NAMESPACE_BYTES:
             raise ValueError(f"a namespace is {NAMESPACE_BYTES} bytes, not {len(namespace)}")
-        if rows.dim() != 2 or rows.dtype != torch.int8 or rows.device.type != "cpu" or not rows.is_contiguous():
-            raise ValueError(f"rows must be a contiguous 2-D int8 CPU tensor, got {rows.dtype} {tuple(rows.shape)} "
-                             f"on {rows.device}")
-        if not payload_bytes or any(not 0 < n <= rows.shape[1] for n in payload_bytes):
-            raise ValueError(f"payload_bytes {payload_bytes} must each be in [1, {rows.shape[1]}]")
-        if threads < 1:
-            raise ValueError(f"threads must be positive, got {threads}")
         self.root = os.fspath(root)
         self.namespace = namespace
-        self.payload_bytes = tuple(int(n) for n in payload_bytes)
         self.direct_writes = direct_writes
-        self.rows = rows  # also keeps the memory under `_array` alive
-        self._array = rows.numpy()
-        self._bounce_bytes = _round_up(HEADER_BYTES + max(self.payload_bytes), DIRECT_ALIGN)
-        self._cond = threading.Condition()
-        self._queue: collections.deque[_Block | tuple[str, bytes] | None] = collections.deque()
-        self._pending: dict[int, TierJob] = {}
-        self._finished: list[TierIoOutcome] = []
+        self._bounce_bytes = _round_up(HEADER_BYTES + max(payload_bytes, default=0), DIRECT_ALIGN)
         # Removals not yet carried out, per key. A write of a key first carries out the removals
         # queued before it, so a removal that a slower thread reaches later never deletes the new
         # file; removals and those writes' first step hold `_removing`, so they cannot interleave.
         self._removals: dict[bytes, int] = {}
         self._removing = threading.Lock()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"kvledger-fs-{n}", daemon=True)
-                         for n in range(threads)]
-        for thread in self._threads:
-            thread.start()
+        super().__init__(rows=rows, payload_bytes=payload_bytes, threads=threads, name="fs")
 
-    # -- the caller's side -------------------------------------------------------------------------
+    def _items(self, job: TierJob, blocks: list[Block]) -> list:
+        return [(job, g, i, k, s) for g, i, k, s in blocks]
 
-    def write(self, job_id: int, keys: KeysByGroup, slot_ids: IdsByGroup) -> None:
-        self._submit(job_id, "write", keys, slot_ids)
-
-    def read(self, job_id: int, keys: KeysByGroup, slot_ids: IdsByGroup) -> None:
-        self._submit(job_id, "read", keys, slot_ids)
-
-    def _submit(self, job_id: int, kind: str, keys: KeysByGroup, slot_ids: IdsByGroup) -> None:
-        self._check(keys, slot_ids)
-        blocks = [(g, i, bytes(k), int(s)) for g, (ks, ss) in enumerate(zip(keys, slot_ids))
-                  for i, (k, s) in enumerate(zip(ks, ss))]
-        job = TierJob(job_id, kind, len(blocks))
-        with self._cond:
-            if self._closed:
-                raise BackendClosed("the file-system tier was shut down")
-            if job_id in self._pending:
-                raise ValueError(f"job {job_id} is already in flight")
-            if not blocks:
-                self._finished.append(TierIoOutcome(job_id, kind, (), (), 0.0, 0))
-                return
-            self._pending[job_id] = job
-            self._queue.extend((job, g, i, k, s) for g, i, k, s in blocks)
-            self._cond.notify(len(blocks))
-
-    def _check(self, keys: KeysByGroup, slot_ids: IdsByGroup) -> None:
-        """A malformed job is the caller's bug: refused whole, before any I/O."""
-        if len(keys) != len(self.payload_bytes) or len(slot_ids) != len(self.payload_bytes):
-            raise ValueError(f"a job names {len(keys)} key groups and {len(slot_ids)} slot groups; "
-                             f"this tier has {len(self.payload_bytes)} groups")
-        num_slots = self._array.shape[0]
-        for g, (ks, ss) in enumerate(zip(keys, slot_ids)):
-            if len(ks) != len(ss):
-                raise ValueError(f"group {g}: {len(ks)} keys for {len(ss)} slots")
-            if any(not 0 < len(k) <= KEY_BYTES_MAX for k in ks):
-                raise ValueError(f"group {g}: a key is 1 to {KEY_BYTES_MAX} bytes")
-            if any(not 0 <= s < num_slots for s in ss):
-                raise ValueError(f"group {g}: a slot is outside [0, {num_slots})")
+    def _cancel(self, item) -> None:
+        if item[0] != "delete":  # queued deletes are dropped
+            job, g, i, key, _slot = item
+            self._settle(job, g, i, "cancelled", block_path(self.root, self.namespace, key), 0, None)
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """Best effort, after the work already queued; ignored once shut down."""
@@ -168,56 +116,16 @@ class FsTierIO:
                 self._queue.append(("delete", key))
             self._cond.notify(len(self._queue) - before)
 
-    def poll(self) -> list[TierIoOutcome]:
-        with self._cond:
-            outcomes, self._finished = self._finished, []
-        return outcomes
-
-    def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
-        """Unknown or finished ids count as finished."""
-        deadline = time.monotonic() + timeout_s
-        for job_id in job_ids:
-            with self._cond:
-                job = self._pending.get(job_id)
-            if job is not None and not job.done.wait(max(0.0, deadline - time.monotonic())):
-                raise TransferTimeout(f"tier job {job_id} did not finish within {timeout_s:.3g} s")
-
-    def shutdown(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
-        """Without `drain`, blocks not yet started fail as "cancelled" (and queued
-        deletes are dropped); blocks under way finish either way."""
-        cancelled: list[_Block] = []
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            if not drain:
-                cancelled = [item for item in self._queue if item is not None and item[0] != "delete"]
-                self._queue.clear()
-            self._queue.extend([_STOP] * len(self._threads))
-            self._cond.notify_all()
-        for job, g, i, key, _slot in cancelled:
-            self._settle(job, g, i, "cancelled", block_path(self.root, self.namespace, key), 0, None)
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                raise TransferTimeout(f"tier thread {thread.name} did not stop within {timeout_s:.3g} s")
-
     # -- the threads' side -------------------------------------------------------------------------
 
-    def _work(self) -> None:
-        bounce: list[mmap.mmap] = []  # this thread's page-aligned staging buffer, made on first use
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                item = self._queue.popleft()
-            if item is _STOP:
-                return
-            if item[0] == "delete":
-                self._delete(item[1])  # type: ignore[arg-type]
-            else:
-                self._run_block(*item, bounce)  # type: ignore[misc]
+    def _thread_context(self) -> list[mmap.mmap]:
+        return []  # this thread's page-aligned staging buffer, made on first use
+
+    def _run(self, item, bounce: list[mmap.mmap]) -> None:
+        if item[0] == "delete":
+            self._delete(item[1])
+        else:
+            self._run_block(*item, bounce)
 
     def _run_block(self, job: TierJob, g: int, i: int, key: bytes, slot: int, bounce: list[mmap.mmap]) -> None:
         started = time.perf_counter()
@@ -285,10 +193,8 @@ class FsTierIO:
                 span: tuple[float, float] | None) -> None:
         with self._cond:
             outcome = job.settle(g, i, reason, str(path), nbytes, span)
-            if outcome is None:
+            if not self._settled(job, outcome):
                 return
-            self._finished.append(outcome)
-            del self._pending[job.job_id]
         job.finished(outcome)
 
 
