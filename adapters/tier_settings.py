@@ -178,11 +178,17 @@ def _parse_valkey_tier(where: str, entry: Mapping[str, Any]) -> ValkeyTierSettin
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
         raise ConfigError(f"{where}.timeout_s must be a number of seconds in (0, 60], got {timeout!r}")
     connections = _positive_int(f"{where}.connections", entry.get("connections", 4))
+    ca_file = entry.get("tls_ca_file")
+    if ca_file is not None:
+        if not tls:
+            raise ConfigError(f"{where}.tls_ca_file is for TLS: use a rediss:// or valkeys:// URL")
+        if not isinstance(ca_file, str) or not os.path.isfile(ca_file):
+            raise ConfigError(f"{where}.tls_ca_file {ca_file!r} is not a readable file")
     on_unreachable = entry.get("on_unreachable", "error")
     if on_unreachable not in ("error", "warn"):
         raise ConfigError(f"{where}.on_unreachable must be 'error' or 'warn', got {on_unreachable!r}")
     server = ValkeyServer(nodes=tuple((p[0], p[1]) for p in parsed), cluster=cluster, tls=tls, db=db,
-                          username=username, password=password, timeout_s=float(timeout))
+                          username=username, password=password, timeout_s=float(timeout), tls_ca_file=ca_file)
     tier = ValkeyTierSettings(server=server, capacity_bytes=capacity, connections=connections,
                               on_unreachable=on_unreachable)
     _check_reachable(where, tier)
@@ -206,7 +212,7 @@ def _check_reachable(where: str, tier: ValkeyTierSettings) -> None:
 _TIER_TYPES: dict[str, tuple[tuple[str, ...], Callable[[str, Mapping[str, Any]], TierSettings]]] = {
     FsTierSettings.kind: (("path", "root_dir", "capacity_bytes", "threads", "shared"), _parse_fs_tier),
     ValkeyTierSettings.kind: (("url", "urls", "cluster", "password_env", "capacity_bytes", "timeout_s",
-                               "connections", "on_unreachable"), _parse_valkey_tier),
+                               "connections", "on_unreachable", "tls_ca_file"), _parse_valkey_tier),
 }
 
 

@@ -31,6 +31,7 @@ class ValkeyServer:
     username: str | None = None
     password: str | None = attrs.field(default=None, repr=False)  # never logged
     timeout_s: float = 1.0  # per command; a server slower than this counts as down
+    tls_ca_file: str | None = None  # a private CA's certificate (else the system's trusted ones)
 
     @property
     def where(self) -> str:
@@ -51,7 +52,7 @@ class ValkeyStore:
     def _connect(self) -> valkey.Valkey | ValkeyCluster:
         if self._client is None:
             tier = self.server
-            common = dict(username=tier.username, password=tier.password, ssl=tier.tls,
+            common = dict(username=tier.username, password=tier.password, ssl=tier.tls, ssl_ca_certs=tier.tls_ca_file,
                           socket_timeout=tier.timeout_s, socket_connect_timeout=tier.timeout_s,
                           retry=Retry(NoBackoff(), 0), client_name="kvledger")
             try:

@@ -19,20 +19,29 @@ import time
 from pathlib import Path
 
 
-def server_binary() -> str:
-    for name in ("valkey-server", "redis-server"):
+def _binary(tool: str) -> str:
+    for name in (f"valkey-{tool}", f"redis-{tool}"):
         found = shutil.which(name)
         if found:
             return found
-    raise RuntimeError("no valkey-server (or redis-server) on PATH: run `make valkey` to install it")
+    raise RuntimeError(f"no valkey-{tool} (or redis-{tool}) on PATH: run `make valkey` to install it")
+
+
+def server_binary() -> str:
+    return _binary("server")
 
 
 def cli_binary() -> str:
-    for name in ("valkey-cli", "redis-cli"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise RuntimeError("no valkey-cli (or redis-cli) on PATH: run `make valkey` to install it")
+    return _binary("cli")
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with openssl; the certificate is its own CA."""
+    cert, key = folder / "server.crt", folder / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
 
 
 def free_port(cluster: bool = False) -> int:
@@ -61,22 +70,28 @@ class ServerProcess:
     """One `valkey-server` process. `url` is what a tier's settings name."""
 
     def __init__(self, *, maxmemory: str = "256mb", policy: str = "allkeys-lru", cluster: bool = False,
-                 port: int | None = None, folder: Path | None = None) -> None:
+                 port: int | None = None, folder: Path | None = None, tls: bool = False) -> None:
         self.port = port or free_port(cluster)
         self.folder = folder or Path(tempfile.mkdtemp(prefix=f"kvledger-valkey-{self.port}-"))
         self.maxmemory = maxmemory
         self.policy = policy
         self.cluster = cluster
+        self.tls = self_signed(self.folder) if tls else None  # (certificate, key): TLS only, on `port`
         self.process: subprocess.Popen | None = None
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         """Start (again, after `kill`): empty, since nothing is persisted."""
-        args = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            cert, key = self.tls
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert), "--tls-key-file",
+                     str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+        args = [server_binary(), *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy, "--dir", str(self.folder),
                 "--protected-mode", "no", "--daemonize", "no", "--logfile", str(self.folder / "server.log")]
         if self.cluster:
@@ -99,7 +114,8 @@ class ServerProcess:
         raise RuntimeError(f"valkey-server on port {self.port} did not answer PING within {timeout_s} s")
 
     def cli(self, *args: str, check: bool = True) -> str:
-        done = subprocess.run([cli_binary(), "-p", str(self.port), *args], capture_output=True, text=True,
+        tls = ["--tls", "--cacert", str(self.tls[0])] if self.tls else []
+        done = subprocess.run([cli_binary(), "-p", str(self.port), *tls, *args], capture_output=True, text=True,
                               timeout=30)
         if check and done.returncode != 0:
             raise RuntimeError(f"valkey-cli {' '.join(args)}: {done.stderr or done.stdout}")

@@ -345,3 +345,16 @@ def test_a_cluster_from_its_seed_nodes(valkey_cluster):
     urls = valkey_cluster.urls
     tier, = parse_settings(with_tiers({"type": "valkey", "urls": urls, "capacity_bytes": 1 << 20})).secondary_tiers
     assert tier.server.cluster and len(tier.server.nodes) == 3
+
+
+def test_a_tls_server_with_a_private_ca(valkey_server):
+    server = valkey_server(tls=True)
+    cert = str(server.tls[0])
+    tier, = parse_settings(with_tiers(valkey(server.url, tls_ca_file=cert))).secondary_tiers
+    assert tier.server.tls and tier.server.tls_ca_file == cert
+    words = problem(with_tiers(valkey(server.url)))  # the system's CAs do not know this certificate
+    assert "cannot be reached" in words and "certificate" in words.lower()
+    plain = problem(with_tiers(valkey(server.url.replace("rediss", "redis"))))  # TLS spoken to as plain
+    assert "cannot be reached" in plain
+    assert "tls_ca_file is for TLS" in problem(with_tiers(valkey("redis://127.0.0.1:1", tls_ca_file=cert)))
+    assert "is not a readable file" in problem(with_tiers(valkey(server.url, tls_ca_file="/nonexistent.crt")))

@@ -218,3 +218,37 @@ def test_a_cluster_round_trips_and_survives_a_master_failover(valkey_cluster, ti
         time.sleep(0.3)
     assert read.ok, dict(zip(read.failed, read.reasons))
     assert run(io, job, "write", keys, slots).ok
+
+
+def test_blocks_round_trip_over_tls(valkey_server, tier, rows) -> None:
+    process = valkey_server(tls=True)
+    server = ValkeyServer(nodes=(("127.0.0.1", process.port),), tls=True, tls_ca_file=str(process.tls[0]))
+    io = tier(server)
+    keys, slots = both_groups([1, 2, 3], 0)
+    assert run(io, 1, "write", keys, slots).ok
+    back, back_slots = both_groups([1, 2, 3], 10)
+    assert run(io, 2, "read", back, back_slots).ok
+    assert torch.equal(rows[10:13, :SIZES[0]], rows[0:3, :SIZES[0]])
+
+
+def test_two_instances_writing_the_same_keys_at_once_leave_good_blocks(valkey_server, rows) -> None:
+    """Two replicas computed the same prefix: their values are the same bytes, last writer wins."""
+    server = server_of(valkey_server())
+    ios = [ValkeyTierIO(server=server, name="1:valkey", namespace=NS, rows=rows, payload_bytes=SIZES, connections=4)
+           for _ in range(2)]
+    try:
+        numbers = list(range(40))
+        keys, slots = both_groups(numbers, 0)
+        for round_ in range(5):
+            for n, io in enumerate(ios):
+                io.write(10 * round_ + n, keys, slots)
+            for n, io in enumerate(ios):
+                io.wait([10 * round_ + n], 30)
+                assert all(o.ok for o in io.poll())
+        back, back_slots = both_groups(numbers, 80)
+        assert run(ios[0], 99, "read", back, back_slots).ok
+        for g, size in enumerate(SIZES):
+            assert torch.equal(rows[list(back_slots[g]), :size], rows[list(slots[g]), :size])
+    finally:
+        for io in ios:
+            io.shutdown()
