@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    server = ServerProcess(maxmemory=f"{2 * args.total_mib + 256}mb", policy="noeviction")
+    server = ServerProcess(maxmemory=f"{3 * args.total_mib + 512}mb", policy="noeviction")
     results = []
     try:
         for kib in args.block_kib:

@@ -11,6 +11,7 @@ find a deployment's blocks with `SCAN MATCH kvledger:<namespace hex>:*`.
 
 from __future__ import annotations
 
+import numpy as np
 import xxhash
 
 from kvledger.transfers.block_file import (
@@ -28,10 +29,25 @@ def store_key(namespace: bytes, key: bytes) -> bytes:
     return b"%s%s:%s" % (KEY_PREFIX, namespace.hex().encode(), key.hex().encode())
 
 
+def value_header(namespace: bytes, key: bytes, payload: memoryview) -> bytes:
+    """What goes before the payload in the value."""
+    return encode_header(namespace, key, payload, compact_header_bytes(key))
+
+
 def encode_value(namespace: bytes, key: bytes, payload: object) -> bytes:
-    """Header and payload as one value (one copy of the payload: a SET takes one buffer)."""
+    """Header and payload as one value."""
     data = memoryview(payload).cast("B")  # type: ignore[arg-type]
-    return b"".join((encode_header(namespace, key, data, compact_header_bytes(key)), data))
+    return b"".join((value_header(namespace, key, data), data))
+
+
+def check_in_place(head: bytes, namespace: bytes, key: bytes, payload: object) -> None:
+    """A value read in two parts, its head and (already in place) its payload:
+    raise `BlockFileError` unless they make a good block of this key."""
+    source = store_key(namespace, key).decode()
+    data = memoryview(payload).cast("B")  # type: ignore[arg-type]
+    check_header(source, head, namespace, key, data.nbytes, compact_header_bytes(key))
+    if xxhash.xxh3_64_intdigest(data) != payload_checksum(head):
+        raise BlockFileError("corrupt", source, "payload checksum mismatch")
 
 
 def decode_value_into(value: bytes | None, namespace: bytes, key: bytes, out: object) -> None:
@@ -49,4 +65,5 @@ def decode_value_into(value: bytes | None, namespace: bytes, key: bytes, out: ob
         raise BlockFileError(what, source, f"{payload.nbytes} payload bytes, expected {target.nbytes}")
     if xxhash.xxh3_64_intdigest(payload) != payload_checksum(value):
         raise BlockFileError("corrupt", source, "payload checksum mismatch")
-    target[:] = payload
+    # numpy's copy releases the GIL (a memoryview's does not): other I/O threads read the socket meanwhile.
+    np.frombuffer(target, np.uint8)[:] = np.frombuffer(payload, np.uint8)

@@ -10,6 +10,7 @@ A `ValkeyStore` is one thread's: each I/O thread holds its own connection.
 
 from __future__ import annotations
 
+import select
 from collections.abc import Sequence
 
 import attrs
@@ -77,12 +78,65 @@ class ValkeyStore:
             self._reset()
             raise StoreDown(_describe(exc)) from None
 
-    def set_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[str | None]:
-        """SET each; per item None, or why the server refused it (a full server: OOM)."""
-        return [None if ok is True else _describe(ok) for ok in self._pipeline("set", items)]
+    def set_many(self, items: Sequence[tuple[bytes, bytes, memoryview]]) -> list[str | None]:
+        """SET each key to its header and payload; per item None, or why the
+        server refused it (a full server: OOM).
+
+        On one server the commands are framed here and the payload sent from
+        its own memory, as the socket's `sendall` takes it: valkey-py's packer
+        (libvalkey's) copies every value into one buffer per command, and
+        joining header and payload would copy it once more, which on a busy
+        host costs the tier a third of its write speed (bench/valkey_tier_io.py).
+        A cluster routes each key to its node: values are joined there."""
+        if not items:
+            return []
+        if self.server.cluster:
+            joined = [(key, b"".join((header, payload))) for key, header, payload in items]
+            return [None if ok is True else _describe(ok) for ok in self._pipeline("set", joined)]
+        chunks: list[bytes | memoryview] = []
+        for key, header, payload in items:
+            chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
+                len(key), key, len(header) + payload.nbytes, header))
+            chunks.append(payload)
+            chunks.append(b"\r\n")
+        try:
+            connection = self._fresh_connection()
+            connection.send_packed_command(chunks)
+            refused: list[str | None] = []
+            for _ in items:
+                try:
+                    connection.read_response()
+                    refused.append(None)
+                except ResponseError as exc:
+                    refused.append(_describe(exc))
+        except (ValkeyError, OSError) as exc:
+            self._reset()
+            raise StoreDown(_describe(exc)) from None
+        return refused
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None | Exception]:
         return self._pipeline("get", [(k,) for k in keys])
+
+    def get_into(self, keys: Sequence[bytes], heads: Sequence[int],
+                 targets: Sequence[memoryview]) -> list[bytes | None | Exception | Landed]:
+        """GET each key; a value of `heads[n]` + `len(targets[n])` bytes lands in
+        place: its first `heads[n]` bytes are returned (`Landed`), the rest read
+        from the socket straight into `targets[n]`, unchecked (the caller checks
+        it). Any other value is returned whole, a missing key as None.
+
+        On one server only, as `set_many` frames its commands: a reply read into
+        its block costs no allocation and no copy, where valkey-py's reader
+        makes a bytes object of every value (bench/valkey_tier_io.py)."""
+        if self.server.cluster:
+            return self.get_many(keys)
+        try:
+            connection = self._fresh_connection()
+            connection.send_packed_command([b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys])
+            replies = _Replies(connection._sock)
+            return [replies.value(head, target) for head, target in zip(heads, targets)]
+        except (ValkeyError, OSError, _ProtocolError) as exc:
+            self._reset()
+            raise StoreDown(_describe(exc)) from None
 
     def exists_each(self, keys: Sequence[bytes]) -> list[bool]:
         return [answer == 1 for answer in self._pipeline("exists", [(k,) for k in keys])]
@@ -105,6 +159,15 @@ class ValkeyStore:
             raise StoreDown(_describe(down[0]))
         return answers
 
+    def _fresh_connection(self):
+        """The single-connection client's own connection, reopened if the server
+        closed it meanwhile (a restart): a socket with something to read between
+        commands is one the server gave up on."""
+        connection = self._connect().connection
+        if connection._sock is not None and select.select([connection._sock], [], [], 0)[0]:
+            connection.disconnect()  # the next send connects again
+        return connection
+
     def _reset(self) -> None:
         """Drop the connection after a failure; the next command reconnects."""
         client, self._client = self._client, None
@@ -120,3 +183,68 @@ class ValkeyStore:
 
 def _describe(exc: object) -> str:
     return f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else str(exc)
+
+
+class Landed(bytes):
+    """A value's head; its payload was read into the caller's target."""
+
+
+class _ProtocolError(Exception):
+    """A reply that is not what a GET answers."""
+
+
+class _Replies:
+    """RESP replies to GETs, read from a socket with a small buffer for the lines
+    and `recv_into` for payloads that land in place."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        self.buffer += chunk
+
+    def _line(self) -> bytes:
+        while (end := self.buffer.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self.buffer[:end])
+        del self.buffer[:end + 2]
+        return line
+
+    def _exact(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            self._fill()
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return data
+
+    def _into(self, target: memoryview) -> None:
+        got = min(len(self.buffer), target.nbytes)
+        target[:got] = self.buffer[:got]
+        del self.buffer[:got]
+        while got < target.nbytes:
+            count = self.sock.recv_into(target[got:])
+            if not count:
+                raise ConnectionError("the server closed the connection")
+            got += count
+
+    def value(self, head: int, target: memoryview) -> bytes | None | Exception | Landed:
+        line = self._line()
+        if line[:1] == b"-":
+            return ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] != b"$":
+            raise _ProtocolError(f"a GET answered {line[:40]!r}")
+        size = int(line[1:])
+        if size < 0:
+            return None
+        if size != head + target.nbytes:
+            value = self._exact(size)
+        else:
+            value = Landed(self._exact(head))
+            self._into(target)
+        if self._exact(2) != b"\r\n":
+            raise _ProtocolError("a bulk reply without its CRLF")
+        return value

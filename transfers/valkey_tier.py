@@ -22,10 +22,10 @@ from collections.abc import Iterable, Sequence
 import structlog
 import torch
 
-from kvledger.transfers.block_file import BlockFileError
-from kvledger.transfers.block_value import decode_value_into, encode_value, store_key
+from kvledger.transfers.block_file import BlockFileError, compact_header_bytes
+from kvledger.transfers.block_value import check_in_place, decode_value_into, store_key, value_header
 from kvledger.transfers.tier_io import Block, ThreadedTierIO, TierJob
-from kvledger.transfers.valkey_store import StoreDown, ValkeyServer, ValkeyStore
+from kvledger.transfers.valkey_store import Landed, StoreDown, ValkeyServer, ValkeyStore
 
 _log = structlog.get_logger("kvledger.transfers.valkey_tier")
 
@@ -138,9 +138,10 @@ class ValkeyTierIO(ThreadedTierIO):
         self._settle(job, failed, nbytes, (started, time.perf_counter()), len(blocks))
 
     def _write(self, store: ValkeyStore, blocks: Sequence[Block]) -> tuple[int, list]:
-        items = [(store_key(self.namespace, key), encode_value(self.namespace, key,
-                                                                self._array[slot, : self.payload_bytes[g]]))
-                 for g, _, key, slot in blocks]
+        items = []
+        for g, _, key, slot in blocks:
+            payload = memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B")
+            items.append((store_key(self.namespace, key), value_header(self.namespace, key, payload), payload))
         refused = store.set_many(items)
         failed = [(g, i, key, "unwritable") for (g, i, key, _), why in zip(blocks, refused) if why is not None]
         if failed:
@@ -150,14 +151,19 @@ class ValkeyTierIO(ThreadedTierIO):
             self.payload_bytes[g] for g, _, _, _ in failed), failed
 
     def _read(self, store: ValkeyStore, blocks: Sequence[Block]) -> tuple[int, list]:
-        values = store.get_many([store_key(self.namespace, key) for _, _, key, _ in blocks])
+        targets = [memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B") for g, _, _, slot in blocks]
+        values = store.get_into([store_key(self.namespace, key) for _, _, key, _ in blocks],
+                                [compact_header_bytes(key) for _, _, key, _ in blocks], targets)
         failed = []
         nbytes = 0
-        for (g, i, key, slot), value in zip(blocks, values):
+        for (g, i, key, _), value, target in zip(blocks, values, targets):
             try:
                 if isinstance(value, Exception):
                     raise BlockFileError("unreadable", store_key(self.namespace, key).decode(), str(value))
-                decode_value_into(value, self.namespace, key, self._array[slot, : self.payload_bytes[g]])
+                if isinstance(value, Landed):
+                    check_in_place(value, self.namespace, key, target)
+                else:
+                    decode_value_into(value, self.namespace, key, target)
                 nbytes += self.payload_bytes[g]
             except BlockFileError as error:
                 failed.append((g, i, key, error.reason))

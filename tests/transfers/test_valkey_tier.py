@@ -95,6 +95,8 @@ def test_a_missing_corrupt_truncated_or_foreign_value_fails_its_position_only(va
         client.set(store_key(NS, key(2)), value[:-100])  # cut short
         client.set(store_key(NS, key(3)), encode_value(OTHER_NS, key(3), rows[0, :SIZES[0]].numpy()))  # another model
         client.set(store_key(NS, key(4, 1)), encode_value(NS, key(4, 1), rows[0, :512].numpy()))  # another size
+        client.delete(store_key(NS, key(5)))
+        client.rpush(store_key(NS, key(5)), b"x")  # another program's list under the key: an error reply
     finally:
         store.close()
     before = rows.clone()
@@ -102,9 +104,10 @@ def test_a_missing_corrupt_truncated_or_foreign_value_fails_its_position_only(va
     with capture_logs() as logs:
         read = run(io, 2, "read", back, back_slots)
     assert dict(zip(read.failed, read.reasons)) == {
-        (0, 0): "missing", (0, 1): "corrupt", (0, 2): "truncated", (0, 3): "foreign", (1, 4): "foreign"}
+        (0, 0): "missing", (0, 1): "corrupt", (0, 2): "truncated", (0, 3): "foreign", (1, 4): "foreign",
+        (0, 5): "unreadable"}
     assert read.nbytes == sum(SIZES[g] for g in range(2) for i in range(6) if (g, i) not in read.failed)
-    assert [e for e in logs if e["event"] == "tier_io_failed"][0]["failed"] == 5
+    assert [e for e in logs if e["event"] == "tier_io_failed"][0]["failed"] == 6
     for g, size in enumerate(SIZES):  # the good positions hold the blocks written
         for i, (src, dst) in enumerate(zip(slots[g], back_slots[g])):
             if (g, i) not in read.failed:
