@@ -108,7 +108,10 @@ class ValkeyTierSettings:
 
     server: ValkeyServer
     capacity_bytes: int  # what this instance tracks in the store; the server's maxmemory bounds it all
-    connections: int = 4  # I/O threads per worker, each with its own connection
+    # I/O threads per worker, each with its own connection. In a process whose engine thread keeps
+    # the GIL busy (in-process vLLM), each thread waits for it after every system call, so many
+    # threads hide the waits: a 2k-token restore took 290-370 ms with 4, 180-285 with 8 (bench/tier_ttft.py).
+    connections: int = 8
     on_unreachable: str = "error"  # or "warn": start with the tier down
     shared: ClassVar[bool] = True  # always: other instances write the same keys
     kind: ClassVar[str] = "valkey"
@@ -177,7 +180,8 @@ def _parse_valkey_tier(where: str, entry: Mapping[str, Any]) -> ValkeyTierSettin
     timeout = entry.get("timeout_s", 1.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
         raise ConfigError(f"{where}.timeout_s must be a number of seconds in (0, 60], got {timeout!r}")
-    connections = _positive_int(f"{where}.connections", entry.get("connections", 4))
+    connections = _positive_int(f"{where}.connections", entry.get("connections",
+                                                                  attrs.fields(ValkeyTierSettings).connections.default))
     ca_file = entry.get("tls_ca_file")
     if ca_file is not None:
         if not tls:

@@ -13,7 +13,7 @@ median reported in GB/s (1e9 bytes) with the tier's ratio to raw. `valkey-benchm
 same value sizes for context. The server runs here, on loopback: its own CPU time competes with
 the client's on a small machine, as it would on a host that runs both. The last line is JSON.
 
-    python bench/valkey_tier_io.py [--total-mib 512] [--block-kib 256 2048] [--threads 4] [--jobs 4]
+    python bench/valkey_tier_io.py [--total-mib 512] [--block-kib 256 2048] [--threads 8] [--jobs 4]
                                    [--rounds 3]
 """
 
@@ -101,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=512)
     parser.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048])
-    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()

@@ -10,8 +10,11 @@ A `ValkeyStore` is one thread's: each I/O thread holds its own connection.
 
 from __future__ import annotations
 
+import contextlib
 import select
-from collections.abc import Sequence
+import socket
+import struct
+from collections.abc import Iterator, Sequence
 
 import attrs
 import valkey
@@ -101,7 +104,8 @@ class ValkeyStore:
             chunks.append(b"\r\n")
         try:
             connection = self._fresh_connection()
-            connection.send_packed_command(chunks)
+            with _whole_blocks(connection, self.server.timeout_s):
+                connection.send_packed_command(chunks)
             refused: list[str | None] = []
             for _ in items:
                 try:
@@ -131,9 +135,10 @@ class ValkeyStore:
             return self.get_many(keys)
         try:
             connection = self._fresh_connection()
-            connection.send_packed_command([b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys])
-            replies = _Replies(connection._sock)
-            return [replies.value(head, target) for head, target in zip(heads, targets)]
+            with _whole_blocks(connection, self.server.timeout_s):
+                connection.send_packed_command([b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys])
+                replies = _Replies(connection._sock)
+                return [replies.value(head, target) for head, target in zip(heads, targets)]
         except (ValkeyError, OSError, _ProtocolError) as exc:
             self._reset()
             raise StoreDown(_describe(exc)) from None
@@ -185,6 +190,29 @@ def _describe(exc: object) -> str:
     return f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else str(exc)
 
 
+@contextlib.contextmanager
+def _whole_blocks(connection, timeout_s: float) -> Iterator[None]:
+    """The socket blocking, with the timeout kept by the kernel (SO_RCVTIMEO,
+    SO_SNDTIMEO): a block then moves in one system call, not one per chunk
+    the socket buffer holds. With Python's own timeout every chunk is a poll
+    and a recv, each taking the GIL back, which in a process whose engine
+    thread is busy (vLLM's) waits up to a switch interval: a 32-block batch
+    took 450-900 ms that way, against 20-50 ms in one call per block."""
+    if connection._sock is None:
+        connection.connect()
+    sock = connection._sock
+    whole = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+    previous = sock.gettimeout()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, whole)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, whole)
+    sock.settimeout(None)
+    try:
+        yield
+    finally:
+        if connection._sock is sock:  # not dropped by a failure meanwhile
+            sock.settimeout(previous)
+
+
 class Landed(bytes):
     """A value's head; its payload was read into the caller's target."""
 
@@ -226,7 +254,7 @@ class _Replies:
         target[:got] = self.buffer[:got]
         del self.buffer[:got]
         while got < target.nbytes:
-            count = self.sock.recv_into(target[got:])
+            count = self.sock.recv_into(target[got:], 0, socket.MSG_WAITALL)
             if not count:
                 raise ConnectionError("the server closed the connection")
             got += count

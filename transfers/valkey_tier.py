@@ -75,20 +75,23 @@ class ValkeyTierIO(ThreadedTierIO):
     what = "the Valkey tier"
 
     def __init__(self, *, server: ValkeyServer, name: str, namespace: bytes, rows: torch.Tensor,
-                 payload_bytes: tuple[int, ...], connections: int = 4) -> None:
+                 payload_bytes: tuple[int, ...], connections: int = 8) -> None:
         self.server = server
         self.namespace = namespace
         self.health = Health(name, server.where)
+        self.connections = connections
         super().__init__(rows=rows, payload_bytes=payload_bytes, threads=connections, name="valkey")
 
     def _items(self, job: TierJob, blocks: list[Block]) -> list[_Batch]:
-        """Pipelined batches: up to `BATCH_BLOCKS` blocks or `BATCH_BYTES` each."""
+        """Pipelined batches, one per connection where the job is small (every
+        connection busy), and up to `BATCH_BLOCKS` blocks or `BATCH_BYTES` each."""
+        most = min(BATCH_BLOCKS, -(-len(blocks) // self.connections))
         batches: list[_Batch] = []
         batch: list[Block] = []
         size = 0
         for block in blocks:
             nbytes = self.payload_bytes[block[0]]
-            if batch and (len(batch) == BATCH_BLOCKS or size + nbytes > BATCH_BYTES):
+            if batch and (len(batch) == most or size + nbytes > BATCH_BYTES):
                 batches.append((job, batch))
                 batch, size = [], 0
             batch.append(block)

@@ -285,7 +285,7 @@ def test_a_valkey_tier_from_its_url(valkey_server, monkeypatch):
     tier, = parse_settings(with_tiers(valkey(server.url))).secondary_tiers
     assert tier == ValkeyTierSettings(server=ValkeyServer(nodes=(("127.0.0.1", server.port),)),
                                       capacity_bytes=1 << 20)
-    assert (tier.kind, tier.shared, tier.connections, tier.server.timeout_s) == ("valkey", True, 4, 1.0)
+    assert (tier.kind, tier.shared, tier.connections, tier.server.timeout_s) == ("valkey", True, 8, 1.0)
     other, = parse_settings(with_tiers(valkey(f"valkey://127.0.0.1:{server.port}/0", timeout_s=0.25,
                                               connections=2))).secondary_tiers
     assert other.server.timeout_s == 0.25 and other.connections == 2
