@@ -30,12 +30,12 @@ def _engine(models, model: str, log: Path, tier: dict, *, hash_seed: str | None,
     return result, summary
 
 
-def _second_restores_the_first(models, tmp_path, model: str, tier: dict) -> tuple[dict, dict]:
-    first, one = _engine(models, model, tmp_path / "one.log", tier, hash_seed=None)
+def _second_restores_the_first(models, tmp_path, model: str, tier: dict, **spec) -> tuple[dict, dict]:
+    first, one = _engine(models, model, tmp_path / "one.log", tier, hash_seed=None, **spec)
     # An empty store: nothing came from it (a request may still hit the host tier, when its
     # lookup takes a step and a request sharing its prefix is stored meanwhile).
     assert one["lower_tiers"][0]["keys_read"] == 0 and one["lower_tiers"][0]["keys_written"] > 0
-    second, two = _engine(models, model, tmp_path / "two.log", tier, hash_seed="4242")
+    second, two = _engine(models, model, tmp_path / "two.log", tier, hash_seed="4242", **spec)
     assert second["first"]["tokens"] == first["first"]["tokens"]
     assert all(c > 0 for c in second["first"]["cached"])
     lower = two["lower_tiers"][0]
@@ -49,6 +49,11 @@ def test_a_second_instance_restores_what_the_first_stored(models, tmp_path, valk
     server = valkey_server()
     _second_restores_the_first(models, tmp_path, model, {"url": server.url})
     assert int(server.cli("DBSIZE")) > 0
+
+
+def test_the_same_with_vllm_multiprocess(models, tmp_path, valkey_server):
+    """The worker in vLLM's engine-core process, the front end in another: the hybrid model."""
+    _second_restores_the_first(models, tmp_path, "tiny-gemma3", {"url": valkey_server().url}, multiprocess=True)
 
 
 def test_the_same_on_a_cluster(models, tmp_path, valkey_cluster):
