@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
 import pytest
@@ -49,8 +51,12 @@ def test_the_tier_is_resident_from_the_start() -> None:
     nbytes = tier.rows.numel()
     assert _resident_pages(tier.rows.data_ptr(), nbytes) * os.sysconf("SC_PAGE_SIZE") >= nbytes
     assert tier.num_slots == 128 and not tier.rows.any()
-    untouched = torch.empty(32 << 20, dtype=torch.int8)  # the check can fail: fresh memory is not resident
-    assert _resident_pages(untouched.data_ptr(), untouched.numel()) < untouched.numel() // os.sysconf("SC_PAGE_SIZE")
+    fresh = mmap.mmap(-1, 32 << 20)  # the check can fail: a fresh mapping is not resident until touched
+    start = ctypes.c_char.from_buffer(fresh)
+    assert _resident_pages(ctypes.addressof(start), len(fresh)) == 0
+    fresh[len(fresh) // 2] = 1
+    assert _resident_pages(ctypes.addressof(start), len(fresh)) == 1
+    del start
 
 
 def test_available_memory_reads_meminfo(tmp_path) -> None:
