@@ -73,16 +73,9 @@ def _records(records: Iterator[Record], file: BinaryIO, source: str) -> Iterator
             raise LogError(f"corrupt gzip stream: {exc}", source=source) from None
 
 
-def unused_path(path: str) -> str:
-    """`path`, or `name.1.ext`, `name.2.ext`, ... if taken: a restarted server,
-    or a second engine, must never overwrite the log of an earlier run."""
-    for candidate in _candidates(path):
-        if not os.path.exists(candidate):
-            return candidate
-    raise AssertionError("unreachable")
-
-
 def _candidates(path: str) -> Iterator[str]:
+    """`path`, then `name.1.ext`, `name.2.ext`, ...: a restarted server, or a
+    second engine, must never overwrite the log of an earlier run."""
     yield path
     root, ext = os.path.splitext(path)
     n = 1
@@ -92,7 +85,7 @@ def _candidates(path: str) -> Iterator[str]:
 
 
 def create_unused(path: str | os.PathLike) -> tuple[BinaryIO, Path]:
-    """Create the first free name of `unused_path`'s sequence, atomically: two
+    """Create the first free name of `_candidates`' sequence, atomically: two
     engines starting at once on one path each get a file of their own."""
     for candidate in _candidates(os.fspath(path)):
         try:

@@ -35,7 +35,8 @@ def value_header(namespace: bytes, key: bytes, payload: memoryview) -> bytes:
 
 
 def encode_value(namespace: bytes, key: bytes, payload: object) -> bytes:
-    """Header and payload as one value."""
+    """Header and payload as one value: what the tier's two-part write stores
+    (`value_header`, then the payload from its row), in one piece."""
     data = memoryview(payload).cast("B")  # type: ignore[arg-type]
     return b"".join((value_header(namespace, key, data), data))
 

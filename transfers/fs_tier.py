@@ -192,7 +192,7 @@ class FsTierIO(ThreadedTierIO):
     def _settle(self, job: TierJob, g: int, i: int, reason: str | None, path: Path, nbytes: int,
                 span: tuple[float, float] | None) -> None:
         with self._cond:
-            outcome = job.settle(g, i, reason, str(path), nbytes, span)
+            outcome = job.settle([(g, i, reason, str(path))] if reason else [], 0 if reason else 1, nbytes, span)
             if not self._settled(job, outcome):
                 return
         job.finished(outcome)

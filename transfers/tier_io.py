@@ -39,7 +39,7 @@ class TierIoOutcome:
 
 class TierJob:
     """A job's count of blocks still under way. `settle` is called under the
-    I/O object's lock, once per block; the last call returns the outcome."""
+    I/O object's lock, for a block or a batch; the last call returns the outcome."""
 
     __slots__ = ("job_id", "kind", "total", "remaining", "failed", "nbytes", "started", "ended", "done")
 
@@ -54,16 +54,16 @@ class TierJob:
         self.ended = float("-inf")
         self.done = threading.Event()
 
-    def settle(self, g: int, i: int, reason: str | None, where: str, nbytes: int,
+    def settle(self, failed: list[tuple[int, int, str, str]], done: int, nbytes: int,
                span: tuple[float, float] | None) -> TierIoOutcome | None:
-        if reason is None:
-            self.nbytes += nbytes
-        else:
-            self.failed.append((g, i, reason, where))
+        """`done` blocks ended well (`nbytes` of payload between them), and `failed`
+        ones, as (group, index, reason, where), did not."""
+        self.failed.extend(failed)
+        self.nbytes += nbytes
         if span is not None:
             self.started = min(self.started, span[0])
             self.ended = max(self.ended, span[1])
-        self.remaining -= 1
+        self.remaining -= done + len(failed)
         if self.remaining:
             return None
         self.failed.sort()

@@ -47,7 +47,6 @@ class Health:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self.up = True
-        self.downs = 0  # times it went down, for metrics
 
     def usable(self) -> bool:
         return self.up or time.monotonic() >= self._down_until
@@ -56,8 +55,6 @@ class Health:
         with self._lock:
             self._down_until = time.monotonic() + RETRY_S
             was, self.up = self.up, False
-            if was:
-                self.downs += 1
         if was:
             _log.error("valkey_tier_down", tier=self.name, server=self.where, error=error, retry_s=RETRY_S)
 
@@ -105,7 +102,7 @@ class ValkeyTierIO(ThreadedTierIO):
 
     def _cancel(self, item: _Batch) -> None:
         job, blocks = item
-        self._settle(job, [(g, i, key, "cancelled") for g, i, key, _ in blocks], 0, None, len(blocks))
+        self._settle(job, [(g, i, key, "cancelled") for g, i, key, _ in blocks], 0, 0, None)
 
     # -- the threads' side -------------------------------------------------------------------------
 
@@ -138,7 +135,7 @@ class ValkeyTierIO(ThreadedTierIO):
                 _log.error("tier_batch_crashed", job_id=job.job_id, error=repr(exc))
                 failed = [(g, i, key, "unreadable" if job.kind == "read" else "unwritable")
                           for g, i, key, _ in blocks]
-        self._settle(job, failed, nbytes, (started, time.perf_counter()), len(blocks))
+        self._settle(job, failed, len(blocks) - len(failed), nbytes, (started, time.perf_counter()))
 
     def _write(self, store: ValkeyStore, blocks: Sequence[Block]) -> tuple[int, list]:
         items = []
@@ -150,8 +147,7 @@ class ValkeyTierIO(ThreadedTierIO):
         if failed:
             _log.warning("valkey_set_refused", tier=self.health.name, count=len(failed),
                          error=next(why for why in refused if why is not None))
-        return sum(self.payload_bytes[g] for g, _, _, _ in blocks) - sum(
-            self.payload_bytes[g] for g, _, _, _ in failed), failed
+        return sum(self.payload_bytes[g] for (g, _, _, _), why in zip(blocks, refused) if why is None), failed
 
     def _read(self, store: ValkeyStore, blocks: Sequence[Block]) -> tuple[int, list]:
         targets = [memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B") for g, _, _, slot in blocks]
@@ -172,17 +168,11 @@ class ValkeyTierIO(ThreadedTierIO):
                 failed.append((g, i, key, error.reason))
         return nbytes, failed
 
-    def _settle(self, job: TierJob, failed: list[tuple[int, int, bytes, str]], nbytes: int,
-                span: tuple[float, float] | None, count: int) -> None:
-        """Settle a batch of `count` blocks: its failed positions, then the rest as done (`nbytes` between them)."""
-        failed_at = {(g, i) for g, i, _, _ in failed}
-        total = count
+    def _settle(self, job: TierJob, failed: list[tuple[int, int, bytes, str]], done: int, nbytes: int,
+                span: tuple[float, float] | None) -> None:
+        where = [(g, i, reason, store_key(self.namespace, key).decode()) for g, i, key, reason in failed]
         with self._cond:
-            outcome = None
-            for g, i, key, reason in failed:
-                outcome = job.settle(g, i, reason, store_key(self.namespace, key).decode(), 0, span) or outcome
-            for n in range(total - len(failed_at)):
-                outcome = job.settle(-1, -1, None, "", nbytes if n == 0 else 0, span) or outcome
+            outcome = job.settle(where, done, nbytes, span)
             if not self._settled(job, outcome):
                 return
         job.finished(outcome)

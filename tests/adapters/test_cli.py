@@ -49,20 +49,27 @@ def test_inspect_shows_state(hybrid_log: Path, capsys: pytest.CaptureFixture) ->
     assert view["at_seq"] == 40 and view["requests"]
 
 
-def test_violation_names_its_seq(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def _small_log(path: Path, events: list) -> Path:
+    """A JSONL log of `events` on an 8-block engine, written as a live host writes it."""
     from kvledger.adapters.engine_host import EngineHost
-    from kvledger.events import types as ev
     from kvledger.events.config import EngineConfig, GroupSpec
 
     config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
                           num_device_blocks=8, num_tier_slots=8)
-    path = tmp_path / "bad.jsonl"
     with EngineHost(config, log_path=path, fmt="jsonl") as host:
-        host.apply(ev.RequestAdded(request_id="a", num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
-        host.apply(ev.BlocksAllocated(request_id="a", block_ids=((1, 2),)))
-        host.apply(ev.BlocksAllocated(request_id="b", block_ids=((3,),)))  # unknown request
-        host.apply(ev.StepScheduled(step_index=0, request_ids=["a"], num_computed_tokens=[0],
-                                        num_scheduled_tokens=[32]))
+        for event in events:
+            host.apply(event)
+    return path
+
+
+def test_violation_names_its_seq(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from kvledger.events import types as ev
+
+    path = _small_log(tmp_path / "bad.jsonl", [
+        ev.RequestAdded(request_id="a", num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2),
+        ev.BlocksAllocated(request_id="a", block_ids=((1, 2),)),
+        ev.BlocksAllocated(request_id="b", block_ids=((3,),)),  # unknown request
+        ev.StepScheduled(step_index=0, request_ids=["a"], num_computed_tokens=[0], num_scheduled_tokens=[32])])
     assert main(["replay", str(path)]) == 1
     out = capsys.readouterr().out
     assert "FIRST PROBLEM at seq 2 (violation)" in out and "illegal_request_event" in out
@@ -70,16 +77,11 @@ def test_violation_names_its_seq(tmp_path: Path, capsys: pytest.CaptureFixture) 
 
 def test_replay_check_names_a_block_outside_the_pool(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`--check` once crashed with IndexError here, where plain replay names the violation."""
-    from kvledger.adapters.engine_host import EngineHost
     from kvledger.events import types as ev
-    from kvledger.events.config import EngineConfig, GroupSpec
 
-    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
-                          num_device_blocks=8, num_tier_slots=8)
-    path = tmp_path / "outside.jsonl"
-    with EngineHost(config, log_path=path, fmt="jsonl") as host:
-        host.apply(ev.RequestAdded(request_id="a", num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2))
-        host.apply(ev.BlocksAllocated(request_id="a", block_ids=((1, 99),)))
+    path = _small_log(tmp_path / "outside.jsonl", [
+        ev.RequestAdded(request_id="a", num_prompt_tokens=32, block_hashes=[b"x" * 16] * 2),
+        ev.BlocksAllocated(request_id="a", block_ids=((1, 99),))])
     assert main(["replay", str(path), "--check"]) == 1
     out = capsys.readouterr().out
     assert "FIRST PROBLEM at seq 1 (violation)" in out and "block_out_of_range" in out

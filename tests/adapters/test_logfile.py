@@ -217,14 +217,19 @@ def test_abandoning_the_iterator_closes_the_file(tmp_path: Path) -> None:
 
 
 def test_an_existing_event_log_is_never_overwritten(tmp_path):
-    from kvledger.adapters.log_files import unused_path
+    from kvledger.adapters.log_files import create_unused
+
+    def created(path: Path) -> str:
+        file, made = create_unused(path)
+        file.close()
+        return str(made)
 
     log = tmp_path / "events.log"
-    assert unused_path(str(log)) == str(log)
+    assert created(log) == str(log)
     log.write_bytes(b"an earlier run")
-    assert unused_path(str(log)) == str(tmp_path / "events.1.log")
-    (tmp_path / "events.1.log").write_bytes(b"another")
-    assert unused_path(str(log)) == str(tmp_path / "events.2.log")
+    assert created(log) == str(tmp_path / "events.1.log")
+    assert created(log) == str(tmp_path / "events.2.log")
+    assert log.read_bytes() == b"an earlier run"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -275,10 +280,15 @@ def test_a_background_writer_left_open_is_closed_at_exit(tmp_path: Path) -> None
         f"writer = LogWriter(Path({str(path)!r}), HEADER, fmt='binary', background=True)\n"
         "write_steps(writer, range(300))\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    done = _run_python(code)
     assert done.returncode == 0, done.stderr
     assert len([r for r in read(path) if isinstance(r, EventRecord)]) == 900
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a Python process of its own, from the repository root: an exit as vLLM's process exits."""
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
 
 
 def test_steps_handed_over_after_the_exit_hook_are_written_too(tmp_path: Path) -> None:
@@ -297,8 +307,7 @@ def test_steps_handed_over_after_the_exit_hook_are_written_too(tmp_path: Path) -
         f"writer = LogWriter(Path({str(path)!r}), HEADER, fmt='binary', background=True)\n"
         "write_steps(writer, range(300))\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    done = _run_python(code)
     assert done.returncode == 0 and not done.stderr, done.stderr
     assert len([r for r in read(path) if isinstance(r, EventRecord)]) == 930
 

@@ -127,8 +127,8 @@ def test_a_killed_server_fails_jobs_in_bounded_time_and_the_tier_comes_back(valk
     assert time.monotonic() - started < 5
     assert set(read.reasons) == {"unreachable"} and len(read.failed) == 6
     assert set(again.reasons) == {"unreachable"}
-    assert not io.health.up and io.health.downs == 1
-    assert [e["event"] for e in logs].count("valkey_tier_down") == 1
+    assert not io.health.up
+    assert [e["event"] for e in logs].count("valkey_tier_down") == 1  # once, for both jobs
     process.start()  # back, and empty
     time.sleep(RETRY_S + 0.1)
     with capture_logs() as logs:
