@@ -28,7 +28,7 @@ set or dict of requests is iterated except in an order vLLM fixed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -86,6 +86,9 @@ class StepInputs:
     tables: Sequence[Mapping[str, Sequence[Block]]] = ()
     near_eviction: tuple[int, ...] = ()  # free blocks at the eviction end, in eviction order
     keys_of: Callable[[Request], Sequence[bytes]] | None = None  # a request's block keys, if not its hashes
+    # The running requests vLLM gave new blocks this step (its scheduler output's
+    # `new_block_ids` that are not None), or None: then every table is compared.
+    grown: Container[str] | None = None
 
 
 def new_hashes(state: State, request_id: str, request: Request,
@@ -168,27 +171,41 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
 
     admitted = {a.request_id for a in step.admissions}  # membership only, never iterated
     window_groups = tuple(g for g, group in enumerate(core.groups) if group.kind is not GroupKind.FULL)
+    window_tables = tuple((g, step.tables[g]) for g in window_groups)
     tables = step.tables
+    requests = step.requests
+    keys_of = step.keys_of
+    grown = step.grown
     growing: list[tuple[RequestState, tuple[Sequence[Block], ...]]] = []
+    # Per running request, the common step costs a few comparisons: a new hash
+    # shows in the length of vLLM's list, a window free at the engine's free
+    # floor, and growth in `grown` (vLLM says which tables it extended).
     for rid in step.scheduled:
         if rid in admitted:
             continue
         mine = mine_of(rid)
         if mine is None:
             continue
-        appended = _new_hashes(mine, step.requests[rid], step.keys_of)
-        if appended is not None:
-            events.append(appended)
-        blocks = tuple(t.get(rid, ()) for t in tables)
-        freed = _window_frees(window_groups, mine, blocks)
-        if freed is not None:
-            events.append(freed)
-        if any(len(now) != len(known) for known, now in zip(mine.table, blocks)):
-            growing.append((mine, blocks))
+        if len(requests[rid].block_hashes) > len(mine.hashes):
+            appended = _new_hashes(mine, requests[rid], keys_of)
+            if appended is not None:
+                events.append(appended)
+        for g, table in window_tables:
+            now = table.get(rid, ())
+            floor = mine.free_floor[g]
+            if floor < len(now) and now[floor].block_id == NULL_BLOCK_ID:
+                freed = _window_frees(window_groups, mine, tuple(t.get(rid, ()) for t in tables))
+                if freed is not None:
+                    events.append(freed)
+                break
+        if grown is None or rid in grown:
+            blocks = tuple(t.get(rid, ()) for t in tables)
+            if any(len(now) != len(known) for known, now in zip(mine.table, blocks)):
+                growing.append((mine, blocks))
     for mine, blocks in growing:
-        grown = _growth(mine, blocks)
-        if grown is not None:
-            events.append(grown)
+        grown_now = _growth(mine, blocks)
+        if grown_now is not None:
+            events.append(grown_now)
 
     admissions: list[tuple[Admission, RequestState]] = []
     seen: set[str] = set()

@@ -20,6 +20,7 @@ equal in every process), not vLLM's per-process block hashes.
 from __future__ import annotations
 
 import time
+from itertools import compress
 from typing import TYPE_CHECKING
 
 import structlog
@@ -60,6 +61,21 @@ _COUNTED = (("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORE
 
 _TIER_COUNTED = (("keys_read", m.TIER_KEYS_READ), ("keys_written", m.TIER_KEYS_WRITTEN),
                  ("evictions", m.TIER_EVICTIONS), ("keys_found", m.TIER_FOUND))
+
+
+def _grown(scheduler_output: SchedulerOutput) -> set[str] | None:
+    """The requests whose tables vLLM may have extended this step: every request
+    scheduled for the first time (one whose load has ended among them), and the
+    running ones with `new_block_ids`. None (compare every table) if this vLLM
+    does not say."""
+    cached = scheduler_output.scheduled_cached_reqs
+    new_block_ids = getattr(cached, "new_block_ids", None)
+    if new_block_ids is None or len(new_block_ids) != len(cached.req_ids):
+        return None
+    # An entry is None or a tuple with a list per group, never empty: truth is "not None".
+    grown = set(compress(cached.req_ids, new_block_ids))
+    grown.update(new.req_id for new in scheduler_output.scheduled_new_reqs)
+    return grown
 
 
 class LedgerScheduler:
@@ -218,7 +234,7 @@ class LedgerScheduler:
             scheduled=scheduled, admissions=self._admitted, requests=self._requests,
             tables=tuple(manager.req_to_blocks for manager in self._managers),
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
-            keys_of=self._keys_of)
+            keys_of=self._keys_of, grown=_grown(scheduler_output))
         events = plan_step(self.host.state, step)
         self._admitted = []
         self._promised = 0

@@ -37,6 +37,8 @@ class FakeVllm:
         self.requests: dict[str, Request] = {}
         self.tables: tuple[dict[str, list[Block]], ...] = tuple({} for _ in config.groups)
         self.step_index = 0
+        self.given: set[str] = set()  # requests given blocks since the last plan (vLLM's `new_block_ids`)
+        self.say_grown = True  # False: the planner is not told, and compares every table
         self.log: list[ev.Event] = []
         self.effects: list = []  # every effect the engine produced, in order
 
@@ -48,6 +50,7 @@ class FakeVllm:
         """vLLM appends these blocks to the request's table, per group."""
         for table, ids in zip(self.tables, ids_by_group):
             table.setdefault(rid, []).extend(Block(i) for i in ids)
+        self.given.add(rid)
 
     def null_out(self, rid: str, group: int, *positions: int) -> None:
         """vLLM frees window blocks: their positions now hold the null block."""
@@ -71,7 +74,9 @@ class FakeVllm:
         scheduled = scheduled or {}
         events = plan_step(self.state, StepInputs(
             step_index=self.step_index + 1, preempted=preempted, scheduled=scheduled, admissions=admitted,
-            requests=self.requests, tables=self.tables, near_eviction=near_eviction))
+            requests=self.requests, tables=self.tables, near_eviction=near_eviction,
+            grown=set(self.given) if self.say_grown else None))
+        self.given.clear()
         if scheduled:
             self.step_index += 1
         return events

@@ -202,6 +202,28 @@ def test_the_planner_keeps_the_engine_on_vllms_tables_through_any_workload(seed,
     assert {"request_added", "blocks_allocated", "step_scheduled", "store_completed"} <= kinds_seen
 
 
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), preempt_rate=st.sampled_from([0.0, 0.1, 0.4]))
+def test_told_which_tables_grew_the_planner_emits_what_comparing_every_table_does(seed, preempt_rate):
+    told = planner_workload.run(None, 60, seed, preempt_rate=preempt_rate, check=True)
+    compared = planner_workload.run(None, 60, seed, preempt_rate=preempt_rate, check=True, say_grown=False)
+    assert told.log == compared.log
+    assert sum(e.kind == "blocks_allocated" for e in told.log) > 0
+
+
+def test_a_running_request_not_named_as_grown_is_not_compared():
+    """The hint is what makes the common step cheap: the planner trusts it."""
+    vllm = FakeVllm(make_config())
+    vllm.add("a", 128, chain(4))
+    vllm.give("a", (1, 2), (3, 4))
+    admitted(vllm, "a", 64)
+    vllm.give("a", (5, 6), (7, 8))
+    vllm.given.clear()  # vLLM's scheduler output would name "a": this one does not
+    assert kinds(vllm.plan({"a": 64})) == ["step_scheduled"]
+    vllm.given.add("a")
+    assert kinds(vllm.plan({"a": 64})) == ["blocks_allocated", "step_scheduled"]
+
+
 def _workload_log(tmp_path: Path, seed: str) -> bytes:
     out = tmp_path / f"log-{seed}.jsonl"
     env = {**os.environ, "PYTHONHASHSEED": seed}
