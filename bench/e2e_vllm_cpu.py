@@ -50,13 +50,58 @@ def _llm(model: Path, max_model_len: int, transfer: dict | None):
 NOOP = {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector", "kv_role": "kv_both"}
 
 
-def throughput(model: Path, rounds: int, prompts: int, prompt_words: int, out_tokens: int) -> dict:
+class OwnTime:
+    """kvledger's own time: every method of its connector (both roles run in this
+    process), summed per `generate`; steps are counted by `build_connector_meta`."""
+
+    def __init__(self) -> None:
+        from kvledger.adapters.vllm.connector import KVLedgerConnector
+
+        self.seconds = 0.0
+        self.steps = 0
+        self.by_method: dict[str, float] = {}  # kvledger's timed batches, every model
+        self.counting = False
+        self._depth = 0
+        names = [n for n, v in vars(KVLedgerConnector).items()
+                 if callable(v) and not n.startswith("_") and n not in ("build_kv_connector_stats",
+                                                                        "build_prom_metrics")]
+        for name in names:
+            setattr(KVLedgerConnector, name, self._timed(name, getattr(KVLedgerConnector, name)))
+
+    def _timed(self, name: str, method):
+        def timed(*args, **kwargs):
+            if self._depth:
+                return method(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.seconds += elapsed
+                if self.counting:
+                    self.by_method[name] = self.by_method.get(name, 0.0) + elapsed
+                self._depth -= 1
+                if name == "build_connector_meta":
+                    self.steps += 1
+
+        return timed
+
+    def take(self) -> tuple[float, int]:
+        taken = (self.seconds, self.steps)
+        self.seconds, self.steps = 0.0, 0
+        return taken
+
+
+def throughput(model: Path, rounds: int, prompts: int, prompt_words: int, out_tokens: int,
+               own: OwnTime, batches: int = 2) -> dict:
     """Tokens per second over unique prompts: kvledger stores, never hits.
 
     Three engines on the same batches: no connector, a connector that does
     nothing (what vLLM's connector plumbing costs by itself), and kvledger.
-    Each engine warms up on a batch of the same shape first, and the order
-    rotates every round.
+    Each engine warms up on a batch of the same shape first, then runs
+    `batches` timed batches; the order rotates every round. kvledger's own time
+    per step is measured in its timed batches.
     """
     from vllm import SamplingParams
 
@@ -66,8 +111,10 @@ def throughput(model: Path, rounds: int, prompts: int, prompt_words: int, out_to
     names = list(configs)
     times: dict[str, list[float]] = {name: [] for name in names}
     outputs: dict[str, list] = {name: [] for name in names}
+    own_ms: list[float] = []  # kvledger's own time per step, per timed batch
+    own_share: list[float] = []  # and as a share of that batch's wall time
     for round_index in range(rounds):
-        batch = [words(rng, prompt_words) for _p in range(prompts)]  # fresh prompts: no hits anywhere
+        timed = [[words(rng, prompt_words) for _p in range(prompts)] for _b in range(batches)]  # fresh: no hits
         warmup = [words(rng, prompt_words) for _p in range(prompts)]
         order = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in order:
@@ -75,18 +122,28 @@ def throughput(model: Path, rounds: int, prompts: int, prompt_words: int, out_to
             # A whole batch of the same shape first: the first generate of an engine
             # pays one-off costs (allocations, kernel selection) several times over.
             llm.generate(warmup, params, use_tqdm=False)
-            t0 = time.perf_counter()
-            result = llm.generate(batch, params, use_tqdm=False)
-            times[name].append(time.perf_counter() - t0)
-            outputs[name].append([list(o.outputs[0].token_ids) for o in result])
+            for batch in timed:
+                own.take()
+                own.counting = name == "kvledger"
+                t0 = time.perf_counter()
+                result = llm.generate(batch, params, use_tqdm=False)
+                elapsed = time.perf_counter() - t0
+                own.counting = False
+                times[name].append(elapsed)
+                outputs[name].append([list(o.outputs[0].token_ids) for o in result])
+                seconds, steps = own.take()
+                if name == "kvledger":
+                    own_ms.append(seconds / max(steps, 1) * 1000)
+                    own_share.append(seconds / elapsed)
             del llm
             gc.collect()
     tokens = prompts * (prompt_words + out_tokens)
     rate = {name: tokens / statistics.median(t) for name, t in times.items()}
     return {
         "model": model.name, "prompts": prompts, "prompt_tokens": prompt_words, "output_tokens": out_tokens,
-        "rounds": rounds, "seconds": times, "tokens_per_s": rate, "ratio": rate["kvledger"] / rate["none"],
-        "ratio_to_noop": rate["kvledger"] / rate["noop"],
+        "rounds": rounds, "batches_per_round": batches, "seconds": times, "tokens_per_s": rate,
+        "ratio": rate["kvledger"] / rate["none"], "ratio_to_noop": rate["kvledger"] / rate["noop"],
+        "kvledger_own_ms_per_step": statistics.median(own_ms), "kvledger_own_share": statistics.median(own_share),
         "outputs_equal": outputs["none"] == outputs["kvledger"] == outputs["noop"],
     }
 
@@ -129,9 +186,11 @@ def main() -> None:
     tiny = build_model("tiny-llama", out / "models")
     small = build_model("small-llama", out / "models")
     rounds = 1 if args.quick else 3
+    own = OwnTime()
     result = {
-        "throughput_tiny": throughput(tiny, rounds=rounds, prompts=64, prompt_words=480, out_tokens=64),
-        "throughput_small": throughput(small, rounds=rounds, prompts=16, prompt_words=480, out_tokens=32),
+        "throughput_tiny": throughput(tiny, rounds=rounds, prompts=64, prompt_words=480, out_tokens=64, own=own),
+        "throughput_small": throughput(small, rounds=rounds, prompts=16, prompt_words=480, out_tokens=32, own=own),
+        "kvledger_own_seconds_by_method": own.by_method,
         "ttft": ttft(small, docs=2 if args.quick else 4, doc_words=2048, log=out / "e2e-ttft.log"),
     }
     (out / "e2e_vllm_cpu.json").write_text(json.dumps(result, indent=2))
@@ -140,7 +199,8 @@ def main() -> None:
         rate = t["tokens_per_s"]
         print(f"throughput  {t['model']}: kvledger {rate['kvledger']:.0f} tok/s, no connector {rate['none']:.0f}, "
               f"do-nothing connector {rate['noop']:.0f}: {t['ratio']:.3f}x of no connector (target >= 0.97), "
-              f"{t['ratio_to_noop']:.3f}x of do-nothing; outputs equal: {t['outputs_equal']}")
+              f"{t['ratio_to_noop']:.3f}x of do-nothing; kvledger's own time {t['kvledger_own_ms_per_step']:.3f} ms "
+              f"per step ({t['kvledger_own_share']:.1%} of wall); outputs equal: {t['outputs_equal']}")
     f = result["ttft"]
     print(f"ttft        2048-token prompt restored {statistics.median(f['restored_s']) * 1000:.0f} ms vs "
           f"recomputed {statistics.median(f['recomputed_s']) * 1000:.0f} ms: {f['ratio']:.3f}x (target <= 0.3); "

@@ -108,6 +108,7 @@ class LedgerScheduler:
         self.tier_events = tier_events
         self._violations = 0
         self._reported: dict[str, int] = {}  # engine totals at the last stats report
+        self._gauges: tuple[int, ...] = ()  # the host tier's gauges as last reported
         self._tier_reported: dict[tuple[str, str], int] = {}  # each lower tier's, likewise
         self._log_failure_reported = False
         self._lookup_seconds: list[float] = []
@@ -266,13 +267,16 @@ class LedgerScheduler:
         return False, None  # blocks are freed now; the engine flushes stores that still read them
 
     def take_stats(self) -> m.KVLedgerStats:
-        """What the engine counted since the last report, and the tier now."""
+        """What the engine counted since the last report, and the gauges that
+        moved (a gauge keeps its last value): vLLM asks every step, and most
+        steps change few of them."""
         stats = m.KVLedgerStats()
         state = self.host.state
         totals = queries.stats(state)
-        for field, metric in _COUNTED:
-            stats.add(metric, totals[field] - self._reported.get(field, 0))
-        self._reported = totals
+        if totals != self._reported:
+            for field, metric in _COUNTED:
+                stats.add(metric, totals[field] - self._reported.get(field, 0))
+            self._reported = totals
         stats.add(m.VIOLATIONS, self._violations)
         if self.host.log_failure is not None and not self._log_failure_reported:
             stats.add(m.LOG_FAILURES, 1)
@@ -282,9 +286,11 @@ class LedgerScheduler:
             stats.add(m.LOOKUP_DELAY, seconds)
         self._lookup_seconds.clear()
         tier = queries.tier_usage(state)
-        stats.add(m.TIER_USED, tier.used_slots)
-        stats.add(m.TIER_CAPACITY, tier.capacity_slots)
-        stats.add(m.JOBS_IN_FLIGHT, queries.num_jobs_in_flight(state))
+        gauges = (tier.used_slots, tier.capacity_slots, queries.num_jobs_in_flight(state))
+        if gauges != self._gauges:
+            for metric, value in zip((m.TIER_USED, m.TIER_CAPACITY, m.JOBS_IN_FLIGHT), gauges):
+                stats.add(metric, value)
+            self._gauges = gauges
         for usage in queries.lower_tier_usage(state):
             stats.add(m.TIER_HELD, usage.held_keys, usage.name)
             stats.add(m.TIER_BLOCKS_CAPACITY, usage.capacity_blocks, usage.name)

@@ -125,3 +125,32 @@ def test_the_scheduler_reports_each_tier_count_once():
         assert "vllm:kvledger_tiering_found_blocks|1:fs" not in scheduler.take_stats().data[m.COUNTER]
     finally:
         scheduler.shutdown()
+
+
+def test_a_step_that_changed_nothing_reports_nothing_and_the_next_change_reports_again():
+    """vLLM asks for the scheduler's stats every step: unchanged totals and gauges
+    stay out of them (Prometheus keeps a gauge's last value)."""
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from kvledger.events import types as ev
+    from tests.engine.builders import FULL, chain, make_config
+
+    config = make_config(groups=(FULL,))
+    scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
+    try:
+        first = scheduler.take_stats().data
+        assert first[m.GAUGE] == {m.TIER_USED.name: 0, m.TIER_CAPACITY.name: config.num_tier_slots,
+                                  m.JOBS_IN_FLIGHT.name: 0}
+        assert scheduler.take_stats().is_empty()
+        block = config.groups[0].block_size
+        scheduler.host.apply(ev.RequestAdded(request_id="r", num_prompt_tokens=2 * block, block_hashes=chain(2)))
+        scheduler.host.apply(ev.BlocksAllocated(request_id="r", block_ids=((1, 2),)))
+        scheduler.host.apply(ev.StepScheduled(step_index=1, request_ids=("r",), num_computed_tokens=(0,),
+                                              num_scheduled_tokens=(2 * block,)))
+        moved = scheduler.take_stats().data
+        assert moved[m.COUNTER] == {m.STORES.name: 1}
+        assert moved[m.GAUGE] == {m.TIER_USED.name: 2, m.TIER_CAPACITY.name: config.num_tier_slots,
+                                  m.JOBS_IN_FLIGHT.name: 1}
+        assert scheduler.take_stats().is_empty()
+    finally:
+        scheduler.shutdown()
