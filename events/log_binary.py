@@ -452,6 +452,7 @@ class BinaryLog:
         if self.version < 3:
             raise LogError(f"binary format version {self.version} has no snapshots")
         buffer = _Chunks(chunks)
+        buffer.offset = mark.offset  # errors name bytes of the file
         cursor = Cursor()
         cursor.next_seq, cursor.step_index = mark.seq, mark.step_index
         payload = _read_frame(buffer, mark.seq)
