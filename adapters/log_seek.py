@@ -121,8 +121,7 @@ def open_log_at(path: str | os.PathLike, events_before: int) -> LogStart:
         usable = [m for m in snapshots.marks if m.seq <= events_before]
         if not usable:
             file.seek(log.data_offset)
-            return LogStart(log.header, None, _located(log.records(_chunks(file)), file, source),  # type: ignore[arg-type]
-                            snapshots)
+            return LogStart(log.header, None, _located(log.records(_chunks(file)), file, source), snapshots)
         mark = usable[-1]
         file.seek(mark.offset)
         snapshot, records = log.records_from(_chunks(file), mark)
@@ -132,7 +131,7 @@ def open_log_at(path: str | os.PathLike, events_before: int) -> LogStart:
     except BaseException:
         file.close()
         raise
-    return LogStart(log.header, snapshot, _located(records, file, source), snapshots)  # type: ignore[arg-type]
+    return LogStart(log.header, snapshot, _located(records, file, source), snapshots)
 
 
 def _at_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> tuple[BinaryIO, BinaryLog, SnapshotRecord,
@@ -150,7 +149,7 @@ def _at_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> tuple[BinaryIO,
     except BaseException:
         file.close()
         raise
-    return file, log, snapshot, records  # type: ignore[return-value]
+    return file, log, snapshot, records
 
 
 def read_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> tuple[LogHeader, SnapshotRecord, Iterator[Record]]:

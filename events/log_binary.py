@@ -64,6 +64,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import cast
 
 import attrs
 import msgpack
@@ -261,7 +262,9 @@ def encode_binary(header: LogHeader, records: Iterable[Record], *, snapshots: Ma
     benchmarks); `snapshots` maps a seq at a step's end to the snapshot data
     written there, and `closed` adds the index and trailer."""
     snapshots = snapshots or {}
-    strings, parts, run, marks = Strings(), [encode_binary_header(header)], [], []
+    strings, parts = Strings(), [encode_binary_header(header)]
+    run: list[Record] = []
+    marks: list[SnapshotMark] = []
     size = len(parts[0])
 
     def add(data: bytes) -> None:
@@ -440,13 +443,15 @@ class BinaryLog:
         self.snapshot_interval_events = snapshot_interval_events
         self.data_offset = data_offset
 
-    def records(self, chunks: Iterable[bytes], *, snapshots: bool = False) -> Iterator[Record | SnapshotRecord]:
-        """The records of the data after the header (`chunks` begin at `data_offset`);
-        snapshots too if `snapshots`."""
-        return _read_steps(_Chunks(chunks), self, Cursor(), snapshots)
+    def records(self, chunks: Iterable[bytes]) -> Iterator[Record]:
+        """The records of the data after the header (`chunks` begin at `data_offset`)."""
+        return cast(Iterator[Record], _read_steps(_Chunks(chunks), self, Cursor(), False))
 
-    def records_from(self, chunks: Iterable[bytes], mark: SnapshotMark,
-                     *, snapshots: bool = False) -> tuple[SnapshotRecord, Iterator[Record | SnapshotRecord]]:
+    def records_and_snapshots(self, chunks: Iterable[bytes]) -> Iterator[Record | SnapshotRecord]:
+        """`records`, with a `SnapshotRecord` where each snapshot frame is."""
+        return _read_steps(_Chunks(chunks), self, Cursor(), True)
+
+    def records_from(self, chunks: Iterable[bytes], mark: SnapshotMark) -> tuple[SnapshotRecord, Iterator[Record]]:
         """Begin at the snapshot `mark` names (`chunks` begin at its offset): the
         snapshot, and the records after it, as though the log began there."""
         if self.version < 3:
@@ -460,7 +465,7 @@ class BinaryLog:
             raise LogError(f"corrupt: no snapshot frame at byte {mark.offset}", seq=mark.seq)
         first = _snapshot_record(payload, cursor, decode=True)
         assert first is not None
-        return first, _read_steps(buffer, self, cursor, snapshots)
+        return first, cast(Iterator[Record], _read_steps(buffer, self, cursor, False))
 
 
 def read_binary_header(chunks: Iterable[bytes]) -> BinaryLog:
@@ -487,7 +492,7 @@ def _read_header(chunks: _Chunks) -> BinaryLog:
     header = header_from_dict(data, extra_keys=_HEADER_EXTRA_KEYS[version])
     if version >= 2 and data["compression"] != COMPRESSION:  # type: ignore[index]
         raise LogError(f"header: unknown compression {data['compression']!r}")  # type: ignore[index]
-    interval = data.get("snapshot_interval_events", 0)  # type: ignore[union-attr]
+    interval = data.get("snapshot_interval_events", 0) if isinstance(data, dict) else 0
     if type(interval) is not int or interval < 0:
         raise LogError(f"header: snapshot_interval_events must be an int >= 0, got {interval!r}")
     readers, problem = _row_readers(data["kinds"], data["layouts"])  # type: ignore[index]
@@ -655,6 +660,10 @@ def scan_snapshots(chunks: Iterable[bytes], offset: int) -> list[SnapshotMark]:
     return marks
 
 
+def _log_records(chunks: _Chunks, log: BinaryLog) -> Iterator[Record]:
+    return cast(Iterator[Record], _read_steps(chunks, log, Cursor(), False))
+
+
 def read_binary(data: bytes | bytearray | memoryview | Iterable[bytes]) -> tuple[LogHeader, Iterator[Record]]:
     """Read the header now and records lazily, from a buffer or an iterable of chunks.
 
@@ -663,4 +672,4 @@ def read_binary(data: bytes | bytearray | memoryview | Iterable[bytes]) -> tuple
     """
     chunks = _Chunks([bytes(data)] if isinstance(data, (bytes, bytearray, memoryview)) else data)
     log = _read_header(chunks)
-    return log.header, _read_steps(chunks, log, Cursor(), False)  # type: ignore[return-value]
+    return log.header, _log_records(chunks, log)

@@ -58,7 +58,7 @@ def test_a_plain_read_skips_the_snapshots_and_the_index() -> None:
 def test_snapshots_are_read_where_they_were_written() -> None:
     data, records, snapshots = _log()
     log = read_binary_header([data])
-    read = list(log.records([data[log.data_offset:]], snapshots=True))
+    read = list(log.records_and_snapshots([data[log.data_offset:]]))
     found = [r for r in read if isinstance(r, SnapshotRecord)]
     assert [r.seq for r in found] == sorted(snapshots)
     assert all(r.data == tuple(_tupled(snapshots[r.seq])) for r in found)
