@@ -100,3 +100,21 @@ def test_snapshots_of_another_version_or_config_are_refused() -> None:
         restore(arc, data)  # 24 device blocks recorded, 32 configured
     with pytest.raises(SnapshotError, match="malformed"):
         restore(full, [data[0], *data[2:]])
+
+
+@pytest.mark.fast
+def test_a_new_field_of_the_state_is_not_forgotten() -> None:
+    """A field added to the state must be added to the snapshot too (or here, as derived
+    from the config): then this list changes with it."""
+    from kvledger.engine.state import Core, Job, LowerTier, RequestState, Stats
+
+    assert Core.__slots__ == (
+        "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
+        "block_sizes", "key_rules", "store_rules",  # derived from the config
+        "block_refs", "block_pins", "block_generation", "block_group", "block_key",
+        "block_readers", "block_writer", "lazy_keys",
+        "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot", "policy",
+        "lower", "spill_reads", "requests", "jobs", "stats")
+    assert len(RequestState.__slots__) == 15 and len(Job.__slots__) == 15
+    assert LowerTier.__slots__ == ("name", "capacity", "held", "writing", "reading", "counts")
+    assert len(Stats.__slots__) == 15
