@@ -44,6 +44,8 @@ from kvledger.engine.state import State
 from kvledger.events.log_binary import SnapshotMark
 from kvledger.events.log_records import EventRecord, LogError, LogHeader, Record
 
+from .log_commands import Prefix
+
 EXIT_OK, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
 
 
@@ -56,6 +58,7 @@ class Verdict:
     events: int
     finding: Finding | None
     event: tuple[str, str | None] | None = None  # (kind, request id) of the event at the finding's seq
+    tear: str | None = None  # the last segment of a log cut by a crash: where it is cut
 
 
 def _within(records: Iterable[Record], end: int | None) -> Iterator[Record]:
@@ -92,6 +95,7 @@ def check_segment(path: str, start: SnapshotMark | None, end: SnapshotMark | Non
     header, state, records, finding = _open(path, start)
     if finding is not None:
         return Verdict(start_seq, end_seq, 0, finding)
+    records = Prefix(records) if end is None else records  # a crash cuts only the last segment
     result = replay(header.config, _within(records, end_seq), check_invariants=checked, state=state)
     finding = result.first_problem
     if finding is None and end is not None and not _same_as_snapshot(path, end, result.state):
@@ -100,7 +104,8 @@ def check_segment(path: str, start: SnapshotMark | None, end: SnapshotMark | Non
     event = None
     if finding is not None and finding.kind in ("violation", "invariant"):
         event = _event_at(path, start, finding.seq)
-    return Verdict(start_seq, end_seq, result.events, finding, event)
+    tear = records.tear if isinstance(records, Prefix) else None
+    return Verdict(start_seq, end_seq, result.events, finding, event, None if tear is None else str(tear))
 
 
 def _event_at(path: str, start: SnapshotMark | None, seq: int) -> tuple[str, str | None] | None:
@@ -116,28 +121,29 @@ def _segments(marks: tuple[SnapshotMark, ...]) -> list[tuple[SnapshotMark | None
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _first_failing(path: str, segments: list, jobs: int) -> tuple[int, Verdict | None, int]:
-    """(index, verdict) of the first failing segment in log order, and the events replayed."""
+def _first_failing(path: str, segments: list, jobs: int) -> tuple[int, Verdict, int]:
+    """(index, verdict) of the first failing segment in log order (else the last
+    segment's), and the events replayed."""
     replayed = 0
     if jobs <= 1:
-        for i, (start, end) in enumerate(segments):
+        for index, (start, end) in enumerate(segments):
             verdict = check_segment(path, start, end)
             replayed += verdict.events
             if verdict.finding is not None:
-                return i, verdict, replayed
-        return -1, None, replayed
+                return index, verdict, replayed
+        return len(segments) - 1, verdict, replayed
     with ProcessPoolExecutor(jobs) as pool:
         futures: list[Future] = [pool.submit(check_segment, path, start, end) for start, end in segments]
         try:
-            for i, future in enumerate(futures):
+            for index, future in enumerate(futures):
                 verdict = future.result()
                 replayed += verdict.events
                 if verdict.finding is not None:
-                    return i, verdict, replayed
+                    return index, verdict, replayed
         finally:
             for future in futures:
                 future.cancel()
-    return -1, None, replayed
+    return len(segments) - 1, verdict, replayed
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:
@@ -145,8 +151,8 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         snapshots = find_snapshots(args.log)
         segments = _segments(snapshots.marks)
         index, verdict, replayed = _first_failing(args.log, segments, args.jobs)
-        if verdict is not None:
-            assert verdict.finding is not None
+        tear = verdict.tear
+        if verdict.finding is not None:
             # An opening snapshot that breaks the invariants was reached by the segment
             # before it, which replayed into it exactly: the breaking event is there.
             suspect = index - 1 if verdict.finding.kind == "snapshot" and verdict.finding.seq == verdict.start \
@@ -159,12 +165,12 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     except LogError as exc:
         print(f"kvledger: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    data: dict = {"ok": verdict is None, "segments": len(segments), "snapshots_found_by": snapshots.found_by,
-                  "segments_checked": (index + 1) if verdict is not None else len(segments),
-                  "events_replayed": replayed, "first_problem": None}
-    if verdict is not None:
-        finding = verdict.finding
-        assert finding is not None
+    finding = verdict.finding
+    data: dict = {"ok": finding is None, "segments": len(segments), "snapshots_found_by": snapshots.found_by,
+                  "segments_checked": index + 1, "events_replayed": replayed, "first_problem": None}
+    if tear is not None:
+        data["tear"] = tear
+    if finding is not None:
         data["first_problem"] = {
             "seq": finding.seq, "kind": finding.kind, "detail": finding.detail,
             "event_kind": verdict.event[0] if verdict.event else None,
@@ -177,6 +183,8 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         print(f"segments    {data['segments']} (snapshots found by {data['snapshots_found_by']}), "
               f"{data['segments_checked']} checked, {replayed} events replayed")
         problem = data["first_problem"]
+        if tear is not None:
+            print(f"log end     cut: {tear}; checked up to there")
         if problem is None:
             print("result      ok: every segment replays into the state the log recorded")
         else:
@@ -185,4 +193,6 @@ def cmd_bisect(args: argparse.Namespace) -> int:
             end = problem["segment"][1]
             print(f"result      FIRST PROBLEM at seq {problem['seq']}{event}, {problem['kind']}: {problem['detail']}")
             print(f"segment     seq {problem['segment'][0]} to {'the end' if end is None else end}")
-    return EXIT_OK if verdict is None else EXIT_PROBLEM
+    if finding is not None:
+        return EXIT_PROBLEM
+    return EXIT_OK if tear is None else EXIT_BAD_INPUT
