@@ -23,11 +23,19 @@ _log = structlog.get_logger("kvledger.adapters.engine_host")
 
 SNAPSHOT_INTERVAL_EVENTS = 250_000
 """Events between snapshots in a binary log, by default. A reader starting at a
-snapshot replays at most this many events to reach any point: 2-5 s at the
-50-120k events/s replay runs at on 2 shared cores (bench/RESULTS.md). At about
-70 events per step that is one snapshot every ~3,600 steps, a few minutes of
-serving, so its tens of milliseconds on the scheduler's thread at the largest
-states (bench/long_logs.py) are well under 0.1% of the step time."""
+snapshot replays at most this many events to reach any point: about 3 s at the
+~80k events/s replay runs at on 2 shared cores (bench/RESULTS.md, "Long logs").
+At about 70 events per step that is one snapshot every ~3,600 steps, minutes of
+serving, so the capture's 16-36 ms on the scheduler's thread (130 ms with a
+full 1M-slot tier) comes once in thousands of steps."""
+
+SNAPSHOT_BYTES_RATIO = 1.0
+"""A snapshot also waits until the log has grown since the last one by this many
+times that snapshot's bytes (0: no wait), so snapshots take at most about half
+of the log. A large tier's state outweighs 250k events' records (a full 1M-slot
+tier snapshots to 66 MB, 250k events of bench/engine_step.py's trace take 8 MB):
+there the interval stretches, and a reader replays more, instead of the log
+growing several times over."""
 
 
 class EngineHost:
@@ -42,7 +50,8 @@ class EngineHost:
 
     A binary log also gets a snapshot of the whole state (`engine.snapshot`)
     at the end of the first step after every `snapshot_interval_events` events
-    (0: none), so a reader can start there. The state is copied here, on the
+    (0: none) and `snapshot_bytes_ratio` times the last snapshot's bytes of
+    log, so a reader can start there. The state is copied here, on the
     scheduler's thread; packing and compressing it happen where the step is
     encoded (the writer's thread in background mode).
     """
@@ -50,7 +59,8 @@ class EngineHost:
     def __init__(self, config: EngineConfig, *, log_path: str | os.PathLike | None = None,
                  fmt: str = "binary", digest_interval: int = 64, strict: bool = False,
                  overwrite: bool = False, background: bool = False, next_free: bool = False,
-                 keep_serving: bool = False, snapshot_interval_events: int = SNAPSHOT_INTERVAL_EVENTS) -> None:
+                 keep_serving: bool = False, snapshot_interval_events: int = SNAPSHOT_INTERVAL_EVENTS,
+                 snapshot_bytes_ratio: float = SNAPSHOT_BYTES_RATIO) -> None:
         """`keep_serving`: a log that cannot be written (a full disk, an I/O error)
         is stopped, with one error logged and `log_failure` set, and the engine
         goes on; without it the failure is raised to the caller."""
@@ -60,6 +70,7 @@ class EngineHost:
         self.next_step = 0
         self.digest_parts = parts_for(config)
         self.snapshot_interval_events = snapshot_interval_events if fmt == "binary" else 0
+        self.snapshot_bytes_ratio = snapshot_bytes_ratio
         self._events_since_snapshot = 0
         self._pending: list[ev.Event] = []  # this step's events, written when it is scheduled
         self.keep_serving = keep_serving
@@ -120,6 +131,10 @@ class EngineHost:
         self._events_since_snapshot += events
         if not self.snapshot_interval_events or self._events_since_snapshot < self.snapshot_interval_events:
             return None
+        writer = self.writer
+        assert writer is not None
+        if writer.bytes_since_snapshot() < self.snapshot_bytes_ratio * writer.last_snapshot_bytes:
+            return None  # (in background mode the writer's counts lag by the steps still queued)
         self._events_since_snapshot = 0
         return capture(self.state)
 

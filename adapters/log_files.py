@@ -200,6 +200,8 @@ class LogWriter:
         self._closing = False
         self._offset = 0  # bytes written so far (the file is ours from its first byte)
         self.snapshots: list[SnapshotMark] = []  # written so far (binary), for the index at close
+        self.last_snapshot_bytes = 0  # the last snapshot frame's size
+        self._snapshot_end = 0  # the offset just after it
         head = (encode_binary_header(header, snapshot_interval_events=snapshot_interval_events)
                 if fmt == "binary" else encode_jsonl_header(header))
         # Unbuffered: each step is one write of whole frames, and no copy of a
@@ -220,6 +222,10 @@ class LogWriter:
             self._thread = threading.Thread(target=self._drain, name="kvledger-log", daemon=True)
             self._thread.start()
             atexit.register(self._at_exit)
+
+    def bytes_since_snapshot(self) -> int:
+        """Bytes written after the last snapshot (after the header, before the first)."""
+        return self._offset - self._snapshot_end
 
     @property
     def next_seq(self) -> int:
@@ -352,6 +358,8 @@ class LogWriter:
         self._write(data)
         if mark is not None:
             self.snapshots.append(mark)
+            self._snapshot_end = self._offset
+            self.last_snapshot_bytes = self._offset - mark.offset
 
     def _write(self, data: bytes) -> None:
         """Write all of `data`, or none: a write cut short (a full disk) is

@@ -116,3 +116,31 @@ def test_logs_without_snapshots_start_at_their_beginning(name: str, tmp_path: Pa
     view = _inspect(path, 150, capsys)
     assert view["replayed_from_seq"] == 0
     _same_state(view, _inspect(path, 150, capsys, "--from-start"))
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0, 3.0])
+def test_snapshots_wait_for_the_log_to_outgrow_them(tmp_path: Path, ratio: float) -> None:
+    """With `snapshot_bytes_ratio` r, the log between two snapshots is at least r times the
+    first one's bytes: snapshots never take more than 1/(1+r) of the log."""
+    import random
+
+    from kvledger.adapters.cli.log_commands import SCENARIOS
+    from kvledger.adapters.engine_host import EngineHost
+    from kvledger.adapters.testing.simulator import Simulator, run_random
+    from kvledger.events.config import EngineConfig
+
+    config = EngineConfig.from_dict(SCENARIOS["hybrid"])
+    path = tmp_path / "ratio.kvlog"
+    with EngineHost(config, log_path=path, snapshot_interval_events=1, snapshot_bytes_ratio=ratio) as host:
+        run_random(Simulator(config, host=host), random.Random(2), steps=300, arrivals=0.9, max_tokens=30)
+        steps = host.next_step
+    marks = find_snapshots(path).marks
+    data = path.read_bytes()
+    sizes = [8 + int.from_bytes(data[m.offset:m.offset + 4], "little") for m in marks]
+    gaps = [b.offset - (a.offset + size) for a, b, size in zip(marks, marks[1:], sizes)]
+    if ratio == 0:
+        assert len(marks) == steps  # every step passes an interval of 1 event
+    else:
+        assert 3 <= len(marks) < steps / 4
+        assert all(gap >= ratio * size for gap, size in zip(gaps, sizes))
+        assert all(gap < ratio * size + 1000 for gap, size in zip(gaps, sizes))  # and not much more: a step or two

@@ -143,12 +143,13 @@ class LoggedProtocol(Protocol):
     @initialize(config=st.sampled_from(CONFIGS), prefix_caching=st.booleans(),
                 chunk=st.sampled_from([0, 0, 48]), seed=st.integers(0, 2**16),
                 fmt=st.sampled_from(["binary", "jsonl"]), digest_interval=st.sampled_from([0, 1, 3]),
-                snapshot_interval=st.sampled_from([0, 1, 12, 40]))
+                snapshot_interval=st.sampled_from([0, 1, 12, 40]), snapshot_ratio=st.sampled_from([0.0, 1.0]))
     def setup(self, config: EngineConfig, prefix_caching: bool, chunk: int, seed: int,  # type: ignore[override]
-              fmt: str, digest_interval: int, snapshot_interval: int) -> None:
+              fmt: str, digest_interval: int, snapshot_interval: int, snapshot_ratio: float) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvledger-stateful-log-"))
         self.options = dict(config=config, prefix_caching=prefix_caching, chunk=chunk, fmt=fmt,
-                            digest_interval=digest_interval, snapshot_interval=snapshot_interval)
+                            digest_interval=digest_interval, snapshot_interval=snapshot_interval,
+                            snapshot_ratio=snapshot_ratio)
         self.rng = random.Random(seed)
         self.crashes = 0
         self._open_engine()
@@ -158,7 +159,8 @@ class LoggedProtocol(Protocol):
         o = self.options
         self.host = EngineHost(o["config"], log_path=self.dir / f"log.{o['fmt']}", fmt=o["fmt"],
                                digest_interval=o["digest_interval"], strict=True, next_free=True,
-                               snapshot_interval_events=o["snapshot_interval"])
+                               snapshot_interval_events=o["snapshot_interval"],
+                               snapshot_bytes_ratio=o["snapshot_ratio"])
         self.sim = Simulator(o["config"], prefix_caching=o["prefix_caching"], chunk_tokens=o["chunk"],
                              check_every_event=True, host=self.host)
         self.after_event: list[str] = []  # the live state's digest after each event
