@@ -144,3 +144,30 @@ def test_snapshots_wait_for_the_log_to_outgrow_them(tmp_path: Path, ratio: float
         assert 3 <= len(marks) < steps / 4
         assert all(gap >= ratio * size for gap, size in zip(gaps, sizes))
         assert all(gap < ratio * size + 1000 for gap, size in zip(gaps, sizes))  # and not much more: a step or two
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_a_background_writer_writes_the_same_log(tmp_path: Path, ratio: float) -> None:
+    """The live scheduler's mode: snapshots captured on the caller's thread, encoded on the
+    writer's. The same bytes, except where the size rule reads the writer's counts, which lag
+    behind in background mode: then the snapshots may fall elsewhere, the records do not."""
+    import random
+
+    from kvledger.adapters.cli.log_commands import SCENARIOS
+    from kvledger.adapters.engine_host import EngineHost
+    from kvledger.adapters.log_files import open_log
+    from kvledger.adapters.testing.simulator import Simulator, run_random
+    from kvledger.events.config import EngineConfig
+
+    config = EngineConfig.from_dict(SCENARIOS["mamba"])
+    paths = []
+    for background in (False, True):
+        path = tmp_path / f"log-{background}.kvlog"
+        with EngineHost(config, log_path=path, snapshot_interval_events=50, snapshot_bytes_ratio=ratio,
+                        background=background) as host:
+            run_random(Simulator(config, host=host), random.Random(5), steps=200, arrivals=0.9, max_tokens=30)
+        paths.append(path)
+        assert len(find_snapshots(path).marks) >= 3
+    if ratio == 0:
+        assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert list(open_log(paths[0])[1]) == list(open_log(paths[1])[1])
