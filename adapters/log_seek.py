@@ -81,7 +81,10 @@ def _marks(file: BinaryIO, log: BinaryLog) -> Snapshots:
         offset = read_trailer(file.read(TRAILER_BYTES))
         if offset is not None and log.data_offset <= offset < size - TRAILER_BYTES:
             file.seek(offset)
-            marks = read_index(file.read(size - TRAILER_BYTES - offset))
+            head = file.read(4)  # the index frame's length must fill the rest: else no read of it
+            length = size - TRAILER_BYTES - offset
+            marks = read_index(head + file.read(length - 4)) if int.from_bytes(head, "little") + 8 == length \
+                else None
             if marks is not None and all(m.offset < offset for m in marks):
                 return Snapshots(tuple(marks), "index")
     file.seek(log.data_offset)
