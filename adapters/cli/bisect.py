@@ -95,8 +95,9 @@ def check_segment(path: str, start: SnapshotMark | None, end: SnapshotMark | Non
     header, state, records, finding = _open(path, start)
     if finding is not None:
         return Verdict(start_seq, end_seq, 0, finding)
-    records = Prefix(records) if end is None else records  # a crash cuts only the last segment
-    result = replay(header.config, _within(records, end_seq), check_invariants=checked, state=state)
+    prefix = Prefix(records) if end is None else None  # a crash cuts only the last segment
+    result = replay(header.config, _within(records if prefix is None else prefix, end_seq),
+                    check_invariants=checked, state=state)
     finding = result.first_problem
     if finding is None and end is not None and not _same_as_snapshot(path, end, result.state):
         finding = Finding(end.seq, "snapshot", f"the replay from seq {start_seq} does not reach the state the "
@@ -104,7 +105,7 @@ def check_segment(path: str, start: SnapshotMark | None, end: SnapshotMark | Non
     event = None
     if finding is not None and finding.kind in ("violation", "invariant"):
         event = _event_at(path, start, finding.seq)
-    tear = records.tear if isinstance(records, Prefix) else None
+    tear = None if prefix is None else prefix.tear
     return Verdict(start_seq, end_seq, result.events, finding, event, None if tear is None else str(tear))
 
 
