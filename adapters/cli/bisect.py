@@ -21,7 +21,12 @@ unnecessary:
    differently from the one that recorded the log.
 
 A log without snapshots (JSONL, older formats, or written with none) is one
-segment: the search is then a checked replay from the start.
+segment: the search is then a checked replay from the start. A log cut by a
+crash is checked up to the cut.
+
+Exit status as the other log commands: 0 when every segment holds, 1 when a
+problem is named, 2 when the log cannot be used (or is cut, with no problem
+before the cut).
 """
 
 from __future__ import annotations
