@@ -13,12 +13,31 @@ from kvledger.adapters.log_files import LogWriter
 from kvledger.engine import effects as fx
 from kvledger.engine.digest import digest, part_digest, parts_for
 from kvledger.engine.reducer import reduce, reduce_step
+from kvledger.engine.snapshot import capture
 from kvledger.engine.state import State, initial_state
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig
 from kvledger.events.log_records import LogError, LogHeader
 
 _log = structlog.get_logger("kvledger.adapters.engine_host")
+
+SNAPSHOT_INTERVAL_EVENTS = 250_000
+"""Events between snapshots in a binary log, by default. A reader starting at a
+snapshot replays at most this many events to reach any point: about 3 s at the
+~80k events/s replay runs at on 2 shared cores (bench/RESULTS.md, "Long logs").
+At about 70 events per step that is one snapshot every ~3,600 steps, minutes of
+serving, so the capture's 16-36 ms on the scheduler's thread (130 ms with a
+full 1M-slot tier) comes once in thousands of steps."""
+
+SNAPSHOT_BYTES_RATIO = 1.0
+"""A snapshot also waits until the log has grown since the last one by this many
+times that snapshot's bytes (0: no wait), so snapshots take at most about half
+of the log. A large tier's state outweighs 250k events' records (a full 1M-slot
+tier snapshots to 66 MB, 250k events of bench/engine_step.py's trace take 8 MB):
+there the interval stretches, and a reader replays more, instead of the log
+growing several times over. In background mode the writer's counts lag behind
+the steps still queued, so where snapshots fall then depends on the writer's
+progress (the records do not; with 0 the log is the same byte for byte)."""
 
 
 class EngineHost:
@@ -30,12 +49,20 @@ class EngineHost:
     `digest_interval` steps: a part digest (see `engine.digest`), the parts
     taken in turn, so that no step pays for hashing the whole state.
     `background` writes on the log writer's own thread (see `LogWriter`).
+
+    A binary log also gets a snapshot of the whole state (`engine.snapshot`)
+    at the end of the first step after every `snapshot_interval_events` events
+    (0: none) and `snapshot_bytes_ratio` times the last snapshot's bytes of
+    log, so a reader can start there. The state is copied here, on the
+    scheduler's thread; packing and compressing it happen where the step is
+    encoded (the writer's thread in background mode).
     """
 
     def __init__(self, config: EngineConfig, *, log_path: str | os.PathLike | None = None,
                  fmt: str = "binary", digest_interval: int = 64, strict: bool = False,
                  overwrite: bool = False, background: bool = False, next_free: bool = False,
-                 keep_serving: bool = False) -> None:
+                 keep_serving: bool = False, snapshot_interval_events: int = SNAPSHOT_INTERVAL_EVENTS,
+                 snapshot_bytes_ratio: float = SNAPSHOT_BYTES_RATIO) -> None:
         """`keep_serving`: a log that cannot be written (a full disk, an I/O error)
         is stopped, with one error logged and `log_failure` set, and the engine
         goes on; without it the failure is raised to the caller."""
@@ -44,6 +71,9 @@ class EngineHost:
         self.digest_interval = digest_interval
         self.next_step = 0
         self.digest_parts = parts_for(config)
+        self.snapshot_interval_events = snapshot_interval_events if fmt == "binary" else 0
+        self.snapshot_bytes_ratio = snapshot_bytes_ratio
+        self._events_since_snapshot = 0
         self._pending: list[ev.Event] = []  # this step's events, written when it is scheduled
         self.keep_serving = keep_serving
         self.log_failure: Exception | None = None  # why the log stopped, when it did
@@ -51,7 +81,8 @@ class EngineHost:
         if log_path is not None:
             header = LogHeader(engine_version=__version__, config=config, digest_interval=digest_interval)
             self.writer = LogWriter(log_path, header, fmt, overwrite=overwrite,  # type: ignore[arg-type]
-                                    background=background, next_free=next_free)
+                                    background=background, next_free=next_free,
+                                    snapshot_interval_events=self.snapshot_interval_events)
 
     def apply(self, event: ev.Event) -> tuple[fx.Effect, ...]:
         self.state, effects = reduce(self.state, event, strict=self.strict)
@@ -80,7 +111,8 @@ class EngineHost:
         last = events[-1]
         if isinstance(last, ev.StepScheduled):
             try:
-                self.writer.add_step(last.step_index, self._pending, self._digest_due(last.step_index))
+                self.writer.add_step(last.step_index, self._pending, self._digest_due(last.step_index),
+                                     self._snapshot_due(len(self._pending)))
             except (LogError, ValueError) as exc:  # ValueError: closed at interpreter exit, before us
                 self._log_failed(exc)
             self._pending.clear()
@@ -96,6 +128,17 @@ class EngineHost:
         if writer is not None:
             with contextlib.suppress(Exception):
                 writer.close()
+
+    def _snapshot_due(self, events: int) -> object:
+        self._events_since_snapshot += events
+        if not self.snapshot_interval_events or self._events_since_snapshot < self.snapshot_interval_events:
+            return None
+        writer = self.writer
+        assert writer is not None
+        if writer.bytes_since_snapshot() < self.snapshot_bytes_ratio * writer.last_snapshot_bytes:
+            return None
+        self._events_since_snapshot = 0
+        return capture(self.state)
 
     def _digest_due(self, step_index: int) -> str | None:
         interval = self.digest_interval

@@ -6,6 +6,12 @@ step's events and writes them with one unbuffered `write` at `end_step`, so
 a crash loses at most the step in progress, and a reader sees whole steps.
 In background mode (a live scheduler) a process killed outright also loses
 the steps still queued for the writer's thread, usually none or one.
+
+A binary log may carry state snapshots (given to `add_step`), each written
+in the same `write` as the step it follows, and `close` ends it with the
+index of its snapshots (see `events.log_binary`); `log_seek` reads from
+them. A JSONL log carries no snapshots: it is for fixtures and debugging,
+and a reader of one always starts at its beginning.
 """
 
 from __future__ import annotations
@@ -21,7 +27,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Literal
 
-from kvledger.events.log_binary import MAGIC_PREFIX, encode_binary_frame, encode_binary_header, read_binary
+from kvledger.events.log_binary import (
+    MAGIC_PREFIX,
+    SnapshotMark,
+    encode_binary_frame,
+    encode_binary_header,
+    encode_index,
+    encode_snapshot_frame,
+    read_binary,
+)
 from kvledger.events.log_records import (
     DigestRecord,
     EventRecord,
@@ -124,11 +138,12 @@ def open_log(path: str | os.PathLike) -> tuple[LogHeader, Iterator[Record]]:
     return header, _records(records, file, source)
 
 
-_Step = tuple[int, int, tuple[Event, ...], "str | None"]  # (first seq, step index, events, digest)
+# (first seq, step index, events, digest, snapshot data)
+_Step = tuple[int, int, tuple[Event, ...], "str | None", object]
 
 
 def _step_records(step: _Step) -> list[Record]:
-    first, step_index, events, digest = step
+    first, step_index, events, digest, _snapshot = step
     records: list[Record] = [EventRecord(seq=first + i, step_index=step_index, event=e) for i, e in enumerate(events)]
     if digest is not None:
         records.append(DigestRecord(seq=first + len(events), step_index=step_index, digest=digest))
@@ -163,10 +178,12 @@ class LogWriter:
 
     def __init__(
         self, path: str | os.PathLike, header: LogHeader, fmt: Format = "jsonl", *, overwrite: bool = False,
-        background: bool = False, next_free: bool = False,
+        background: bool = False, next_free: bool = False, snapshot_interval_events: int = 0,
     ) -> None:
         """`next_free`: if `path` is taken, write `name.1.ext`, `name.2.ext`, ...
-        (the first free one, claimed atomically); `self.path` says which."""
+        (the first free one, claimed atomically); `self.path` says which.
+        `snapshot_interval_events` is recorded in a binary header (the caller
+        decides when to snapshot)."""
         if fmt not in ("jsonl", "binary"):
             raise ValueError(f"fmt must be 'jsonl' or 'binary', got {fmt!r}")
         self.path = Path(path)
@@ -181,7 +198,12 @@ class LogWriter:
         self._queue: queue.Queue[list[Record] | _Step | None] | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
-        head = encode_binary_header(header) if fmt == "binary" else encode_jsonl_header(header)
+        self._offset = 0  # bytes written so far (the file is ours from its first byte)
+        self.snapshots: list[SnapshotMark] = []  # written so far (binary), for the index at close
+        self.last_snapshot_bytes = 0  # the last snapshot frame's size
+        self._snapshot_end = 0  # the offset just after it
+        head = (encode_binary_header(header, snapshot_interval_events=snapshot_interval_events)
+                if fmt == "binary" else encode_jsonl_header(header))
         # Unbuffered: each step is one write of whole frames, and no copy of a
         # half-written buffer can be flushed twice (by a forked child, say).
         if next_free and not overwrite:
@@ -200,6 +222,10 @@ class LogWriter:
             self._thread = threading.Thread(target=self._drain, name="kvledger-log", daemon=True)
             self._thread.start()
             atexit.register(self._at_exit)
+
+    def bytes_since_snapshot(self) -> int:
+        """Bytes written after the last snapshot (after the header, before the first)."""
+        return self._offset - self._snapshot_end
 
     @property
     def next_seq(self) -> int:
@@ -220,10 +246,14 @@ class LogWriter:
         self._step_index = step_index
         return record
 
-    def add_step(self, step_index: int, events: Sequence[Event], digest: str | None = None) -> None:
+    def add_step(self, step_index: int, events: Sequence[Event], digest: str | None = None,
+                 snapshot: object = None) -> None:
         """`append` of each event, then `end_step(digest)`, in one call. In
         background mode the records are built on the writer's thread too, so
-        the caller pays for a tuple, not a record per event."""
+        the caller pays for a tuple, not a record per event. `snapshot`
+        (`engine.snapshot.capture`'s data, the state after these events) is
+        written after the step in a binary log, and encoded on the writer's
+        thread in background mode; a JSONL log leaves it out."""
         self._check_open()
         if self._pending:
             raise ValueError("add_step while appended events wait for end_step")
@@ -232,9 +262,11 @@ class LogWriter:
         first = self._next_seq
         self._next_seq = first + len(events)
         self._step_index = step_index
-        if not events and digest is None:
+        if self.fmt != "binary":
+            snapshot = None
+        if not events and digest is None and snapshot is None:
             return
-        step = (first, step_index, tuple(events), digest)
+        step = (first, step_index, tuple(events), digest, snapshot)
         if self._queue is not None:
             try:
                 self._queue.put_nowait(step)
@@ -245,7 +277,7 @@ class LogWriter:
                 raise self._failure from None
             return
         try:
-            self._write_step(_step_records(step))
+            self._write_step(_step_records(step), step)
         except BaseException:
             self._failure_raised = True
             raise
@@ -283,6 +315,9 @@ class LogWriter:
                 self.end_step()
         finally:
             self._stop_thread()
+            if self.fmt == "binary" and self._failure is None:
+                with contextlib.suppress(LogError):  # a log without its index reads as one cut by a crash
+                    self._write(encode_index(self.snapshots, self._offset))
             file, self._file = self._file, None
             file.close()
         if self._failure is not None and not self._failure_raised:
@@ -302,16 +337,29 @@ class LogWriter:
             self._failure_raised = True
             raise LogError(f"an earlier step failed to write ({self._failure.detail})", source=str(self.path))
 
-    def _write_step(self, records: list[Record]) -> None:
+    def _write_step(self, records: list[Record], step: _Step | None = None) -> None:
+        """The step's records, and its snapshot if it has one, in one write."""
+        snapshot = step[4] if step is not None else None
+        mark = None
         try:
             if self.fmt == "binary":
-                data = encode_binary_frame(records[0].seq, records[0].step_index, records, strings=self._strings)
+                data = encode_binary_frame(records[0].seq, records[0].step_index, records,
+                                           strings=self._strings) if records else b""
+                if snapshot is not None:
+                    assert step is not None
+                    seq, step_index = step[0] + len(step[2]), step[1]
+                    mark = SnapshotMark(seq=seq, step_index=step_index, offset=self._offset + len(data))
+                    data += encode_snapshot_frame(seq, step_index, snapshot, strings=self._strings)
             else:
                 data = b"".join([encode_jsonl_record(r) for r in records])
         except LogError as exc:
             self._failure = exc
             raise
         self._write(data)
+        if mark is not None:
+            self.snapshots.append(mark)
+            self._snapshot_end = self._offset
+            self.last_snapshot_bytes = self._offset - mark.offset
 
     def _write(self, data: bytes) -> None:
         """Write all of `data`, or none: a write cut short (a full disk) is
@@ -333,6 +381,7 @@ class LogWriter:
                     os.ftruncate(self._file.fileno(), start)
             self._failure = LogError(f"write failed: {exc}", source=str(self.path))
             raise self._failure from exc
+        self._offset += len(data)
 
     def _drain(self) -> None:
         """The background thread: write steps in order until the stop mark; after
@@ -343,7 +392,10 @@ class LogWriter:
                 return  # closed after a failure: what is queued will never be written
             if self._failure is None:
                 try:
-                    self._write_step(item if type(item) is list else _step_records(item))
+                    if type(item) is list:
+                        self._write_step(item)
+                    else:
+                        self._write_step(_step_records(item), item)  # type: ignore[arg-type]
                 except Exception as exc:  # kept for the caller; the thread must not die
                     if self._failure is None:
                         self._failure = exc if isinstance(exc, LogError) else LogError(

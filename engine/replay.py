@@ -51,15 +51,18 @@ def replay(
     check_invariants: bool = False,
     until_seq: int | None = None,
     observe: Callable[[int, ev.Event, State, tuple[fx.Effect, ...]], None] | None = None,
+    state: State | None = None,
 ) -> ReplayResult:
     """Fold the records. Records are event records (`.seq`, `.event`) and
-    digest records (`.seq`, `.digest`), in log order.
+    digest records (`.seq`, `.digest`), in log order. `state` (consumed) is
+    where they begin: a restored snapshot (whose own state the caller checks);
+    the initial state by default.
 
     It stops at the first invariant break (the state is no longer trusted)
     but carries on past protocol violations and digest mismatches, keeping the
     first of them.
     """
-    state = initial_state(config)
+    state = initial_state(config) if state is None else state
     result = ReplayResult(state=state)
     last_good: dict[str, int] = {}  # per digest part ("" for full digests): the seq it last matched
     for record in records:

@@ -1,22 +1,31 @@
 """The binary form of the event log: msgpack rows in CRC-checked frames, the
-step frames compressed as one zstd stream.
+step frames compressed as one zstd stream per segment, segments begun by
+state snapshots, and an index of the snapshots at the end of a closed log.
 
-    file    = MAGIC frame(header) frame(step)*
-    MAGIC   = b"KVLEDGER" + one byte, the format version (2; version 1 is still read)
+    file    = MAGIC frame(header) segment (frame(snapshot) segment)* [frame(index) trailer]
+    segment = frame(step)*
+    MAGIC   = b"KVLEDGER" + one byte, the format version (3; versions 1 and 2 are still read)
     frame   = u32 length, u32 crc32(payload), payload          (little-endian)
     header  = msgpack map: schema_version, engine_version, digest_interval,
               config, kinds {kind: code}, layouts {kind: [version, [[name, tag], ...]]},
-              compression "zstd"                            (not compressed)
-    step    = one frame per step; its payload is the next piece of the log's zstd
-              stream, flushed to a block boundary, and decompresses to
-              msgpack [first_seq, step_index, [row, ...]]
+              compression "zstd", snapshot_interval_events      (not compressed)
+    payload = one type byte, then its body:
+      "S" step      the next piece of the segment's zstd stream, flushed to a block
+                    boundary; it decompresses to msgpack [first_seq, step_index, [row, ...]]
+      "P" snapshot  u64 seq, u64 step_index (the state after the first `seq` events,
+                    at the end of step `step_index`), then one self-contained zstd
+                    frame of the msgpack of `engine.snapshot.capture`'s data
+      "X" index     msgpack [[seq, step_index, byte offset of the snapshot frame], ...]
+    trailer = u64 byte offset of the index frame, b"KVLINDEX"   (the file's last 16 bytes)
     row     = [code, version, field, ...]   fields positional, in the layout's order
             | [0, digest_bytes]             a state digest; its seq is the number
                                             of events before it (first_seq + rows so far)
             | [0, digest_bytes, part, parts]  a part digest (schema version 2)
 
-Version 1 is the same without the compression: each step payload is the msgpack
-array itself, and the header has no `compression` key.
+Version 2 is version 3 without type bytes, snapshots or index: every frame
+after the header is a step of one stream over the whole log. Version 1 is
+version 2 without the compression: each step payload is the msgpack array
+itself, and the header has no `compression` key.
 
 Why a stream and not self-contained frames: a log mostly repeats itself. The
 prompts' 16-byte block hashes are most of its bytes, and requests over shared
@@ -26,23 +35,38 @@ zstd's history (`ZSTD_WINDOW_LOG`) carries across block flushes. Each step is
 flushed as a whole block, so what is on disk after a crash decodes up to the
 last complete frame, and the CRC still covers every frame as written.
 
+Why segments: a stream (and the `Strings` table) makes every frame depend on
+all frames before it, so a reader had to start at the beginning. At a
+snapshot both restart, on the writer's side and the reader's, so decoding can
+begin at any snapshot frame with nothing read before it but the header. A
+segment is hundreds of thousands of events, so the compressor loses only its
+first few steps' history.
+
+How a reader finds a snapshot: a closed log ends in the index and the
+trailer (two reads from the end). A log cut by a crash has neither; its
+snapshot frames are found by walking the frame heads (`scan_snapshots`: the
+type byte and the snapshot's seq sit in the first bytes of a frame, so nothing
+is decompressed), which reads the whole file once.
+
 Kind codes and layouts live in the header, so the file describes itself and
 reading never depends on class order. Bytes are msgpack bin, tuples arrays;
 tuples of >= 4 ints or equal-length bytes are packed bins (see `packed`).
-Every string goes through a `Strings` table shared by all frames: a request
-id costs its text once and a 1-3 byte index afterwards (a packed column of
-indices, in a step_scheduled row). That table and the zstd stream are why
-frames are read in order from the start, and why a writer passes the same
-`Strings` (which carries the stream too) to every `encode_binary_frame` call
-of one log (`encode_binary` does this for a log held in memory).
+Every string goes through a `Strings` table shared by the frames of a
+segment: a request id costs its text once and a 1-3 byte index afterwards (a
+packed column of indices, in a step_scheduled row). A writer passes the same
+`Strings` (which carries the stream too) to every `encode_binary_frame` and
+`encode_snapshot_frame` call of one log (`encode_binary` does this for a log
+held in memory).
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import cast
 
+import attrs
 import msgpack
 import zstandard
 
@@ -63,10 +87,15 @@ from kvledger.events.log_records import (
 from kvledger.events.schema import SCHEMAS, InvalidValue, KindSchema, Strings, json_form_decoder
 from kvledger.events.types import Event
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAGIC = b"KVLEDGER" + bytes([FORMAT_VERSION])
 MAGIC_PREFIX = MAGIC[:-1]  # the last byte is the binary format's version
 MAGIC_V1 = MAGIC_PREFIX + b"\x01"  # uncompressed step frames: read, no longer written
+MAGIC_V2 = MAGIC_PREFIX + b"\x02"  # one stream, no snapshots: read, no longer written
+FRAME_STEP, FRAME_SNAPSHOT, FRAME_INDEX = b"S"[0], b"P"[0], b"X"[0]
+SNAPSHOT_ZSTD_LEVEL = 1  # a snapshot is mostly keys and ids: level 3 saves little and costs the writer more
+TRAILER_MAGIC = b"KVLINDEX"
+TRAILER_BYTES = 16
 COMPRESSION = "zstd"
 ZSTD_LEVEL = 3
 ZSTD_WINDOW_LOG = 23  # 8 MiB of history; a reader needs as much memory (zstd reads it from the stream)
@@ -75,7 +104,30 @@ MAX_FRAME_BYTES = 1 << 28  # a larger length is corruption, not a step
 KIND_CODES: dict[str, int] = {kind: code for code, kind in enumerate(SCHEMAS, start=1)}  # as this writer assigns
 
 _FRAME_HEAD = struct.Struct("<II")
-_HEADER_EXTRA_KEYS = {1: ("kinds", "layouts"), 2: ("kinds", "layouts", "compression")}
+_SNAPSHOT_HEAD = struct.Struct("<BQQ")  # type byte, seq, step_index
+_TRAILER = struct.Struct("<Q8s")
+_HEADER_EXTRA_KEYS = {1: ("kinds", "layouts"), 2: ("kinds", "layouts", "compression"),
+                      3: ("kinds", "layouts", "compression", "snapshot_interval_events")}
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotMark:
+    """Where a snapshot frame is: the state after the first `seq` events, at the
+    end of step `step_index`, in the frame at byte `offset` of the file."""
+
+    seq: int
+    step_index: int
+    offset: int
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SnapshotRecord:
+    """A snapshot as read: `data` is `engine.snapshot.capture`'s, as msgpack gives
+    it back (arrays as tuples)."""
+
+    seq: int
+    step_index: int
+    data: object
 
 RowWriter = Callable[[Event, Strings], list]
 RowReader = Callable[[tuple, Strings], Event]
@@ -105,13 +157,16 @@ def _make_row_writer(schema: KindSchema) -> RowWriter:
 _ROW_WRITERS: dict[type, RowWriter] = {schema.cls: _make_row_writer(schema) for schema in SCHEMAS.values()}
 
 
-def encode_binary_header(header: LogHeader) -> bytes:
-    """MAGIC and the header frame: everything a reader needs before the first step."""
+def encode_binary_header(header: LogHeader, *, snapshot_interval_events: int = 0) -> bytes:
+    """MAGIC and the header frame: everything a reader needs before the first step.
+    `snapshot_interval_events` says how often the writer means to snapshot (0: never);
+    readers go by the frames, not by it."""
     data = {
         **header_to_dict(header),
         "kinds": dict(KIND_CODES),
         "layouts": {kind: schema.layout for kind, schema in SCHEMAS.items()},
         "compression": COMPRESSION,
+        "snapshot_interval_events": snapshot_interval_events,
     }
     return MAGIC + _frame(msgpack.packb(data, use_bin_type=True))
 
@@ -176,18 +231,59 @@ def encode_binary_frame(
     stream = strings.stream
     if stream is None:
         stream = strings.stream = _compressor()
-    return _frame(stream.compress(payload) + stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    return _frame(_STEP_TYPE + stream.compress(payload) + stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
 
 
-def encode_binary(header: LogHeader, records: Iterable[Record]) -> bytes:
-    """A whole log in memory, one frame per run of records of one step (tests, benchmarks)."""
-    strings, parts, run = Strings(), [encode_binary_header(header)], []
+_STEP_TYPE = bytes([FRAME_STEP])
+
+
+def encode_snapshot_frame(seq: int, step_index: int, data: object, *, strings: Strings) -> bytes:
+    """A snapshot of the state after the first `seq` events (`data` from
+    `engine.snapshot.capture`), and the start of a new segment: `strings` and
+    its stream restart, so the frames after it depend on nothing before it."""
+    try:
+        packed = msgpack.packb(data, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LogError(f"cannot encode the snapshot after step {step_index}: {exc!r}", seq=seq) from None
+    body = zstandard.ZstdCompressor(level=SNAPSHOT_ZSTD_LEVEL).compress(packed)
+    strings.restart()
+    return _frame(_SNAPSHOT_HEAD.pack(FRAME_SNAPSHOT, seq, step_index) + body)
+
+
+def encode_index(marks: Iterable[SnapshotMark], offset: int) -> bytes:
+    """The index frame and the trailer, written last at byte `offset` of a closed log."""
+    rows = [[m.seq, m.step_index, m.offset] for m in marks]
+    return _frame(bytes([FRAME_INDEX]) + msgpack.packb(rows)) + _TRAILER.pack(offset, TRAILER_MAGIC)
+
+
+def encode_binary(header: LogHeader, records: Iterable[Record], *, snapshots: Mapping[int, object] | None = None,
+                  closed: bool = False) -> bytes:
+    """A whole log in memory, one frame per run of records of one step (tests,
+    benchmarks); `snapshots` maps a seq at a step's end to the snapshot data
+    written there, and `closed` adds the index and trailer."""
+    snapshots = snapshots or {}
+    strings, parts = Strings(), [encode_binary_header(header)]
+    run: list[Record] = []
+    marks: list[SnapshotMark] = []
+    size = len(parts[0])
+
+    def add(data: bytes) -> None:
+        nonlocal size
+        parts.append(data)
+        size += len(data)
+
     for record in [*records, None]:
         if run and (record is None or record.step_index != run[0].step_index):
-            parts.append(encode_binary_frame(run[0].seq, run[0].step_index, run, strings=strings))
+            add(encode_binary_frame(run[0].seq, run[0].step_index, run, strings=strings))
+            end = run[-1].seq + (type(run[-1]) is EventRecord)
+            if end in snapshots:
+                marks.append(SnapshotMark(seq=end, step_index=run[0].step_index, offset=size))
+                add(encode_snapshot_frame(end, run[0].step_index, snapshots[end], strings=strings))
             run = []
         if record is not None:
             run.append(record)
+    if closed:
+        add(encode_index(marks, size))
     return b"".join(parts)
 
 
@@ -335,7 +431,52 @@ def _unpack(payload: bytes, seq: int | None, *, use_list: bool) -> object:
         raise LogError(f"corrupt: bad msgpack ({exc})", seq=seq) from None
 
 
-def _read_header(chunks: _Chunks) -> tuple[LogHeader, dict, int]:
+class BinaryLog:
+    """A binary log's header as read: what decoding any part of the log needs.
+    `data_offset` is the byte where the first segment begins."""
+
+    def __init__(self, header: LogHeader, readers: dict, version: int, snapshot_interval_events: int,
+                 data_offset: int) -> None:
+        self.header = header
+        self.readers = readers
+        self.version = version
+        self.snapshot_interval_events = snapshot_interval_events
+        self.data_offset = data_offset
+
+    def records(self, chunks: Iterable[bytes]) -> Iterator[Record]:
+        """The records of the data after the header (`chunks` begin at `data_offset`)."""
+        return cast(Iterator[Record], _read_steps(_Chunks(chunks), self, Cursor(), False))
+
+    def records_and_snapshots(self, chunks: Iterable[bytes]) -> Iterator[Record | SnapshotRecord]:
+        """`records`, with a `SnapshotRecord` where each snapshot frame is."""
+        return _read_steps(_Chunks(chunks), self, Cursor(), True)
+
+    def records_from(self, chunks: Iterable[bytes], mark: SnapshotMark) -> tuple[SnapshotRecord, Iterator[Record]]:
+        """Begin at the snapshot `mark` names (`chunks` begin at its offset): the
+        snapshot, and the records after it, as though the log began there."""
+        if self.version < 3:
+            raise LogError(f"binary format version {self.version} has no snapshots")
+        buffer = _Chunks(chunks)
+        buffer.offset = mark.offset  # errors name bytes of the file
+        cursor = Cursor()
+        cursor.next_seq, cursor.step_index = mark.seq, mark.step_index
+        payload = _read_frame(buffer, mark.seq)
+        if payload is None or not payload or payload[0] != FRAME_SNAPSHOT:
+            raise LogError(f"corrupt: no snapshot frame at byte {mark.offset}", seq=mark.seq)
+        first = _snapshot_record(payload, cursor, decode=True)
+        assert first is not None
+        return first, cast(Iterator[Record], _read_steps(buffer, self, cursor, False))
+
+
+def read_binary_header(chunks: Iterable[bytes]) -> BinaryLog:
+    """Read MAGIC and the header frame from the start of a log (the chunks
+    may go on past it; only the header's bytes are consumed from them)."""
+    buffer = _Chunks(chunks)
+    log = _read_header(buffer)
+    return log
+
+
+def _read_header(chunks: _Chunks) -> BinaryLog:
     magic = chunks.read(len(MAGIC))
     if magic[: len(MAGIC_PREFIX)] != MAGIC_PREFIX or len(magic) < len(MAGIC):
         raise LogError("missing header: not a kvledger binary log (bad magic)")
@@ -351,10 +492,13 @@ def _read_header(chunks: _Chunks) -> tuple[LogHeader, dict, int]:
     header = header_from_dict(data, extra_keys=_HEADER_EXTRA_KEYS[version])
     if version >= 2 and data["compression"] != COMPRESSION:  # type: ignore[index]
         raise LogError(f"header: unknown compression {data['compression']!r}")  # type: ignore[index]
+    interval = data.get("snapshot_interval_events", 0) if isinstance(data, dict) else 0
+    if type(interval) is not int or interval < 0:
+        raise LogError(f"header: snapshot_interval_events must be an int >= 0, got {interval!r}")
     readers, problem = _row_readers(data["kinds"], data["layouts"])  # type: ignore[index]
     if problem:
         raise LogError(f"header: {problem}")
-    return header, readers, version
+    return BinaryLog(header, readers, version, interval, chunks.offset)
 
 
 def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings) -> Iterator[Record]:
@@ -390,13 +534,45 @@ def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings
         cursor.next_seq += 1
 
 
-def _read_steps(chunks: _Chunks, readers: dict, version: int) -> Iterator[Record]:
-    cursor, strings = Cursor(), Strings()
+def _snapshot_record(payload: bytes, cursor: Cursor, *, decode: bool) -> SnapshotRecord | None:
+    """A snapshot frame's record (its data decoded only if `decode`); the cursor
+    moves to it, and a record that does not follow on is corruption."""
+    if len(payload) < _SNAPSHOT_HEAD.size:
+        raise LogError("corrupt: a snapshot frame too short for its head", seq=cursor.next_seq)
+    _type, seq, step_index = _SNAPSHOT_HEAD.unpack_from(payload)
+    problem = cursor.check(seq, step_index)
+    if problem:
+        raise LogError(f"snapshot: {problem}", seq=cursor.next_seq)
+    if not decode:
+        return None
+    try:
+        packed = zstandard.ZstdDecompressor().decompress(payload[_SNAPSHOT_HEAD.size:])
+    except zstandard.ZstdError as exc:
+        raise LogError(f"corrupt: bad zstd frame in the snapshot ({exc})", seq=seq) from None
+    return SnapshotRecord(seq=seq, step_index=step_index, data=_unpack(packed, seq, use_list=False))
+
+
+def _read_steps(chunks: _Chunks, log: BinaryLog, cursor: Cursor, snapshots: bool) -> Iterator[Record | SnapshotRecord]:
+    strings, version, readers = Strings(), log.version, log.readers
     stream = zstandard.ZstdDecompressor().decompressobj() if version >= 2 else None
     while True:
         payload = _read_frame(chunks, cursor.next_seq)
         if payload is None:
             return
+        if version >= 3:
+            kind = payload[0] if payload else None
+            if kind == FRAME_SNAPSHOT:
+                record = _snapshot_record(payload, cursor, decode=snapshots)
+                strings, stream = Strings(), zstandard.ZstdDecompressor().decompressobj()
+                if record is not None:
+                    yield record
+                continue
+            if kind == FRAME_INDEX:
+                _check_end(chunks, cursor.next_seq)
+                return
+            if kind != FRAME_STEP:
+                raise LogError(f"corrupt: unknown frame type {kind!r}", seq=cursor.next_seq)
+            payload = payload[1:]
         if stream is not None:
             try:
                 payload = stream.decompress(payload)
@@ -406,6 +582,88 @@ def _read_steps(chunks: _Chunks, readers: dict, version: int) -> Iterator[Record
         yield from _decode_frame(frame, cursor, readers, strings)
 
 
+def _check_end(chunks: _Chunks, seq: int) -> None:
+    """After the index frame: the trailer, then nothing."""
+    start = chunks.offset
+    trailer = chunks.read(TRAILER_BYTES)
+    if len(trailer) < TRAILER_BYTES or _TRAILER.unpack(trailer)[1] != TRAILER_MAGIC or chunks.read(1):
+        raise LogError(f"corrupt: the index frame is not followed by the trailer alone (byte {start})", seq=seq)
+
+
+def read_trailer(tail: bytes) -> int | None:
+    """The index frame's offset, from a log's last `TRAILER_BYTES`; None if they are
+    no trailer (a log cut by a crash, or one of an older format)."""
+    if len(tail) != TRAILER_BYTES:
+        return None
+    offset, magic = _TRAILER.unpack(tail)
+    return offset if magic == TRAILER_MAGIC else None
+
+
+def read_index(frame: bytes) -> list[SnapshotMark] | None:
+    """The snapshot marks of an index frame (head included, as on disk); None if
+    it is no whole, valid index frame."""
+    if len(frame) < _FRAME_HEAD.size + 1:
+        return None
+    length, crc = _FRAME_HEAD.unpack_from(frame)
+    payload = frame[_FRAME_HEAD.size:]
+    if length != len(payload) or zlib.crc32(payload) != crc or payload[0] != FRAME_INDEX:
+        return None
+    try:
+        rows = msgpack.unpackb(payload[1:], use_list=False)
+        marks = [SnapshotMark(seq=seq, step_index=step, offset=offset) for seq, step, offset in rows]
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    ordered = all(a.seq <= b.seq and a.offset < b.offset for a, b in zip(marks, marks[1:]))
+    return marks if ordered and all(type(m.seq) is int and type(m.offset) is int for m in marks) else None
+
+
+def scan_snapshots(chunks: Iterable[bytes], offset: int) -> list[SnapshotMark]:
+    """The snapshot marks found by walking the frame heads from byte `offset`
+    (where the chunks begin), decompressing nothing. The walk ends at the end of
+    the data, at an index frame or at an implausible frame head; a snapshot frame
+    cut short by the end of the data is not counted."""
+    it = iter(chunks)
+    marks: list[SnapshotMark] = []
+    buffer, base, pos = b"", offset, 0  # buffer[0] is at byte `base`; the next frame at base + pos
+
+    def fill(n: int) -> bool:
+        """Make the buffer hold bytes [pos, pos + n); False at the end of the data."""
+        nonlocal buffer, base, pos
+        while len(buffer) < pos + n:
+            chunk = next(it, None)
+            if chunk is None:
+                return False
+            drop = min(pos, len(buffer))
+            buffer, base, pos = buffer[drop:], base + drop, pos - drop
+            if not buffer and pos >= len(chunk):  # inside a frame being skipped
+                base, pos = base + len(chunk), pos - len(chunk)
+                continue
+            buffer += chunk
+        return True
+
+    while fill(_FRAME_HEAD.size + 1):
+        length = int.from_bytes(buffer[pos:pos + 4], "little")
+        kind = buffer[pos + _FRAME_HEAD.size]
+        if not 1 <= length <= MAX_FRAME_BYTES or kind == FRAME_INDEX:
+            break
+        mark = None
+        if kind == FRAME_SNAPSHOT:
+            if length < _SNAPSHOT_HEAD.size or not fill(_FRAME_HEAD.size + _SNAPSHOT_HEAD.size):
+                break
+            _type, seq, step_index = _SNAPSHOT_HEAD.unpack_from(buffer, pos + _FRAME_HEAD.size)
+            mark = SnapshotMark(seq=seq, step_index=step_index, offset=base + pos)
+        pos += _FRAME_HEAD.size + length
+        if mark is not None:
+            if not fill(0):  # the frame runs past the end of the data
+                break
+            marks.append(mark)
+    return marks
+
+
+def _log_records(chunks: _Chunks, log: BinaryLog) -> Iterator[Record]:
+    return cast(Iterator[Record], _read_steps(chunks, log, Cursor(), False))
+
+
 def read_binary(data: bytes | bytearray | memoryview | Iterable[bytes]) -> tuple[LogHeader, Iterator[Record]]:
     """Read the header now and records lazily, from a buffer or an iterable of chunks.
 
@@ -413,5 +671,5 @@ def read_binary(data: bytes | bytearray | memoryview | Iterable[bytes]) -> tuple
     have started at, since a corrupt frame's own numbers cannot be trusted).
     """
     chunks = _Chunks([bytes(data)] if isinstance(data, (bytes, bytearray, memoryview)) else data)
-    header, readers, version = _read_header(chunks)
-    return header, _read_steps(chunks, readers, version)
+    log = _read_header(chunks)
+    return log.header, _log_records(chunks, log)

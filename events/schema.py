@@ -40,8 +40,9 @@ class Strings:
     sides by the same rule, so a long log needs bounded memory. A writer whose
     frame fails to encode rolls the table back to the frame's start.
 
-    It is a writer's whole per-log state: `stream` holds the log's compression
-    stream once `binary.encode_binary_frame` has started it.
+    It is a writer's whole per-segment state: `stream` holds the segment's
+    compression stream once `log_binary.encode_binary_frame` has started it, and
+    `restart` begins a new segment (a snapshot frame).
     """
 
     CAPACITY = 1 << 16
@@ -60,6 +61,12 @@ class Strings:
             self._index.clear()
             self._texts.clear()
         return len(self._texts)
+
+    def restart(self) -> None:
+        """Forget every text and the stream: a new segment of the log begins (at a snapshot)."""
+        self._index.clear()
+        self._texts.clear()
+        self.stream = None
 
     def rollback(self, mark: int) -> None:
         for text in self._texts[mark:]:

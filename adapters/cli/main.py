@@ -6,9 +6,11 @@ import argparse
 import os
 import sys
 
+from kvledger.adapters.engine_host import SNAPSHOT_INTERVAL_EVENTS
 from kvledger.events.log_records import LogError
 
 from . import log_commands
+from .bisect import cmd_bisect
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -25,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("log")
     p.add_argument("--check", action="store_true", help="check invariants after every event and at digests")
     p.add_argument("--until", type=int, metavar="SEQ", help="stop after this sequence number")
+    p.add_argument("--from", type=int, dest="start", metavar="SEQ",
+                   help="start at the latest snapshot at or before SEQ (its seq is reported) instead of the beginning")
     p.add_argument("--request", metavar="ID", help="print the timeline of one request")
     p.add_argument("--key", metavar="HEX", help="print the timeline of one block key")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -34,7 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("log")
     p.add_argument("--at", type=int, required=True, metavar="SEQ")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--from-start", action="store_true", help="replay from the beginning, not from a snapshot")
     p.set_defaults(func=log_commands.cmd_inspect)
+    p = sub.add_parser("bisect", help="name the first event at which a log's replay breaks (uses its snapshots)")
+    p.add_argument("log")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="check N segments at a time, in processes")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bisect)
     p = sub.add_parser("simulate", help="run a seeded simulated vLLM workload and record its log")
     p.add_argument("--scenario", choices=sorted(log_commands.SCENARIOS), default="hybrid")
     p.add_argument("--seed", type=int, default=0)
@@ -43,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protection", choices=["flush", "pin"])
     p.add_argument("--format", choices=["binary", "jsonl"], default="binary")
     p.add_argument("--digest-interval", type=int, default=16)
+    p.add_argument("--snapshot-interval-events", type=int, default=SNAPSHOT_INTERVAL_EVENTS,
+                   help="a state snapshot after the step that passes this many events since the last (binary; 0: none)")
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.set_defaults(func=log_commands.cmd_simulate)

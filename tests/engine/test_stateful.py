@@ -22,10 +22,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvledger.adapters.cli.log_commands import Prefix
 from kvledger.adapters.engine_host import EngineHost
 from kvledger.adapters.log_files import open_log
+from kvledger.adapters.log_seek import find_snapshots, read_snapshot
 from kvledger.adapters.testing.simulator import Simulator
 from kvledger.engine.digest import digest
 from kvledger.engine.reducer import reduce, reduce_step
-from kvledger.engine.replay import replay
+from kvledger.engine.replay import ReplayResult, replay
+from kvledger.engine.snapshot import restore
 from kvledger.engine.state import initial_state
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig
@@ -131,18 +133,23 @@ class LoggedProtocol(Protocol):
     """The same machine with the event log written as it runs. `crash` cuts the
     log at any byte, as a killed process or a full disk leaves it, replays what
     was cut lazily and compares with the live engine's state after the last
-    event the cut log holds; then a fresh engine reopens on the same path, as a
-    restarted server does (taking the next free name). Teardown closes the log,
-    whose replay must end in the live state with the end mark checked."""
+    event the cut log holds; the snapshots the cut log still holds whole are
+    found without an index, and each restores the live state at its seq, from
+    which the replay of the rest reaches the same end. Then a fresh engine
+    reopens on the same path, as a restarted server does (taking the next free
+    name). Teardown closes the log, whose replay must end in the live state with
+    the end mark checked, and whose index lists every snapshot written."""
 
     @initialize(config=st.sampled_from(CONFIGS), prefix_caching=st.booleans(),
                 chunk=st.sampled_from([0, 0, 48]), seed=st.integers(0, 2**16),
-                fmt=st.sampled_from(["binary", "jsonl"]), digest_interval=st.sampled_from([0, 1, 3]))
+                fmt=st.sampled_from(["binary", "jsonl"]), digest_interval=st.sampled_from([0, 1, 3]),
+                snapshot_interval=st.sampled_from([0, 1, 12, 40]), snapshot_ratio=st.sampled_from([0.0, 1.0]))
     def setup(self, config: EngineConfig, prefix_caching: bool, chunk: int, seed: int,  # type: ignore[override]
-              fmt: str, digest_interval: int) -> None:
+              fmt: str, digest_interval: int, snapshot_interval: int, snapshot_ratio: float) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvledger-stateful-log-"))
         self.options = dict(config=config, prefix_caching=prefix_caching, chunk=chunk, fmt=fmt,
-                            digest_interval=digest_interval)
+                            digest_interval=digest_interval, snapshot_interval=snapshot_interval,
+                            snapshot_ratio=snapshot_ratio)
         self.rng = random.Random(seed)
         self.crashes = 0
         self._open_engine()
@@ -151,7 +158,9 @@ class LoggedProtocol(Protocol):
         """A fresh engine and a log of its own: `log.bin` or the next free name."""
         o = self.options
         self.host = EngineHost(o["config"], log_path=self.dir / f"log.{o['fmt']}", fmt=o["fmt"],
-                               digest_interval=o["digest_interval"], strict=True, next_free=True)
+                               digest_interval=o["digest_interval"], strict=True, next_free=True,
+                               snapshot_interval_events=o["snapshot_interval"],
+                               snapshot_bytes_ratio=o["snapshot_ratio"])
         self.sim = Simulator(o["config"], prefix_caching=o["prefix_caching"], chunk_tokens=o["chunk"],
                              check_every_event=True, host=self.host)
         self.after_event: list[str] = []  # the live state's digest after each event
@@ -165,8 +174,11 @@ class LoggedProtocol(Protocol):
             self.after_event.append(digest(self.host.state))
             return effects
 
-        def added(step_index: int, events: list, digest_hex: str | None = None) -> None:
-            add_step(step_index, events, digest_hex)
+        def added(step_index: int, events: list, digest_hex: str | None = None, snapshot: object = None) -> None:
+            marks = len(self.host.writer.snapshots)
+            add_step(step_index, events, digest_hex, snapshot)
+            if len(self.host.writer.snapshots) > marks:  # the step's frame ends where its snapshot's begins
+                self.writes.append((self.host.writer.snapshots[-1].offset, self.applied))
             self.writes.append((self.host.writer.path.stat().st_size, self.applied))
 
         self.host.apply = applied  # type: ignore[method-assign]
@@ -197,9 +209,29 @@ class LoggedProtocol(Protocol):
         assert digest(result.state) == expected, "the replayed prefix differs from the live state it recorded"
         assert not result.ends_with_full_digest, "a cut log must not look closed"
         note_event(f"crash {'at a step boundary' if at_boundary else 'torn'}")
+        self._check_snapshots(cut_log, result, whole_before=len(written[:cut]))
         self.host.writer.close()  # the crashed process's file handle; its file stays as it was
         self.host.writer = None
         self._open_engine()
+
+    def _check_snapshots(self, path: Path, result: ReplayResult, whole_before: int) -> None:
+        """Every snapshot of a (cut) log restores the live state at its seq, and the
+        replay from it reaches the same end as the replay from the beginning."""
+        snapshots = find_snapshots(path)
+        written = [m for m in self.host.writer.snapshots if m.offset < whole_before]
+        if self.options["fmt"] == "jsonl":
+            assert snapshots.marks == ()
+            return
+        # A snapshot frame the cut runs through is not found; every whole one is.
+        assert list(snapshots.marks) in (written, written[:-1]), (snapshots, written)
+        for mark in snapshots.marks[-2:]:
+            header, snapshot, records = read_snapshot(path, mark)
+            state = restore(header.config, snapshot.data)
+            assert digest(state) == self.after_event[mark.seq - 1], "a snapshot differs from the live state"
+            resumed = replay(header.config, Prefix(records), check_invariants=True, state=state)
+            assert resumed.ok, resumed.first_problem
+            assert digest(resumed.state) == digest(result.state)
+            note_event("resumed from a snapshot")
 
     def teardown(self) -> None:
         if hasattr(self, "host"):
@@ -209,6 +241,10 @@ class LoggedProtocol(Protocol):
             assert result.ok, result.first_problem
             assert result.ends_with_full_digest, "a closed log ends in its end mark"
             assert digest(result.state) == digest(self.host.state)
+            snapshots = find_snapshots(self.host.writer.path)
+            if self.options["fmt"] == "binary":
+                assert snapshots.found_by == "index" and list(snapshots.marks) == self.host.writer.snapshots
+                self._check_snapshots(self.host.writer.path, result, self.host.writer.path.stat().st_size)
         if hasattr(self, "dir"):
             shutil.rmtree(self.dir, ignore_errors=True)
 

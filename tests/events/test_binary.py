@@ -59,7 +59,8 @@ class Stream:
 
     def frame(self, obj: object) -> bytes:
         payload = obj if isinstance(obj, bytes) else msgpack.packb(obj, use_bin_type=True)
-        return frame(self.compressor.compress(payload) + self.compressor.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+        return frame(b"S" + self.compressor.compress(payload)
+                     + self.compressor.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
 
 
 def log(head: dict, *steps: object) -> bytes:
@@ -82,9 +83,11 @@ def split_frames(data: bytes) -> list[bytes]:
 
 
 def step_payloads(data: bytes) -> list[bytes]:
-    """Each step frame's msgpack, decompressed by one zstd stream in frame order."""
+    """Each step frame's msgpack (after its type byte), decompressed by one zstd stream in frame order."""
     stream = zstandard.ZstdDecompressor().decompressobj()
-    return [stream.decompress(payload) for payload in split_frames(data)[1:]]
+    frames = split_frames(data)[1:]
+    assert all(payload[:1] == b"S" for payload in frames)
+    return [stream.decompress(payload[1:]) for payload in frames]
 
 
 def header_map(header: LogHeader = HEADER) -> dict:
@@ -98,12 +101,12 @@ def read_all(data: bytes | list[bytes]) -> tuple[LogHeader, list]:
 
 def test_layout_is_magic_header_frame_then_one_frame_per_step() -> None:
     data = encode_binary(HEADER, EXAMPLE_RECORDS)
-    assert data.startswith(MAGIC_PREFIX + b"\x02")
+    assert data.startswith(MAGIC_PREFIX + b"\x03")
     header = split_frames(data)[0]
     steps = step_payloads(data)
     head = msgpack.unpackb(header)
     assert head["schema_version"] == LOG_SCHEMA_VERSION and head["config"] == CONFIG.to_dict()
-    assert head["compression"] == "zstd"
+    assert head["compression"] == "zstd" and head["snapshot_interval_events"] == 0
     assert head["kinds"] == {kind: code for code, kind in enumerate(SCHEMAS, start=1)}
     assert head["layouts"]["store_failed"] == [2, [["job_id", "int"], ["worker_index", "int"], ["keys", "tuple[bytes]"]]]
     assert len(steps) == 2
@@ -326,7 +329,8 @@ def test_bad_msgpack_with_a_good_crc() -> None:
 
 def test_a_payload_that_is_not_the_zstd_stream() -> None:
     data, _frames, _stream = three_steps()
-    fails(data + frame(b"\xff" * 16), r"corrupt: bad zstd block", 10)
+    fails(data + frame(b"S" + b"\xff" * 16), r"corrupt: bad zstd block", 10)
+    fails(data + frame(b"Q" + b"\xff" * 16), r"corrupt: unknown frame type 81", 10)
 
 
 def test_bad_frame_shape() -> None:
@@ -342,7 +346,7 @@ def test_bad_frame_shape() -> None:
 def test_seq_gap_from_a_lost_frame() -> None:
     """In version 1 each frame stands alone, so a lost one shows as a gap."""
     frames = [msgpack.packb(step) for step in ([0, 0, [[1, 1, "a", 1, []]]], [1, 1, [[10, 1, 0]]], [2, 2, []])]
-    data = MAGIC_V1 + frame(v1_header_map()) + frame(frames[0]) + frame(frames[2])
+    data = MAGIC_V1 + frame(v1_header_map(1)) + frame(frames[0]) + frame(frames[2])
     fails(data, r"seq gap: seq 2 follows seq 0, 1 record\(s\) lost", 1)
 
 
@@ -371,7 +375,7 @@ def test_missing_header() -> None:
 
 
 def test_newer_binary_format() -> None:
-    fails(MAGIC_PREFIX + b"\x03", r"binary format version 3 is newer than this reader knows \(2\)", None)
+    fails(MAGIC_PREFIX + b"\x04", r"binary format version 4 is newer than this reader knows \(3\)", None)
     fails(MAGIC_PREFIX + b"\x00", r"binary format version 0 does not exist", None)
 
 
@@ -386,9 +390,12 @@ def test_unknown_compression() -> None:
 # --- version 1: uncompressed frames, still read ------------------------------
 
 
-def v1_header_map() -> dict:
+def v1_header_map(version: int = 1) -> dict:
+    """The header map of a version-1 (or, with `version` 2, version-2) log."""
     head = header_map()
-    del head["compression"]
+    del head["snapshot_interval_events"]
+    if version == 1:
+        del head["compression"]
     return head
 
 
@@ -407,11 +414,11 @@ def test_the_committed_version_1_log_decodes() -> None:
 
 
 def test_version_1_frames_are_read_without_compression() -> None:
-    head = v1_header_map()
+    head = v1_header_map(1)
     code = head["kinds"]["cache_reset"]
     data = MAGIC_V1 + frame(head) + frame([0, 0, [[code, 1, 3]]]) + frame([1, 2, [[code, 1, 4]]])
     assert [r.event for r in read_all(data)[1]] == [ev.CacheReset(epoch=3), ev.CacheReset(epoch=4)]
-    fails(MAGIC_V1 + frame(header_map()), "header: unknown key 'compression'", None)
+    fails(MAGIC_V1 + frame(v1_header_map(2)), "header: unknown key 'compression'", None)
 
 
 def test_bad_header_config_names_the_key() -> None:
