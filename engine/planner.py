@@ -29,6 +29,7 @@ set or dict of requests is iterated except in an order vLLM fixed.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping, Sequence
+from operator import attrgetter
 from typing import Protocol
 
 import attrs
@@ -89,6 +90,9 @@ class StepInputs:
     # The running requests vLLM gave new blocks this step (its scheduler output's
     # `new_block_ids` that are not None), or None: then every table is compared.
     grown: Container[str] | None = None
+
+
+_computed = attrgetter("num_computed_tokens")
 
 
 def new_hashes(state: State, request_id: str, request: Request,
@@ -180,20 +184,23 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     # Per running request, the common step costs a few comparisons: a new hash
     # shows in the length of vLLM's list, a window free at the engine's free
     # floor, and growth in `grown` (vLLM says which tables it extended).
+    null = NULL_BLOCK_ID
     for rid in step.scheduled:
         if rid in admitted:
             continue
         mine = mine_of(rid)
         if mine is None:
             continue
-        if len(requests[rid].block_hashes) > len(mine.hashes):
-            appended = _new_hashes(mine, requests[rid], keys_of)
+        request = requests[rid]
+        if len(request.block_hashes) > len(mine.hashes):
+            appended = _new_hashes(mine, request, keys_of)
             if appended is not None:
                 events.append(appended)
+        floors = mine.free_floor
         for g, table in window_tables:
             now = table.get(rid, ())
-            floor = mine.free_floor[g]
-            if floor < len(now) and now[floor].block_id == NULL_BLOCK_ID:
+            floor = floors[g]
+            if floor < len(now) and now[floor].block_id == null:
                 freed = _window_frees(window_groups, mine, tuple(t.get(rid, ()) for t in tables))
                 if freed is not None:
                     events.append(freed)
@@ -230,9 +237,8 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
 
     if step.scheduled:
         rids = tuple(step.scheduled)
-        requests = step.requests
         events.append(ev.StepScheduled(
             step_index=step.step_index, request_ids=rids,
-            num_computed_tokens=tuple(requests[r].num_computed_tokens for r in rids),
-            num_scheduled_tokens=tuple(step.scheduled[r] for r in rids)))
+            num_computed_tokens=tuple(map(_computed, map(requests.__getitem__, rids))),
+            num_scheduled_tokens=tuple(step.scheduled.values())))
     return events
