@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from kvledger.adapters.engine_host import SNAPSHOT_INTERVAL_EVENTS
 from kvledger.adapters.tier_settings import (
     FsTierSettings,
     TierSettings,
@@ -57,6 +58,7 @@ class ConnectorSettings:
     event_log_format: str = "binary"
     event_log_on_error: str = "continue"  # or "stop": a log that cannot be written stops vLLM
     digest_interval: int = 64
+    snapshot_interval_events: int = SNAPSHOT_INTERVAL_EVENTS
     log_level: str = "warning"
     log_json: bool = False
     faults: FaultSettings = FaultSettings()
@@ -74,6 +76,7 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "event_log_format": (str, "'binary' or 'jsonl'"),
     "event_log_on_error": (str, "'continue' (stop the log, keep serving) or 'stop' (stop vLLM)"),
     "digest_interval": (int, "a state digest every this many steps"),
+    "snapshot_interval_events": (int, "binary logs: a snapshot of the whole state after this many events"),
     "log_level": (str, "one of " + ", ".join(LOG_LEVELS)),
     "log_json": (bool, "structured logs as JSON lines"),
     "fault_injection": (dict, "injected transfer failures, for tests"),
@@ -159,6 +162,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     interval = extra.get("digest_interval", 64)
     if interval < 0:
         raise ConfigError(f"digest_interval must be >= 0 (0: no digests), got {interval}")
+    snapshots = extra.get("snapshot_interval_events", SNAPSHOT_INTERVAL_EVENTS)
+    if snapshots < 0:
+        raise ConfigError(f"snapshot_interval_events must be >= 0 (0: no snapshots), got {snapshots}")
     event_log = extra.get("event_log") or None
 
     return ConnectorSettings(
@@ -171,6 +177,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         event_log_format=fmt,
         event_log_on_error=on_error,
         digest_interval=interval,
+        snapshot_interval_events=snapshots,
         log_level=level,
         log_json=extra.get("log_json", False),
         faults=_parse_faults(extra.get("fault_injection", {})),

@@ -89,6 +89,7 @@ class LedgerScheduler:
             self.host = EngineHost(
                 config, log_path=settings.event_log, fmt=settings.event_log_format,
                 digest_interval=settings.digest_interval, background=True, next_free=True,
+                snapshot_interval_events=settings.snapshot_interval_events,
                 keep_serving=settings.event_log_on_error == "continue")
         except OSError as exc:  # a missing or read-only directory: name the setting
             raise ConfigError(f"event_log {settings.event_log!r} cannot be created: "

@@ -42,7 +42,7 @@ def test_the_transfer_config_builder_gives_settings_the_connector_accepts():
 def test_every_key_is_read():
     settings = parse_settings({
         "capacity_bytes": 4096, "eviction_policy": "arc", "protection": "pin", "event_log": "/tmp/x.log", "event_log_format": "jsonl",
-        "digest_interval": 8, "log_level": "debug", "log_json": True,
+        "digest_interval": 8, "snapshot_interval_events": 1000, "log_level": "debug", "log_json": True,
         "fault_injection": {"load_rate": 0.5, "store_rate": 0.25, "load_block_rate": 0.1, "seed": 7,
                             "corrupt": True},
     })
@@ -52,6 +52,7 @@ def test_every_key_is_read():
     lazy = parse_settings({"capacity_bytes": 1, "store_mode": "lazy", "lazy_target_blocks": 8})
     assert (lazy.store_mode, lazy.lazy_target_blocks) == (StoreMode.LAZY, 8)
     assert (settings.digest_interval, settings.log_level, settings.log_json) == (8, "debug", True)
+    assert settings.snapshot_interval_events == 1000
     faults = settings.faults
     assert (faults.load_rate, faults.store_rate, faults.load_block_rate, faults.seed, faults.corrupt) == (
         0.5, 0.25, 0.1, 7, True)
@@ -73,6 +74,7 @@ def test_every_key_is_read():
     ({"capacity_bytes": 1, "fault_injection": {"store_hold_steps": -1}}, "store_hold_steps"),
     ({"capacity_bytes": 1, "log_level": "loud"}, "log_level"),
     ({"capacity_bytes": 1, "digest_interval": -1}, "digest_interval"),
+    ({"capacity_bytes": 1, "snapshot_interval_events": -5}, "snapshot_interval_events"),
     ({"capacity_bytes": 1, "fault_injection": {"load_rate": 2}}, "within [0, 1]"),
     ({"capacity_bytes": 1, "fault_injection": {"rate": 0.1}}, "'rate'"),
     ({"capacity_bytes": 1, "fault_injection": {"seed": 0.5}}, "fault_injection.seed"),
