@@ -191,6 +191,21 @@ class Stats:
         "store_failures", "load_failures", "keys_failed", "flushes", "jobs_flushed",
         "evictions", "preemptions", "finished", "aborted",
     )
+    hit_tokens: int
+    loads: int
+    keys_loaded: int
+    stores: int
+    keys_stored: int
+    store_rejections: int
+    store_failures: int
+    load_failures: int
+    keys_failed: int
+    flushes: int
+    jobs_flushed: int
+    evictions: int
+    preemptions: int
+    finished: int
+    aborted: int
 
     def __init__(self) -> None:
         for name in Stats.__slots__:

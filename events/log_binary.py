@@ -130,7 +130,7 @@ def _check_frame(first_seq: int, step_index: int, records: list[Record]) -> None
                 f"for step {step_index} at seq {seq}",
                 seq=first_seq,
             )
-        if type(record) is EventRecord:
+        if isinstance(record, EventRecord):
             seq += 1
         elif not is_digest(record.digest):
             raise LogError(f"digest must be lowercase hex or 'part/parts:hex', got {record.digest!r}",
@@ -165,7 +165,7 @@ def encode_binary_frame(
     try:
         rows = [
             _ROW_WRITERS[type(r.event)](r.event, strings)
-            if type(r) is EventRecord
+            if isinstance(r, EventRecord)
             else _digest_row(r.digest)
             for r in records
         ]
@@ -181,7 +181,8 @@ def encode_binary_frame(
 
 def encode_binary(header: LogHeader, records: Iterable[Record]) -> bytes:
     """A whole log in memory, one frame per run of records of one step (tests, benchmarks)."""
-    strings, parts, run = Strings(), [encode_binary_header(header)], []
+    strings, parts = Strings(), [encode_binary_header(header)]
+    run: list[Record] = []
     for record in [*records, None]:
         if run and (record is None or record.step_index != run[0].step_index):
             parts.append(encode_binary_frame(run[0].seq, run[0].step_index, run, strings=strings))
