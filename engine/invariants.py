@@ -22,6 +22,8 @@ from collections import Counter
 from itertools import chain, repeat
 from operator import contains, eq
 
+from mypy_extensions import mypyc_attr
+
 from kvledger.events import types as ev
 from kvledger.events.config import Protection
 from kvledger.events.types import NULL_BLOCK_ID
@@ -41,6 +43,7 @@ from .transitions import STEPPABLE
 _PIN = Protection.PIN
 
 
+@mypyc_attr(native_class=False)  # mypyc builds no native subclass of AssertionError
 class InvariantViolation(AssertionError):
     """The state broke the contract: a bug in the engine, never the caller's fault."""
 
