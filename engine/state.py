@@ -93,7 +93,7 @@ class RequestState:
         self.free_floor = [0] * len(groups)  # positions below are all null (sliding frees go in order)
 
     def clone(self) -> RequestState:
-        other = RequestState.__new__(RequestState)
+        other = RequestState(self.request_id, self.num_prompt_tokens, ())  # a compiled class has no bare __new__
         for name in _REQUEST_FIELDS:
             setattr(other, name, getattr(self, name))
         other.hashes = list(self.hashes)
@@ -166,7 +166,8 @@ class Job:
         self.promote_tiers: tuple = ()  # LOAD: per group, per key, the lower tier read first (0: none)
 
     def clone(self) -> Job:
-        other = Job.__new__(Job)
+        other = Job(self.job_id, self.kind, self.request_id, self.keys, self.block_ids, self.slot_ids,
+                    self.generations, self.pending_workers)
         for name in _JOB_FIELDS:
             setattr(other, name, getattr(self, name))
         other.failed_keys = set(self.failed_keys)
@@ -329,7 +330,7 @@ class Core:
         self.stats = Stats()
 
     def clone(self) -> Core:
-        other = Core.__new__(Core)
+        other = Core(self.config)  # (no bare __new__ when compiled) its tables are replaced below
         for name in _CORE_FIELDS:
             setattr(other, name, getattr(self, name))
         for name in ("block_refs", "block_pins", "block_generation", "block_group", "block_key",
