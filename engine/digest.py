@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Callable
 from itertools import islice
 from operator import eq
-from typing import Any
+from typing import Any, cast
 
 from kvledger.events.config import EngineConfig
 from kvledger.events.log_records import join_digest, split_digest
@@ -115,7 +115,9 @@ def part_digest(state: State, part: int, parts: int) -> str:
     h.update(bytes(core.slot_state[lo:hi]))
     h.update(b"".join(k or b"\x00" for k in keys))
     # Which of these slots the index points at (with the index's size above).
-    h.update(bytes(map(eq, map(core.slot_of_key.get, keys), range(lo, hi))))
+    # An unused slot's key is None, which the index simply lacks.
+    index_of = cast("Callable[[bytes | None], int | None]", core.slot_of_key.get)
+    h.update(bytes(map(eq, map(index_of, keys), range(lo, hi))))
     lo, hi = _bounds(len(core.free_slots), part, parts)
     h.update(array("q", core.free_slots[lo:hi]).tobytes())
     put(core.policy.canonical_part(part, parts))

@@ -22,6 +22,8 @@ from collections import Counter
 from itertools import chain, repeat
 from operator import contains, eq
 
+from mypy_extensions import mypyc_attr
+
 from kvledger.events import types as ev
 from kvledger.events.config import Protection
 from kvledger.events.types import NULL_BLOCK_ID
@@ -41,6 +43,7 @@ from .transitions import STEPPABLE
 _PIN = Protection.PIN
 
 
+@mypyc_attr(native_class=False)  # mypyc builds no native subclass of AssertionError
 class InvariantViolation(AssertionError):
     """The state broke the contract: a bug in the engine, never the caller's fault."""
 
@@ -489,8 +492,8 @@ def _check_tier(core: Core, problems: list[str]) -> None:
             problems.append(f"slot {slot}: FREE but neither fresh nor on the free list")
             continue
         _check_slot(core, slot, problems)
-        key = core.slot_key[slot]
-        if core.slot_of_key.get(key) != slot and not used[slot]:  # type: ignore[arg-type]
+        held_key = core.slot_key[slot]
+        if (held_key is None or core.slot_of_key.get(held_key) != slot) and not used[slot]:
             problems.append(f"slot {slot}: dropped from the index but no job will free it")
         if state == SlotState.STORING and used[slot] != 1:
             problems.append(f"slot {slot}: storing without exactly one store job")
@@ -519,14 +522,14 @@ def _check_lower(core: Core, problems: list[str]) -> None:
         for tier, key, slot, _ in job.promoted():
             if slot >= 0 and 0 < tier <= len(core.lower):
                 reading[tier - 1][key] += 1
-    for index, tier in enumerate(core.lower, start=1):
-        if not tier.held.keys().isdisjoint(tier.writing):
+    for index, lower in enumerate(core.lower, start=1):
+        if not lower.held.keys().isdisjoint(lower.writing):
             problems.append(f"tier {index}: a key is both held and being written")
-        pinned = sum(1 for key in tier.reading if key in tier.held)
-        if len(tier.held) + len(tier.writing) - pinned > tier.capacity:
-            problems.append(f"tier {index}: {len(tier.held)} held and {len(tier.writing)} being written "
-                            f"exceed its capacity of {tier.capacity}")
-        if writing[index - 1] != tier.writing:
+        pinned = sum(1 for key in lower.reading if key in lower.held)
+        if len(lower.held) + len(lower.writing) - pinned > lower.capacity:
+            problems.append(f"tier {index}: {len(lower.held)} held and {len(lower.writing)} being written "
+                            f"exceed its capacity of {lower.capacity}")
+        if writing[index - 1] != lower.writing:
             problems.append(f"tier {index}: keys being written do not match the open spills")
-        if dict(reading[index - 1]) != tier.reading:
+        if dict(reading[index - 1]) != lower.reading:
             problems.append(f"tier {index}: keys being read do not match the open loads")

@@ -56,10 +56,11 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
     taken = 0
     while end > num_local_tokens:
         if all(_covers(core, request, g, num_local_tokens, end, known) for g in partial):
-            taken = _slots_taken(core, request, num_local_tokens, end, slots_promised)
-            if taken is None:
+            slots = _slots_taken(core, request, num_local_tokens, end, slots_promised)
+            if slots is None:
                 return LATER
-            if taken >= 0:
+            if slots >= 0:
+                taken = slots
                 break
         end -= alignment
     if end <= num_local_tokens:

@@ -60,7 +60,7 @@ def holder(core: Core, key: bytes) -> int:
 def _evict(tier: LowerTier, count: int) -> list[bytes]:
     """Up to `count` least recently used keys that no load is reading."""
     reading = tier.reading
-    victims = []
+    victims: list[bytes] = []
     for key in tier.held:
         if len(victims) == count:
             break

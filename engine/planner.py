@@ -228,9 +228,9 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             events.append(appended)
     for admission, mine in admissions:
         rid = admission.request_id
-        table = tuple(tuple(b.block_id for b in t.get(rid, ())) for t in tables)
+        block_ids = tuple(tuple(b.block_id for b in t.get(rid, ())) for t in tables)
         resumed = mine.status is PREEMPTED or rid in preempted_now
-        events.extend(_admission(core, admission, table, resumed))
+        events.extend(_admission(core, admission, block_ids, resumed))
 
     if core.config.store_mode is StoreMode.LAZY and step.near_eviction:
         events.append(ev.BlocksNearEviction(block_ids=step.near_eviction))

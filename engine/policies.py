@@ -64,7 +64,7 @@ class LRU:
         if count > len(self._order):
             return None
         order = self._order
-        victims = []
+        victims: list[bytes] = []
         for key in order:
             if len(victims) == count:
                 break
@@ -146,7 +146,7 @@ class ARC:
     def evict(self, count: int) -> list[bytes] | None:
         if count > len(self.t1) + len(self.t2):
             return None
-        victims = []
+        victims: list[bytes] = []
         for _ in range(count):
             if self.t1 and (len(self.t1) > self.p or not self.t2):
                 key = next(iter(self.t1))

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from itertools import compress
 from operator import not_
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from kvledger.events import types as ev
 from kvledger.events.config import Protection, StoreMode
@@ -56,6 +56,7 @@ from .transitions import GONE, REQUEST_MOVES, STEPPABLE, moves_by_kind
 
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
 
+_T = TypeVar("_T")
 _PIN = Protection.PIN
 _LAZY = StoreMode.LAZY
 
@@ -93,7 +94,7 @@ _new_object = object.__new__
 def reduce(state: State, event: ev.Event, *, strict: bool = False) -> Transition:
     core = state._core
     if core is None:
-        state.take()  # raises StaleStateError
+        core = state.take()  # raises StaleStateError
     state._core = None
     out: list[fx.Effect] = []
     try:
@@ -169,7 +170,9 @@ def _request_added(core: Core, event: ev.RequestAdded, out: list[fx.Effect]) -> 
             "too_many_hashes", f"{len(event.block_hashes)} hashes for {event.num_prompt_tokens} tokens",
             request_id=rid)
     request = RequestState(rid, event.num_prompt_tokens, core.groups)
-    _enter(request, _NEXT[event.kind][None])  # from no request at all
+    status = _NEXT[event.kind][None]  # from no request at all
+    assert status is not None
+    _enter(request, status)
     _append_hashes(core, request, event.block_hashes)
     core.requests[rid] = request
 
@@ -576,16 +579,20 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
         candidate_blocks.append(block)
         candidate_gens.append(generation[block])
         counts[group_id] += 1
+    keys: tuple[tuple[bytes, ...], ...]
+    blocks: tuple[tuple[int, ...], ...]
+    slot_ids: tuple[tuple[int, ...], ...]
+    gens: tuple[tuple[int, ...], ...]
     if in_order and len(counts) == 2:  # the usual two groups: two slices each
         cut = counts[0]
-        flat = tuple(candidate_keys)
-        keys = (flat[:cut], flat[cut:])
-        flat = tuple(candidate_blocks)
-        blocks = (flat[:cut], flat[cut:])
-        flat = tuple(candidate_slots)
-        slot_ids = (flat[:cut], flat[cut:])
-        flat = tuple(candidate_gens)
-        gens = (flat[:cut], flat[cut:])
+        flat_keys = tuple(candidate_keys)
+        keys = (flat_keys[:cut], flat_keys[cut:])
+        flat_ints = tuple(candidate_blocks)
+        blocks = (flat_ints[:cut], flat_ints[cut:])
+        flat_ints = tuple(candidate_slots)
+        slot_ids = (flat_ints[:cut], flat_ints[cut:])
+        flat_ints = tuple(candidate_gens)
+        gens = (flat_ints[:cut], flat_ints[cut:])
     elif in_order:
         spans = []
         start = 0
@@ -598,26 +605,31 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
         gens = _split(tuple(candidate_gens), spans)
     else:
         groups = [group_id for group_id, _, _ in candidates]
-        keys, blocks, slot_ids, gens = (
-            tuple(tuple(x for g, x in zip(groups, column) if g == group_id) for group_id in range(len(counts)))
-            for column in (candidate_keys, candidate_blocks, candidate_slots, candidate_gens))
+        keys = _regroup(groups, candidate_keys, len(counts))
+        blocks = _regroup(groups, candidate_blocks, len(counts))
+        slot_ids = _regroup(groups, candidate_slots, len(counts))
+        gens = _regroup(groups, candidate_gens, len(counts))
     job = Job(job_id, _STORE, request_id, keys, blocks, slot_ids, gens, (1 << core.config.world_size) - 1)
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:
         out.append(fx.KeysEvicted(keys=tuple(evicted)))
     if core.config.protection is _PIN:
-        flat = tuple(job.flat_blocks())
+        pinned = tuple(job.flat_blocks())
         pins = core.block_pins
-        for block in flat:
+        for block in pinned:
             pins[block] += 1
-        out.append(fx.PinDeviceBlocks(block_ids=flat))
+        out.append(fx.PinDeviceBlocks(block_ids=pinned))
     out.append(fx.StartStore(job_id=job_id, request_id=request_id, keys=keys,
                              source_block_ids=blocks, target_slot_ids=slot_ids))
 
 
-def _split(flat: tuple, spans: list[tuple[int, int]]) -> tuple[tuple, ...]:
+def _split(flat: tuple[_T, ...], spans: list[tuple[int, int]]) -> tuple[tuple[_T, ...], ...]:
     return tuple([flat[start:end] for start, end in spans])
+
+
+def _regroup(groups: list[int], column: list[_T], num_groups: int) -> tuple[tuple[_T, ...], ...]:
+    return tuple(tuple(x for g, x in zip(groups, column) if g == group_id) for group_id in range(num_groups))
 
 
 def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: list[fx.Effect]) -> None:
@@ -789,7 +801,7 @@ def _tier_keys_found(core: Core, event: ev.TierKeysFound, out: list[fx.Effect]) 
     lower.keys_found(core, event.tier, event.keys, out)
 
 
-_HANDLERS: dict[type, Callable[[Core, object, list[fx.Effect]], None]] = {
+_HANDLERS: dict[type, Callable[[Core, Any, list[fx.Effect]], None]] = {
     ev.RequestAdded: _request_added,
     ev.BlockHashesAppended: _block_hashes_appended,
     ev.BlocksTouched: _blocks_touched,

@@ -19,11 +19,26 @@ dropped key releases it as an orphan.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from .state import FREE as _FREE
 from .state import STORED as _STORED
 from .state import STORING as _STORING
-from .state import Core, Job
+from .state import Core
 from .transitions import SLOT_MOVES
+
+
+class Ended(Protocol):
+    """What ending a store or load reads: a `Job`, or some of its keys (`lower._Part`)."""
+
+    @property
+    def keys(self) -> tuple: ...
+    @property
+    def slot_ids(self) -> tuple: ...
+    @property
+    def failed_keys(self) -> set[bytes]: ...
+    @property
+    def stale(self) -> bool: ...
 
 # Action -> (state before, state after), as plain ints (the states live in a bytearray).
 _MOVES: dict[str, tuple[int, int]] = {action: (int(source), int(target))
@@ -97,7 +112,7 @@ def reserve_unindexed(core: Core, keys: list[bytes]) -> list[int]:
     return taken
 
 
-def store_ended(core: Core, job: Job) -> list[bytes]:
+def store_ended(core: Core, job: Ended) -> list[bytes]:
     """The store's last worker reported: each slot is stored (and evictable), or
     freed, failed or stale (its key was dropped, or the store predates a cache
     reset). Returns the keys stored."""
@@ -135,7 +150,7 @@ def load_planned(core: Core, keys: tuple[tuple[bytes, ...], ...], slots: tuple[t
             slot_loads[slot] = loads + 1
 
 
-def load_ended(core: Core, job: Job) -> list[bytes]:
+def load_ended(core: Core, job: Ended) -> list[bytes]:
     """The load's last worker reported: each slot's load count goes down. A
     failed key leaves the index; a slot no load reads any more is evictable
     again if still indexed, else released as an orphan. Returns the failed keys

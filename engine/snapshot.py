@@ -26,7 +26,7 @@ from typing import Any
 from kvledger.events.config import EngineConfig
 
 from .policies import ARC, LRU
-from .state import Core, Job, JobKind, LowerTier, RequestState, RequestStatus, State, Stats
+from .state import Core, Job, JobKind, LowerTier, RequestState, RequestStatus, State
 
 SNAPSHOT_VERSION = 1
 """Bumped when the data's shape changes; `restore` refuses other versions."""
@@ -101,7 +101,7 @@ def capture(state: State) -> list[Any]:
         list(c.spill_reads.items()),
         [_request(r) for r in c.requests.values()],
         [_job(j) for j in c.jobs.values()],
-        [getattr(c.stats, name) for name in Stats.__slots__],
+        list(c.stats.as_dict().values()),
     ]
 
 
@@ -130,7 +130,7 @@ def _column(values: object, length: int, what: str) -> list[Any]:
 def _restore_request(row: Sequence[Any], groups: int) -> RequestState:
     (rid, status, num_prompt_tokens, num_tokens, hashes, keys, table, num_computed_tokens, next_store,
      next_store_tokens, load_job_id, num_preemptions, capacity_tokens, step_limit, free_floor) = row
-    r = RequestState.__new__(RequestState)
+    r = RequestState(rid, num_prompt_tokens, ())  # a compiled class has no bare __new__
     r.request_id = rid
     r.status = _STATUSES[status]
     r.num_prompt_tokens = num_prompt_tokens
@@ -233,7 +233,8 @@ def _restore(config: EngineConfig, data: Sequence[Any]) -> State:
     groups = len(config.groups)
     core.requests = {r.request_id: r for r in (_restore_request(row, groups) for row in requests)}
     core.jobs = {j.job_id: j for j in (_restore_job(row) for row in jobs)}
-    for name, value in zip(Stats.__slots__, _column(stats, len(Stats.__slots__), "stats")):
+    names = list(core.stats.as_dict())
+    for name, value in zip(names, _column(stats, len(names), "stats")):
         setattr(core.stats, name, value)
     return State(core)
 

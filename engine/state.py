@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import enum
 from operator import mul
-from typing import Any
+from typing import Any, ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from kvledger.events.config import EngineConfig, GroupSpec
 from kvledger.events.types import NULL_BLOCK_ID
@@ -22,6 +24,7 @@ from . import hma
 from .policies import ARC, LRU, make_policy
 
 
+@mypyc_attr(native_class=False)  # mypyc builds no native subclass of RuntimeError
 class StaleStateError(RuntimeError):
     """An old state handle was used after the reducer took ownership of it."""
 
@@ -56,14 +59,19 @@ STORE, LOAD, SPILL = JobKind.STORE, JobKind.LOAD, JobKind.SPILL
 FREE, STORING, STORED = SlotState.FREE, SlotState.STORING, SlotState.STORED
 
 
+# Each class's fields, for its __slots__ and its clone() (a compiled class has no
+# __slots__ to read back).
+_REQUEST_FIELDS = (
+    "request_id", "status", "num_prompt_tokens", "num_tokens", "hashes", "keys",
+    "table", "num_computed_tokens", "next_store", "next_store_tokens", "load_job_id",
+    "num_preemptions", "capacity_tokens", "step_limit", "free_floor",
+)
+
+
 class RequestState:
     """A live request as the engine sees it."""
 
-    __slots__ = (
-        "request_id", "status", "num_prompt_tokens", "num_tokens", "hashes", "keys",
-        "table", "num_computed_tokens", "next_store", "next_store_tokens", "load_job_id",
-        "num_preemptions", "capacity_tokens", "step_limit", "free_floor",
-    )
+    __slots__ = _REQUEST_FIELDS
 
     def __init__(self, request_id: str, num_prompt_tokens: int, groups: tuple[GroupSpec, ...]) -> None:
         self.request_id = request_id
@@ -85,8 +93,8 @@ class RequestState:
         self.free_floor = [0] * len(groups)  # positions below are all null (sliding frees go in order)
 
     def clone(self) -> RequestState:
-        other = RequestState.__new__(RequestState)
-        for name in RequestState.__slots__:
+        other = RequestState(self.request_id, self.num_prompt_tokens, ())  # a compiled class has no bare __new__
+        for name in _REQUEST_FIELDS:
             setattr(other, name, getattr(self, name))
         other.hashes = list(self.hashes)
         other.keys = [list(k) for k in self.keys]
@@ -123,14 +131,17 @@ class RequestState:
         )
 
 
+_JOB_FIELDS = (
+    "job_id", "kind", "request_id", "keys", "block_ids", "slot_ids", "generations",
+    "pending_workers", "failed_keys", "failed_blocks", "flushed", "stale", "num_tokens",
+    "tier", "promote_tiers",
+)
+
+
 class Job:
     """A transfer in flight. Per-group tuples are aligned with `keys`."""
 
-    __slots__ = (
-        "job_id", "kind", "request_id", "keys", "block_ids", "slot_ids", "generations",
-        "pending_workers", "failed_keys", "failed_blocks", "flushed", "stale", "num_tokens",
-        "tier", "promote_tiers",
-    )
+    __slots__ = _JOB_FIELDS
 
     def __init__(
         self, job_id: int, kind: JobKind, request_id: str, keys: tuple, block_ids: tuple,
@@ -155,8 +166,9 @@ class Job:
         self.promote_tiers: tuple = ()  # LOAD: per group, per key, the lower tier read first (0: none)
 
     def clone(self) -> Job:
-        other = Job.__new__(Job)
-        for name in Job.__slots__:
+        other = Job(self.job_id, self.kind, self.request_id, self.keys, self.block_ids, self.slot_ids,
+                    self.generations, self.pending_workers)
+        for name in _JOB_FIELDS:
             setattr(other, name, getattr(self, name))
         other.failed_keys = set(self.failed_keys)
         other.failed_blocks = set(self.failed_blocks)
@@ -183,27 +195,45 @@ class Job:
                 for tier, key, slot, block in zip(tiers, keys, slots, blocks) if tier]
 
 
+_STATS_FIELDS = (
+    "hit_tokens", "loads", "keys_loaded", "stores", "keys_stored", "store_rejections",
+    "store_failures", "load_failures", "keys_failed", "flushes", "jobs_flushed",
+    "evictions", "preemptions", "finished", "aborted",
+)
+
+
 class Stats:
     """Running totals for reports; part of the state, so replay reproduces them."""
 
-    __slots__ = (
-        "hit_tokens", "loads", "keys_loaded", "stores", "keys_stored", "store_rejections",
-        "store_failures", "load_failures", "keys_failed", "flushes", "jobs_flushed",
-        "evictions", "preemptions", "finished", "aborted",
-    )
+    __slots__ = _STATS_FIELDS
+    hit_tokens: int
+    loads: int
+    keys_loaded: int
+    stores: int
+    keys_stored: int
+    store_rejections: int
+    store_failures: int
+    load_failures: int
+    keys_failed: int
+    flushes: int
+    jobs_flushed: int
+    evictions: int
+    preemptions: int
+    finished: int
+    aborted: int
 
     def __init__(self) -> None:
-        for name in Stats.__slots__:
+        for name in _STATS_FIELDS:
             setattr(self, name, 0)
 
     def clone(self) -> Stats:
         other = Stats()
-        for name in Stats.__slots__:
+        for name in _STATS_FIELDS:
             setattr(other, name, getattr(self, name))
         return other
 
     def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in Stats.__slots__}
+        return {name: getattr(self, name) for name in _STATS_FIELDS}
 
 
 class LowerTier:
@@ -215,7 +245,7 @@ class LowerTier:
 
     __slots__ = ("name", "capacity", "held", "writing", "reading", "counts")
 
-    COUNTS = ("spills", "keys_written", "write_failures", "write_rejections", "keys_read", "read_failures",
+    COUNTS: ClassVar[tuple[str, ...]] = ("spills", "keys_written", "write_failures", "write_rejections", "keys_read", "read_failures",
               "evictions", "keys_found")
 
     def __init__(self, name: str, capacity: int) -> None:
@@ -239,24 +269,27 @@ class LowerTier:
                 tuple(sorted(self.reading.items())), tuple(sorted(self.counts.items())))
 
 
+_CORE_FIELDS = (
+    "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
+    # derived from the config once (immutable, shared by clones)
+    "block_sizes", "key_rules", "store_rules",
+    # device pool, indexed by block id (the null block is index 0)
+    "block_refs", "block_pins", "block_generation", "block_group", "block_key",
+    "block_readers", "block_writer", "lazy_keys",
+    # tier
+    "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot",
+    "policy",
+    # tiers below host memory, and the host slots spills are reading (slot -> count)
+    "lower", "spill_reads",
+    # requests and jobs
+    "requests", "jobs", "stats",
+)
+
+
 class Core:
     """The tables themselves. Only the reducer mutates them."""
 
-    __slots__ = (
-        "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
-        # derived from the config once (immutable, shared by clones)
-        "block_sizes", "key_rules", "store_rules",
-        # device pool, indexed by block id (the null block is index 0)
-        "block_refs", "block_pins", "block_generation", "block_group", "block_key",
-        "block_readers", "block_writer", "lazy_keys",
-        # tier
-        "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot",
-        "policy",
-        # tiers below host memory, and the host slots spills are reading (slot -> count)
-        "lower", "spill_reads",
-        # requests and jobs
-        "requests", "jobs", "stats",
-    )
+    __slots__ = _CORE_FIELDS
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -297,8 +330,8 @@ class Core:
         self.stats = Stats()
 
     def clone(self) -> Core:
-        other = Core.__new__(Core)
-        for name in Core.__slots__:
+        other = Core(self.config)  # (no bare __new__ when compiled) its tables are replaced below
+        for name in _CORE_FIELDS:
             setattr(other, name, getattr(self, name))
         for name in ("block_refs", "block_pins", "block_generation", "block_group", "block_key",
                      "slot_key", "free_slots"):
@@ -330,6 +363,7 @@ class Core:
         return self.config.num_tier_slots - self.num_free_slots()
 
 
+@mypyc_attr(native_class=False)  # the reducer builds handles with object.__new__, and reads through __getattr__
 class State:
     """A handle on the engine state. Read it freely; the reducer consumes it."""
 

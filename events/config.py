@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from functools import reduce as _fold
+from typing import Any
 
 import attrs
 
@@ -110,8 +112,8 @@ class LowerTierSpec:
         return {"name": self.name, "num_blocks": self.num_blocks}
 
 
-def _lower_tiers(value: object) -> tuple[LowerTierSpec, ...]:
-    return tuple(t if isinstance(t, LowerTierSpec) else LowerTierSpec(**t) for t in value)  # type: ignore[union-attr]
+def _lower_tiers(value: Iterable[LowerTierSpec | dict[str, Any]]) -> tuple[LowerTierSpec, ...]:
+    return tuple(t if isinstance(t, LowerTierSpec) else LowerTierSpec(**t) for t in value)
 
 
 @attrs.frozen(kw_only=True)

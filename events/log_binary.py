@@ -185,7 +185,7 @@ def _check_frame(first_seq: int, step_index: int, records: list[Record]) -> None
                 f"for step {step_index} at seq {seq}",
                 seq=first_seq,
             )
-        if type(record) is EventRecord:
+        if isinstance(record, EventRecord):
             seq += 1
         elif not is_digest(record.digest):
             raise LogError(f"digest must be lowercase hex or 'part/parts:hex', got {record.digest!r}",
@@ -220,7 +220,7 @@ def encode_binary_frame(
     try:
         rows = [
             _ROW_WRITERS[type(r.event)](r.event, strings)
-            if type(r) is EventRecord
+            if isinstance(r, EventRecord)
             else _digest_row(r.digest)
             for r in records
         ]

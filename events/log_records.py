@@ -221,7 +221,7 @@ def encode_jsonl_header(header: LogHeader) -> bytes:
 
 def encode_jsonl_record(record: Record) -> bytes:
     """One line, newline included."""
-    if type(record) is DigestRecord:
+    if isinstance(record, DigestRecord):
         if not is_digest(record.digest):
             raise LogError(f"digest must be lowercase hex or 'part/parts:hex', got {record.digest!r}",
                            seq=record.seq)

@@ -307,7 +307,7 @@ def value_codecs(tp: object) -> tuple:
 
 def type_tag(tp: object) -> str:
     if tp in (int, str, bytes):
-        return tp.__name__  # type: ignore[union-attr]
+        return tp.__name__
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "enum"
     return f"tuple[{type_tag(typing.get_args(tp)[0])}]"

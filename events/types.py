@@ -11,6 +11,7 @@ window, or a mamba position between boundaries); it is never allocated.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar, Union
 
 import attrs
@@ -20,12 +21,12 @@ NULL_BLOCK_ID = 0
 BlockIdsByGroup = tuple[tuple[int, ...], ...]
 
 
-def _block_table(value: object) -> BlockIdsByGroup:
-    return tuple(tuple(ids) for ids in value)  # type: ignore[union-attr]
+def _block_table(value: Iterable[Iterable[int]]) -> BlockIdsByGroup:
+    return tuple(tuple(ids) for ids in value)
 
 
-def _ints(value: object) -> tuple[int, ...]:
-    return tuple(value)  # type: ignore[arg-type]
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
 
 
 def _strs(value: object) -> tuple[str, ...]:

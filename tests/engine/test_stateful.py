@@ -295,6 +295,7 @@ def _run_until_caught(config: EngineConfig, seeds: int = 12, **rates: float) -> 
     return None
 
 
+@pytest.mark.pure
 def test_mutant_without_flush_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvledger.engine import reducer
 
@@ -303,6 +304,7 @@ def test_mutant_without_flush_is_caught(monkeypatch: pytest.MonkeyPatch) -> None
     assert caught is not None, "stores reading reused blocks went unnoticed"
 
 
+@pytest.mark.pure
 def test_mutant_with_short_window_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvledger.engine import hma
 
@@ -317,6 +319,7 @@ def test_mutant_with_short_window_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
     assert caught is not None, "a sliding window missing a block went unnoticed"
 
 
+@pytest.mark.pure
 def test_mutant_offering_unfinished_stores_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvledger.engine import lookup as lookup_module
     from kvledger.engine.state import SlotState
@@ -326,6 +329,7 @@ def test_mutant_offering_unfinished_stores_is_caught(monkeypatch: pytest.MonkeyP
     assert caught is not None, "hits on keys still being stored went unnoticed"
 
 
+@pytest.mark.pure
 def test_mutant_trusting_failed_spills_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvledger.engine import lower
 

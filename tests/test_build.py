@@ -1,0 +1,108 @@
+"""Both builds of the engine, tested: the compiled one (what the suite imports)
+and the pure source (KVLEDGER_PURE=1, in a subprocess).
+
+Each mode checks which build it really loaded, from the modules themselves, so
+a "compiled" run that silently fell back to source fails here, and so does a
+pure run that still loaded extension modules."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvledger
+from kvledger import _build
+
+ROOT = Path(__file__).resolve().parents[1]
+PURE = os.environ.get(_build.PURE_ENV) == "1"
+
+_LOADED = """
+import importlib, json
+import kvledger
+from kvledger.engine import reducer
+origins = [importlib.import_module(name).__spec__.origin for name in kvledger.BUILD.modules]
+print(json.dumps({"compiled": kvledger.BUILD.compiled, "reason": kvledger.BUILD.reason, "origins": origins,
+                  "reduce": type(reducer.reduce).__name__}))
+"""
+
+
+def _loaded(env: dict[str, str]) -> dict:
+    result = subprocess.run([sys.executable, "-c", _LOADED], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _env(pure: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != _build.PURE_ENV}
+    if pure:
+        env[_build.PURE_ENV] = "1"
+    return env
+
+
+def test_this_run_loaded_the_build_it_asked_for() -> None:
+    from kvledger.engine import reducer, state
+
+    assert kvledger.BUILD.modules and "kvledger.engine.reducer" in kvledger.BUILD.modules
+    if PURE:
+        assert not kvledger.BUILD.compiled, kvledger.BUILD
+        assert reducer.__spec__.origin.endswith(".py") and state.__spec__.origin.endswith(".py")
+        assert type(reducer.reduce).__name__ == "function"
+    else:
+        # The suite's default: the compiled engine, built from this very source.
+        assert kvledger.BUILD.compiled, f"the suite expects the compiled engine; {kvledger.BUILD.reason}"
+        suffix = ".cpython-" if sys.implementation.name == "cpython" else ".so"
+        assert suffix in reducer.__spec__.origin and suffix in state.__spec__.origin
+        assert type(reducer.reduce).__name__ == "builtin_function_or_method"
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["compiled", "pure"])
+def test_every_compiled_module_loads_from_the_build_chosen(pure: bool) -> None:
+    loaded = _loaded(_env(pure))
+    if pure:
+        assert not loaded["compiled"] and loaded["reason"] == "KVLEDGER_PURE=1"
+        assert all(origin.endswith(".py") for origin in loaded["origins"]), loaded["origins"]
+        assert loaded["reduce"] == "function"
+    else:
+        assert loaded["compiled"], loaded["reason"]
+        assert not any(origin.endswith(".py") for origin in loaded["origins"]), loaded["origins"]
+        assert loaded["reduce"] == "builtin_function_or_method"
+
+
+def test_the_compiled_modules_are_all_of_engine_but_the_fold() -> None:
+    names = {path.stem for path in (ROOT / "engine").glob("*.py")} - {"__init__", "replay"}
+    assert set(kvledger.BUILD.modules) == {f"kvledger.engine.{name}" for name in names}
+
+
+def test_compiled_modules_built_from_other_source_are_not_used() -> None:
+    current = _build.fingerprint()
+    assert _build.decide(None, dict(current), current).compiled
+    edited = dict(current, **{"engine/reducer.py": "0" * 64})
+    stale = _build.decide(None, edited, current)
+    assert not stale.compiled and "stale" in stale.reason and "engine/reducer.py" in stale.reason
+    fewer = {source: digest for source, digest in current.items() if source != "engine/slots.py"}
+    assert not _build.decide(None, fewer, current).compiled  # a module added since the build
+    assert not _build.decide(None, None, current).compiled
+    assert not _build.decide("1", dict(current), current).compiled
+
+
+@pytest.mark.slow
+def test_the_engine_properties_and_golden_replays_hold_on_the_pure_build(tmp_path: Path) -> None:
+    """The engine's unit, property and stateful tests, the golden replays and the
+    tests marked pure (which patch engine functions), on the source itself."""
+    decorator = re.compile(r"^@pytest\.mark\.pure$", re.MULTILINE)
+    marked = sorted({str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
+                     if decorator.search(path.read_text())})
+    paths = ["tests/engine", "tests/test_golden.py", "tests/test_build.py::test_this_run_loaded_the_build_it_asked_for",
+             *marked]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *paths],
+        cwd=ROOT, env=_env(pure=True), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "deselected" not in summary, summary
