@@ -77,7 +77,8 @@ def _open(path: Path) -> BinaryIO:
         raise LogError(f"cannot read: {exc.strerror or exc}", source=str(path)) from None
 
 
-def _records(records: Iterator[Record], file: BinaryIO, source: str) -> Iterator[Record]:
+def records_closing(records: Iterator[Record], file: BinaryIO, source: str) -> Iterator[Record]:
+    """The records, with `file` closed when they end; a read error names the log."""
     with file:
         try:
             yield from records
@@ -135,7 +136,7 @@ def open_log(path: str | os.PathLike) -> tuple[LogHeader, Iterator[Record]]:
     except BaseException:
         file.close()
         raise
-    return header, _records(records, file, source)
+    return header, records_closing(records, file, source)
 
 
 # (first seq, step index, events, digest, snapshot data)

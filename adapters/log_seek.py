@@ -13,6 +13,7 @@ snapshots here: a reader starts at their beginning (`open_log`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import BinaryIO
 
 import attrs
 
-from kvledger.adapters.log_files import open_log
+from kvledger.adapters.log_files import open_log, records_closing
 from kvledger.events.log_binary import (
     MAGIC_PREFIX,
     TRAILER_BYTES,
@@ -50,24 +51,31 @@ def _chunks(file: BinaryIO) -> Iterator[bytes]:
     return iter(lambda: file.read(_CHUNK_BYTES), b"")
 
 
+@contextlib.contextmanager
+def _closed_on_error(file: BinaryIO, source: str) -> Iterator[None]:
+    """Close `file` if reading it fails; a LogError names the log."""
+    try:
+        yield
+    except LogError as exc:
+        file.close()
+        raise exc.at(source) from None
+    except BaseException:
+        file.close()
+        raise
+
+
 def _open_binary(path: Path) -> tuple[BinaryIO, BinaryLog] | None:
     """The file and its header, if it is an uncompressed binary log of format 3 or later."""
     try:
         file: BinaryIO = path.open("rb")
     except OSError:
         return None  # open_log names the problem
-    try:
+    with _closed_on_error(file, str(path)):
         if file.read(len(MAGIC_PREFIX)) != MAGIC_PREFIX:
             file.close()
             return None
         file.seek(0)
         log = read_binary_header(_chunks(file))
-    except LogError as exc:
-        file.close()
-        raise exc.at(str(path)) from None
-    except BaseException:
-        file.close()
-        raise
     if log.version < 3:
         file.close()
         return None
@@ -119,22 +127,19 @@ def open_log_at(path: str | os.PathLike, events_before: int) -> LogStart:
         header, records = open_log(path)
         return LogStart(header, None, records, Snapshots((), "none"))
     file, log = opened
-    try:
+    with _closed_on_error(file, source):
         snapshots = _marks(file, log)
         usable = [m for m in snapshots.marks if m.seq <= events_before]
         if not usable:
             file.seek(log.data_offset)
-            return LogStart(log.header, None, _located(log.records(_chunks(file)), file, source), snapshots)
-        mark = usable[-1]
-        file.seek(mark.offset)
-        snapshot, records = log.records_from(_chunks(file), mark)
-    except LogError as exc:
-        file.close()
-        raise exc.at(source) from None
-    except BaseException:
-        file.close()
-        raise
-    return LogStart(log.header, snapshot, _located(records, file, source), snapshots)
+            return LogStart(log.header, None, records_closing(log.records(_chunks(file)), file, source), snapshots)
+        snapshot, records = _from_mark(file, log, usable[-1])
+    return LogStart(log.header, snapshot, records_closing(records, file, source), snapshots)
+
+
+def _from_mark(file: BinaryIO, log: BinaryLog, mark: SnapshotMark) -> tuple[SnapshotRecord, Iterator[Record]]:
+    file.seek(mark.offset)
+    return log.records_from(_chunks(file), mark)
 
 
 def _at_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> tuple[BinaryIO, BinaryLog, SnapshotRecord,
@@ -143,15 +148,8 @@ def _at_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> tuple[BinaryIO,
     if opened is None:
         raise LogError("not a binary log of format 3 or later: it has no snapshots", source=str(path))
     file, log = opened
-    try:
-        file.seek(mark.offset)
-        snapshot, records = log.records_from(_chunks(file), mark)
-    except LogError as exc:
-        file.close()
-        raise exc.at(str(path)) from None
-    except BaseException:
-        file.close()
-        raise
+    with _closed_on_error(file, str(path)):
+        snapshot, records = _from_mark(file, log, mark)
     return file, log, snapshot, records
 
 
@@ -159,7 +157,7 @@ def read_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> tuple[LogHeade
     """The log's header, the snapshot at `mark` and the records after it (to the
     log's end; the file closes when they have been read)."""
     file, log, snapshot, records = _at_snapshot(path, mark)
-    return log.header, snapshot, _located(records, file, str(path))
+    return log.header, snapshot, records_closing(records, file, str(path))
 
 
 def load_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> SnapshotRecord:
@@ -168,10 +166,3 @@ def load_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> SnapshotRecord
     file.close()
     return snapshot
 
-
-def _located(records: Iterator[Record], file: BinaryIO, source: str) -> Iterator[Record]:
-    with file:
-        try:
-            yield from records
-        except LogError as exc:
-            raise exc.at(source) from None

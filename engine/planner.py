@@ -106,8 +106,8 @@ def new_hashes(state: State, request_id: str, request: Request,
 def _new_hashes(mine: RequestState, request: Request,
                 keys_of: Callable[[Request], Sequence[bytes]] | None) -> ev.BlockHashesAppended | None:
     known = len(mine.hashes)
-    if keys_of is not None and len(request.block_hashes) <= known:
-        return None  # nothing new: no keys to derive
+    if len(request.block_hashes) <= known:
+        return None  # nothing new (and, with `keys_of`, no keys to derive)
     hashes = request.block_hashes if keys_of is None else keys_of(request)
     if len(hashes) <= known:
         return None
@@ -115,27 +115,29 @@ def _new_hashes(mine: RequestState, request: Request,
                                   block_hashes=tuple(hashes[known:]))
 
 
-def _window_frees(window_groups: tuple[int, ...], mine: RequestState,
-                  blocks: tuple[Sequence[Block], ...]) -> ev.BlocksFreed | None:
-    """Blocks vLLM replaced by the null block in a window group.
+def _window_frees(window_tables: tuple[tuple[int, Mapping[str, Sequence[Block]]], ...], mine: RequestState,
+                  num_groups: int) -> ev.BlocksFreed | None:
+    """Blocks vLLM replaced by the null block in a window group (`window_tables`:
+    each window group's id and vLLM's tables for it).
 
     Only window groups lose blocks mid-request, always from the front, so
     the scan starts at the engine's free floor and stops at the first block
-    vLLM still holds: at most a comparison per window group in most steps.
+    vLLM still holds: a comparison per window group in most steps.
     """
     freed: list[list[int]] | None = None
-    for g in window_groups:
-        known, now = mine.table[g], blocks[g]
+    rid = mine.request_id
+    for g, tables in window_tables:
+        known, now = mine.table[g], tables.get(rid, ())
         for position in range(mine.free_floor[g], min(len(known), len(now))):
             if now[position].block_id != NULL_BLOCK_ID:
                 break
             if known[position] != NULL_BLOCK_ID:
                 if freed is None:
-                    freed = [[] for _ in blocks]
+                    freed = [[] for _ in range(num_groups)]
                 freed[g].append(known[position])
     if freed is None:
         return None
-    return ev.BlocksFreed(request_id=mine.request_id, block_ids=tuple(tuple(f) for f in freed))
+    return ev.BlocksFreed(request_id=rid, block_ids=tuple(tuple(f) for f in freed))
 
 
 def _growth(mine: RequestState, blocks: tuple[Sequence[Block], ...]) -> ev.BlocksAllocated | None:
@@ -174,8 +176,8 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             preempted_now.add(rid)
 
     admitted = {a.request_id for a in step.admissions}  # membership only, never iterated
-    window_groups = tuple(g for g, group in enumerate(core.groups) if group.kind is not GroupKind.FULL)
-    window_tables = tuple((g, step.tables[g]) for g in window_groups)
+    window_tables = tuple((g, step.tables[g]) for g, group in enumerate(core.groups)
+                          if group.kind is not GroupKind.FULL)
     tables = step.tables
     requests = step.requests
     keys_of = step.keys_of
@@ -184,27 +186,19 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     # Per running request, the common step costs a few comparisons: a new hash
     # shows in the length of vLLM's list, a window free at the engine's free
     # floor, and growth in `grown` (vLLM says which tables it extended).
-    null = NULL_BLOCK_ID
     for rid in step.scheduled:
         if rid in admitted:
             continue
         mine = mine_of(rid)
         if mine is None:
             continue
-        request = requests[rid]
-        if len(request.block_hashes) > len(mine.hashes):
-            appended = _new_hashes(mine, request, keys_of)
-            if appended is not None:
-                events.append(appended)
-        floors = mine.free_floor
-        for g, table in window_tables:
-            now = table.get(rid, ())
-            floor = floors[g]
-            if floor < len(now) and now[floor].block_id == null:
-                freed = _window_frees(window_groups, mine, tuple(t.get(rid, ()) for t in tables))
-                if freed is not None:
-                    events.append(freed)
-                break
+        appended = _new_hashes(mine, requests[rid], keys_of)
+        if appended is not None:
+            events.append(appended)
+        if window_tables:
+            freed = _window_frees(window_tables, mine, len(tables))
+            if freed is not None:
+                events.append(freed)
         if grown is None or rid in grown:
             blocks = tuple(t.get(rid, ()) for t in tables)
             if any(len(now) != len(known) for known, now in zip(mine.table, blocks)):

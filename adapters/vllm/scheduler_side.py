@@ -63,17 +63,13 @@ _TIER_COUNTED = (("keys_read", m.TIER_KEYS_READ), ("keys_written", m.TIER_KEYS_W
                  ("evictions", m.TIER_EVICTIONS), ("keys_found", m.TIER_FOUND))
 
 
-def _grown(scheduler_output: SchedulerOutput) -> set[str] | None:
+def _grown(scheduler_output: SchedulerOutput) -> set[str]:
     """The requests whose tables vLLM may have extended this step: every request
     scheduled for the first time (one whose load has ended among them), and the
-    running ones with `new_block_ids`. None (compare every table) if this vLLM
-    does not say."""
+    running ones with `new_block_ids`."""
     cached = scheduler_output.scheduled_cached_reqs
-    new_block_ids = getattr(cached, "new_block_ids", None)
-    if new_block_ids is None or len(new_block_ids) != len(cached.req_ids):
-        return None
     # An entry is None or a tuple with a list per group, never empty: truth is "not None".
-    grown = set(compress(cached.req_ids, new_block_ids))
+    grown = set(compress(cached.req_ids, cached.new_block_ids))
     grown.update(new.req_id for new in scheduler_output.scheduled_new_reqs)
     return grown
 
@@ -268,16 +264,14 @@ class LedgerScheduler:
         return False, None  # blocks are freed now; the engine flushes stores that still read them
 
     def take_stats(self) -> m.KVLedgerStats:
-        """What the engine counted since the last report, and the gauges that
-        moved (a gauge keeps its last value): vLLM asks every step, and most
-        steps change few of them."""
+        """What the engine counted since the last report, and the host tier's
+        gauges when one moved (a gauge keeps its last value)."""
         stats = m.KVLedgerStats()
         state = self.host.state
         totals = queries.stats(state)
-        if totals != self._reported:
-            for field, metric in _COUNTED:
-                stats.add(metric, totals[field] - self._reported.get(field, 0))
-            self._reported = totals
+        for field, metric in _COUNTED:
+            stats.add(metric, totals[field] - self._reported.get(field, 0))  # a zero change is not added
+        self._reported = totals
         stats.add(m.VIOLATIONS, self._violations)
         if self.host.log_failure is not None and not self._log_failure_reported:
             stats.add(m.LOG_FAILURES, 1)
