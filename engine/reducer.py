@@ -787,6 +787,13 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None
         job.stale = True
     for request in core.requests.values():
         _restart_stores(request)
+        if event.rekeyed:
+            request.hashes.clear()
+            for keys in request.keys:
+                keys.clear()
+    if event.forget_device:
+        core.lazy_keys.clear()
+        core.block_key = [None] * len(core.block_key)
     core.epoch = event.epoch
     core.stats.evictions += len(dropped)
     if dropped:

@@ -113,7 +113,7 @@ class Strings:
 class FieldCodec:
     """How one field travels. `None` encoders mean the value goes as is.
 
-    `tag` spells the type ("int", "str", "bytes", "enum", "tuple[X]") so a
+    `tag` spells the type ("bool", "int", "str", "bytes", "enum", "tuple[X]") so a
     binary header can describe each layout it writes, and a reader can make
     sense of a layout older than its own classes.
     """
@@ -145,6 +145,16 @@ class KindSchema:
 
 def _type_name(value: object) -> str:
     return type(value).__name__
+
+
+def _bool_decode(value: object) -> bool:
+    if type(value) is not bool:
+        raise InvalidValue(f"expected bool, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _bool_binary_decode(value: object, _strings: Strings) -> bool:
+    return _bool_decode(value)
 
 
 def _int_decode(value: object) -> int:
@@ -284,6 +294,8 @@ def _str_tuple_codecs(inner: tuple) -> tuple:
 
 def value_codecs(tp: object) -> tuple:
     """(json_encode, json_decode, binary_encode, binary_decode) for an event field type."""
+    if tp is bool:  # before int: a bool is an int
+        return None, _bool_decode, None, _bool_binary_decode
     if tp is int:
         return None, _int_decode, None, _int_binary_decode
     if tp is str:
@@ -302,11 +314,11 @@ def value_codecs(tp: object) -> tuple:
         if args[0] is str:
             return _str_tuple_codecs(inner)
         return _tuple_codecs(inner)
-    raise TypeError(f"event field type {tp!r} has no log form; use int, str, bytes, an enum or tuple[X, ...]")
+    raise TypeError(f"event field type {tp!r} has no log form; use bool, int, str, bytes, an enum or tuple[X, ...]")
 
 
 def type_tag(tp: object) -> str:
-    if tp in (int, str, bytes):
+    if tp in (bool, int, str, bytes):
         return tp.__name__
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "enum"
@@ -324,7 +336,7 @@ def json_form_decoder(tag: str) -> Callable[[Any, Strings], Any]:
         return _str_binary_decode
     if tag == "bytes":
         return lambda value, _strings: value.hex() if type(value) is bytes else value
-    if tag in ("int", "enum"):
+    if tag in ("bool", "int", "enum"):
         return lambda value, _strings: value
     if tag in ("tuple[int]", "tuple[bytes]", "tuple[str]"):
         unpack = packed.unpack_bytes if tag == "tuple[bytes]" else packed.unpack_ints

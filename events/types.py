@@ -1,7 +1,7 @@
 """The facts the engine learns: scheduler actions and transfer outcomes.
 
 One event per vLLM callback per request, carrying tuples of block ids, never
-one event per block. Fields are ints, strs, bytes, enums and tuples of them,
+one event per block. Fields are bools, ints, strs, bytes, enums and tuples of them,
 so every event compares equal, hashes and serializes without help.
 
 Block ids are vLLM's, shared by every group of one pool. `NULL_BLOCK_ID`
@@ -206,11 +206,19 @@ class LoadFailed:
 
 @attrs.frozen(kw_only=True)
 class CacheReset:
-    """The tier was reset; jobs started before it no longer change the tier."""
+    """The tier was reset; jobs started before it no longer change the tier.
+
+    `forget_device`: what the device blocks hold is unknown from here on (vLLM
+    resets before a sleep discards the KV cache and before new weights make it
+    stale), so no block is stored or matched by what it held. `rekeyed`: block
+    keys change from here on (a new key generation), so every live request's
+    keys are forgotten, to be told again."""
 
     kind: ClassVar[str] = "cache_reset"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
     epoch: int
+    forget_device: bool = True
+    rekeyed: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -16,6 +16,12 @@ def upcast_store_failed_v1_v2(fields: dict) -> dict:
     return {**fields, "keys": []}
 
 
+def upcast_cache_reset_v1_v2(fields: dict) -> dict:
+    """v1 left device contents and request keys as they were."""
+    return {**fields, "forget_device": False, "rekeyed": False}
+
+
 UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {
     ("store_failed", 1): upcast_store_failed_v1_v2,
+    ("cache_reset", 1): upcast_cache_reset_v1_v2,
 }

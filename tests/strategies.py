@@ -97,7 +97,7 @@ _BY_KIND: dict[str, st.SearchStrategy] = {
         block_ids=st.lists(block_ids, max_size=6).map(tuple),
         keys=hash_tuples,
     ),
-    "cache_reset": st.builds(ev.CacheReset, epoch=ints),
+    "cache_reset": st.builds(ev.CacheReset, epoch=ints, forget_device=st.booleans(), rekeyed=st.booleans()),
     "tier_keys_found": st.builds(ev.TierKeysFound, tier=small_ints, keys=hash_tuples),
 }
 assert set(_BY_KIND) == set(ev.KIND_TO_TYPE), "every event kind needs a strategy"

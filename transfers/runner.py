@@ -77,6 +77,7 @@ class TransferRunner:
         self._ready: list[TransferEvent] = []
         self._stats: list[TransferStat] = []
         self._closed = False
+        self._suspended = False  # vLLM's KV cache memory is unmapped (sleep): no device copy may run
 
     @property
     def backend(self) -> CopyBackend:
@@ -114,6 +115,9 @@ class TransferRunner:
     def _start(self, effect: StartStore | StartLoad) -> None:
         if self._closed:
             self._reject(effect, "the runner was shut down")
+            return
+        if self._suspended:
+            self._reject(effect, _ASLEEP)
             return
         if effect.job_id in self._jobs or effect.job_id in self._lower:
             # The running job keeps going and reports too: two events for one id
@@ -180,6 +184,8 @@ class TransferRunner:
         for effect, failed in promoted:
             if self._closed:
                 self._reject(effect, "the runner was shut down")
+            elif self._suspended:
+                self._reject(effect, _ASLEEP)
             else:
                 self._copy(effect, failed)
         events, self._ready = self._ready, []
@@ -239,6 +245,23 @@ class TransferRunner:
             _log.error("transfer_wait_timed_out", what=what, job_ids=job_ids, timeout_s=timeout_s)
             raise TransferTimeout(f"waiting for {what} {list(job_ids)} timed out: {exc}") from exc
 
+    @property
+    def suspended(self) -> bool:
+        return self._suspended
+
+    def suspend(self, timeout_s: float | None = None) -> None:
+        """vLLM is about to unmap its KV cache (sleep). Every device copy started
+        ends first; until `resume`, a device copy asked for fails without running
+        (its load is recomputed, its store is not offered), and so does a promotion
+        whose tier read ends meanwhile. Lower-tier reads and writes go on: they
+        touch host memory only. Outcomes are polled as usual. Idempotent."""
+        self._suspended = True
+        self.wait(tuple(self._jobs), timeout_s, what="device copies before the KV cache is unmapped")
+
+    def resume(self) -> None:
+        """vLLM mapped its KV cache back, at the same addresses. Idempotent."""
+        self._suspended = False
+
     def shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Finish (drain) or cancel outstanding copies; `poll()` still returns their events."""
         if self._closed:
@@ -247,6 +270,8 @@ class TransferRunner:
         self._lower.shutdown(drain=drain, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
         self._backend.shutdown(drain=drain, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
 
+
+_ASLEEP = "vLLM's KV cache is unmapped (asleep): unregister_kv_caches came before this job"
 
 # Every worker effect (the worker phases of `engine.effects.ROUTES`) and what carries it out.
 _RUN = {StartStore: TransferRunner._start, StartLoad: TransferRunner._start, FlushStores: TransferRunner._flush,

@@ -45,6 +45,15 @@ KEY_BYTES = 16  # xxh3_128
 _STABLE_REPR = frozenset((str, int, bytes, type(None)))
 
 
+def generation_root(root: bytes, generation: int) -> bytes:
+    """The root of key generation `generation`: `root` itself for the first
+    (keys written before any reset stay findable after a restart), then a root
+    no earlier generation can share. A cache reset begins a new generation."""
+    if generation < 0:
+        raise ValueError(f"generation must be >= 0, not {generation}")
+    return root if generation == 0 else root + b"generation" + generation.to_bytes(8, "little")
+
+
 class ChainKeys:
     """Keys for each request's full blocks, as many as `request.block_hashes`.
 

@@ -30,7 +30,7 @@ from kvledger.adapters.vllm.worker_side import LedgerWorker
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
@@ -85,10 +85,25 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None, "a worker-side call reached the scheduler connector"
         return self._worker
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Yes: the hooks below end every transfer before vLLM unmaps the KV cache,
+        and the reset vLLM makes first drops what the tiers hold (`reset_cache`)."""
+        return True
+
     # Worker side.
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self.worker.restore_kv_caches()
+
+    def finish_forward(self) -> None:
+        return  # stores start after the forward, in wait_for_save; loads ended before it began
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVLedgerMetadata)

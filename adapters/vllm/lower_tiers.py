@@ -180,6 +180,14 @@ class SchedulerTiers:
         self._asked.pop(request_id, None)
         self._answered.discard(request_id)
 
+    def new_generation(self) -> None:
+        """After a cache reset every request's keys are new: each is asked about
+        again, and what earlier lookups found is not offered (a late answer only
+        names keys of the old generation, which no request asks for)."""
+        self._asked.clear()
+        self._answered.clear()
+        self._found.clear()
+
     def close(self) -> None:
         for lookups in self._lookups.values():
             lookups.close()

@@ -29,7 +29,7 @@ from kvledger.adapters.engine_host import EngineHost
 from kvledger.adapters.settings import ConnectorSettings
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
-from kvledger.adapters.vllm.chain_keys import ChainKeys
+from kvledger.adapters.vllm.chain_keys import ChainKeys, generation_root
 from kvledger.adapters.vllm.kv_events import TierEvents
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, tier_name
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
@@ -321,8 +321,21 @@ class LedgerScheduler:
         return self._pool is not None and self._pool.pinned > 0
 
     def reset_cache(self) -> bool:
+        """vLLM resets the connector before a sleep discards the KV cache, when
+        generation pauses with its cache cleared (new weights), and on request.
+
+        Everything stored so far is dropped, and what the device blocks hold is
+        forgotten. With tiers below host memory, a new key generation begins:
+        blocks written before the reset, by this process or by any other sharing
+        the tier, are never found again under the keys used after it."""
         self._epoch += 1
-        self._apply([ev.CacheReset(epoch=self._epoch)])
+        tiers = self._tiers
+        rekeyed = tiers is not None
+        if tiers is not None:
+            self._chain = ChainKeys(generation_root(tiers.key_root, self._epoch), self.config.hash_block_size)
+            self._keys_of = self._chain.keys
+            tiers.new_generation()
+        self._apply([ev.CacheReset(epoch=self._epoch, rekeyed=rekeyed)])
         return True
 
     def shutdown(self) -> None:

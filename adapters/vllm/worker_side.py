@@ -94,6 +94,22 @@ class LedgerWorker:
             raise RuntimeError("register_kv_caches was not called before the first step")
         return self.transfers.runner
 
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM's sleep unmaps the KV cache: every copy from or to it ends
+        here, and none starts until `restore_kv_caches`. The scheduler was reset
+        first (vLLM resets the connector before it sleeps), so nothing stored
+        afterwards is taken from what the blocks held."""
+        if self.transfers is not None:
+            self._runner.suspend()
+            _log.info("kv_caches_unregistered", worker_index=self.worker_index)
+
+    def restore_kv_caches(self) -> None:
+        """vLLM maps the KV cache back at the same addresses, so the views the
+        copies use stay valid; their content is gone, and the scheduler knows."""
+        if self.transfers is not None and self._runner.suspended:
+            self._runner.resume()
+            _log.info("kv_caches_restored", worker_index=self.worker_index)
+
     def handle_preemptions(self, meta: KVLedgerMetadata) -> None:
         if meta.before_step:
             self._runner.submit(meta.before_step)

@@ -13,7 +13,7 @@ from kvledger.engine.lookup import MISS, LookupResult, lookup
 from kvledger.engine.reducer import ProtocolViolation, reduce, reduce_step
 from kvledger.engine.state import JobKind, RequestStatus, SlotState, StaleStateError
 from kvledger.events import types as ev
-from tests.engine.builders import Engine, chain, full_only_config, key, make_config
+from tests.engine.builders import Engine, chain, full_only_config, key, make_config, only, violations
 
 A = chain(4, "a")
 KA0 = tuple(key(h, 0) for h in A)  # full-attention keys of prefix "a"
@@ -928,3 +928,65 @@ def test_two_failed_loads_of_one_key_report_its_eviction_once():
 
 def only_evictions(effects: tuple) -> list:
     return [x for x in effects if isinstance(x, fx.KeysEvicted)]
+
+
+def _lazy_block_known():
+    """Lazy mode: request "a" ran 64 tokens on full blocks 1, 2 and finished,
+    so the engine knows what the free blocks 1, 2 hold and has stored nothing."""
+    e = Engine(full_only_config(store_mode="lazy"))
+    e.add("a", 64)
+    e.alloc("a", (1, 2))
+    e.step(("a", 0, 64))
+    e.finish("a")
+    assert e.core.lazy_keys and not e.core.jobs
+    return e
+
+
+def test_a_reset_forgets_what_free_blocks_held():
+    # vLLM resets before a sleep discards the KV cache and before new weights:
+    # a block reused afterwards must not be stored as what it held before.
+    e = _lazy_block_known()
+    e.apply(ev.CacheReset(epoch=1))
+    assert e.core.lazy_keys == {} and set(e.core.block_key) == {None}
+    assert e.apply(ev.BlocksNearEviction(block_ids=(1, 2))) == ()
+    check(e.state)
+
+
+def test_a_version_1_reset_kept_what_free_blocks_held():
+    # Old logs replay as they ran: their resets stored the old content afterwards.
+    e = _lazy_block_known()
+    e.apply(ev.CacheReset(epoch=1, forget_device=False))
+    (store,) = only(e.apply(ev.BlocksNearEviction(block_ids=(1, 2))), fx.StartStore)
+    assert store.source_block_ids == ((1, 2),)
+
+
+def test_a_rekeyed_reset_forgets_every_live_requests_keys_until_told_again():
+    e = Engine(full_only_config())
+    e.add("a", 64)
+    e.alloc("a", (1, 2, 3))
+    (old,) = only(e.step(("a", 0, 64)), fx.StartStore)
+    e.apply(ev.CacheReset(epoch=1, rekeyed=True))
+    mine = e.core.requests["a"]
+    assert mine.hashes == [] and mine.keys == [[]]
+    assert e.step(("a", 64, 1)) == ()  # no keys: nothing can be stored under the old ones
+    new = chain(2, "gen1")
+    e.apply(ev.BlockHashesAppended(request_id="a", num_tokens=65, block_hashes=new))
+    (store,) = only(e.step(("a", 65, 1)), fx.StartStore)
+    assert store.keys == ((key(new[0], 0), key(new[1], 0)),) != old.keys
+    check(e.state)
+
+
+@pytest.mark.parametrize("forget_device", [True, False])
+def test_after_a_rekeyed_reset_a_new_key_may_touch_a_block_that_held_an_old_one(forget_device):
+    # vLLM's own prefix cache keeps its blocks when a reset leaves running requests
+    # (its hashes do not change with kvledger's key generation).
+    e = Engine(full_only_config())
+    e.run_and_store("a", 64, (1, 2))
+    e.finish("a")
+    e.apply(ev.CacheReset(epoch=1, rekeyed=True, forget_device=forget_device))
+    e.add("b", 64, chain(2, "gen1"))
+    if forget_device:
+        assert not violations(e.touch("b", (1, 2)))
+        check(e.state)
+    else:  # the old semantics: the block is taken for what it held
+        assert e.reject(ev.BlocksTouched(request_id="b", block_ids=((1, 2),))) == "touch_wrong_content"

@@ -138,7 +138,7 @@ def test_kind_codes_are_read_from_the_header() -> None:
     head = header_map()
     a, b = head["kinds"]["request_added"], head["kinds"]["cache_reset"]
     head["kinds"]["request_added"], head["kinds"]["cache_reset"] = b, a
-    rows = [[b, 1, "r", 3, []], [a, 1, 9]]
+    rows = [[b, 1, "r", 3, []], [a, 2, 9, True, False]]
     data = log(head, [0, 0, rows])
     events = [r.event for r in read_all(data)[1]]
     assert events == [ev.RequestAdded(request_id="r", num_prompt_tokens=3, block_hashes=()), ev.CacheReset(epoch=9)]
@@ -262,6 +262,15 @@ def test_an_old_store_failed_row_is_read_by_the_headers_layout_and_upcast() -> N
     code = head["kinds"]["store_failed"]
     data = log(head, [0, 0, [[code, 1, 7, 2]]])
     assert read_all(data)[1] == [EventRecord(seq=0, step_index=0, event=ev.StoreFailed(job_id=7, worker_index=2))]
+
+
+def test_an_old_cache_reset_keeps_what_the_device_held() -> None:
+    """v1 resets left device contents and request keys alone; replaying an old log must too."""
+    head = header_map()
+    head["layouts"]["cache_reset"] = [1, [["epoch", "int"]]]
+    data = log(head, [0, 0, [[head["kinds"]["cache_reset"], 1, 4]]])
+    (record,) = read_all(data)[1]
+    assert record.event == ev.CacheReset(epoch=4, forget_device=False, rekeyed=False)
 
 
 def test_old_layouts_resolve_strings_and_packed_arrays() -> None:
@@ -416,8 +425,8 @@ def test_the_committed_version_1_log_decodes() -> None:
 def test_version_1_frames_are_read_without_compression() -> None:
     head = v1_header_map(1)
     code = head["kinds"]["cache_reset"]
-    data = MAGIC_V1 + frame(head) + frame([0, 0, [[code, 1, 3]]]) + frame([1, 2, [[code, 1, 4]]])
-    assert [r.event for r in read_all(data)[1]] == [ev.CacheReset(epoch=3), ev.CacheReset(epoch=4)]
+    data = MAGIC_V1 + frame(head) + frame([0, 0, [[code, 2, 3, True, False]]]) + frame([1, 2, [[code, 2, 4, True, True]]])
+    assert [r.event for r in read_all(data)[1]] == [ev.CacheReset(epoch=3), ev.CacheReset(epoch=4, rekeyed=True)]
     fails(MAGIC_V1 + frame(v1_header_map(2)), "header: unknown key 'compression'", None)
 
 

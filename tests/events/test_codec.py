@@ -55,6 +55,16 @@ def test_upcaster_does_not_mutate_its_argument() -> None:
     assert fields == {"job_id": 5, "worker_index": 0}
 
 
+def test_a_version_1_cache_reset_reads_as_keeping_device_contents() -> None:
+    assert from_record({"kind": "cache_reset", "v": 1, "epoch": 2}) == ev.CacheReset(
+        epoch=2, forget_device=False, rekeyed=False)
+
+
+def test_a_bool_field_refuses_an_int() -> None:
+    with pytest.raises(CodecError, match="rekeyed.*expected bool, got int 1"):
+        from_record({"kind": "cache_reset", "v": 2, "epoch": 2, "forget_device": True, "rekeyed": 1})
+
+
 def test_every_older_version_has_an_upcaster_chain() -> None:
     for kind, schema in SCHEMAS.items():
         for version in range(1, schema.version):

@@ -295,3 +295,44 @@ def test_an_inline_cpu_backend_starts_no_copy_thread_and_shuts_down_clean() -> N
     rig.runner.submit([store(1, [[1]], [[0]])])
     rig.runner.shutdown(drain=True, timeout_s=1)
     assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
+
+
+# vLLM's sleep: unregister_kv_caches suspends the runner, restore_kv_caches resumes it.
+
+
+def test_suspend_waits_for_every_device_copy_and_then_refuses_new_ones() -> None:
+    gate = threading.Event()
+    rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={1: gate}, timeout_s=5)
+    runner = rig.runner
+    runner.submit([store(1, [[1, 2]], [[0, 1]])])
+    opened = threading.Timer(0.2, gate.set)
+    opened.start()
+    runner.suspend()  # returns only once store 1 has copied its blocks
+    assert gate.is_set() and runner.suspended
+    before = rig.snapshot()
+    with capture_logs() as logs:
+        runner.submit([load(2, [[0]], [[5]]), store(3, [[4]], [[2]])])
+    assert sorted(runner.poll(), key=lambda e: e.job_id) == [
+        StoreCompleted(job_id=1, worker_index=3),  # outcomes still travel
+        LoadFailed(job_id=2, worker_index=3, block_ids=(5,), keys=keys_for(2, [[5]])[0]),
+        StoreFailed(job_id=3, worker_index=3, keys=keys_for(3, [[4]])[0])]
+    assert all(torch.equal(a, b) for a, b in zip(before, rig.snapshot())), "a refused job touched the device"
+    assert [log["problem"] for log in logs if log["event"] == "transfer_rejected"] == [
+        "vLLM's KV cache is unmapped (asleep): unregister_kv_caches came before this job"] * 2
+    runner.suspend()  # idempotent
+    runner.resume()
+    runner.resume()
+    runner.submit([load(4, [[0]], [[5]])])
+    runner.wait([4])
+    assert runner.poll() == [LoadCompleted(job_id=4, worker_index=3)]
+    runner.shutdown()
+
+
+def test_suspend_gives_up_after_its_timeout_and_names_what_it_waited_for() -> None:
+    gate = threading.Event()
+    rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={7: gate}, timeout_s=0.2)
+    rig.runner.submit([store(7, [[1]], [[0]])])
+    with pytest.raises(TransferTimeout, match=r"device copies before the KV cache is unmapped \[7\]"):
+        rig.runner.suspend()
+    gate.set()
+    rig.runner.shutdown()

@@ -121,3 +121,29 @@ def test_drops_remove_files_and_a_spill_to_an_unknown_tier_fails(tmp_path) -> No
     # A spill to a tier the worker does not have fails whole, at once.
     runner.submit([StartSpill(job_id=4, tier=2, keys=keys, source_slot_ids=slots)])
     assert runner.poll() == [StoreFailed(job_id=4, worker_index=1, keys=keys[0])]
+
+
+def test_a_promotion_that_ends_while_vllm_sleeps_fails_without_touching_the_device(tmp_path) -> None:
+    # The tier read started before unregister_kv_caches and ends after it: the
+    # host copy is there, but the device memory it would be copied into is not.
+    case = layouts.cpu_attention(packing="layer")
+    layout, tier, runner = _rig(tmp_path, case)
+    blocks, slots = ((1, 2),), ((0, 1),)
+    keys = keys_for(1, blocks)
+    runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
+    runner.poll()
+    runner.submit([StartSpill(job_id=2, tier=1, keys=keys, source_slot_ids=slots)])
+    assert _poll_until(runner, 1) == [StoreCompleted(job_id=2, worker_index=1)]
+    for raw in case.raws:
+        raw.fill_(-3)
+    runner.submit([StartLoad(job_id=3, request_id="r", keys=keys, source_slot_ids=((8, 9),),
+                             target_block_ids=blocks, promote_tiers=((1, 1),))])
+    runner.suspend()
+    assert _poll_until(runner, 1) == [LoadFailed(job_id=3, worker_index=1, block_ids=(1, 2), keys=keys[0])]
+    assert all(bool((raw == -3).all()) for raw in case.raws)
+    runner.resume()
+    runner.submit([StartLoad(job_id=4, request_id="r", keys=keys, source_slot_ids=((8, 9),),
+                             target_block_ids=blocks, promote_tiers=((1, 1),))])
+    assert _poll_until(runner, 1) == [LoadCompleted(job_id=4, worker_index=1)]
+    assert not all(bool((raw == -3).all()) for raw in case.raws)
+    runner.shutdown()
