@@ -19,9 +19,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.out, model=args.model, docs=args.docs, doc_words=args.doc_words)
 
 
+def version_text() -> str:
+    import kvledger
+    from kvledger.adapters.vllm_version import describe
+    from kvledger.events.log_binary import MAGIC
+    from kvledger.events.log_records import LOG_SCHEMA_VERSION
+
+    build = kvledger.BUILD
+    engine = "compiled (mypyc)" if build.compiled else f"pure Python ({build.reason})"
+    return (f"kvledger {kvledger.__version__}\nengine: {engine}\nevent log: binary format {MAGIC[-1]}, "
+            f"schema {LOG_SCHEMA_VERSION}\n{describe()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvledger", description="kvledger: KV-cache offloading for vLLM, "
-                                     "as a replayable event log.")
+                                     "as a replayable event log.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # keeps --version's lines
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="kvledger's version and build, and the installed vLLM's")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("replay", help="fold a log through the engine and summarize it")
     p.add_argument("log")

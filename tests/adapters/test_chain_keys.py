@@ -128,6 +128,18 @@ def test_requests_sharing_a_prefix_share_the_keys_of_its_full_blocks() -> None:
     assert all(x != y for x, y in zip(a[3:], b[3:]))
 
 
+def test_each_key_generation_after_the_first_changes_every_key() -> None:
+    # The first keeps the root: blocks written before any reset are found after a restart.
+    assert ck.generation_root(ROOT_KEY, 0) == ROOT_KEY
+    generations = [keys_of(TOKENS, root=ck.generation_root(ROOT_KEY, g)) for g in range(4)]
+    assert generations[0] == keys_of(TOKENS)
+    for i, keys in enumerate(generations):
+        for other in generations[i + 1:]:
+            assert all(x != y for x, y in zip(keys, other))
+    with pytest.raises(ValueError, match="generation must be >= 0"):
+        ck.generation_root(ROOT_KEY, -1)
+
+
 def test_the_root_cache_salt_and_lora_each_change_every_key() -> None:
     base = keys_of(TOKENS)
     variants = {

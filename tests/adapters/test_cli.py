@@ -218,3 +218,21 @@ def test_a_log_from_another_kvledger_version_says_so(tmp_path: Path, capsys: pyt
     capsys.readouterr()
     assert main(["replay", str(path)]) == 0
     assert "recorded by kvledger 0.0.1, replayed by" in capsys.readouterr().out
+
+
+def test_version_names_the_build_and_the_installed_vllm(capsys: pytest.CaptureFixture) -> None:
+    import kvledger
+    from kvledger.adapters.vllm_version import installed_vllm
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"kvledger {kvledger.__version__}"
+    assert lines[1].startswith("engine: compiled" if kvledger.BUILD.compiled else "engine: pure Python")
+    assert lines[2] == "event log: binary format 3, schema 2"
+    found = installed_vllm()
+    if found is None:
+        assert lines[3] == "vLLM: not installed (supported: 0.32.x or 0.33.x)"
+    else:
+        assert lines[3] == f"vLLM: {found[0]} {found[1]}, supported (0.32.x or 0.33.x)"

@@ -91,15 +91,28 @@ def test_supported_vllm_versions(version):
     assert check_vllm_version(version) == version
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
-def test_other_vllm_versions_are_refused_by_name(version):
-    with pytest.raises(UnsupportedVLLMVersion, match=f"0.32.x or 0.33.x; the installed vLLM is {version}"):
+@pytest.mark.parametrize(("version", "advice"), [
+    ("0.31.2", "upgrade vLLM to 0.32.x or 0.33.x"),
+    ("0.34.0", r"install vLLM 0.32.x or 0.33.x \(pip install 'vllm>=0.32,<0.34'\), or a kvledger release"),
+    ("1.0.0", "install vLLM 0.32.x or 0.33.x .*, or a kvledger release whose compatibility table lists this vLLM"),
+])
+def test_other_vllm_versions_are_refused_by_name_with_what_to_do(version, advice):
+    with pytest.raises(UnsupportedVLLMVersion, match=f"0.32.x or 0.33.x; the installed vLLM is {version}: {advice}"):
         check_vllm_version(version)
 
 
 def test_an_unreadable_version_is_refused():
-    with pytest.raises(UnsupportedVLLMVersion, match="cannot read the vLLM version 'dev'"):
+    with pytest.raises(UnsupportedVLLMVersion, match="cannot read the vLLM version 'dev'; kvledger supports vLLM 0.32.x"):
         check_vllm_version("dev")
+
+
+def test_version_line_for_an_unsupported_vllm(monkeypatch):
+    from kvledger.adapters import vllm_version
+
+    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: ("vllm", "0.34.1"))
+    assert vllm_version.describe().startswith("vLLM: vllm 0.34.1, NOT supported: kvledger supports vLLM 0.32.x")
+    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: None)
+    assert vllm_version.describe() == "vLLM: not installed (supported: 0.32.x or 0.33.x)"
 
 
 

