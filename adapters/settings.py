@@ -63,6 +63,7 @@ class ConnectorSettings:
     log_json: bool = False
     faults: FaultSettings = FaultSettings()
     secondary_tiers: tuple[TierSettings, ...] = ()  # below host memory, in order
+    weights_version: str | None = None  # names the weights in the tiers' namespace (lower tiers)
 
 
 _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -81,6 +82,8 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "log_json": (bool, "structured logs as JSON lines"),
     "fault_injection": (dict, "injected transfer failures, for tests"),
     "secondary_tiers": ((list, tuple), "tiers below host memory, in order: a dict each, with a 'type'"),
+    "weights_version": (str, "names the model's weights, for tiers that outlive the process: change it when "
+                             "the weights under the same model name change"),
 }
 
 _FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -166,6 +169,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     if snapshots < 0:
         raise ConfigError(f"snapshot_interval_events must be >= 0 (0: no snapshots), got {snapshots}")
     event_log = extra.get("event_log") or None
+    weights_version = extra.get("weights_version")
+    if weights_version is not None and not weights_version:
+        raise ConfigError("weights_version must be a non-empty string (leave it out for none)")
 
     return ConnectorSettings(
         capacity_bytes=capacity,
@@ -182,6 +188,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         log_json=extra.get("log_json", False),
         faults=_parse_faults(extra.get("fault_injection", {})),
         secondary_tiers=parse_tiers(extra.get("secondary_tiers", ())),
+        weights_version=weights_version,
     )
 
 

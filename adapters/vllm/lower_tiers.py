@@ -72,10 +72,12 @@ class SchedulerTiers:
     def __init__(self, settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any, *,
                  world_size: int) -> None:
         self.tiers = settings.secondary_tiers
-        base = identity(vllm_config, kv_cache_config, rank=0, world_size=world_size)
+        weights = settings.weights_version
+        base = identity(vllm_config, kv_cache_config, rank=0, world_size=world_size, weights_version=weights)
         self.key_root = key_root(base)
-        self.namespaces = tuple(namespace(identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size))
-                                for rank in range(world_size))
+        self.namespaces = tuple(
+            namespace(identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size, weights_version=weights))
+            for rank in range(world_size))
         self.health: dict[int, Health] = {}  # per Valkey tier, as the scheduler's lookups see the server
         self._stores: list[ValkeyStore] = []
         self._lookups = {index: KeyLookups(self._finder(index, tier), tier_name(index, tier))
@@ -198,7 +200,8 @@ class SchedulerTiers:
 def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any, *, rank: int,
                       world_size: int, rows: Any, payload_bytes: tuple[int, ...]) -> Mapping[int, FsTierIO | ValkeyTierIO]:
     """This worker's I/O on each tier, in its own rank's namespace."""
-    ident = identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size)
+    ident = identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size,
+                     weights_version=settings.weights_version)
     space = namespace(ident)
     ios: dict[int, FsTierIO | ValkeyTierIO] = {}
     for index, tier in enumerate(settings.secondary_tiers, start=1):

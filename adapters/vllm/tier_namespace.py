@@ -105,8 +105,11 @@ def _spec(spec: Any, where: str) -> dict[str, Any]:
     return {"spec": type(spec).__name__, **_fields(spec, _SPEC_FIELDS, where)}
 
 
-def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: int) -> dict[str, Any]:
-    """Everything that makes this worker's block bytes meaningful, as a JSON-able dict."""
+def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: int,
+             weights_version: str | None = None) -> dict[str, Any]:
+    """Everything that makes this worker's block bytes meaningful, as a JSON-able dict.
+    `weights_version` is the operator's name for the weights (the setting of that
+    name): vLLM's configs cannot tell new weights under the same model path."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     parallel_config = _read(vllm_config, "parallel_config")
@@ -115,6 +118,8 @@ def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: i
         value = _read(model_config, name)
         if value is not _MISSING:
             model[name] = str(value)
+    if weights_version is not None:
+        model["weights_version"] = weights_version
 
     out: dict[str, Any] = {
         "format_version": FORMAT_VERSION,

@@ -79,6 +79,8 @@ def test_every_key_is_read():
     ({"capacity_bytes": 1, "fault_injection": {"rate": 0.1}}, "'rate'"),
     ({"capacity_bytes": 1, "fault_injection": {"seed": 0.5}}, "fault_injection.seed"),
     ({"capacity_bytes": 1, "fault_injection": []}, "fault_injection"),
+    ({"capacity_bytes": 1, "weights_version": ""}, "weights_version must be a non-empty string"),
+    ({"capacity_bytes": 1, "weights_version": 3}, "kv_connector_extra_config['weights_version'] must be str"),
 ])
 def test_bad_settings_name_the_problem(extra, words):
     with pytest.raises(ConfigError) as info:

@@ -148,6 +148,16 @@ def test_every_change_to_the_bytes_changes_the_namespace_and_the_keys(change):
     assert tn.key_root(changed) != tn.key_root(ident())
 
 
+def test_a_weights_version_changes_the_namespace_and_the_keys():
+    # New weights under the same model path: only the operator can say so.
+    base = ident()
+    named = tn.identity(vllm_config(), kv_cache_config(), rank=0, world_size=1, weights_version="step-1200")
+    assert named["model"]["weights_version"] == "step-1200"
+    other = tn.identity(vllm_config(), kv_cache_config(), rank=0, world_size=1, weights_version="step-1300")
+    assert len({tn.namespace(i) for i in (base, named, other)}) == 3
+    assert len({tn.key_root(i) for i in (base, named, other)}) == 3
+
+
 def test_a_window_change_changes_the_namespace():
     one, other = (ident(kv=kv_cache_config(full(), _window(size))) for size in (128, 256))
     assert one["groups"][1]["sliding_window"] == 128
