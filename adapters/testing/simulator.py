@@ -375,9 +375,19 @@ class Simulator:
                 found.append(key)
         self.emit(ev.TierKeysFound(tier=1, keys=tuple(found)))
 
-    def reset(self) -> None:
+    def reset(self, *, sleep: bool = False) -> None:
+        """A cache reset; with `sleep`, then vLLM's sleep, which discards the KV
+        cache: every free block loses its content and leaves the prefix cache.
+        (vLLM sleeps with no request running, so a held block keeps its content
+        here: a store still reading one must not be cut short.)"""
         self.epoch += 1
         self.emit(ev.CacheReset(epoch=self.epoch))
+        if sleep:
+            for block in self.free:
+                self.content[block] = ("discarded by sleep", block)
+                key = self.cached_key.pop(block, None)
+                if key is not None and self.cached.get(key) == block:
+                    del self.cached[key]
 
     # A scheduler step.
 
@@ -628,7 +638,7 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
                 worker = rng.choice(sorted(job.pending))
                 sim.complete(job_id, worker, rng.random() < fail_rate, rng)
         if reset_rate and rng.random() < reset_rate:
-            sim.reset()
+            sim.reset(sleep=rng.random() < 0.5)
         if check_every and n % check_every == 0:
             sim.check()
 

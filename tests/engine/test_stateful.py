@@ -96,9 +96,9 @@ class Protocol(RuleBasedStateMachine):
                 fail = data.draw(st.integers(0, 9)) == 0
                 self.sim.complete(job_id, min(job.pending), fail, self.rng)
 
-    @rule()
-    def reset(self) -> None:
-        self.sim.reset()
+    @rule(sleep=st.booleans())
+    def reset(self, sleep: bool) -> None:
+        self.sim.reset(sleep=sleep)
 
     @precondition(lambda self: any(self.sim.disks))
     @rule(remove=st.booleans())
