@@ -8,7 +8,8 @@ gathers its blocks' spans into a device staging buffer laid out as slots
 DMA, one `cudaMemcpyAsync` per run of consecutive slots (loads run the same
 steps backwards). Completion is an event per job, polled with `query()`,
 which never blocks; `wait` polls with a deadline and also orders the
-caller's stream after the job, so a forward that follows reads loaded bytes.
+caller's stream after the job, so a forward that follows reads loaded bytes;
+`order_after` orders the caller's stream after jobs without blocking the host.
 """
 
 from __future__ import annotations
@@ -177,6 +178,14 @@ class CudaBackend:
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
             current.wait_event(launched.done)
+
+    def order_after(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        """The caller's stream waits for these jobs' events on the device; the host goes on."""
+        current = torch.cuda.current_stream(self._device)
+        for job_id in job_ids:
+            launched = self._launched.get(job_id)
+            if launched is not None:
+                current.wait_event(launched.done)
 
     def shutdown(self, *, drain: bool, timeout_s: float) -> None:
         """Launched copies cannot be recalled, so both modes wait for them."""

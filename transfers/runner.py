@@ -239,6 +239,15 @@ class TransferRunner:
             _log.error("transfer_wait_timed_out", what=what, job_ids=job_ids, timeout_s=timeout_s)
             raise TransferTimeout(f"waiting for {what} {list(job_ids)} timed out: {exc}") from exc
 
+    def order_after(self, job_ids: Iterable[int]) -> None:
+        """Device work queued from now on runs after these jobs (see `CopyBackend.order_after`)."""
+        job_ids = tuple(job_ids)
+        try:
+            self._backend.order_after(job_ids, self.timeout_s)
+        except TransferTimeout as exc:
+            _log.error("transfer_wait_timed_out", what="ordering", job_ids=job_ids, timeout_s=self.timeout_s)
+            raise TransferTimeout(f"ordering after jobs {list(job_ids)} timed out: {exc}") from exc
+
     def shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Finish (drain) or cancel outstanding copies; `poll()` still returns their events."""
         if self._closed:

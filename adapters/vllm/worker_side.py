@@ -3,8 +3,9 @@
 Per step, in vLLM's order: `handle_preemptions` waits for exactly the stores
 whose source blocks this step reuses; `start_load_kv` starts loads (their
 requests wait outside the batch); `wait_for_save` starts stores of the
-blocks the forward just wrote; `get_transfer_results` polls, and the
-outcomes travel back as worker metadata for the engine.
+blocks the forward just wrote (on CUDA under vLLM's V1 model runner, at the
+next step's first hook instead; see `store_timing`); `get_transfer_results`
+polls, and the outcomes travel back as worker metadata for the engine.
 
 A failed load is reported the way vLLM 0.32 can take it: with one KV group,
 the exact failed block ids (vLLM recomputes from the first); with several,
@@ -35,6 +36,7 @@ from kvledger.transfers.kv_spec import KVCacheConfig
 
 from .kv_cache_config import slot_bytes
 from .lower_tiers import open_worker_tiers, tier_name
+from .store_timing import StoreQueue, store_timing, uses_v2_model_runner
 
 _log = structlog.get_logger("kvledger.adapters.vllm.worker")
 
@@ -64,6 +66,7 @@ class LedgerWorker:
         self._load_requests: dict[int, str] = {}  # load job -> request
         self._events: list[TransferEvent] = []  # outcomes not yet sent to the scheduler
         self._invalid_blocks: set[int] = set()
+        self._stores: StoreQueue | None = None
 
     def _open_lower_tiers(self, tier, layout):
         vllm_config, kv_cache_config = self._vllm_configs
@@ -85,8 +88,12 @@ class LedgerWorker:
             raise ConfigError(
                 f"the registered KV caches give {self.transfers.layout.slot_bytes} bytes per block, the KV "
                 f"cache config {expected}: the scheduler would size the tier differently")
+        self._stores = StoreQueue(store_timing(
+            self.transfers.layout.device.type, v2_runner=uses_v2_model_runner(self._vllm_configs[0]),
+            protection=self.settings.protection))
         _log.info("worker_ready", worker_index=self.worker_index, num_slots=self.transfers.tier.num_slots,
-                  slot_bytes=self.transfers.tier.slot_bytes, groups=self.transfers.layout.num_groups)
+                  slot_bytes=self.transfers.tier.slot_bytes, groups=self.transfers.layout.num_groups,
+                  store_timing=self._stores.timing.value)
 
     @property
     def _runner(self):
@@ -95,6 +102,7 @@ class LedgerWorker:
         return self.transfers.runner
 
     def handle_preemptions(self, meta: KVLedgerMetadata) -> None:
+        self._store_queue.before_step(self._runner)
         if meta.before_step:
             self._runner.submit(meta.before_step)
             _log.debug("stores_flushed", effects=meta.before_step)
@@ -103,10 +111,17 @@ class LedgerWorker:
         for load in meta.loads:
             assert isinstance(load, StartLoad), load
             self._load_requests[load.job_id] = load.request_id
+        self._store_queue.before_step(self._runner)  # a step whose runner skipped handle_preemptions
         self._runner.submit(meta.loads)
 
     def start_stores(self, meta: KVLedgerMetadata) -> None:
-        self._runner.submit(meta.after_forward)
+        self._store_queue.after_forward(self._runner, meta.after_forward)
+
+    @property
+    def _store_queue(self) -> StoreQueue:
+        if self._stores is None:
+            raise RuntimeError("register_kv_caches was not called before the first step")
+        return self._stores
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call."""
@@ -171,5 +186,7 @@ class LedgerWorker:
 
     def shutdown(self) -> None:
         if self.transfers is not None:
+            if self._stores is not None:
+                self._stores.before_step(self.transfers.runner)  # deferred stores run and report too
             self.transfers.runner.shutdown(drain=True)
             self.transfers.tier.close()

@@ -19,6 +19,7 @@ from kvledger.transfers.faults import FaultPlan
 from kvledger.transfers.host_tier import HostTier
 from kvledger.transfers.layout import canonicalize
 from tests.transfers import layouts
+from tests.transfers.cuda_standin import FakeEvent, FakeStream, HostStandIn, install_fake_cuda
 from tests.transfers.harness import load, make_rig, store
 
 
@@ -109,6 +110,26 @@ def test_a_load_lands_after_the_compute_stream_zeroed_its_blocks() -> None:
 
 
 @needs_cuda
+def test_compute_work_queued_after_order_after_waits_for_the_store() -> None:
+    """vLLM's V2 runner zeroes reused blocks on the compute stream before any
+    connector hook of the step: the store must already be ordered before it."""
+    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8))
+    for raw in case.raws:
+        raw.fill_(7)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the store's stream starts after this
+    runner.submit([store(1, [[2]], [[0]])])
+    runner.order_after([1])
+    assert runner.in_flight == {1}, "ordering does not wait on the host"
+    for raw in case.raws:
+        raw.zero_()  # the next step's zeroing, on the compute stream
+    runner.submit([load(2, [[0]], [[4]])])
+    runner.wait([2])
+    (mask,) = masks_of({0: [4]})
+    assert bool((case.raws[0].cpu()[mask] == 7).all())
+    runner.shutdown()
+
+
+@needs_cuda
 def test_poll_never_blocks_and_flush_waits_for_named_jobs_only() -> None:
     case, runner, _ = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8), timeout_s=0.2)
     runner.submit([store(1, [[1]], [[0]])])
@@ -155,57 +176,9 @@ def test_slot_runs() -> None:
     assert slot_runs([]) == []
 
 
-class _FakeStream:
-    def __init__(self, device=None) -> None:
-        self.waits: list[object] = []
-
-    def wait_stream(self, other) -> None:
-        self.waits.append(other)
-
-    def wait_event(self, event) -> None:
-        self.waits.append(event)
-
-
-class _FakeEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.recorded_on = None
-        self.enable_timing = enable_timing
-
-    def record(self, stream) -> None:
-        self.recorded_on = stream
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: _FakeEvent) -> float:
-        assert self.enable_timing and end.enable_timing, "a timed copy needs timing events at both ends"
-        return 1.5  # milliseconds
-
-
-class _HostStandIn(CudaBackend):
-    """The CUDA data path with host tensors, for checking its bookkeeping without a GPU."""
-
-    @staticmethod
-    def _check_device(layout) -> None:
-        pass
-
-    def _device_ids(self, ids, keep):
-        tensor = torch.tensor(ids, dtype=torch.long)
-        keep.append(tensor)
-        return tensor
-
-
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeStream:
-    import contextlib
-
-    compute = _FakeStream()
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    return compute
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
+    return install_fake_cuda(monkeypatch)
 
 
 @pytest.mark.parametrize("build", BUILDERS)
@@ -214,7 +187,7 @@ def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, 
     from kvledger.transfers import cuda_backend
 
     monkeypatch.setattr(cuda_backend, "STAGING_BYTES", staging_bytes)  # 1: one slot per chunk
-    rig = make_rig(build(), backend_cls=_HostStandIn)
+    rig = make_rig(build(), backend_cls=HostStandIn)
     groups = len(rig.case.config.kv_cache_groups)
     blocks = [[1, 3, 2], [5, 4]][:groups] if groups == 2 else [[1, 3, 2, 6]]
     slots = [[7, 0, 1], [3, 12]][:groups] if groups == 2 else [[8, 0, 1, 9]]
@@ -234,11 +207,11 @@ def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, 
         assert torch.equal(raw[~mask], after[~mask])
     streams = rig.backend._streams
     assert all(fake_cuda in s.waits for s in streams.values()), "copy streams must follow the compute stream"
-    assert sum(isinstance(w, _FakeEvent) for w in fake_cuda.waits) >= 2, "waits order the caller's stream"
+    assert sum(isinstance(w, FakeEvent) for w in fake_cuda.waits) >= 2, "waits order the caller's stream"
 
 
 def test_a_launch_error_is_a_failure_once_the_stream_passes_it(fake_cuda) -> None:
-    class Exploding(_HostStandIn):
+    class Exploding(HostStandIn):
         def _load(self, job, keep):
             raise RuntimeError("CUDA out of memory")
 
