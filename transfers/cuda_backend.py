@@ -4,12 +4,17 @@ One stream per direction, each made to wait for the compute stream at
 submit: a store then reads KV the step's forward already wrote, and a load
 writes its blocks after any zeroing vLLM queued for them. Per group, a job
 gathers its blocks' spans into a device staging buffer laid out as slots
-(one `index_select` per span, on the GPU), then moves whole slot rows over
-DMA, one `cudaMemcpyAsync` per run of consecutive slots (loads run the same
-steps backwards). Completion is an event per job, polled with `query()`,
-which never blocks; `wait` polls with a deadline and also orders the
-caller's stream after the job, so a forward that follows reads loaded bytes;
-`order_after` orders the caller's stream after jobs without blocking the host.
+(one `index_select` per span, written in place), then moves whole slot rows
+over DMA, one `cudaMemcpyAsync` per run of consecutive slots (loads run the
+same steps backwards). The staging is one buffer per direction of at most
+`STAGING_BYTES`, allocated at start: vLLM sized its KV cache to fill the
+memory it budgets, so a buffer taken mid-serving could make the forward run
+out of memory; taken at start, a shortfall stops vLLM with a message instead.
+
+Completion is an event per job, polled with `query()`, which never blocks;
+`wait` polls with a deadline and also orders the caller's stream after the
+job, so a forward that follows reads loaded bytes; `order_after` orders the
+caller's stream after jobs without blocking the host.
 """
 
 from __future__ import annotations
@@ -28,8 +33,13 @@ from kvledger.transfers.layout import CanonicalKVCaches, CopySpan
 
 _log = structlog.get_logger("kvledger.transfers.cuda")
 
-STAGING_BYTES = 256 << 20
-"""Device staging per group and job; larger jobs reuse it chunk by chunk."""
+STAGING_BYTES = 32 << 20
+"""Device staging per direction (torch path only); larger jobs reuse it chunk
+by chunk, in stream order. Allocated once, at start."""
+
+
+class DeviceMemoryError(RuntimeError):
+    """The copy path's device memory cannot be had at start."""
 
 
 @attrs.frozen(eq=False)
@@ -37,7 +47,7 @@ class _Launched:
     job: CopyJob
     started: torch.cuda.Event
     done: torch.cuda.Event
-    keepalive: tuple[torch.Tensor, ...]  # staging and index tensors the stream still reads
+    keepalive: tuple[torch.Tensor, ...]  # index tensors the stream still reads
     error: str
 
 
@@ -52,7 +62,7 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class CudaBackend:
-    def __init__(self, layout: CanonicalKVCaches, tier: HostTier) -> None:
+    def __init__(self, layout: CanonicalKVCaches, tier: HostTier, *, staging_bytes: int | None = None) -> None:
         self._check_device(layout)
         if tier.slot_bytes < layout.slot_bytes:
             raise ValueError(f"tier slots of {tier.slot_bytes} bytes cannot hold {layout.slot_bytes}-byte blocks")
@@ -63,10 +73,24 @@ class CudaBackend:
         self._spans: list[list[tuple[CopySpan, torch.Tensor]]] = [
             [(span, layout.span_view(span)) for span in layout.group_spans[g]] for g in range(layout.num_groups)
         ]
+        self._staging = self._allocate_staging(STAGING_BYTES if staging_bytes is None else staging_bytes)
+        _log.info("cuda_copy_path", path="torch", device_staging_bytes=sum(t.numel() for t in self._staging.values()))
         with torch.cuda.device(self._device):
             self._streams = {d: torch.cuda.Stream(device=self._device) for d in Direction}
         self._launched: dict[int, _Launched] = {}
         self._closed = False
+
+    def _allocate_staging(self, staging_bytes: int) -> dict[Direction, torch.Tensor]:
+        """One buffer per direction (the two streams run at once), whole slot rows."""
+        rows = max(1, staging_bytes // self._tier.slot_bytes)
+        nbytes = rows * self._tier.slot_bytes
+        try:
+            return {d: torch.empty((rows, self._tier.slot_bytes), dtype=torch.int8, device=self._device)
+                    for d in Direction}
+        except torch.cuda.OutOfMemoryError as exc:
+            raise DeviceMemoryError(
+                f"kvledger's copy staging needs 2 x {nbytes} bytes of device memory beyond vLLM's KV cache; "
+                f"lower gpu_memory_utilization to leave them: {exc}") from exc
 
     @staticmethod
     def _check_device(layout: CanonicalKVCaches) -> None:
@@ -105,19 +129,17 @@ class CudaBackend:
         return device
 
     def _chunks(self, job: CopyJob, keep: list[torch.Tensor]):
-        """Per group, slot-sorted pieces of at most STAGING_BYTES, with a staging buffer.
+        """Per group, slot-sorted pieces that fit the direction's staging buffer.
 
-        One buffer per group is reused chunk after chunk: the stream orders each
-        chunk's writes to it after the previous chunk's reads.
+        The buffer is reused chunk after chunk and job after job: the stream
+        orders each chunk's writes to it after the previous chunk's reads.
         """
-        rows_max = max(1, STAGING_BYTES // self._tier.slot_bytes)
+        staging = self._staging[job.direction]
+        rows = staging.shape[0]
         for group in range(len(job.block_ids)):
             if not job.block_ids[group]:
                 continue
             pairs = sorted(zip(job.slot_ids[group], job.block_ids[group]))
-            rows = min(rows_max, len(pairs))
-            staging = torch.empty((rows, self._tier.slot_bytes), dtype=torch.int8, device=self._device)
-            keep.append(staging)
             for begin in range(0, len(pairs), rows):
                 chunk = pairs[begin : begin + rows]
                 slots = [s for s, _ in chunk]
@@ -129,7 +151,7 @@ class CudaBackend:
             for span, view in self._spans[group]:
                 part = staging[:, span.slot_offset : span.slot_offset + span.nbytes]
                 dtype = widest_dtype(view, part)
-                as_wide(part, dtype).copy_(as_wide(view, dtype).index_select(0, ids))
+                torch.index_select(as_wide(view, dtype), 0, ids, out=as_wide(part, dtype))  # no temporary
             for start, end, first in slot_runs(slots):
                 self._tier.rows[first : first + end - start].copy_(staging[start:end], non_blocking=True)
 

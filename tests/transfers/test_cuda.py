@@ -221,3 +221,41 @@ def test_a_launch_error_is_a_failure_once_the_stream_passes_it(fake_cuda) -> Non
     events = rig.runner.poll()
     assert [type(e).__name__ for e in events] == ["LoadFailed"]
     assert events[0].block_ids == (2, 3)
+
+
+def test_staging_is_one_bounded_buffer_per_direction_taken_at_start(fake_cuda) -> None:
+    """vLLM budgets device memory before kvledger starts: nothing is allocated per job."""
+    rig = make_rig(layouts.hybrid_sliding(num_blocks=8), backend_cls=HostStandIn, staging_bytes=3 * 1024)
+    slot_bytes = rig.tier.slot_bytes
+    staging = dict(rig.backend._staging)
+    assert {d.value: tuple(t.shape) for d, t in staging.items()} == {
+        "store": (max(1, 3 * 1024 // slot_bytes), slot_bytes), "load": (max(1, 3 * 1024 // slot_bytes), slot_bytes)}
+    original = rig.snapshot()
+    blocks, slots = [[1, 3, 2, 6], [5, 4, 7]], [[8, 0, 1, 9], [3, 12, 13]]
+    rig.runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
+    rig.scramble(seed=5)
+    rig.runner.submit([load(2, slots, blocks)])
+    rig.runner.wait([2])
+    assert [type(e).__name__ for e in rig.runner.poll()] == ["StoreCompleted", "LoadCompleted"]
+    for raw, mask, before in zip(rig.case.raws, rig.block_mask(dict(enumerate(blocks))), original):
+        assert torch.equal(raw[mask], before[mask])
+    assert all(rig.backend._staging[d] is staging[d] for d in staging), "the same buffers, reused"
+
+
+def test_staging_that_does_not_fit_stops_the_start_with_the_setting_to_change(fake_cuda, monkeypatch) -> None:
+    """A CUDA allocation failure cannot happen on the host: torch.empty raises as it would on a full GPU."""
+    from kvledger.transfers import cuda_backend
+
+    real_empty = torch.empty
+
+    def full_gpu(*shape, **kwargs):
+        if kwargs.get("device") is not None:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 MiB")
+        return real_empty(*shape, **kwargs)
+
+    case = layouts.cpu_attention()
+    layout = canonicalize(case.kv_caches, case.config)
+    tier = HostTier(capacity_bytes=1 << 16, slot_bytes=layout.slot_bytes, pin=False)
+    monkeypatch.setattr(torch, "empty", full_gpu)
+    with pytest.raises(cuda_backend.DeviceMemoryError, match="gpu_memory_utilization"):
+        HostStandIn(layout, tier)
