@@ -35,6 +35,7 @@ def open_transfers(
     store_hold_polls: int = 0,
     inline_cpu_copies: bool = False,
     timeout_s: float = 60.0,
+    load_timeout_s: float = 30.0,
     lower_tiers: LowerTierFactory | None = None,
 ) -> Transfers:
     """Canonical layout, host tier and runner, with the backend the device calls for;
@@ -51,14 +52,14 @@ def open_transfers(
     if store_hold_polls:
         backend = DelayingBackend(backend, Direction.STORE, store_hold_polls)
     runner = make_runner(layout, tier, backend, faults=faults, worker_index=worker_index, timeout_s=timeout_s,
-                         lower_tiers=lower_tiers(tier, layout) if lower_tiers is not None else None)
+                         load_timeout_s=load_timeout_s, lower_tiers=lower_tiers(tier, layout) if lower_tiers is not None else None)
     return Transfers(layout=layout, tier=tier, runner=runner)
 
 
 def make_runner(
     layout: CanonicalKVCaches, tier: HostTier, backend: CopyBackend, *,
     faults: FaultPlan | Sequence[FaultPlan] | None = None, worker_index: int = 0, timeout_s: float = 60.0,
-    lower_tiers: Mapping[int, TierIO] | None = None,
+    load_timeout_s: float = 30.0, lower_tiers: Mapping[int, TierIO] | None = None,
 ) -> TransferRunner:
     """Wraps `backend` in fault injection when asked (one layer per plan), then in the runner."""
     plans = (faults,) if isinstance(faults, FaultPlan) else tuple(faults or ())
@@ -71,5 +72,6 @@ def make_runner(
         num_slots=tier.num_slots,
         worker_index=worker_index,
         timeout_s=timeout_s,
+        load_timeout_s=load_timeout_s,
         lower_tiers=lower_tiers,
     )

@@ -47,7 +47,7 @@ class _Launched:
     job: CopyJob
     started: torch.cuda.Event
     done: torch.cuda.Event
-    keepalive: tuple[torch.Tensor, ...]  # index tensors the stream still reads
+    keepalive: tuple[torch.Tensor, ...]  # index and descriptor tensors the stream still reads
     error: str
 
 
@@ -119,8 +119,21 @@ class CudaBackend:
                 # The outcome waits for this event even after an error, so no
                 # half-launched copy can still be writing once it is reported.
                 done = torch.cuda.Event(enable_timing=True)
-                done.record(stream)
+                try:
+                    done.record(stream)
+                except Exception:
+                    # No event to wait for: wait for the stream itself, so the
+                    # job the runner now rejects has nothing left to write.
+                    self._drain_stream(stream, job)
+                    raise
         self._launched[job.job_id] = _Launched(job, started, done, tuple(keep), error)
+
+    @staticmethod
+    def _drain_stream(stream, job: CopyJob) -> None:
+        try:
+            stream.synchronize()
+        except Exception as exc:  # the context is broken: nothing it queued runs any more
+            _log.error("copy_stream_sync_failed", job_id=job.job_id, error=repr(exc))
 
     def _device_ids(self, ids: list[int], keep: list[torch.Tensor]) -> torch.Tensor:
         host = torch.tensor(ids, dtype=torch.long).pin_memory()
@@ -172,13 +185,19 @@ class CudaBackend:
                 finished = launched.done.query()
             except Exception as exc:  # an asynchronous CUDA error surfaced here
                 finished, error = True, error or repr(exc)
-            if finished:
-                del self._launched[job_id]
-                job = launched.job
-                failed = job.positions() if error else ()
-                seconds = 0.0 if error else launched.started.elapsed_time(launched.done) / 1e3
-                outcomes.append(JobOutcome(job_id=job_id, direction=job.direction, failed=failed, error=error,
-                                           seconds=seconds))
+            if not finished:
+                continue
+            seconds = 0.0
+            if not error:
+                try:
+                    seconds = launched.started.elapsed_time(launched.done) / 1e3
+                except Exception as exc:  # the copy ended; only its timing is lost
+                    _log.warning("copy_timing_failed", job_id=job_id, error=repr(exc))
+            job = launched.job
+            failed = job.positions() if error else ()
+            outcomes.append(JobOutcome(job_id=job_id, direction=job.direction, failed=failed, error=error,
+                                       seconds=seconds))
+            del self._launched[job_id]
         return outcomes
 
     def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:

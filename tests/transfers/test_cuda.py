@@ -13,7 +13,7 @@ import torch
 from kvledger.engine.effects import FlushStores
 from kvledger.events.types import LoadCompleted, StoreCompleted
 from kvledger.transfers.assemble import make_runner
-from kvledger.transfers.backend import TransferTimeout
+from kvledger.transfers.backend import Direction, TransferTimeout
 from kvledger.transfers.cuda_backend import CudaBackend, slot_runs
 from kvledger.transfers.faults import FaultPlan
 from kvledger.transfers.host_tier import HostTier
@@ -259,3 +259,58 @@ def test_staging_that_does_not_fit_stops_the_start_with_the_setting_to_change(fa
     monkeypatch.setattr(torch, "empty", full_gpu)
     with pytest.raises(cuda_backend.DeviceMemoryError, match="gpu_memory_utilization"):
         HostStandIn(layout, tier)
+
+
+def test_an_outcome_survives_a_timing_failure(fake_cuda, monkeypatch) -> None:
+    class Untimed(FakeEvent):
+        def elapsed_time(self, end) -> float:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "Event", Untimed)
+    rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=HostStandIn)
+    rig.runner.submit([store(1, [[2]], [[0]]), store(2, [[3]], [[1]])])
+    assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3), StoreCompleted(job_id=2, worker_index=3)]
+    assert rig.runner.in_flight == frozenset()
+    assert [s.seconds for s in rig.runner.take_stats()] == [0.0, 0.0]
+
+
+def test_a_job_whose_end_event_cannot_be_recorded_is_rejected_only_once_its_stream_drained(
+        fake_cuda, monkeypatch) -> None:
+    created: list[FakeEvent] = []
+
+    class EndUnrecordable(FakeEvent):
+        """Each job makes a start event, queues its copies, then makes its end event."""
+
+        def __init__(self, enable_timing: bool = False) -> None:
+            super().__init__(enable_timing)
+            created.append(self)
+
+        def record(self, stream) -> None:
+            if len(created) % 2 == 0:
+                raise RuntimeError("CUDA error: out of resources")
+            super().record(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", EndUnrecordable)
+    rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=HostStandIn)
+    rig.runner.submit([load(1, [[0]], [[4]])])
+    assert [type(e).__name__ for e in rig.runner.poll()] == ["LoadFailed"]
+    assert rig.backend._streams[Direction.LOAD].synchronized == 1, "its copies ended before it was rejected"
+
+
+def test_a_timed_out_load_orders_the_compute_stream_after_its_copy(fake_cuda, monkeypatch) -> None:
+    from kvledger.transfers.runner import TransferRunner
+
+    class Pending(FakeEvent):
+        def query(self) -> bool:
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Event", Pending)
+    rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=HostStandIn)
+    now = [0.0]
+    runner = TransferRunner(rig.backend, num_groups=1, num_device_blocks=8, num_slots=rig.tier.num_slots,
+                            worker_index=3, load_timeout_s=5.0, clock=lambda: now[0])
+    runner.submit([load(1, [[0]], [[4]])])
+    done = rig.backend._launched[1].done
+    now[0] = 6.0
+    assert [type(e).__name__ for e in runner.poll()] == ["LoadFailed"]
+    assert done in fake_cuda.waits, "recompute's writes on the compute stream come after the late copy"
