@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from kvledger.transfers.backend import CopyBackend, Direction
+from kvledger.transfers.copy_descriptors import BatchCopy
 from kvledger.transfers.cpu_backend import CpuBackend
 from kvledger.transfers.faults import DelayingBackend, FaultInjectingBackend, FaultPlan
 from kvledger.transfers.host_tier import HostTier
@@ -37,16 +38,18 @@ def open_transfers(
     timeout_s: float = 60.0,
     load_timeout_s: float = 30.0,
     lower_tiers: LowerTierFactory | None = None,
+    batch_copy: BatchCopy | None = None,
 ) -> Transfers:
     """Canonical layout, host tier and runner, with the backend the device calls for;
-    `lower_tiers` opens the tiers below host memory once the host tier exists."""
+    `lower_tiers` opens the tiers below host memory once the host tier exists;
+    `batch_copy` (vLLM's `swap_blocks_batch`, on CUDA) replaces the torch copy path."""
     layout = canonicalize(kv_caches, config)
     tier = HostTier(capacity_bytes=capacity_bytes, slot_bytes=layout.slot_bytes)
     backend: CopyBackend
     if layout.device.type == "cuda":
         from kvledger.transfers.cuda_backend import CudaBackend
 
-        backend = CudaBackend(layout, tier)
+        backend = CudaBackend(layout, tier, batch_copy=batch_copy)
     else:
         backend = CpuBackend(layout, tier, inline=inline_cpu_copies)
     if store_hold_polls:

@@ -2,14 +2,20 @@
 
 One stream per direction, each made to wait for the compute stream at
 submit: a store then reads KV the step's forward already wrote, and a load
-writes its blocks after any zeroing vLLM queued for them. Per group, a job
-gathers its blocks' spans into a device staging buffer laid out as slots
-(one `index_select` per span, written in place), then moves whole slot rows
-over DMA, one `cudaMemcpyAsync` per run of consecutive slots (loads run the
-same steps backwards). The staging is one buffer per direction of at most
-`STAGING_BYTES`, allocated at start: vLLM sized its KV cache to fill the
-memory it budgets, so a buffer taken mid-serving could make the forward run
-out of memory; taken at start, a shortfall stops vLLM with a message instead.
+writes its blocks after any zeroing vLLM queued for them. Two ways to move
+the bytes, chosen once at start and logged:
+
+- batch (when the installed vLLM ships `_custom_ops.swap_blocks_batch`, which
+  the adapter hands in): one descriptor per block and span
+  (`copy_descriptors`), one driver call per job, no device memory used;
+- torch: per group, a job gathers its blocks' spans into a device staging
+  buffer laid out as slots (one `index_select` per span, written in place),
+  then moves whole slot rows over DMA, one `cudaMemcpyAsync` per run of
+  consecutive slots (loads run the same steps backwards). The staging is
+  one buffer per direction of at most `STAGING_BYTES`, allocated at start:
+  vLLM sized its KV cache to fill the memory it budgets, so a buffer taken
+  mid-serving could make the forward run out of memory; taken at start, a
+  shortfall stops vLLM with a message instead.
 
 Completion is an event per job, polled with `query()`, which never blocks;
 `wait` polls with a deadline and also orders the caller's stream after the
@@ -28,6 +34,12 @@ import torch
 
 from kvledger.transfers.backend import BackendClosed, CopyJob, Direction, JobOutcome, TransferTimeout
 from kvledger.transfers.block_copy import as_wide, widest_dtype
+from kvledger.transfers.copy_descriptors import (
+    BatchCopy,
+    build_descriptors,
+    descriptor_tensors,
+    span_addresses,
+)
 from kvledger.transfers.host_tier import HostTier
 from kvledger.transfers.layout import CanonicalKVCaches, CopySpan
 
@@ -36,7 +48,6 @@ _log = structlog.get_logger("kvledger.transfers.cuda")
 STAGING_BYTES = 32 << 20
 """Device staging per direction (torch path only); larger jobs reuse it chunk
 by chunk, in stream order. Allocated once, at start."""
-
 
 class DeviceMemoryError(RuntimeError):
     """The copy path's device memory cannot be had at start."""
@@ -62,7 +73,8 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class CudaBackend:
-    def __init__(self, layout: CanonicalKVCaches, tier: HostTier, *, staging_bytes: int | None = None) -> None:
+    def __init__(self, layout: CanonicalKVCaches, tier: HostTier, *, batch_copy: BatchCopy | None = None,
+                 staging_bytes: int | None = None) -> None:
         self._check_device(layout)
         if tier.slot_bytes < layout.slot_bytes:
             raise ValueError(f"tier slots of {tier.slot_bytes} bytes cannot hold {layout.slot_bytes}-byte blocks")
@@ -73,12 +85,22 @@ class CudaBackend:
         self._spans: list[list[tuple[CopySpan, torch.Tensor]]] = [
             [(span, layout.span_view(span)) for span in layout.group_spans[g]] for g in range(layout.num_groups)
         ]
-        self._staging = self._allocate_staging(STAGING_BYTES if staging_bytes is None else staging_bytes)
-        _log.info("cuda_copy_path", path="torch", device_staging_bytes=sum(t.numel() for t in self._staging.values()))
+        self._batch_copy = batch_copy
+        self._addresses = span_addresses(layout, tier) if batch_copy is not None else []
+        self._staging: dict[Direction, torch.Tensor] = {}
+        if batch_copy is None:
+            self._staging = self._allocate_staging(STAGING_BYTES if staging_bytes is None else staging_bytes)
+        staged = sum(t.numel() for t in self._staging.values())
+        _log.info("cuda_copy_path", path="swap_blocks_batch" if batch_copy is not None else "torch",
+                  device_staging_bytes=staged)
         with torch.cuda.device(self._device):
             self._streams = {d: torch.cuda.Stream(device=self._device) for d in Direction}
         self._launched: dict[int, _Launched] = {}
         self._closed = False
+
+    @property
+    def copy_path(self) -> str:
+        return "swap_blocks_batch" if self._batch_copy is not None else "torch"
 
     def _allocate_staging(self, staging_bytes: int) -> dict[Direction, torch.Tensor]:
         """One buffer per direction (the two streams run at once), whole slot rows."""
@@ -90,7 +112,8 @@ class CudaBackend:
         except torch.cuda.OutOfMemoryError as exc:
             raise DeviceMemoryError(
                 f"kvledger's copy staging needs 2 x {nbytes} bytes of device memory beyond vLLM's KV cache; "
-                f"lower gpu_memory_utilization to leave them: {exc}") from exc
+                f"lower gpu_memory_utilization to leave them, or use a vLLM that ships "
+                f"_custom_ops.swap_blocks_batch (no staging): {exc}") from exc
 
     @staticmethod
     def _check_device(layout: CanonicalKVCaches) -> None:
@@ -109,7 +132,9 @@ class CudaBackend:
             started.record(stream)
             with torch.cuda.stream(stream):
                 try:
-                    if job.direction is Direction.STORE:
+                    if self._batch_copy is not None:
+                        self._copy_batch(job, keep)
+                    elif job.direction is Direction.STORE:
                         self._store(job, keep)
                     else:
                         self._load(job, keep)
@@ -134,6 +159,13 @@ class CudaBackend:
             stream.synchronize()
         except Exception as exc:  # the context is broken: nothing it queued runs any more
             _log.error("copy_stream_sync_failed", job_id=job.job_id, error=repr(exc))
+
+    def _copy_batch(self, job: CopyJob, keep: list[torch.Tensor]) -> None:
+        src, dst, sizes = descriptor_tensors(*build_descriptors(self._addresses, job), pin=False)
+        keep += [src, dst, sizes]
+        if sizes.numel():
+            assert self._batch_copy is not None
+            self._batch_copy(src, dst, sizes)
 
     def _device_ids(self, ids: list[int], keep: list[torch.Tensor]) -> torch.Tensor:
         host = torch.tensor(ids, dtype=torch.long).pin_memory()

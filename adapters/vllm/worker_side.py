@@ -34,6 +34,7 @@ from kvledger.transfers.backend import Direction
 from kvledger.transfers.faults import FaultPlan
 from kvledger.transfers.kv_spec import KVCacheConfig
 
+from .batch_copy import vllm_batch_copy
 from .kv_cache_config import slot_bytes
 from .lower_tiers import open_worker_tiers, tier_name
 from .store_timing import StoreQueue, store_timing, uses_v2_model_runner
@@ -82,6 +83,7 @@ class LedgerWorker:
             # On vLLM-CPU the "device" is host memory and the forward uses every
             # core: copying in the step's own thread measured faster than a copy thread.
             inline_cpu_copies=True, load_timeout_s=self.settings.load_timeout_s,
+            batch_copy=vllm_batch_copy(kv_caches),
             lower_tiers=self._open_lower_tiers if self.settings.secondary_tiers else None)
         expected = slot_bytes(self.config)
         if self.transfers.layout.slot_bytes != expected:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+
+pytest.importorskip("vllm", reason="needs the vllm package")  # before the imports that need it
 import torch
 
 from kvledger.adapters.settings import ConnectorSettings
@@ -23,6 +25,8 @@ from kvledger.events.types import LoadCompleted, StoreCompleted
 from tests.transfers import layouts
 from tests.transfers.cuda_standin import FakeEvent, HostStandIn, install_fake_cuda
 from tests.transfers.harness import GatedBackend, load, make_rig, store
+
+pytestmark = pytest.mark.vllm  # imports the vLLM adapter: not in the fast subset, which runs without vLLM
 
 
 @pytest.mark.parametrize(("device", "v2", "protection", "timing"), [

@@ -21,6 +21,7 @@ from kvledger.transfers.layout import canonicalize
 from tests.transfers import layouts
 from tests.transfers.cuda_standin import FakeEvent, FakeStream, HostStandIn, install_fake_cuda
 from tests.transfers.harness import load, make_rig, store
+from tests.transfers.test_copy_descriptors import memmove_batch
 
 
 def needs_cuda(test):
@@ -31,14 +32,15 @@ def needs_cuda(test):
 SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time: keeps the compute stream busy
 
 
-def cuda_rig(build, plan: FaultPlan | None = None, timeout_s: float = 30.0):
+def cuda_rig(build, plan: FaultPlan | None = None, timeout_s: float = 30.0, batch_copy=None):
     cpu_case = build()
     masks_of = make_rig(cpu_case).block_mask  # byte positions depend on geometry only
     case = layouts.on_device(cpu_case, "cuda")
     layout = canonicalize(case.kv_caches, case.config)
     tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=True)
     assert tier.pinned
-    runner = make_runner(layout, tier, CudaBackend(layout, tier), faults=plan, worker_index=1, timeout_s=timeout_s)
+    backend = CudaBackend(layout, tier, batch_copy=batch_copy)
+    runner = make_runner(layout, tier, backend, faults=plan, worker_index=1, timeout_s=timeout_s)
     return case, runner, masks_of
 
 
@@ -54,8 +56,9 @@ BUILDERS = [
 
 @needs_cuda
 @pytest.mark.parametrize("build", BUILDERS)
-def test_round_trip_through_the_pinned_tier_is_byte_exact(build) -> None:
-    case, runner, masks_of = cuda_rig(build)
+def test_round_trip_through_the_pinned_tier_is_byte_exact(build, batch_copy=None) -> None:
+    """On kvledger's torch path; `tests/adapters/test_batch_copy.py` runs it on vLLM's batch copy."""
+    case, runner, masks_of = cuda_rig(build, batch_copy=batch_copy)
     groups = len(case.config.kv_cache_groups)
     blocks = [[1, 3, 2], [5, 4]][:groups] if groups == 2 else [[1, 3, 2, 6]]
     slots = [[7, 0, 1], [3, 12]][:groups] if groups == 2 else [[7, 0, 1, 9]]
@@ -182,12 +185,16 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
 
 
 @pytest.mark.parametrize("build", BUILDERS)
-@pytest.mark.parametrize("staging_bytes", [1 << 20, 1])
-def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, build, staging_bytes) -> None:
+@pytest.mark.parametrize(("staging_bytes", "batch_copy"), [(1 << 20, None), (1, None), (0, memmove_batch)])
+def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, build, staging_bytes,
+                                                        batch_copy) -> None:
+    """Torch path (1: one slot per staging chunk) and batch path (a memcpy per descriptor)."""
     from kvledger.transfers import cuda_backend
 
-    monkeypatch.setattr(cuda_backend, "STAGING_BYTES", staging_bytes)  # 1: one slot per chunk
-    rig = make_rig(build(), backend_cls=HostStandIn)
+    monkeypatch.setattr(cuda_backend, "STAGING_BYTES", staging_bytes)
+    rig = make_rig(build(), backend_cls=HostStandIn, batch_copy=batch_copy)
+    assert rig.backend.copy_path == ("torch" if batch_copy is None else "swap_blocks_batch")
+    assert bool(rig.backend._staging) is (batch_copy is None), "the batch path takes no device memory"
     groups = len(rig.case.config.kv_cache_groups)
     blocks = [[1, 3, 2], [5, 4]][:groups] if groups == 2 else [[1, 3, 2, 6]]
     slots = [[7, 0, 1], [3, 12]][:groups] if groups == 2 else [[8, 0, 1, 9]]
