@@ -56,14 +56,20 @@ class _LoadedCudart:
         return int(self._last_error())
 
 
-def loaded_cudart(maps_path: str = "/proc/self/maps") -> CudaRuntime | None:
-    """The libcudart this process mapped (torch loads it with CUDA), or None."""
+SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
+"""Tried when no libcudart is mapped yet: the dynamic loader returns the copy
+already loaded under that name, if any."""
+
+
+def loaded_cudart(maps_path: str = "/proc/self/maps", sonames: tuple[str, ...] = SONAMES) -> CudaRuntime | None:
+    """The libcudart this process mapped (torch loads it with CUDA), else one by
+    its usual names, or None."""
     try:
         with open(maps_path) as maps:
-            paths = [line.split()[-1] for line in maps if "libcudart" in line and "/" in line]
+            paths = list(dict.fromkeys(line.split()[-1] for line in maps if "libcudart" in line and "/" in line))
     except OSError:
-        return None
-    for path in paths:
+        paths = []
+    for path in [*paths, *sonames]:
         try:
             return _LoadedCudart(path)
         except (OSError, AttributeError) as exc:

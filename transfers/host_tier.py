@@ -107,6 +107,7 @@ class HostTier:
             addresses = host_register.register(cudart, self.rows.data_ptr(), total, self.slot_bytes)
             if addresses:
                 self._unregister = weakref.finalize(self, host_register.unregister, cudart, addresses)
+                self._unregister.atexit = False  # at exit the runtime may be gone, and the OS unpins anyway
                 self.pinned = True
                 return
         rounded = 1 << (total - 1).bit_length()  # the caching host allocator's block size

@@ -161,8 +161,8 @@ def test_a_tier_never_closed_is_unregistered_when_collected() -> None:
 def test_the_runtime_is_found_among_loaded_libraries_only(tmp_path) -> None:
     maps = tmp_path / "maps"
     maps.write_text("7f0000000000-7f0000001000 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
-    assert host_register.loaded_cudart(str(maps)) is None
-    assert host_register.loaded_cudart(str(tmp_path / "missing")) is None
+    assert host_register.loaded_cudart(str(maps), sonames=("libcudart-not-here.so",)) is None
+    assert host_register.loaded_cudart(str(tmp_path / "missing"), sonames=()) is None
 
 
 @pytest.mark.cuda
