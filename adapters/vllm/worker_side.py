@@ -186,9 +186,15 @@ class LedgerWorker:
         events, self._events = tuple(self._events), []
         return KVLedgerWorkerMetadata(events=events)
 
+    def submit_deferred_stores(self) -> None:
+        """Start the stores held for the next step now (V1 runner on CUDA), so a
+        drain that follows covers them: before shutdown, or before vLLM discards
+        the device memory they read."""
+        if self.transfers is not None and self._stores is not None:
+            self._stores.before_step(self.transfers.runner)
+
     def shutdown(self) -> None:
         if self.transfers is not None:
-            if self._stores is not None:
-                self._stores.before_step(self.transfers.runner)  # deferred stores run and report too
+            self.submit_deferred_stores()  # they run and report too
             self.transfers.runner.shutdown(drain=True)
             self.transfers.tier.close()

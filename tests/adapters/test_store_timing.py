@@ -130,3 +130,27 @@ def test_a_worker_on_host_memory_submits_stores_at_once() -> None:
     worker.register_kv_caches(case.kv_caches)
     assert worker._store_queue.timing is StoreTiming.NOW
     worker.shutdown()
+
+
+def test_a_worker_holding_stores_starts_them_first_in_the_next_step_and_before_a_drain() -> None:
+    """The worker's hooks with the timing a CUDA worker under vLLM's V1 runner
+    gets (set by hand: here the copies run on host memory)."""
+    from kvledger.adapters.vllm.metadata import KVLedgerMetadata
+
+    case = layouts.cpu_attention(num_blocks=8)
+    worker = LedgerWorker(case.config, ConnectorSettings(capacity_bytes=1 << 20), worker_index=0)
+    worker.register_kv_caches(case.kv_caches)
+    worker._stores = StoreQueue(StoreTiming.DEFERRED)
+    runner = worker.transfers.runner
+    worker.start_stores(KVLedgerMetadata(after_forward=(store(1, [[2]], [[0]]),)))
+    assert runner.in_flight == frozenset()
+    worker.handle_preemptions(KVLedgerMetadata(before_step=(FlushStores(job_ids=(1,)),)))
+    worker.transfer_results()
+    assert worker.take_worker_meta().events == (StoreCompleted(job_id=1, worker_index=0),)
+    worker.start_stores(KVLedgerMetadata(after_forward=(store(2, [[3]], [[1]]),)))
+    worker.submit_deferred_stores()  # what a drain (sleep, shutdown) calls first
+    assert worker._store_queue.deferred == 0
+    runner.wait([2])
+    worker.transfer_results()
+    assert worker.take_worker_meta().events == (StoreCompleted(job_id=2, worker_index=0),)
+    worker.shutdown()
