@@ -18,6 +18,7 @@ from kvledger.transfers.copy_descriptors import BatchCopy
 from kvledger.transfers.layout import LayerCaches
 
 _log = structlog.get_logger("kvledger.adapters.vllm.batch_copy")
+_FALLBACK = "kvledger's torch copy path, with 2 x 32 MiB of device staging"
 
 
 def _device_type(kv_caches: Mapping[str, LayerCaches]) -> str:
@@ -32,11 +33,13 @@ def vllm_batch_copy(kv_caches: Mapping[str, LayerCaches]) -> BatchCopy | None:
     try:
         from vllm import _custom_ops as ops
     except ImportError as exc:
-        _log.info("swap_blocks_batch_unavailable", reason=repr(exc))
+        _log.warning("swap_blocks_batch_unavailable", reason=repr(exc), effect=_FALLBACK)
         return None
     function = getattr(ops, "swap_blocks_batch", None)
     built = hasattr(getattr(torch.ops, "_C_cache_ops", None), "swap_blocks_batch")
     if function is None or not built:
-        _log.info("swap_blocks_batch_unavailable", python_wrapper=function is not None, built_op=built)
+        _log.warning("swap_blocks_batch_unavailable", python_wrapper=function is not None, built_op=built,
+                     effect=_FALLBACK)
         return None
+    _log.info("swap_blocks_batch_used")
     return function
