@@ -54,6 +54,7 @@ class ConnectorSettings:
     protection: Protection = Protection.FLUSH
     store_mode: StoreMode = StoreMode.EAGER
     lazy_target_blocks: int = 64
+    load_timeout_s: float = 30.0
     event_log: str | None = None
     event_log_format: str = "binary"
     event_log_on_error: str = "continue"  # or "stop": a log that cannot be written stops vLLM
@@ -73,6 +74,8 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "protection": (str, "'flush' or 'pin': how a store's source blocks are kept intact"),
     "store_mode": (str, "'eager' or 'lazy': store every full block, or only blocks about to be reused"),
     "lazy_target_blocks": (int, "lazy mode: how far from the eviction end of the free queue to store"),
+    "load_timeout_s": ((int, float), "a load not finished after this many seconds fails and is recomputed (0: "
+                                     "never)"),
     "event_log": (str, "path of the event log the scheduler writes"),
     "event_log_format": (str, "'binary' or 'jsonl'"),
     "event_log_on_error": (str, "'continue' (stop the log, keep serving) or 'stop' (stop vLLM)"),
@@ -153,6 +156,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     target = extra.get("lazy_target_blocks", 64)
     if target <= 0:
         raise ConfigError(f"lazy_target_blocks must be positive, got {target}")
+    load_timeout = extra.get("load_timeout_s", 30.0)
+    if load_timeout < 0:
+        raise ConfigError(f"load_timeout_s must be >= 0 (0: no timeout), got {load_timeout}")
     fmt = extra.get("event_log_format", "binary")
     if fmt not in LOG_FORMATS:
         raise ConfigError(f"event_log_format must be 'binary' or 'jsonl', got {fmt!r}")
@@ -179,6 +185,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         protection=Protection(protection),
         store_mode=StoreMode(store_mode),
         lazy_target_blocks=target,
+        load_timeout_s=float(load_timeout),
         event_log=event_log,
         event_log_format=fmt,
         event_log_on_error=on_error,

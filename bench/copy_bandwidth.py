@@ -1,8 +1,8 @@
 """Block copy bandwidth: the transfer backends' gather/scatter vs one contiguous copy_.
 
-For each page size, N blocks move between a "device" int8 tensor (host
-memory on CPU, as vLLM-CPU keeps its KV cache; GPU memory on CUDA) and the
-host tier, through the real backend (CpuBackend or CudaBackend). Beside each
+On CPU, for each page size, N blocks move between a "device" int8 tensor
+(host memory, as vLLM-CPU keeps its KV cache) and the host tier, through
+the real backend (CpuBackend). Beside each
 it times a single contiguous `copy_` of the same number of bytes, interleaved
 repetition by repetition so both see the same machine, and prints the ratio.
 
@@ -24,8 +24,21 @@ used meanwhile (a shared machine slows every column, and the copies that use
 threads of their own most); `--max-others` measures a page size again until
 that stays below a bound.
 
+On CUDA (`--device cuda`) the layouts are real ones instead: per layer a
+FlashAttention tensor `(2, num_blocks, block_size, kv_heads, head_size)`,
+so a block is two spans (K and V) per layer, 2 x layers spans in all, as a
+vLLM GPU worker registers them (`--layouts`, as layers x kv_heads x
+head_size x block_size, bf16). Each copy is timed on the device by the
+backend's own CUDA events (start recorded on the copy stream once it has
+waited for the compute stream, end after the last copy): the GB/s are
+device time. The host's submit time (descriptor building, launches) is a
+column of its own. Both copy paths run where they can: kvledger's torch path
+(staging) and vLLM's `swap_blocks_batch` (when the installed vLLM ships it).
+The baseline is one contiguous `copy_` of the same bytes, timed with CUDA
+events too.
+
     python bench/copy_bandwidth.py [--device cpu|cuda] [--total-mib 256] [--repeats 7] [--settle-ms 30]
-                                   [--max-others 0.1]
+                                   [--max-others 0.1] [--layouts 32x8x128x16 ...]
 """
 
 from __future__ import annotations
@@ -60,10 +73,6 @@ def single_span_layout(rows: torch.Tensor) -> CanonicalKVCaches:
 
 
 def make_backend(layout: CanonicalKVCaches, tier: HostTier):
-    if layout.device.type == "cuda":
-        from kvledger.transfers.cuda_backend import CudaBackend
-
-        return CudaBackend(layout, tier)
     from kvledger.transfers.cpu_backend import CpuBackend
 
     return CpuBackend(layout, tier)
@@ -138,16 +147,6 @@ def measure(device: torch.device, page: int, total: int, repeats: int, settle_s:
             assert outcomes and all(o.ok for o in outcomes), outcomes
         return run
 
-    def both() -> None:
-        store_id, load_id = next(job_ids), next(job_ids)
-        half = n // 2
-        backend.submit(CopyJob(job_id=store_id, direction=Direction.STORE,
-                               block_ids=[scattered_blocks[:half]], slot_ids=[scattered_slots[:half]]))
-        backend.submit(CopyJob(job_id=load_id, direction=Direction.LOAD,
-                               block_ids=[scattered_blocks[half:]], slot_ids=[scattered_slots[half:]]))
-        backend.wait([store_id, load_id], 600)
-        assert all(o.ok for o in backend.poll())
-
     cases = {
         "copy_ to host": lambda: contiguous_dst.copy_(contiguous_src, non_blocking=True),
         "copy_ to device": lambda: contiguous_back.copy_(contiguous_dst, non_blocking=True),
@@ -155,12 +154,8 @@ def measure(device: torch.device, page: int, total: int, repeats: int, settle_s:
         "store slot runs": job(Direction.STORE, scattered_blocks, run_slots),
         "load scattered": job(Direction.LOAD, scattered_blocks, scattered_slots),
     }
-    if device.type == "cuda":
-        cases["store+load scattered"] = both
-        settle_s = 0.0
-    else:
-        spin = torch.ones(1 << 20)
-        cases["store scattered after a parallel op"] = (lambda: spin.add_(1), cases["store scattered"])
+    spin = torch.ones(1 << 20)
+    cases["store scattered after a parallel op"] = (lambda: spin.add_(1), cases["store scattered"])
     nbytes = n * page
     gbps = lambda times: nbytes / statistics.median(times) / 1e9  # noqa: E731
     samples = interleaved(cases, repeats, device, settle_s)
@@ -202,6 +197,130 @@ def describe(device: torch.device) -> str:
     return text
 
 
+CUDA_LAYOUTS = ("32x8x128x16", "32x8x128x64", "4x8x128x16")
+"""layers x kv_heads x head_size x block_size: Llama-3-8B's KV with vLLM's default block of 16
+tokens (64 spans of 32 KiB), the same with 64-token blocks (64 spans of 128 KiB), a 4-layer model."""
+
+
+def flash_layout(spec: str, num_blocks: int, device: torch.device) -> CanonicalKVCaches:
+    """A FlashAttention KV cache as a vLLM GPU worker registers it: one tensor per layer."""
+    from kvledger.transfers.kv_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from kvledger.transfers.layout import canonicalize
+
+    layers, heads, head, block = (int(x) for x in spec.split("x"))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    kv_caches = {name: torch.empty((2, num_blocks, block, heads, head), dtype=torch.bfloat16, device=device)
+                 for name in names}
+    for tensor in kv_caches.values():
+        tensor.view(torch.int16).random_(-(1 << 15), 1 << 15)
+    attention = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=num_blocks,
+                           kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=attention)])
+    return canonicalize(kv_caches, config)
+
+
+def batch_copy_of_installed_vllm():
+    """vLLM's `swap_blocks_batch`, as the connector finds it, or None."""
+    try:
+        from kvledger.adapters.vllm.batch_copy import vllm_batch_copy
+    except Exception:  # no vLLM, or one kvledger refuses
+        return None
+    probe = {"probe": torch.empty(1, device="cuda")}
+    return vllm_batch_copy(probe)
+
+
+def event_seconds(fn) -> float:
+    """Device time of what `fn` queues on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def measure_cuda(spec: str, total: int, repeats: int, device: torch.device | None = None) -> dict:
+    from kvledger.transfers.cuda_backend import CudaBackend
+
+    device = device or torch.device("cuda")
+    block_bytes = flash_layout(spec, 1, device).slot_bytes
+    n = max(1, total // block_bytes)
+    pool = 2 * n + 1
+    layout = flash_layout(spec, pool, device)
+    spans = len(layout.group_spans[0])
+    tier = HostTier(capacity_bytes=pool * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes)
+    tier.rows.random_(-128, 127)
+    paths = {"torch": CudaBackend(layout, tier)}
+    batch = batch_copy_of_installed_vllm()
+    if batch is not None:
+        paths["batch"] = CudaBackend(layout, tier, batch_copy=batch)
+    g = torch.Generator().manual_seed(n)
+    blocks = (torch.randperm(pool - 1, generator=g)[:n] + 1).tolist()
+    slots = torch.randperm(tier.num_slots, generator=g)[:n].tolist()
+    first = int(torch.randint(0, tier.num_slots - n + 1, (), generator=g))
+    runs = list(range(first, first + n))
+    nbytes = n * sum(span.nbytes for span in layout.group_spans[0])
+    flat_device = torch.empty(nbytes, dtype=torch.int8, device=device)
+    flat_host = torch.empty(nbytes, dtype=torch.int8).pin_memory()
+    job_ids = iter(range(1, 1 << 30))
+
+    def job(backend, direction: Direction, slot_ids):
+        def run() -> tuple[float, float]:
+            copy = CopyJob(job_id=next(job_ids), direction=direction, block_ids=[blocks], slot_ids=[slot_ids])
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            backend.submit(copy)
+            submitted = time.perf_counter() - started
+            torch.cuda.synchronize(device)
+            (outcome,) = backend.poll()
+            assert outcome.ok, outcome
+            return outcome.seconds, submitted
+        return run
+
+    cases = {
+        "copy_ to host": lambda: (event_seconds(lambda: flat_host.copy_(flat_device, non_blocking=True)), 0.0),
+        "copy_ to device": lambda: (event_seconds(lambda: flat_device.copy_(flat_host, non_blocking=True)), 0.0),
+    }
+    for path, backend in paths.items():
+        cases[f"store scattered, {path}"] = job(backend, Direction.STORE, slots)
+        cases[f"store slot runs, {path}"] = job(backend, Direction.STORE, runs)
+        cases[f"load scattered, {path}"] = job(backend, Direction.LOAD, slots)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
+    for fn in cases.values():  # warm up
+        fn()
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            samples[name].append(fn())
+    results = {name: nbytes / statistics.median(t for t, _ in s) / 1e9 for name, s in samples.items()}
+    submit_us = {name: statistics.median(h for _, h in s) * 1e6 for name, s in samples.items()}
+    for backend in paths.values():
+        backend.shutdown(drain=True, timeout_s=60)
+    tier.close()
+    return {"layout": spec, "spans": spans, "span_bytes": layout.group_spans[0][0].nbytes, "blocks": n,
+            "results": results, "submit_us": submit_us}
+
+
+def main_cuda(args) -> None:
+    print(f"machine: {describe(torch.device('cuda'))}")
+    print(f"device: cuda; {args.total_mib} MiB per copy; median of {args.repeats}; GB/s = 1e9 bytes/s of device "
+          f"time (CUDA events); submit: host time of the backend's submit, median")
+    rows = [measure_cuda(spec, args.total_mib << 20, args.repeats) for spec in args.layouts]
+    names = list(rows[0]["results"])
+    header = ["layout", "spans x bytes", "blocks", *names]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        results, submit = row["results"], row["submit_us"]
+        cells = [row["layout"], f"{row['spans']} x {row['span_bytes']}", str(row["blocks"])]
+        for name in names:
+            if name.startswith("copy_"):
+                cells.append(f"{results[name]:.1f}")
+                continue
+            base = results["copy_ to device" if name.startswith("load") else "copy_ to host"]
+            cells.append(f"{results[name]:.1f} ({results[name] / base:.2f}x; submit {submit[name]:.0f} us)")
+        print("| " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -214,9 +333,14 @@ def main() -> None:
                         help="measure a page size again (up to --tries times) while other processes "
                              "used more than this many cores meanwhile")
     parser.add_argument("--tries", type=int, default=20)
+    parser.add_argument("--layouts", nargs="*", default=list(CUDA_LAYOUTS),
+                        help="CUDA: layers x kv_heads x head_size x block_size, one table row each")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     device = torch.device(args.device)
+    if device.type == "cuda":
+        main_cuda(args)
+        return
     print(f"machine: {describe(device)}")
     print(f"device: {device}; {args.total_mib} MiB per copy; median of {args.repeats}; GB/s = 1e9 bytes/s")
     rows = []

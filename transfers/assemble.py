@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from kvledger.transfers.backend import CopyBackend, Direction
+from kvledger.transfers.copy_descriptors import BatchCopy
 from kvledger.transfers.cpu_backend import CpuBackend
 from kvledger.transfers.faults import DelayingBackend, FaultInjectingBackend, FaultPlan
 from kvledger.transfers.host_tier import HostTier
@@ -35,30 +36,33 @@ def open_transfers(
     store_hold_polls: int = 0,
     inline_cpu_copies: bool = False,
     timeout_s: float = 60.0,
+    load_timeout_s: float = 30.0,
     lower_tiers: LowerTierFactory | None = None,
+    batch_copy: BatchCopy | None = None,
 ) -> Transfers:
     """Canonical layout, host tier and runner, with the backend the device calls for;
-    `lower_tiers` opens the tiers below host memory once the host tier exists."""
+    `lower_tiers` opens the tiers below host memory once the host tier exists;
+    `batch_copy` (vLLM's `swap_blocks_batch`, on CUDA) replaces the torch copy path."""
     layout = canonicalize(kv_caches, config)
     tier = HostTier(capacity_bytes=capacity_bytes, slot_bytes=layout.slot_bytes)
     backend: CopyBackend
     if layout.device.type == "cuda":
         from kvledger.transfers.cuda_backend import CudaBackend
 
-        backend = CudaBackend(layout, tier)
+        backend = CudaBackend(layout, tier, batch_copy=batch_copy)
     else:
         backend = CpuBackend(layout, tier, inline=inline_cpu_copies)
     if store_hold_polls:
         backend = DelayingBackend(backend, Direction.STORE, store_hold_polls)
     runner = make_runner(layout, tier, backend, faults=faults, worker_index=worker_index, timeout_s=timeout_s,
-                         lower_tiers=lower_tiers(tier, layout) if lower_tiers is not None else None)
+                         load_timeout_s=load_timeout_s, lower_tiers=lower_tiers(tier, layout) if lower_tiers is not None else None)
     return Transfers(layout=layout, tier=tier, runner=runner)
 
 
 def make_runner(
     layout: CanonicalKVCaches, tier: HostTier, backend: CopyBackend, *,
     faults: FaultPlan | Sequence[FaultPlan] | None = None, worker_index: int = 0, timeout_s: float = 60.0,
-    lower_tiers: Mapping[int, TierIO] | None = None,
+    load_timeout_s: float = 30.0, lower_tiers: Mapping[int, TierIO] | None = None,
 ) -> TransferRunner:
     """Wraps `backend` in fault injection when asked (one layer per plan), then in the runner."""
     plans = (faults,) if isinstance(faults, FaultPlan) else tuple(faults or ())
@@ -71,5 +75,6 @@ def make_runner(
         num_slots=tier.num_slots,
         worker_index=worker_index,
         timeout_s=timeout_s,
+        load_timeout_s=load_timeout_s,
         lower_tiers=lower_tiers,
     )

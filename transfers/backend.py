@@ -87,5 +87,10 @@ class CopyBackend(Protocol):
     def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
         """Block until these jobs finished (unknown ids count as finished)."""
 
+    def order_after(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        """Make device work the caller queues from now on start after these
+        jobs end. A backend with streams does it on the device, without
+        blocking the host; one without streams waits."""
+
     def shutdown(self, *, drain: bool, timeout_s: float) -> None:
         """Finish (drain) or cancel queued jobs, then release threads and streams."""

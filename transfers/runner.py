@@ -9,12 +9,16 @@ events from `poll()`, never as callbacks, one per job, carrying this
 worker's index. Nothing that goes wrong in a copy escapes as an exception:
 a failed precondition or copy is a failure event. The only exceptions are
 for waits that run out of time, because then the caller cannot go on
-safely (a forward would read blocks still being written).
+safely (a forward would read blocks still being written). A load that is
+polled rather than waited for and outlives `load_timeout_s` fails (its
+request is recomputed); device work queued later is ordered after its
+copy, so a late copy cannot overwrite the recomputed blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 import structlog
@@ -54,6 +58,7 @@ class _Job:
     copy: CopyJob
     kept: tuple[tuple[int, ...], ...] | None = None  # a promoted load's copy skips what failed to read
     failed: frozenset[Position] = frozenset()  # positions that failed before the copy
+    started_s: float = 0.0  # when the copy was submitted, on the runner's clock
 
 
 class TransferRunner:
@@ -66,14 +71,21 @@ class TransferRunner:
         num_slots: int,
         worker_index: int = 0,
         timeout_s: float = 60.0,
+        load_timeout_s: float = 30.0,
         lower_tiers: Mapping[int, TierIO] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`timeout_s` bounds waits; `load_timeout_s` (0: none) bounds a
+        polled load's device copy."""
         self._backend = backend
         self._lower = LowerTierJobs(lower_tiers or {}, num_slots, worker_index)
         self._limits = Limits(num_groups=num_groups, num_device_blocks=num_device_blocks, num_slots=num_slots)
         self.worker_index = worker_index
         self.timeout_s = timeout_s
+        self.load_timeout_s = load_timeout_s
+        self._clock = clock
         self._jobs: dict[int, _Job] = {}
+        self._abandoned: set[int] = set()  # loads failed by timeout whose copy may still end
         self._ready: list[TransferEvent] = []
         self._stats: list[TransferStat] = []
         self._closed = False
@@ -156,7 +168,7 @@ class TransferRunner:
         except Exception as exc:
             self._reject(effect, f"the copy backend refused the job: {exc!r}")
             return
-        self._jobs[effect.job_id] = _Job(effect, copy, kept, frozenset(failed))
+        self._jobs[effect.job_id] = _Job(effect, copy, kept, frozenset(failed), self._clock())
 
     def _reject(self, effect: StartStore | StartLoad, problem: str) -> None:
         """Every block of a job that never ran has failed."""
@@ -192,7 +204,11 @@ class TransferRunner:
         for outcome in self._backend.poll():
             job = self._jobs.pop(outcome.job_id, None)
             if job is None:
-                _log.warning("unknown_job_outcome", job_id=outcome.job_id)
+                if outcome.job_id in self._abandoned:
+                    self._abandoned.discard(outcome.job_id)
+                    _log.info("timed_out_load_ended", job_id=outcome.job_id, ok=outcome.ok)
+                else:
+                    _log.warning("unknown_job_outcome", job_id=outcome.job_id)
                 continue
             if job.kept is not None:  # a copy without the failed positions: back to the load's own
                 mapped = {(g, job.kept[g][i]) for g, i in outcome.failed}
@@ -211,6 +227,34 @@ class TransferRunner:
                     keys=hex_keys(job.effect.keys[g][i] for g, i in outcome.failed),
                     error=outcome.error,
                 )
+            events.append(self._event(job.effect, outcome))
+        events.extend(self._time_out_loads())
+        return events
+
+    def _time_out_loads(self) -> list[TransferEvent]:
+        """Fail the loads whose copy outlived `load_timeout_s`, and order later
+        device work after their copies (on CUDA, without blocking the host)."""
+        if not self.load_timeout_s:
+            return []
+        now = self._clock()
+        late = [job for job in self._jobs.values()
+                if isinstance(job.effect, StartLoad) and now - job.started_s > self.load_timeout_s]
+        events = []
+        for job in late:
+            del self._jobs[job.effect.job_id]
+            self._abandoned.add(job.effect.job_id)
+            _log.error("load_timed_out", job_id=job.effect.job_id, request_id=job.effect.request_id,
+                       timeout_s=self.load_timeout_s, effect="the request is recomputed")
+            try:
+                self._backend.order_after([job.effect.job_id], 0.0)
+            except TransferTimeout:  # a host-memory backend cannot order a copy that is still running
+                _log.error("timed_out_load_still_running", job_id=job.effect.job_id)
+            outcome = JobOutcome(job_id=job.effect.job_id, direction=Direction.LOAD, failed=job.copy.positions(),
+                                 error=f"no outcome within {self.load_timeout_s:.3g} s")
+            if job.kept is not None:
+                outcome = attrs.evolve(outcome, failed=tuple(sorted(
+                    {(g, job.kept[g][i]) for g, i in outcome.failed} | job.failed)))
+            self._stats.append(TransferStat(Direction.LOAD, tuple(0 for _ in job.effect.keys), 0.0, False))
             events.append(self._event(job.effect, outcome))
         return events
 
@@ -261,6 +305,15 @@ class TransferRunner:
     def resume(self) -> None:
         """vLLM mapped its KV cache back, at the same addresses. Idempotent."""
         self._suspended = False
+
+    def order_after(self, job_ids: Iterable[int]) -> None:
+        """Device work queued from now on runs after these jobs (see `CopyBackend.order_after`)."""
+        job_ids = tuple(job_ids)
+        try:
+            self._backend.order_after(job_ids, self.timeout_s)
+        except TransferTimeout as exc:
+            _log.error("transfer_wait_timed_out", what="ordering", job_ids=job_ids, timeout_s=self.timeout_s)
+            raise TransferTimeout(f"ordering after jobs {list(job_ids)} timed out: {exc}") from exc
 
     def shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Finish (drain) or cancel outstanding copies; `poll()` still returns their events."""

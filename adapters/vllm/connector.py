@@ -103,7 +103,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.restore_kv_caches()
 
     def finish_forward(self) -> None:
-        return  # stores start after the forward, in wait_for_save; loads ended before it began
+        return  # stores start in wait_for_save (or the next step's first hook: store_timing); loads ended before the forward
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVLedgerMetadata)

@@ -21,8 +21,9 @@ from kvledger.events.types import TransferEvent
 class KVLedgerMetadata(KVConnectorMetadata):
     """Scheduler to worker: this step's transfers, by phase.
 
-    `before_step` (flushes) runs in `handle_preemptions`, before the step
-    zeroes or overwrites any block; `loads` in `start_load_kv`, once the
+    `before_step` (flushes) runs in `handle_preemptions`, before the step's
+    forward (and, under vLLM's V1 model runner, before it zeroes new blocks;
+    the V2 runner zeroes them earlier, which `store_timing` provides for); `loads` in `start_load_kv`, once the
     step's new blocks are set up (their requests are not in the batch);
     `after_forward` (stores) in `wait_for_save`, after the forward wrote
     the blocks.

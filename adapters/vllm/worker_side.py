@@ -3,8 +3,9 @@
 Per step, in vLLM's order: `handle_preemptions` waits for exactly the stores
 whose source blocks this step reuses; `start_load_kv` starts loads (their
 requests wait outside the batch); `wait_for_save` starts stores of the
-blocks the forward just wrote; `get_transfer_results` polls, and the
-outcomes travel back as worker metadata for the engine.
+blocks the forward just wrote (on CUDA under vLLM's V1 model runner, at the
+next step's first hook instead; see `store_timing`); `get_transfer_results`
+polls, and the outcomes travel back as worker metadata for the engine.
 
 A failed load is reported the way vLLM 0.32 can take it: with one KV group,
 the exact failed block ids (vLLM recomputes from the first); with several,
@@ -33,8 +34,10 @@ from kvledger.transfers.backend import Direction
 from kvledger.transfers.faults import FaultPlan
 from kvledger.transfers.kv_spec import KVCacheConfig
 
+from .batch_copy import vllm_batch_copy
 from .kv_cache_config import slot_bytes
 from .lower_tiers import open_worker_tiers, tier_name
+from .store_timing import StoreQueue, store_timing, uses_v2_model_runner
 
 _log = structlog.get_logger("kvledger.adapters.vllm.worker")
 
@@ -64,6 +67,7 @@ class LedgerWorker:
         self._load_requests: dict[int, str] = {}  # load job -> request
         self._events: list[TransferEvent] = []  # outcomes not yet sent to the scheduler
         self._invalid_blocks: set[int] = set()
+        self._stores: StoreQueue | None = None
 
     def _open_lower_tiers(self, tier, layout):
         vllm_config, kv_cache_config = self._vllm_configs
@@ -78,15 +82,20 @@ class LedgerWorker:
             store_hold_polls=self.settings.faults.store_hold_steps,
             # On vLLM-CPU the "device" is host memory and the forward uses every
             # core: copying in the step's own thread measured faster than a copy thread.
-            inline_cpu_copies=True,
+            inline_cpu_copies=True, load_timeout_s=self.settings.load_timeout_s,
+            batch_copy=vllm_batch_copy(kv_caches),
             lower_tiers=self._open_lower_tiers if self.settings.secondary_tiers else None)
         expected = slot_bytes(self.config)
         if self.transfers.layout.slot_bytes != expected:
             raise ConfigError(
                 f"the registered KV caches give {self.transfers.layout.slot_bytes} bytes per block, the KV "
                 f"cache config {expected}: the scheduler would size the tier differently")
+        self._stores = StoreQueue(store_timing(
+            self.transfers.layout.device.type, v2_runner=uses_v2_model_runner(self._vllm_configs[0]),
+            protection=self.settings.protection))
         _log.info("worker_ready", worker_index=self.worker_index, num_slots=self.transfers.tier.num_slots,
-                  slot_bytes=self.transfers.tier.slot_bytes, groups=self.transfers.layout.num_groups)
+                  slot_bytes=self.transfers.tier.slot_bytes, groups=self.transfers.layout.num_groups,
+                  store_timing=self._stores.timing.value)
 
     @property
     def _runner(self):
@@ -100,6 +109,7 @@ class LedgerWorker:
         first (vLLM resets the connector before it sleeps), so nothing stored
         afterwards is taken from what the blocks held."""
         if self.transfers is not None:
+            self.submit_deferred_stores()  # they read the blocks too: they run, then the drain covers them
             self._runner.suspend()
             _log.info("kv_caches_unregistered", worker_index=self.worker_index)
 
@@ -111,6 +121,7 @@ class LedgerWorker:
             _log.info("kv_caches_restored", worker_index=self.worker_index)
 
     def handle_preemptions(self, meta: KVLedgerMetadata) -> None:
+        self._store_queue.before_step(self._runner)
         if meta.before_step:
             self._runner.submit(meta.before_step)
             _log.debug("stores_flushed", effects=meta.before_step)
@@ -119,10 +130,17 @@ class LedgerWorker:
         for load in meta.loads:
             assert isinstance(load, StartLoad), load
             self._load_requests[load.job_id] = load.request_id
+        self._store_queue.before_step(self._runner)  # a step whose runner skipped handle_preemptions
         self._runner.submit(meta.loads)
 
     def start_stores(self, meta: KVLedgerMetadata) -> None:
-        self._runner.submit(meta.after_forward)
+        self._store_queue.after_forward(self._runner, meta.after_forward)
+
+    @property
+    def _store_queue(self) -> StoreQueue:
+        if self._stores is None:
+            raise RuntimeError("register_kv_caches was not called before the first step")
+        return self._stores
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call."""
@@ -185,7 +203,15 @@ class LedgerWorker:
         events, self._events = tuple(self._events), []
         return KVLedgerWorkerMetadata(events=events)
 
+    def submit_deferred_stores(self) -> None:
+        """Start the stores held for the next step now (V1 runner on CUDA), so a
+        drain that follows covers them: before shutdown, or before vLLM discards
+        the device memory they read."""
+        if self.transfers is not None and self._stores is not None:
+            self._stores.before_step(self.transfers.runner)
+
     def shutdown(self) -> None:
         if self.transfers is not None:
+            self.submit_deferred_stores()  # they run and report too
             self.transfers.runner.shutdown(drain=True)
             self.transfers.tier.close()

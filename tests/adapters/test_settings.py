@@ -28,6 +28,7 @@ def test_defaults_and_the_vllm_alias_for_capacity():
     assert settings.eviction_policy is PolicyName.LRU
     assert settings.event_log is None
     assert settings.faults == FaultSettings()  # no injected faults unless asked
+    assert settings.load_timeout_s == 30.0
 
 
 def test_the_transfer_config_builder_gives_settings_the_connector_accepts():
@@ -43,6 +44,7 @@ def test_every_key_is_read():
     settings = parse_settings({
         "capacity_bytes": 4096, "eviction_policy": "arc", "protection": "pin", "event_log": "/tmp/x.log", "event_log_format": "jsonl",
         "digest_interval": 8, "snapshot_interval_events": 1000, "log_level": "debug", "log_json": True,
+        "load_timeout_s": 2.5,
         "fault_injection": {"load_rate": 0.5, "store_rate": 0.25, "load_block_rate": 0.1, "seed": 7,
                             "corrupt": True},
     })
@@ -53,6 +55,7 @@ def test_every_key_is_read():
     assert (lazy.store_mode, lazy.lazy_target_blocks) == (StoreMode.LAZY, 8)
     assert (settings.digest_interval, settings.log_level, settings.log_json) == (8, "debug", True)
     assert settings.snapshot_interval_events == 1000
+    assert settings.load_timeout_s == 2.5
     faults = settings.faults
     assert (faults.load_rate, faults.store_rate, faults.load_block_rate, faults.seed, faults.corrupt) == (
         0.5, 0.25, 0.1, 7, True)
@@ -73,6 +76,7 @@ def test_every_key_is_read():
     ({"capacity_bytes": 1, "lazy_target_blocks": 0}, "lazy_target_blocks"),
     ({"capacity_bytes": 1, "fault_injection": {"store_hold_steps": -1}}, "store_hold_steps"),
     ({"capacity_bytes": 1, "log_level": "loud"}, "log_level"),
+    ({"capacity_bytes": 1, "load_timeout_s": -1}, "load_timeout_s"),
     ({"capacity_bytes": 1, "digest_interval": -1}, "digest_interval"),
     ({"capacity_bytes": 1, "snapshot_interval_events": -5}, "snapshot_interval_events"),
     ({"capacity_bytes": 1, "fault_injection": {"load_rate": 2}}, "within [0, 1]"),

@@ -13,13 +13,15 @@ import torch
 from kvledger.engine.effects import FlushStores
 from kvledger.events.types import LoadCompleted, StoreCompleted
 from kvledger.transfers.assemble import make_runner
-from kvledger.transfers.backend import TransferTimeout
+from kvledger.transfers.backend import Direction, TransferTimeout
 from kvledger.transfers.cuda_backend import CudaBackend, slot_runs
 from kvledger.transfers.faults import FaultPlan
 from kvledger.transfers.host_tier import HostTier
 from kvledger.transfers.layout import canonicalize
 from tests.transfers import layouts
+from tests.transfers.cuda_standin import FakeEvent, FakeStream, HostStandIn, install_fake_cuda
 from tests.transfers.harness import load, make_rig, store
+from tests.transfers.test_copy_descriptors import memmove_batch
 
 
 def needs_cuda(test):
@@ -30,14 +32,15 @@ def needs_cuda(test):
 SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time: keeps the compute stream busy
 
 
-def cuda_rig(build, plan: FaultPlan | None = None, timeout_s: float = 30.0):
+def cuda_rig(build, plan: FaultPlan | None = None, timeout_s: float = 30.0, batch_copy=None):
     cpu_case = build()
     masks_of = make_rig(cpu_case).block_mask  # byte positions depend on geometry only
     case = layouts.on_device(cpu_case, "cuda")
     layout = canonicalize(case.kv_caches, case.config)
     tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=True)
     assert tier.pinned
-    runner = make_runner(layout, tier, CudaBackend(layout, tier), faults=plan, worker_index=1, timeout_s=timeout_s)
+    backend = CudaBackend(layout, tier, batch_copy=batch_copy)
+    runner = make_runner(layout, tier, backend, faults=plan, worker_index=1, timeout_s=timeout_s)
     return case, runner, masks_of
 
 
@@ -53,8 +56,9 @@ BUILDERS = [
 
 @needs_cuda
 @pytest.mark.parametrize("build", BUILDERS)
-def test_round_trip_through_the_pinned_tier_is_byte_exact(build) -> None:
-    case, runner, masks_of = cuda_rig(build)
+def test_round_trip_through_the_pinned_tier_is_byte_exact(build, batch_copy=None) -> None:
+    """On kvledger's torch path; `tests/adapters/test_batch_copy.py` runs it on vLLM's batch copy."""
+    case, runner, masks_of = cuda_rig(build, batch_copy=batch_copy)
     groups = len(case.config.kv_cache_groups)
     blocks = [[1, 3, 2], [5, 4]][:groups] if groups == 2 else [[1, 3, 2, 6]]
     slots = [[7, 0, 1], [3, 12]][:groups] if groups == 2 else [[7, 0, 1, 9]]
@@ -109,6 +113,26 @@ def test_a_load_lands_after_the_compute_stream_zeroed_its_blocks() -> None:
 
 
 @needs_cuda
+def test_compute_work_queued_after_order_after_waits_for_the_store() -> None:
+    """vLLM's V2 runner zeroes reused blocks on the compute stream before any
+    connector hook of the step: the store must already be ordered before it."""
+    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8))
+    for raw in case.raws:
+        raw.fill_(7)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the store's stream starts after this
+    runner.submit([store(1, [[2]], [[0]])])
+    runner.order_after([1])
+    assert runner.in_flight == {1}, "ordering does not wait on the host"
+    for raw in case.raws:
+        raw.zero_()  # the next step's zeroing, on the compute stream
+    runner.submit([load(2, [[0]], [[4]])])
+    runner.wait([2])
+    (mask,) = masks_of({0: [4]})
+    assert bool((case.raws[0].cpu()[mask] == 7).all())
+    runner.shutdown()
+
+
+@needs_cuda
 def test_poll_never_blocks_and_flush_waits_for_named_jobs_only() -> None:
     case, runner, _ = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8), timeout_s=0.2)
     runner.submit([store(1, [[1]], [[0]])])
@@ -155,66 +179,22 @@ def test_slot_runs() -> None:
     assert slot_runs([]) == []
 
 
-class _FakeStream:
-    def __init__(self, device=None) -> None:
-        self.waits: list[object] = []
-
-    def wait_stream(self, other) -> None:
-        self.waits.append(other)
-
-    def wait_event(self, event) -> None:
-        self.waits.append(event)
-
-
-class _FakeEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.recorded_on = None
-        self.enable_timing = enable_timing
-
-    def record(self, stream) -> None:
-        self.recorded_on = stream
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: _FakeEvent) -> float:
-        assert self.enable_timing and end.enable_timing, "a timed copy needs timing events at both ends"
-        return 1.5  # milliseconds
-
-
-class _HostStandIn(CudaBackend):
-    """The CUDA data path with host tensors, for checking its bookkeeping without a GPU."""
-
-    @staticmethod
-    def _check_device(layout) -> None:
-        pass
-
-    def _device_ids(self, ids, keep):
-        tensor = torch.tensor(ids, dtype=torch.long)
-        keep.append(tensor)
-        return tensor
-
-
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeStream:
-    import contextlib
-
-    compute = _FakeStream()
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    return compute
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
+    return install_fake_cuda(monkeypatch)
 
 
 @pytest.mark.parametrize("build", BUILDERS)
-@pytest.mark.parametrize("staging_bytes", [1 << 20, 1])
-def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, build, staging_bytes) -> None:
+@pytest.mark.parametrize(("staging_bytes", "batch_copy"), [(1 << 20, None), (1, None), (0, memmove_batch)])
+def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, build, staging_bytes,
+                                                        batch_copy) -> None:
+    """Torch path (1: one slot per staging chunk) and batch path (a memcpy per descriptor)."""
     from kvledger.transfers import cuda_backend
 
-    monkeypatch.setattr(cuda_backend, "STAGING_BYTES", staging_bytes)  # 1: one slot per chunk
-    rig = make_rig(build(), backend_cls=_HostStandIn)
+    monkeypatch.setattr(cuda_backend, "STAGING_BYTES", staging_bytes)
+    rig = make_rig(build(), backend_cls=HostStandIn, batch_copy=batch_copy)
+    assert rig.backend.copy_path == ("torch" if batch_copy is None else "swap_blocks_batch")
+    assert bool(rig.backend._staging) is (batch_copy is None), "the batch path takes no device memory"
     groups = len(rig.case.config.kv_cache_groups)
     blocks = [[1, 3, 2], [5, 4]][:groups] if groups == 2 else [[1, 3, 2, 6]]
     slots = [[7, 0, 1], [3, 12]][:groups] if groups == 2 else [[8, 0, 1, 9]]
@@ -234,11 +214,11 @@ def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, 
         assert torch.equal(raw[~mask], after[~mask])
     streams = rig.backend._streams
     assert all(fake_cuda in s.waits for s in streams.values()), "copy streams must follow the compute stream"
-    assert sum(isinstance(w, _FakeEvent) for w in fake_cuda.waits) >= 2, "waits order the caller's stream"
+    assert sum(isinstance(w, FakeEvent) for w in fake_cuda.waits) >= 2, "waits order the caller's stream"
 
 
 def test_a_launch_error_is_a_failure_once_the_stream_passes_it(fake_cuda) -> None:
-    class Exploding(_HostStandIn):
+    class Exploding(HostStandIn):
         def _load(self, job, keep):
             raise RuntimeError("CUDA out of memory")
 
@@ -248,3 +228,96 @@ def test_a_launch_error_is_a_failure_once_the_stream_passes_it(fake_cuda) -> Non
     events = rig.runner.poll()
     assert [type(e).__name__ for e in events] == ["LoadFailed"]
     assert events[0].block_ids == (2, 3)
+
+
+def test_staging_is_one_bounded_buffer_per_direction_taken_at_start(fake_cuda) -> None:
+    """vLLM budgets device memory before kvledger starts: nothing is allocated per job."""
+    rig = make_rig(layouts.hybrid_sliding(num_blocks=8), backend_cls=HostStandIn, staging_bytes=3 * 1024)
+    slot_bytes = rig.tier.slot_bytes
+    staging = dict(rig.backend._staging)
+    assert {d.value: tuple(t.shape) for d, t in staging.items()} == {
+        "store": (max(1, 3 * 1024 // slot_bytes), slot_bytes), "load": (max(1, 3 * 1024 // slot_bytes), slot_bytes)}
+    original = rig.snapshot()
+    blocks, slots = [[1, 3, 2, 6], [5, 4, 7]], [[8, 0, 1, 9], [3, 12, 13]]
+    rig.runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
+    rig.scramble(seed=5)
+    rig.runner.submit([load(2, slots, blocks)])
+    rig.runner.wait([2])
+    assert [type(e).__name__ for e in rig.runner.poll()] == ["StoreCompleted", "LoadCompleted"]
+    for raw, mask, before in zip(rig.case.raws, rig.block_mask(dict(enumerate(blocks))), original):
+        assert torch.equal(raw[mask], before[mask])
+    assert all(rig.backend._staging[d] is staging[d] for d in staging), "the same buffers, reused"
+
+
+def test_staging_that_does_not_fit_stops_the_start_with_the_setting_to_change(fake_cuda, monkeypatch) -> None:
+    """A CUDA allocation failure cannot happen on the host: torch.empty raises as it would on a full GPU."""
+    from kvledger.transfers import cuda_backend
+
+    real_empty = torch.empty
+
+    def full_gpu(*shape, **kwargs):
+        if kwargs.get("device") is not None:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 MiB")
+        return real_empty(*shape, **kwargs)
+
+    case = layouts.cpu_attention()
+    layout = canonicalize(case.kv_caches, case.config)
+    tier = HostTier(capacity_bytes=1 << 16, slot_bytes=layout.slot_bytes, pin=False)
+    monkeypatch.setattr(torch, "empty", full_gpu)
+    with pytest.raises(cuda_backend.DeviceMemoryError, match="gpu_memory_utilization"):
+        HostStandIn(layout, tier)
+
+
+def test_an_outcome_survives_a_timing_failure(fake_cuda, monkeypatch) -> None:
+    class Untimed(FakeEvent):
+        def elapsed_time(self, end) -> float:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "Event", Untimed)
+    rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=HostStandIn)
+    rig.runner.submit([store(1, [[2]], [[0]]), store(2, [[3]], [[1]])])
+    assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3), StoreCompleted(job_id=2, worker_index=3)]
+    assert rig.runner.in_flight == frozenset()
+    assert [s.seconds for s in rig.runner.take_stats()] == [0.0, 0.0]
+
+
+def test_a_job_whose_end_event_cannot_be_recorded_is_rejected_only_once_its_stream_drained(
+        fake_cuda, monkeypatch) -> None:
+    created: list[FakeEvent] = []
+
+    class EndUnrecordable(FakeEvent):
+        """Each job makes a start event, queues its copies, then makes its end event."""
+
+        def __init__(self, enable_timing: bool = False) -> None:
+            super().__init__(enable_timing)
+            created.append(self)
+
+        def record(self, stream) -> None:
+            if len(created) % 2 == 0:
+                raise RuntimeError("CUDA error: out of resources")
+            super().record(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", EndUnrecordable)
+    rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=HostStandIn)
+    rig.runner.submit([load(1, [[0]], [[4]])])
+    assert [type(e).__name__ for e in rig.runner.poll()] == ["LoadFailed"]
+    assert rig.backend._streams[Direction.LOAD].synchronized == 1, "its copies ended before it was rejected"
+
+
+def test_a_timed_out_load_orders_the_compute_stream_after_its_copy(fake_cuda, monkeypatch) -> None:
+    from kvledger.transfers.runner import TransferRunner
+
+    class Pending(FakeEvent):
+        def query(self) -> bool:
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Event", Pending)
+    rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=HostStandIn)
+    now = [0.0]
+    runner = TransferRunner(rig.backend, num_groups=1, num_device_blocks=8, num_slots=rig.tier.num_slots,
+                            worker_index=3, load_timeout_s=5.0, clock=lambda: now[0])
+    runner.submit([load(1, [[0]], [[4]])])
+    done = rig.backend._launched[1].done
+    now[0] = 6.0
+    assert [type(e).__name__ for e in runner.poll()] == ["LoadFailed"]
+    assert done in fake_cuda.waits, "recompute's writes on the compute stream come after the late copy"

@@ -336,3 +336,56 @@ def test_suspend_gives_up_after_its_timeout_and_names_what_it_waited_for() -> No
         rig.runner.suspend()
     gate.set()
     rig.runner.shutdown()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_polled_load_that_outlives_its_timeout_fails_and_its_late_end_is_dropped() -> None:
+    from kvledger.transfers.runner import TransferRunner
+
+    gate = threading.Event()
+    rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=GatedBackend, gates={2: gate})
+    clock = _Clock()
+    runner = TransferRunner(rig.backend, num_groups=1, num_device_blocks=8, num_slots=rig.tier.num_slots,
+                            worker_index=3, load_timeout_s=30.0, clock=clock)
+    runner.submit([store(1, [[2]], [[0]]), FlushStores(job_ids=(1,))])
+    runner.submit([load(2, [[0]], [[5, ]])])
+    clock.now = 30.0
+    assert runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]  # not late yet
+    clock.now = 30.5
+    with capture_logs() as logs:
+        events = runner.poll()
+    assert events == [LoadFailed(job_id=2, worker_index=3, block_ids=(5,), keys=keys_for(2, [[5]])[0])]
+    assert runner.in_flight == frozenset()
+    names = [entry["event"] for entry in logs]
+    assert "load_timed_out" in names and "timed_out_load_still_running" in names  # host memory cannot order it
+    gate.set()
+    rig.backend.wait([2], 10)
+    with capture_logs() as logs:
+        assert runner.poll() == []
+    assert [entry["event"] for entry in logs] == ["timed_out_load_ended"]
+    assert [(s.direction, s.ok) for s in runner.take_stats()] == [(Direction.STORE, True), (Direction.LOAD, False)]
+    runner.shutdown()
+
+
+def test_no_load_timeout_when_it_is_zero() -> None:
+    from kvledger.transfers.runner import TransferRunner
+
+    gate = threading.Event()
+    rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=GatedBackend, gates={2: gate})
+    clock = _Clock()
+    runner = TransferRunner(rig.backend, num_groups=1, num_device_blocks=8, num_slots=rig.tier.num_slots,
+                            worker_index=3, load_timeout_s=0, clock=clock)
+    runner.submit([load(2, [[0]], [[5]])])
+    clock.now = 1e9
+    assert runner.poll() == [] and runner.in_flight == {2}
+    gate.set()
+    runner.wait([2])
+    assert runner.poll() == [LoadCompleted(job_id=2, worker_index=3)]
+    runner.shutdown()
