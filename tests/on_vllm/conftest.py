@@ -67,6 +67,50 @@ def loads_in_log(log: Path) -> tuple[object, list]:
     return header.config, loads
 
 
+def worker_reports(log: Path) -> tuple[dict[int, list[str]], dict]:
+    """Each transfer job's reports in log order, as `"<kind>@<worker>"`, and what
+    replaying them showed: `offered_early`, keys loadable while their store
+    still waited for another worker's report; `offered`, keys that became
+    loadable with a store's last report; `recomputed`, loads whose last report
+    sent their request back to waiting with no computed token."""
+    from kvledger.adapters.log_files import open_log
+    from kvledger.engine import effects as fx
+    from kvledger.engine import queries
+    from kvledger.engine.replay import replay
+    from kvledger.engine.state import RequestStatus
+
+    header, records = open_log(log)
+    reports: dict[int, list[str]] = {}
+    store_keys: dict[int, tuple[bytes, ...]] = {}
+    load_requests: dict[int, str] = {}
+    seen = {"offered_early": 0, "offered": 0, "recomputed": 0}
+
+    def observe(seq, event, state, effects) -> None:
+        for effect in effects:
+            if isinstance(effect, fx.StartStore):
+                store_keys[effect.job_id] = tuple(k for group in effect.keys for k in group)
+            elif isinstance(effect, fx.StartLoad):
+                load_requests[effect.job_id] = effect.request_id
+        worker = getattr(event, "worker_index", None)
+        if worker is None:
+            return
+        reports.setdefault(event.job_id, []).append(f"{event.kind}@{worker}")
+        keys = store_keys.get(event.job_id, ())
+        loadable = sum(queries.is_loadable(state, k) for k in keys)
+        if queries.job_view(state, event.job_id) is None:
+            seen["offered"] += loadable
+            store_keys.pop(event.job_id, None)
+            request = queries.request_view(state, load_requests.pop(event.job_id, ""))
+            if request is not None and request.status is RequestStatus.WAITING and not request.num_computed_tokens:
+                seen["recomputed"] += 1
+        else:
+            seen["offered_early"] += loadable
+
+    result = replay(header.config, records, observe=observe)
+    assert result.first_problem is None, result.first_problem
+    return reports, seen
+
+
 GOLDEN = REPO / "tests" / "golden" / "vllm"
 
 
