@@ -20,7 +20,7 @@ REPO = HERE.parents[1]
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = Path(os.environ.get("KVLEDGER_MODEL_DIR") or tmp_path_factory.mktemp("models"))
-    return {name: build_model(name, root) for name in ("tiny-llama", "tiny-gemma3")}
+    return {name: build_model(name, root) for name in ("tiny-llama", "tiny-gemma3", "tiny-deepseek-mla")}
 
 
 def run_engine(spec: dict, timeout: float = 300, hash_seed: str | None = None) -> dict:
@@ -36,10 +36,25 @@ def run_engine(spec: dict, timeout: float = 300, hash_seed: str | None = None) -
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
-            result["logs"] = [json.loads(x) for x in proc.stderr.splitlines() if x.startswith('{"')]
+            result["logs"] = _json_logs(proc.stderr)
             return result
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
     raise AssertionError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
+
+
+def _json_logs(text: str) -> list[dict]:
+    """kvledger's JSON log lines. With tensor parallelism several processes share
+    the one stderr, and one's line can run into another's: each object is taken
+    where it starts, whatever follows it on the line."""
+    decoder = json.JSONDecoder()
+    logs = []
+    for line in text.splitlines():
+        at = 0 if line.startswith('{"') else -1
+        while at >= 0:
+            entry, end = decoder.raw_decode(line, at)
+            logs.append(entry)
+            at = line.find('{"', end)
+    return logs
 
 
 def replay_summary(log: Path) -> dict:
