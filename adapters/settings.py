@@ -45,6 +45,10 @@ class FaultSettings:
     seed: int = 0
     corrupt: bool = False  # a failed load still writes garbage into its blocks, and reports success
     store_hold_steps: int = 0  # each store starts this many steps late (unless flushed): a slow transfer
+    ranks: tuple[int, ...] = ()  # the tensor-parallel workers that inject these faults; empty: every worker
+
+    def applies_to(self, worker_index: int) -> bool:
+        return not self.ranks or worker_index in self.ranks
 
 
 @attrs.frozen(kw_only=True)
@@ -96,6 +100,7 @@ _FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "seed": int,
     "corrupt": bool,
     "store_hold_steps": int,
+    "ranks": (list, tuple),
 }
 
 
@@ -213,6 +218,11 @@ def _parse_faults(raw: Mapping[str, Any]) -> FaultSettings:
         rate = values.get(name, 0.0)
         if not 0.0 <= rate <= 1.0:
             raise ConfigError(f"fault_injection.{name} must be within [0, 1], got {rate}")
+    if "ranks" in values:
+        ranks = values["ranks"]
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+            raise ConfigError(f"fault_injection.ranks must be worker indices (ints >= 0), got {ranks!r}")
+        values["ranks"] = tuple(sorted(set(ranks)))
     if values.get("store_hold_steps", 0) < 0:
         raise ConfigError(f"fault_injection.store_hold_steps must be >= 0, got {values['store_hold_steps']}")
     return FaultSettings(**values)

@@ -221,6 +221,7 @@ class TransferRunner:
                 _log.error(
                     "transfer_failed",
                     job_id=outcome.job_id,
+                    worker_index=self.worker_index,
                     request_id=job.effect.request_id,
                     direction=outcome.direction.value,
                     failed=len(outcome.failed),

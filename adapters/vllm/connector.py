@@ -22,7 +22,7 @@ from kvledger.adapters.settings import parse_settings
 from kvledger.adapters.structlog_setup import configure_logging
 from kvledger.adapters.vllm.kv_cache_config import engine_config, slot_bytes, transfer_config
 from kvledger.adapters.vllm.kv_events import TierEvents, group_event_specs
-from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, engine_tiers
+from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, engine_tiers, tier_copies
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata
 from kvledger.adapters.vllm.metrics import KVLedgerPromMetrics, KVLedgerStats
 from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
@@ -63,7 +63,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_cache_config, capacity_bytes=settings.capacity_bytes, policy=settings.eviction_policy,
                 protection=settings.protection, store_mode=settings.store_mode,
                 world_size=world_size, block_size=vllm_config.cache_config.block_size,
-                lower_tiers=engine_tiers(settings, slot_bytes(transfer_config(kv_cache_config)), world_size))
+                lower_tiers=engine_tiers(settings, slot_bytes(transfer_config(kv_cache_config)),
+                                         tier_copies(vllm_config, kv_cache_config, world_size)))
             events = vllm_config.kv_events_config
             tier_events = (TierEvents(group_event_specs(kv_cache_config), len(settings.secondary_tiers))
                            if events is not None and events.enable_kv_cache_events else None)

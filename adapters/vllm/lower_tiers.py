@@ -6,6 +6,13 @@ labels it, and its size in blocks) and the namespace of every tensor-parallel
 rank (`tier_namespace`), so the scheduler can tell which blocks every rank
 holds, and each worker writes only its own.
 
+Ranks with byte-identical KV (an MLA model's, `tier_namespace.tp_replicas`)
+share a namespace: the first of them writes and removes its blocks, the
+others read them and finish their part of a spill at once, having nothing to
+add (`ReplicaTierIO`). The engine still waits for every rank's report, so a
+block is held once the writer's write succeeded. Host memory stays per rank:
+each worker process loads from its own copy.
+
 The scheduler learns what a tier holds at start (a scan, entered in the log
 as `tier_keys_found`) and, when other processes share the directory, by an
 asynchronous lookup of the keys a new request would need
@@ -23,12 +30,14 @@ from typing import Any
 import structlog
 
 from kvledger.adapters.settings import ConnectorSettings, FsTierSettings, TierSettings, ValkeyTierSettings
-from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, write_identity
+from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, tp_replicas, write_identity
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, LowerTierSpec
 from kvledger.transfers.block_file import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
 from kvledger.transfers.fs_tier import FsTierIO, files_present, scan_keys
 from kvledger.transfers.key_lookups import Find, KeyLookups
+from kvledger.transfers.replica_tier import ReplicaTierIO
+from kvledger.transfers.tier_jobs import TierIO
 from kvledger.transfers.valkey_store import ValkeyStore
 from kvledger.transfers.valkey_tier import Health, ValkeyTierIO, keys_present
 
@@ -52,16 +61,22 @@ def _header_bytes(tier: TierSettings) -> int:
     return HEADER_BYTES if isinstance(tier, FsTierSettings) else compact_header_bytes(bytes(KEY_BYTES_MAX))
 
 
-def engine_tiers(settings: ConnectorSettings, slot_bytes: int, world_size: int = 1) -> tuple[LowerTierSpec, ...]:
-    """Each tier's size in blocks: a block is a file per worker (each holds its rank's
-    shard), each file its header and at most a slot's bytes; `capacity_bytes` bounds them all."""
+def tier_copies(vllm_config: Any, kv_cache_config: Any, world_size: int) -> int:
+    """How many files (or values) make one block: one per shard of the KV."""
+    return world_size // tp_replicas(vllm_config, kv_cache_config, world_size)
+
+
+def engine_tiers(settings: ConnectorSettings, slot_bytes: int, copies: int = 1) -> tuple[LowerTierSpec, ...]:
+    """Each tier's size in blocks: a block is `copies` files (one per distinct shard
+    of the ranks' KV), each file its header and at most a slot's bytes; `capacity_bytes`
+    bounds them all."""
     specs = []
     for index, tier in enumerate(settings.secondary_tiers, start=1):
         each = _header_bytes(tier) + slot_bytes
-        blocks = tier.capacity_bytes // (world_size * each)
+        blocks = tier.capacity_bytes // (copies * each)
         if blocks < 1:
             raise ConfigError(f"secondary_tiers[{index - 1}].capacity_bytes={tier.capacity_bytes} holds no block: "
-                              f"{world_size} part(s) of {each} bytes each")
+                              f"{copies} part(s) of {each} bytes each")
         specs.append(LowerTierSpec(name=tier_name(index, tier), num_blocks=blocks))
     return tuple(specs)
 
@@ -75,9 +90,9 @@ class SchedulerTiers:
         weights = settings.weights_version
         base = identity(vllm_config, kv_cache_config, rank=0, world_size=world_size, weights_version=weights)
         self.key_root = key_root(base)
-        self.namespaces = tuple(
+        self.namespaces = tuple(dict.fromkeys(  # one per distinct shard, in rank order
             namespace(identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size, weights_version=weights))
-            for rank in range(world_size))
+            for rank in range(world_size)))
         self.health: dict[int, Health] = {}  # per Valkey tier, as the scheduler's lookups see the server
         self._stores: list[ValkeyStore] = []
         self._lookups = {index: KeyLookups(self._finder(index, tier), tier_name(index, tier))
@@ -198,21 +213,26 @@ class SchedulerTiers:
 
 
 def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any, *, rank: int,
-                      world_size: int, rows: Any, payload_bytes: tuple[int, ...]) -> Mapping[int, FsTierIO | ValkeyTierIO]:
-    """This worker's I/O on each tier, in its own rank's namespace."""
+                      world_size: int, rows: Any, payload_bytes: tuple[int, ...]) -> Mapping[int, TierIO]:
+    """This worker's I/O on each tier, in its own shard's namespace: read-only
+    where another rank writes the same bytes."""
     ident = identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size,
                      weights_version=settings.weights_version)
     space = namespace(ident)
-    ios: dict[int, FsTierIO | ValkeyTierIO] = {}
+    writes = rank % tp_replicas(vllm_config, kv_cache_config, world_size) == 0
+    ios: dict[int, TierIO] = {}
     for index, tier in enumerate(settings.secondary_tiers, start=1):
         name = tier_name(index, tier)
+        io: FsTierIO | ValkeyTierIO
         if isinstance(tier, ValkeyTierSettings):
-            ios[index] = ValkeyTierIO(server=tier.server, name=name, namespace=space, rows=rows,
-                                      payload_bytes=payload_bytes, connections=tier.connections)
-            _log.info("tier_opened", tier=name, server=tier.server.where, namespace=space.hex(), rank=rank)
-            continue
-        write_identity(tier.path, space, ident)
-        ios[index] = FsTierIO(root=tier.path, namespace=space, rows=rows, payload_bytes=payload_bytes,
-                              threads=tier.threads)
-        _log.info("tier_opened", tier=name, path=tier.path, namespace=space.hex(), rank=rank)
+            io = ValkeyTierIO(server=tier.server, name=name, namespace=space, rows=rows,
+                              payload_bytes=payload_bytes, connections=tier.connections)
+            where = {"server": tier.server.where}
+        else:
+            write_identity(tier.path, space, ident)
+            io = FsTierIO(root=tier.path, namespace=space, rows=rows, payload_bytes=payload_bytes,
+                          threads=tier.threads)
+            where = {"path": tier.path}
+        ios[index] = io if writes else ReplicaTierIO(io)
+        _log.info("tier_opened", tier=name, **where, namespace=space.hex(), rank=rank, writes=writes)
     return ios

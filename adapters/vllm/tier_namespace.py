@@ -10,9 +10,11 @@ in another directory, and a file moved across is refused by its header.
 `identity` gathers those facts from vLLM's configs as a JSON-able dict;
 `namespace` digests it. `key_root` digests it without the rank, so every
 tensor-parallel rank derives the same block keys while each writes its own
-shard under its own namespace. The scheduler derives every rank's namespace
-from its own copy of the configs, so the identity holds only facts that copy
-shares with each worker's. `write_identity` leaves the dict beside the
+shard under its own namespace. Ranks whose KV is byte-identical (vLLM's
+`kv_tp_replicas`: an MLA latent is the same on every tensor-parallel rank)
+share one namespace, so a block is kept once for them (`tp_replicas`). The
+scheduler derives every rank's namespace from its own copy of the configs,
+so the identity holds only facts that copy shares with each worker's. `write_identity` leaves the dict beside the
 blocks, so an operator can tell what a directory holds.
 
 Reads use getattr with defaults: a field this vLLM lacks is left out, and a
@@ -147,8 +149,27 @@ def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: i
     if device is not _MISSING:
         out["device_type"] = str(device)
     out["parallel"] = {"world_size": int(world_size), **_fields(parallel_config, _PARALLEL_FIELDS, "parallel")}
-    out[_RANK] = int(rank)
+    replicas = tp_replicas(vllm_config, kv_cache_config, world_size)
+    first = rank - rank % replicas
+    out[_RANK] = int(rank) if replicas == 1 else f"{first}-{first + replicas - 1}"  # the ranks sharing these bytes
     return out
+
+
+def tp_replicas(vllm_config: Any, kv_cache_config: Any, world_size: int) -> int:
+    """How many consecutive ranks hold byte-identical KV and may share one copy
+    of a block: vLLM's `kv_tp_replicas` (world_size for an MLA model), under
+    tensor parallelism alone. 1 (every rank its own shard) with pipeline or
+    context parallelism, or where this vLLM does not say."""
+    replicas = _read(kv_cache_config, "kv_tp_replicas")
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas <= 1:
+        return 1
+    parallel = _read(vllm_config, "parallel_config")
+    if _read(parallel, "tensor_parallel_size") != world_size or world_size % replicas:
+        return 1
+    others = ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size")
+    if any(_read(parallel, name) not in (_MISSING, 1) for name in others):
+        return 1
+    return replicas
 
 
 def canonical_json(identity: Mapping[str, Any]) -> bytes:

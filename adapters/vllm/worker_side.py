@@ -42,8 +42,11 @@ from .store_timing import StoreQueue, store_timing, uses_v2_model_runner
 _log = structlog.get_logger("kvledger.adapters.vllm.worker")
 
 
-def fault_plans(settings: ConnectorSettings) -> tuple[FaultPlan, ...]:
+def fault_plans(settings: ConnectorSettings, worker_index: int = 0) -> tuple[FaultPlan, ...]:
+    """This worker's injected faults: none where `ranks` leaves it out."""
     faults = settings.faults
+    if not faults.applies_to(worker_index):
+        return ()
     plans = []
     if faults.load_rate or faults.load_block_rate:
         plans.append(FaultPlan(job_rate=faults.load_rate, block_rate=faults.load_block_rate, seed=faults.seed,
@@ -51,6 +54,11 @@ def fault_plans(settings: ConnectorSettings) -> tuple[FaultPlan, ...]:
     if faults.store_rate:
         plans.append(FaultPlan(job_rate=faults.store_rate, seed=faults.seed + 1, directions=(Direction.STORE,)))
     return tuple(plans)
+
+
+def _store_hold_steps(settings: ConnectorSettings, worker_index: int) -> int:
+    faults = settings.faults
+    return faults.store_hold_steps if faults.applies_to(worker_index) else 0
 
 
 class LedgerWorker:
@@ -78,8 +86,8 @@ class LedgerWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.transfers = open_transfers(
             kv_caches, self.config, capacity_bytes=self.settings.capacity_bytes,
-            worker_index=self.worker_index, faults=fault_plans(self.settings),
-            store_hold_polls=self.settings.faults.store_hold_steps,
+            worker_index=self.worker_index, faults=fault_plans(self.settings, self.worker_index),
+            store_hold_polls=_store_hold_steps(self.settings, self.worker_index),
             # On vLLM-CPU the "device" is host memory and the forward uses every
             # core: copying in the step's own thread measured faster than a copy thread.
             inline_cpu_copies=True, load_timeout_s=self.settings.load_timeout_s,

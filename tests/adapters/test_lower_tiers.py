@@ -1,5 +1,6 @@
 """The scheduler's view of a shared disk tier: the start-up scan, lookups of
-keys other processes wrote, and keys this process removed staying removed."""
+keys other processes wrote, and keys this process removed staying removed;
+and ranks with identical KV keeping one copy of a block."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import torch
 from valkey import Valkey
 
 from kvledger.adapters.settings import parse_settings
-from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
+from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, engine_tiers, open_worker_tiers, tier_copies
 from kvledger.transfers.block_file import block_path, write_block
 from kvledger.transfers.block_value import encode_value, store_key
-from tests.adapters.test_tier_namespace import kv_cache_config, vllm_config
+from kvledger.transfers.fs_tier import FsTierIO
+from kvledger.transfers.replica_tier import ReplicaTierIO
+from tests.adapters.test_tier_namespace import kv_cache_config, mla_config, vllm_config
 
 pytestmark = pytest.mark.vllm
 
@@ -107,3 +110,28 @@ def test_a_valkey_tier_down_at_start_with_warn_comes_up_with_its_server(valkey_s
         assert tiers.health[1].up
     finally:
         tiers.close()
+
+
+def test_ranks_with_identical_kv_keep_one_copy_of_a_block(tmp_path) -> None:
+    # MLA under TP=2: one namespace, one file per block, written by rank 0 alone,
+    # and the tier holds twice the blocks of a model whose ranks hold shards.
+    settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [
+        {"type": "fs", "path": str(tmp_path), "capacity_bytes": 1 << 20}]})
+    config, mla = vllm_config(tp=2), mla_config()
+    assert (tier_copies(config, mla, 2), tier_copies(config, kv_cache_config(), 2)) == (1, 2)
+    (once,), (twice,) = engine_tiers(settings, 4096, 1), engine_tiers(settings, 4096, 2)
+    assert once.num_blocks // 2 == twice.num_blocks > 0
+    tiers = SchedulerTiers(settings, config, mla, world_size=2)
+    try:
+        assert len(tiers.namespaces) == 1
+    finally:
+        tiers.close()
+    rows = torch.zeros((4, 64), dtype=torch.int8)
+    ios = [open_worker_tiers(settings, config, mla, rank=rank, world_size=2, rows=rows, payload_bytes=(64,))[1]
+           for rank in (0, 1)]
+    try:
+        assert type(ios[0]) is FsTierIO and type(ios[1]) is ReplicaTierIO
+        assert ios[0].namespace == tiers.namespaces[0]
+    finally:
+        for io in ios:
+            io.shutdown()

@@ -61,6 +61,15 @@ def test_every_key_is_read():
         0.5, 0.25, 0.1, 7, True)
 
 
+def test_faults_can_be_limited_to_some_tensor_parallel_ranks():
+    # A failure on one rank only: the others copy every block.
+    everywhere = parse_settings({"capacity_bytes": 1, "fault_injection": {"load_rate": 0.5}}).faults
+    assert everywhere.ranks == () and everywhere.applies_to(0) and everywhere.applies_to(3)
+    one = parse_settings({"capacity_bytes": 1, "fault_injection": {"load_rate": 0.5, "ranks": [1, 1]}}).faults
+    assert one.ranks == (1,)
+    assert one.applies_to(1) and not one.applies_to(0)
+
+
 @pytest.mark.parametrize("extra, words", [
     ({}, "capacity_bytes"),
     ({"capacity_bytes": 1, "capacity": 2}, "'capacity'"),
@@ -85,6 +94,9 @@ def test_every_key_is_read():
     ({"capacity_bytes": 1, "fault_injection": []}, "fault_injection"),
     ({"capacity_bytes": 1, "weights_version": ""}, "weights_version must be a non-empty string"),
     ({"capacity_bytes": 1, "weights_version": 3}, "kv_connector_extra_config['weights_version'] must be str"),
+    ({"capacity_bytes": 1, "fault_injection": {"ranks": 1}}, "fault_injection.ranks"),
+    ({"capacity_bytes": 1, "fault_injection": {"ranks": [-1]}}, "worker indices"),
+    ({"capacity_bytes": 1, "fault_injection": {"ranks": [True]}}, "worker indices"),
 ])
 def test_bad_settings_name_the_problem(extra, words):
     with pytest.raises(ConfigError) as info:

@@ -21,6 +21,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -38,15 +39,21 @@ def full(**changes):
                                 **changes})
 
 
-def kv_cache_config(*specs, layers=LAYERS, hash_block_size=None, kv_cache_layout=None):
+def kv_cache_config(*specs, layers=LAYERS, hash_block_size=None, kv_cache_layout=None, kv_tp_replicas=1):
     specs = specs or (full(),)
     page = specs[0].page_size_bytes
-    return KVCacheConfig(
+    return KVCacheConfig(kv_tp_replicas=kv_tp_replicas,
         num_blocks=128,
         kv_cache_tensors=[KVCacheTensor(size=page * 128, layers=list(layers), layer_stride=page * 128,
                                         block_stride=page)],
         kv_cache_groups=[KVCacheGroupSpec(layer_names=list(layers), kv_cache_spec=spec) for spec in specs],
         hash_block_size=hash_block_size, kv_cache_layout=kv_cache_layout)
+
+
+def mla_config(replicas=2):
+    """An MLA model's KV: one latent, the same on every tensor-parallel rank (vLLM's kv_tp_replicas)."""
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, max_tp_shards=1)
+    return kv_cache_config(spec, kv_tp_replicas=replicas)
 
 
 def vllm_config(model="Qwen/Qwen3-0.6B", dtype=torch.bfloat16, revision=None, quantization=None,
@@ -112,6 +119,27 @@ def test_stable_across_processes_and_hash_seeds():
                                                               dtype=torch.float16, sliding_window=128)),
                  rank=1, world_size=2)
     assert done.stdout.split() == [tn.namespace(here).hex(), tn.key_root(here).hex()]
+
+
+def test_ranks_with_identical_kv_share_one_namespace_and_keys():
+    # MLA under TP=2: both ranks hold the same bytes, so a block is kept once for both.
+    config, kv = vllm_config(tp=2), mla_config()
+    assert tn.tp_replicas(config, kv, 2) == 2
+    ranks = [ident(config, kv, rank=rank, world_size=2) for rank in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["rank"] == "0-1"
+    assert tn.key_root(ranks[0]) == tn.key_root(ident(config, mla_config(replicas=1), rank=0, world_size=2))
+    per_rank = [tn.namespace(ident(config, mla_config(replicas=1), rank=rank, world_size=2)) for rank in (0, 1)]
+    assert tn.namespace(ranks[0]) not in per_rank and per_rank[0] != per_rank[1]
+
+
+@pytest.mark.parametrize("config, world_size", [
+    (vllm_config(tp=2, pp=2), 4),  # pipeline stages hold different layers
+    (vllm_config(tp=1), 1),
+    (vllm_config(tp=4), 2),  # a world that is not the tensor-parallel group
+])
+def test_ranks_share_bytes_only_under_tensor_parallelism_alone(config, world_size):
+    assert tn.tp_replicas(config, mla_config(), world_size) == 1
+    assert isinstance(ident(config, mla_config(), rank=world_size - 1, world_size=world_size)["rank"], int)
 
 
 def _window(size):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger.engine import effects as fx
+from kvledger.engine import queries
 from kvledger.engine.digest import digest
 from kvledger.engine.invariants import check
 from kvledger.engine.lookup import MISS, LookupResult, lookup
@@ -737,6 +738,26 @@ def test_two_workers_a_store_completes_after_both():
     assert e.reject(ev.StoreCompleted(job_id=1, worker_index=2)) == "bad_worker"
     assert e.store_done(1, worker=0) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4, 5, 6, 7, 8)),)
     assert e.core.stats.keys_stored == 8
+    assert lookup(e.state, "b", 0) == LookupResult(128)
+    check(e.state)
+
+
+@pytest.mark.parametrize("first, last", [(0, 1), (1, 0)])
+def test_two_workers_a_block_is_offered_and_counted_only_once_both_stored_it(first, last):
+    # Each rank holds its own shard of a block: a hit needs every shard, so one
+    # rank's report, whichever comes first, must neither offer nor count it.
+    e = Engine(make_config(world_size=2))
+    e.add("a", 128)
+    e.alloc("a", *A_BLOCKS)
+    (store,) = e.step(("a", 0, 128))
+    keys = [k for group in store.keys for k in group]
+    e.store_done(store.job_id, worker=first)
+    assert not any(queries.is_loadable(e.state, k) for k in keys)
+    assert queries.loadable_keys(e.state) == [] and e.core.stats.keys_stored == 0
+    e.add("b", 129, A)
+    assert lookup(e.state, "b", 0).ready is False
+    e.store_done(store.job_id, worker=last)
+    assert queries.loadable_keys(e.state) == sorted(keys) and e.core.stats.keys_stored == len(keys) == 8
     assert lookup(e.state, "b", 0) == LookupResult(128)
     check(e.state)
 

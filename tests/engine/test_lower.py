@@ -65,6 +65,37 @@ def test_a_failed_write_keeps_the_host_copy_and_removes_any_partial_file() -> No
     check(e.state)
 
 
+def spilled_by_two_ranks(e: Engine) -> fx.StartSpill:
+    e.add("a", 64)
+    e.alloc("a", (1, 2))
+    (store,) = e.step(("a", 0, 64))
+    e.store_done(store.job_id, worker=0)
+    (spill,) = only(e.store_done(store.job_id, worker=1), fx.StartSpill)
+    return spill
+
+
+@pytest.mark.parametrize("writer_ok", [True, False])
+def test_ranks_sharing_one_copy_a_block_is_held_by_the_writers_report(writer_ok: bool) -> None:
+    # Ranks with identical KV (MLA) keep one file per block: rank 1 writes
+    # nothing and reports at once. Its report must not make the block held;
+    # rank 0's decides, a failure included.
+    e = Engine(make_config(groups=(FULL,), num_tier_slots=8, world_size=2,
+                           lower_tiers=({"name": "1:fs", "num_blocks": 16},)))
+    spill = spilled_by_two_ranks(e)
+    keys = spill.keys[0]
+    assert e.store_done(spill.job_id, worker=1) == ()
+    assert not any(queries.tier_holds(e.state, 1, k) for k in keys)
+    if writer_ok:
+        e.store_done(spill.job_id, worker=0)
+        assert all(queries.tier_holds(e.state, 1, k) for k in keys)
+    else:
+        effects = e.apply(ev.StoreFailed(job_id=spill.job_id, worker_index=0, keys=(keys[0],)))
+        assert only(effects, fx.DropTierKeys) == [fx.DropTierKeys(tier=1, keys=(keys[0],))]
+        assert [queries.tier_holds(e.state, 1, k) for k in keys] == [False, True]
+    assert all(queries.is_loadable(e.state, k) for k in keys)  # each rank's host copy either way
+    check(e.state)
+
+
 def evict_host(e: Engine, tag: str = "z", blocks=(10, 11, 12, 13, 14, 15, 16, 17)) -> None:
     """Fill host memory with another document, so the first one is on disk only."""
     stored_and_spilled(e, "filler", 32 * len(blocks), blocks, tag=tag)

@@ -20,7 +20,7 @@ REPO = HERE.parents[1]
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = Path(os.environ.get("KVLEDGER_MODEL_DIR") or tmp_path_factory.mktemp("models"))
-    return {name: build_model(name, root) for name in ("tiny-llama", "tiny-gemma3")}
+    return {name: build_model(name, root) for name in ("tiny-llama", "tiny-gemma3", "tiny-deepseek-mla")}
 
 
 def run_engine(spec: dict, timeout: float = 300, hash_seed: str | None = None) -> dict:
@@ -36,10 +36,25 @@ def run_engine(spec: dict, timeout: float = 300, hash_seed: str | None = None) -
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
-            result["logs"] = [json.loads(x) for x in proc.stderr.splitlines() if x.startswith('{"')]
+            result["logs"] = _json_logs(proc.stderr)
             return result
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
     raise AssertionError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
+
+
+def _json_logs(text: str) -> list[dict]:
+    """kvledger's JSON log lines. With tensor parallelism several processes share
+    the one stderr, and one's line can run into another's: each object is taken
+    where it starts, whatever follows it on the line."""
+    decoder = json.JSONDecoder()
+    logs = []
+    for line in text.splitlines():
+        at = 0 if line.startswith('{"') else -1
+        while at >= 0:
+            entry, end = decoder.raw_decode(line, at)
+            logs.append(entry)
+            at = line.find('{"', end)
+    return logs
 
 
 def replay_summary(log: Path) -> dict:
@@ -65,6 +80,50 @@ def loads_in_log(log: Path) -> tuple[object, list]:
                         e for e in effects if isinstance(e, fx.StartLoad)))
     assert result.first_problem is None, result.first_problem
     return header.config, loads
+
+
+def worker_reports(log: Path) -> tuple[dict[int, list[str]], dict]:
+    """Each transfer job's reports in log order, as `"<kind>@<worker>"`, and what
+    replaying them showed: `offered_early`, keys loadable while their store
+    still waited for another worker's report; `offered`, keys that became
+    loadable with a store's last report; `recomputed`, loads whose last report
+    sent their request back to waiting with no computed token."""
+    from kvledger.adapters.log_files import open_log
+    from kvledger.engine import effects as fx
+    from kvledger.engine import queries
+    from kvledger.engine.replay import replay
+    from kvledger.engine.state import RequestStatus
+
+    header, records = open_log(log)
+    reports: dict[int, list[str]] = {}
+    store_keys: dict[int, tuple[bytes, ...]] = {}
+    load_requests: dict[int, str] = {}
+    seen = {"offered_early": 0, "offered": 0, "recomputed": 0}
+
+    def observe(seq, event, state, effects) -> None:
+        for effect in effects:
+            if isinstance(effect, fx.StartStore):
+                store_keys[effect.job_id] = tuple(k for group in effect.keys for k in group)
+            elif isinstance(effect, fx.StartLoad):
+                load_requests[effect.job_id] = effect.request_id
+        worker = getattr(event, "worker_index", None)
+        if worker is None:
+            return
+        reports.setdefault(event.job_id, []).append(f"{event.kind}@{worker}")
+        keys = store_keys.get(event.job_id, ())
+        loadable = sum(queries.is_loadable(state, k) for k in keys)
+        if queries.job_view(state, event.job_id) is None:
+            seen["offered"] += loadable
+            store_keys.pop(event.job_id, None)
+            request = queries.request_view(state, load_requests.pop(event.job_id, ""))
+            if request is not None and request.status is RequestStatus.WAITING and not request.num_computed_tokens:
+                seen["recomputed"] += 1
+        else:
+            seen["offered_early"] += loadable
+
+    result = replay(header.config, records, observe=observe)
+    assert result.first_problem is None, result.first_problem
+    return reports, seen
 
 
 GOLDEN = REPO / "tests" / "golden" / "vllm"

