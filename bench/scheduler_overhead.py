@@ -141,7 +141,6 @@ def kv_cache_config(config):
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
-        get_kv_cache_configs,
         resolve_cache_hit_alignment_tokens,
         resolve_kv_cache_block_sizes,
     )
@@ -149,7 +148,7 @@ def kv_cache_config(config):
     specs = layer_specs()
     # What a GPU worker's attention backends support; the connector's preference wins among them.
     resolve_kv_cache_layout(config, [["LBHNC", "LBNHC"]], specs.values())
-    configs = get_kv_cache_configs(config, [specs], [1 << 40])
+    configs = worker_kv_cache_configs(config, [specs], [1 << 40])
     scheduler_config = generate_scheduler_kv_cache_config(configs)
     scheduler_config.kv_cache_layout = config.cache_config.kv_cache_layout
     config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
@@ -159,6 +158,20 @@ def kv_cache_config(config):
     scheduler_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
         scheduler_config, config, block_size, hash_block_size)
     return scheduler_config, block_size, hash_block_size
+
+
+def worker_kv_cache_configs(config, specs: list[dict], memory: list[int]) -> list:
+    """`get_kv_cache_configs` as the installed vLLM's `EngineCore` calls it: 0.33
+    moved it to `kv_cache_planning` and has it take the model's global KV groups."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        return get_kv_cache_configs(config, specs, memory)
+    groups = get_global_kv_cache_groups(config, specs)
+    config.adjust_dcp_kv_cache_interleave_size(groups)
+    return get_kv_cache_configs(config, specs, memory, groups)
 
 
 def build_scheduler(model: Path, kv_transfer: dict, **options):
@@ -556,6 +569,8 @@ def main() -> None:
         print(f"{name}: {type(scheduler.connector).__name__}, tier {tier_slots(name, scheduler.connector)} blocks, "
               f"device pool {scheduler.kv_cache_config.num_blocks} blocks", flush=True)
 
+    if not runs:
+        sys.exit("no connector could be built")
     gc.collect()
     gc.freeze()
     start = time.perf_counter()
