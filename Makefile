@@ -70,6 +70,7 @@ $(STAMP033): pyproject.toml requirements/cpu-torch.txt requirements/vllm033-deps
 	$(PY033) -m pip install -q -r requirements/cpu-torch.txt
 	$(PY033) -m pip install -q --no-deps vllm==0.33.0
 	$(PY033) -m pip install -q --no-deps xgrammar==0.2.8 'apache-tvm-ffi>=0.1.11'
+	# pip then names the vLLM dependencies left out (CUDA, server, multimodal): expected.
 	$(PY033) -m pip install -q -c requirements/cpu-torch.txt -r requirements/vllm033-deps.txt
 	KVLEDGER_PURE_BUILD=1 $(PY033) -m pip install -q -c requirements/cpu-torch.txt -e . pytest hypothesis
 	touch $(STAMP033)

@@ -61,7 +61,7 @@ NUM_DOCUMENTS = 32
 OUTPUT_TOKENS = 256
 VOCAB = 1024
 
-# Every scheduler-side method vLLM 0.32's Scheduler calls on its connector
+# Every scheduler-side method vLLM 0.32's and 0.33's Scheduler call on their connector
 # (grep `connector.` in vllm/v1/core/sched/scheduler.py); properties excluded.
 SCHEDULER_METHODS = (
     "on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "update_state_after_free",
