@@ -346,14 +346,20 @@ class _Clock:
         return self.now
 
 
-def test_a_polled_load_that_outlives_its_timeout_fails_and_its_late_end_is_dropped() -> None:
+def _timed_runner(load_timeout_s: float):
+    """A runner whose clock the test moves, over a backend where job 2 waits for its gate."""
     from kvledger.transfers.runner import TransferRunner
 
     gate = threading.Event()
     rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=GatedBackend, gates={2: gate})
     clock = _Clock()
     runner = TransferRunner(rig.backend, num_groups=1, num_device_blocks=8, num_slots=rig.tier.num_slots,
-                            worker_index=3, load_timeout_s=30.0, clock=clock)
+                            worker_index=3, load_timeout_s=load_timeout_s, clock=clock)
+    return rig, runner, clock, gate
+
+
+def test_a_polled_load_that_outlives_its_timeout_fails_and_its_late_end_is_dropped() -> None:
+    rig, runner, clock, gate = _timed_runner(30.0)
     runner.submit([store(1, [[2]], [[0]]), FlushStores(job_ids=(1,))])
     runner.submit([load(2, [[0]], [[5, ]])])
     clock.now = 30.0
@@ -375,13 +381,7 @@ def test_a_polled_load_that_outlives_its_timeout_fails_and_its_late_end_is_dropp
 
 
 def test_no_load_timeout_when_it_is_zero() -> None:
-    from kvledger.transfers.runner import TransferRunner
-
-    gate = threading.Event()
-    rig = make_rig(layouts.cpu_attention(num_blocks=8), backend_cls=GatedBackend, gates={2: gate})
-    clock = _Clock()
-    runner = TransferRunner(rig.backend, num_groups=1, num_device_blocks=8, num_slots=rig.tier.num_slots,
-                            worker_index=3, load_timeout_s=0, clock=clock)
+    _rig, runner, clock, gate = _timed_runner(0)
     runner.submit([load(2, [[0]], [[5]])])
     clock.now = 1e9
     assert runner.poll() == [] and runner.in_flight == {2}

@@ -104,8 +104,8 @@ def test_a_damaged_or_unplaced_block_fails_alone(tmp_path) -> None:
     assert not torch.equal(restored[1], original[1])  # the damaged one was never copied
 
 
-def test_drops_remove_files_and_a_spill_to_an_unknown_tier_fails(tmp_path) -> None:
-    case = layouts.cpu_attention(packing="layer")
+def _spilled(tmp_path, case):
+    """Blocks 1, 2 stored in slots 0, 1 and spilled to the disk as job 2."""
     layout, tier, runner = _rig(tmp_path, case)
     blocks, slots = ((1, 2),), ((0, 1),)
     keys = keys_for(1, blocks)
@@ -113,6 +113,11 @@ def test_drops_remove_files_and_a_spill_to_an_unknown_tier_fails(tmp_path) -> No
     runner.poll()
     runner.submit([StartSpill(job_id=2, tier=1, keys=keys, source_slot_ids=slots)])
     assert _poll_until(runner, 1) == [StoreCompleted(job_id=2, worker_index=1)]
+    return runner, blocks, slots, keys
+
+
+def test_drops_remove_files_and_a_spill_to_an_unknown_tier_fails(tmp_path) -> None:
+    runner, blocks, slots, keys = _spilled(tmp_path, layouts.cpu_attention(packing="layer"))
     runner.submit([DropTierKeys(tier=1, keys=keys[0])])
     deadline = time.monotonic() + 5
     while any(block_path(tmp_path, NAMESPACE, k).exists() for k in keys[0]) and time.monotonic() < deadline:
@@ -127,13 +132,7 @@ def test_a_promotion_that_ends_while_vllm_sleeps_fails_without_touching_the_devi
     # The tier read started before unregister_kv_caches and ends after it: the
     # host copy is there, but the device memory it would be copied into is not.
     case = layouts.cpu_attention(packing="layer")
-    layout, tier, runner = _rig(tmp_path, case)
-    blocks, slots = ((1, 2),), ((0, 1),)
-    keys = keys_for(1, blocks)
-    runner.submit([store(1, blocks, slots), FlushStores(job_ids=(1,))])
-    runner.poll()
-    runner.submit([StartSpill(job_id=2, tier=1, keys=keys, source_slot_ids=slots)])
-    assert _poll_until(runner, 1) == [StoreCompleted(job_id=2, worker_index=1)]
+    runner, blocks, slots, keys = _spilled(tmp_path, case)
     for raw in case.raws:
         raw.fill_(-3)
     runner.submit([StartLoad(job_id=3, request_id="r", keys=keys, source_slot_ids=((8, 9),),
