@@ -16,6 +16,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
+
+pytest.importorskip("vllm", reason="needs the vllm package")  # before the imports that need it
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
