@@ -33,6 +33,11 @@ the log costs the scheduler:
 
     python bench/scheduler_overhead.py [--requests 256] [--steps 1000] [--seed 0] [--out PATH]
 
+`--async-scheduling` builds vLLM's `AsyncScheduler` and schedules each step
+before the previous step's output is processed, with two batches in flight,
+as a GPU server runs by default; `--early-stops` ends every other request on
+a stop token, so requests finish while a step is in flight.
+
 The default run takes about 2 minutes on 2 cores; raw numbers go to
 bench/out/scheduler_overhead.json.
 """
@@ -48,7 +53,7 @@ import random
 import statistics
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from types import GeneratorType
 from typing import Any
@@ -103,10 +108,10 @@ class Trace:
 # vLLM, built as its engine core builds it, without model or workers.
 
 def vllm_config(model: Path, kv_transfer: dict, *, device_blocks: int, concurrency: int,
-                retention_interval: int | None):
+                retention_interval: int | None, async_scheduling: bool = False):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(
+    config = EngineArgs(
         model=str(model), dtype="float32", skip_tokenizer_init=True, seed=0,
         # tiny-gemma3's shape with a 1024-token window and room for 8k prompts.
         hf_overrides={"max_position_embeddings": 16384, "sliding_window": WINDOW_TOKENS},
@@ -115,6 +120,9 @@ def vllm_config(model: Path, kv_transfer: dict, *, device_blocks: int, concurren
         prefix_cache_retention_interval=retention_interval,
         max_num_seqs=concurrency, max_num_batched_tokens=8192, kv_transfer_config=kv_transfer,
     ).create_engine_config()
+    # vLLM's CPU platform turns async scheduling off; a GPU server has it on by default.
+    config.scheduler_config.async_scheduling = async_scheduling
+    return config
 
 
 def layer_specs() -> dict:
@@ -175,18 +183,19 @@ def worker_kv_cache_configs(config, specs: list[dict], memory: list[int]) -> lis
 
 
 def build_scheduler(model: Path, kv_transfer: dict, **options):
-    """vLLM's scheduler with the connector `kv_transfer` names, and the block
+    """vLLM's scheduler with the connector `kv_transfer` names (the class its
+    engine core picks: `AsyncScheduler` under async scheduling), and the block
     hasher vLLM's engine gives each request (connectors key blocks by it)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = vllm_config(model, kv_transfer, **options)
     kv_config, block_size, hash_block_size = kv_cache_config(config)
-    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config,
-                          structured_output_manager=StructuredOutputManager(config),
-                          block_size=block_size, hash_block_size=hash_block_size)
+    scheduler_cls = config.scheduler_config.get_scheduler_cls()
+    scheduler = scheduler_cls(vllm_config=config, kv_cache_config=kv_config,
+                              structured_output_manager=StructuredOutputManager(config),
+                              block_size=block_size, hash_block_size=hash_block_size)
     hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     return scheduler, get_request_block_hasher(hash_block_size, hash_fn)
@@ -363,10 +372,16 @@ class ViolationCounter:
 # One connector's run.
 
 class Run:
-    """A vLLM scheduler with one connector, stepped through the trace."""
+    """A vLLM scheduler with one connector, stepped through the trace.
+
+    Each step schedules a batch and runs it (the simulated forward and
+    worker), then hands vLLM the output of the oldest batch in flight once
+    `depth` are: at depth 1 the batch just scheduled, as vLLM's engine core
+    steps without a batch queue; at depth 2, under async scheduling, the
+    previous one, as `EngineCore.step_with_batch_queue` does."""
 
     def __init__(self, name: str, scheduler, hasher, worker: SimulatedWorker, trace: Trace,
-                 concurrency: int) -> None:
+                 concurrency: int, depth: int = 1, early_stops: bool = False) -> None:
         self.name = name
         self.scheduler = scheduler
         self.hasher = hasher
@@ -379,6 +394,9 @@ class Run:
         self.outputs: dict[str, list[int]] = {}
         self.next_request = 0
         self.step_index = 0
+        self.depth = depth
+        self.early_stops = early_stops
+        self.in_flight: deque[tuple[Any, Any]] = deque()  # (scheduler output, model output), newest first
         self.connector_ms: list[float] = []
         self.scheduler_ms: list[float] = []
         self.stats = Counter()
@@ -413,7 +431,10 @@ class Run:
             rid = f"req-{self.next_request}"
             self.next_request += 1
             self.outputs[rid] = output
-            params = SamplingParams(max_tokens=len(output), ignore_eos=True)
+            # Every other request stops at a token of its output (about halfway): vLLM
+            # learns it from that step's output, which async scheduling processes late.
+            stop = [output[len(output) // 2]] if self.early_stops and self.next_request % 2 else None
+            params = SamplingParams(max_tokens=len(output), ignore_eos=True, stop_token_ids=stop)
             self.scheduler.add_request(Request(rid, list(prompt), params, None, block_hasher=self.hasher))
             self.stats["requests_added"] += 1
 
@@ -429,7 +450,11 @@ class Run:
         for rid in req_ids:
             request = requests[rid]
             done = request.num_computed_tokens >= request.num_tokens
-            sampled.append([self.outputs[rid][request.num_output_tokens]] if done else [])
+            # Under async scheduling this step's token is the last placeholder; past
+            # max_tokens (a step scheduled before the finishing one's output), vLLM drops it.
+            index = min(request.num_output_tokens + max(request.num_output_placeholders - 1, 0),
+                        len(self.outputs[rid]) - 1)
+            sampled.append([self.outputs[rid][index]] if done else [])
         self.stats["tokens_computed"] += out.total_num_scheduled_tokens
         self.stats["running_request_steps"] += len(out.num_scheduled_tokens)
         self.stats["preemptions"] += len(out.preempted_req_ids or ())
@@ -444,10 +469,12 @@ class Run:
         self._add_requests()
         out = self.scheduler.schedule()
         scheduled = clock() - start
-        model_output = self._model_output(out)  # the simulated forward and worker: not timed
-        start = clock()
-        self.scheduler.update_from_output(out, model_output)
-        updated = clock() - start
+        self.in_flight.appendleft((out, self._model_output(out)))  # the simulated forward and worker: not timed
+        updated = 0.0
+        if len(self.in_flight) >= self.depth:
+            start = clock()
+            self.scheduler.update_from_output(*self.in_flight.pop())
+            updated = clock() - start
         self.connector_ms.append((self.clock.seconds - before) * 1e3)
         self.scheduler_ms.append((scheduled + updated) * 1e3)
         self.step_index += 1
@@ -530,6 +557,12 @@ def main() -> None:
                         help="vLLM's prefix_cache_retention_interval: which sliding-window blocks vLLM keeps "
                              "cached and its OffloadingConnector stores; 0 (vLLM's default) keeps the last "
                              "window of a prompt, N every N tokens, 'dense' all")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="vLLM's AsyncScheduler, stepped as its engine core's batch queue steps it: the "
+                             "next batch is scheduled before the last one's output is processed")
+    parser.add_argument("--early-stops", action="store_true",
+                        help="every other request ends on a stop token vLLM sees only in a step's output, "
+                             "not at max_tokens, which vLLM's scheduler sees coming")
     parser.add_argument("--connectors", default="kvledger,vllm-offloading,vllm-simple-cpu")
     parser.add_argument("--event-log", default=str(HERE / "out" / "scheduler_overhead.kvlog"),
                         help="where kvledger-logged writes its event log (replaced if there)")
@@ -553,12 +586,14 @@ def main() -> None:
         try:
             scheduler, hasher = build_scheduler(
                 model, kv_transfer, device_blocks=args.device_blocks, concurrency=args.requests,
-                retention_interval=None if args.retention_interval == "dense" else int(args.retention_interval))
+                retention_interval=None if args.retention_interval == "dense" else int(args.retention_interval),
+                async_scheduling=args.async_scheduling)
         except Exception as error:  # reported, not hidden: the benchmark says why a connector is missing
             failed[name] = f"{type(error).__name__}: {error}"
             print(f"{name}: cannot be built: {failed[name]}", file=sys.stderr)
             continue
-        run = Run(name, scheduler, hasher, worker_cls(args.delay_steps), trace, args.requests)
+        run = Run(name, scheduler, hasher, worker_cls(args.delay_steps), trace, args.requests,
+                  depth=scheduler.vllm_config.max_concurrent_batches, early_stops=args.early_stops)
         if name.startswith("kvledger"):
             from kvledger.adapters.vllm import scheduler_side
 
