@@ -210,9 +210,7 @@ class TransferRunner:
                 else:
                     _log.warning("unknown_job_outcome", job_id=outcome.job_id)
                 continue
-            if job.kept is not None:  # a copy without the failed positions: back to the load's own
-                mapped = {(g, job.kept[g][i]) for g, i in outcome.failed}
-                outcome = attrs.evolve(outcome, failed=tuple(sorted(mapped | job.failed)))
+            outcome = _in_own_positions(job, outcome)
             moved = [len(ids) for ids in job.effect.keys]
             for g, _ in outcome.failed:
                 moved[g] -= 1
@@ -252,9 +250,7 @@ class TransferRunner:
                 _log.error("timed_out_load_still_running", job_id=job.effect.job_id)
             outcome = JobOutcome(job_id=job.effect.job_id, direction=Direction.LOAD, failed=job.copy.positions(),
                                  error=f"no outcome within {self.load_timeout_s:.3g} s")
-            if job.kept is not None:
-                outcome = attrs.evolve(outcome, failed=tuple(sorted(
-                    {(g, job.kept[g][i]) for g, i in outcome.failed} | job.failed)))
+            outcome = _in_own_positions(job, outcome)
             self._stats.append(TransferStat(Direction.LOAD, tuple(0 for _ in job.effect.keys), 0.0, False))
             events.append(self._event(job.effect, outcome))
         return events
@@ -282,13 +278,18 @@ class TransferRunner:
 
     def wait(self, job_ids: Iterable[int], timeout_s: float | None = None, what: str = "jobs") -> None:
         """Block until these jobs finished (a flush of stores, or loads a caller must see done)."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        self._bounded(self._backend.wait, job_ids, self.timeout_s if timeout_s is None else timeout_s,
+                      f"waiting for {what}")
+
+    def _bounded(self, call: Callable[[tuple[int, ...], float], None], job_ids: Iterable[int], timeout_s: float,
+                 what: str) -> None:
+        """A backend wait or ordering; running out of time is logged and raised, naming the jobs."""
         job_ids = tuple(job_ids)
         try:
-            self._backend.wait(job_ids, timeout_s)
+            call(job_ids, timeout_s)
         except TransferTimeout as exc:
             _log.error("transfer_wait_timed_out", what=what, job_ids=job_ids, timeout_s=timeout_s)
-            raise TransferTimeout(f"waiting for {what} {list(job_ids)} timed out: {exc}") from exc
+            raise TransferTimeout(f"{what} {list(job_ids)} timed out: {exc}") from exc
 
     @property
     def suspended(self) -> bool:
@@ -301,7 +302,8 @@ class TransferRunner:
         whose tier read ends meanwhile. Lower-tier reads and writes go on: they
         touch host memory only. Outcomes are polled as usual. Idempotent."""
         self._suspended = True
-        self.wait(tuple(self._jobs), timeout_s, what="device copies before the KV cache is unmapped")
+        # A load failed by its timeout may still be copying: it is waited for too.
+        self.wait((*self._jobs, *self._abandoned), timeout_s, what="device copies before the KV cache is unmapped")
 
     def resume(self) -> None:
         """vLLM mapped its KV cache back, at the same addresses. Idempotent."""
@@ -309,12 +311,7 @@ class TransferRunner:
 
     def order_after(self, job_ids: Iterable[int]) -> None:
         """Device work queued from now on runs after these jobs (see `CopyBackend.order_after`)."""
-        job_ids = tuple(job_ids)
-        try:
-            self._backend.order_after(job_ids, self.timeout_s)
-        except TransferTimeout as exc:
-            _log.error("transfer_wait_timed_out", what="ordering", job_ids=job_ids, timeout_s=self.timeout_s)
-            raise TransferTimeout(f"ordering after jobs {list(job_ids)} timed out: {exc}") from exc
+        self._bounded(self._backend.order_after, job_ids, self.timeout_s, "ordering after jobs")
 
     def shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Finish (drain) or cancel outstanding copies; `poll()` still returns their events."""
@@ -323,6 +320,15 @@ class TransferRunner:
         self._closed = True
         self._lower.shutdown(drain=drain, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
         self._backend.shutdown(drain=drain, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+
+
+def _in_own_positions(job: _Job, outcome: JobOutcome) -> JobOutcome:
+    """A promoted load's copy skipped the positions whose tier read failed:
+    its outcome's positions, back in the load's own, with those added."""
+    if job.kept is None:
+        return outcome
+    mapped = {(g, job.kept[g][i]) for g, i in outcome.failed}
+    return attrs.evolve(outcome, failed=tuple(sorted(mapped | job.failed)))
 
 
 _ASLEEP = "vLLM's KV cache is unmapped (asleep): unregister_kv_caches came before this job"

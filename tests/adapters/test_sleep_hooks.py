@@ -33,6 +33,11 @@ def _worker() -> tuple[LedgerWorker, object]:
     return worker, case
 
 
+def _block_bytes(worker: LedgerWorker, block: int) -> list[torch.Tensor]:
+    layout = worker.transfers.layout
+    return [layout.span_view(span)[block].clone() for span in layout.group_spans[0]]
+
+
 def _outcomes(worker: LedgerWorker) -> list:
     worker.transfer_results()
     meta = worker.take_worker_meta()
@@ -43,6 +48,7 @@ def test_a_sleep_runs_the_held_store_then_refuses_copies_until_the_wake_up() -> 
     worker, case = _worker()
     for raw in case.raws:
         raw.copy_(torch.arange(raw.numel(), dtype=torch.int64).to(torch.int8))
+    stored = _block_bytes(worker, 2)
     worker.start_stores(KVLedgerMetadata(after_forward=(store(1, [[2]], [[0]]),)))  # held for the next step
     worker.unregister_kv_caches()  # returns once the held store has copied its block
     assert _outcomes(worker) == [StoreCompleted(job_id=1, worker_index=0)]
@@ -61,7 +67,7 @@ def test_a_sleep_runs_the_held_store_then_refuses_copies_until_the_wake_up() -> 
     worker.start_loads(KVLedgerMetadata(loads=(load(4, [[0]], [[5]]),)))
     worker.transfers.runner.wait([4])
     assert _outcomes(worker) == [LoadCompleted(job_id=4, worker_index=0)]
-    assert any(raw.any() for raw in case.raws)  # block 5 holds what block 2 held before the sleep
+    assert all(torch.equal(a, b) for a, b in zip(_block_bytes(worker, 5), stored))  # what block 2 held
     worker.shutdown()
 
 

@@ -380,6 +380,18 @@ def test_a_polled_load_that_outlives_its_timeout_fails_and_its_late_end_is_dropp
     runner.shutdown()
 
 
+def test_suspend_waits_for_a_timed_out_load_whose_copy_may_still_write() -> None:
+    rig, runner, clock, gate = _timed_runner(30.0)
+    runner.submit([load(2, [[0]], [[5]])])
+    clock.now = 31.0
+    assert [type(e) for e in runner.poll()] == [LoadFailed]
+    with pytest.raises(TransferTimeout, match=r"device copies before the KV cache is unmapped \[2\]"):
+        runner.suspend(timeout_s=0.2)
+    gate.set()
+    runner.suspend()
+    runner.shutdown()
+
+
 def test_no_load_timeout_when_it_is_zero() -> None:
     _rig, runner, clock, gate = _timed_runner(0)
     runner.submit([load(2, [[0]], [[5]])])
