@@ -224,7 +224,7 @@ def _blocks_touched(core: Core, event: ev.BlocksTouched, out: list[fx.Effect]) -
         for block in ids[len(keys):]:
             if block:
                 refs[block] += 1
-        request.table[group_id].extend(ids)
+        _extend_table(request, group_id, ids)
     request.table_changed(core.block_sizes)
     request.num_computed_tokens = spans.pop()
 
@@ -251,7 +251,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
     group_of = core.block_group
     block_key = core.block_key
     lazy_keys = core.lazy_keys  # lazy mode: a reallocated block's old content is gone
-    for group_id, (ids, table) in enumerate(zip(block_ids, request.table)):
+    for group_id, ids in enumerate(block_ids):
         for block in ids:
             if block != NULL_BLOCK_ID:
                 if readers:
@@ -264,7 +264,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
                 block_key[block] = None
                 if lazy_keys:
                     lazy_keys.pop(block, None)
-        table.extend(ids)
+        _extend_table(request, group_id, ids)
     request.table_changed(core.block_sizes)
     if to_flush:
         _flush(core, sorted(set(to_flush)), out)
@@ -419,6 +419,21 @@ def _blocks_freed(core: Core, event: ev.BlocksFreed, out: list[fx.Effect]) -> No
         while start < end and table[start] == NULL_BLOCK_ID:
             start += 1
         floors[group_id] = start
+
+
+def _extend_table(request: RequestState, group_id: int, ids: tuple[int, ...]) -> None:
+    """Append to a group's table, keeping its free floor past any leading nulls:
+    a window group admitted on a prefix hit starts with the positions vLLM skipped,
+    and the planner's scan for window frees, which starts at the floor, would
+    otherwise pass over them in every step."""
+    table = request.table[group_id]
+    table.extend(ids)
+    floor = request.free_floor[group_id]
+    if floor < len(table) and table[floor] == NULL_BLOCK_ID:
+        end = len(table)
+        while floor < end and table[floor] == NULL_BLOCK_ID:
+            floor += 1
+        request.free_floor[group_id] = floor
 
 
 def _free_table(core: Core, request: RequestState) -> None:

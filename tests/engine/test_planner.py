@@ -99,6 +99,32 @@ def test_an_admission_may_touch_a_block_a_running_request_allocated_this_step():
                                          num_scheduled_tokens=(64, 32))
 
 
+def test_a_window_table_admitted_past_skipped_positions_scans_for_frees_from_its_first_block():
+    """A prefix hit gives a window group null blocks before the window. The free
+    floor starts past them (the planner's scan for window frees starts there, in
+    every step: over a long context, thousands of positions), and the next free
+    is still found."""
+    vllm = FakeVllm(make_config())
+    prompt = chain(4)
+    vllm.add("a", 128, prompt)
+    vllm.give("a", (1, 2), (3, 4))
+    admitted(vllm, "a", 64)
+    vllm.give("a", (5, 6), (7, 8))
+    vllm.add("b", 128, prompt)
+    vllm.give("b", (1, 2, 5, 9), (0, 0, 7, 10))
+    admitted(vllm, "b", 32, local=96, running={"a": 64})
+    assert vllm.state.core.requests["b"].free_floor == [0, 2]
+    vllm.null_out("b", 1, 2)
+    vllm.requests["b"].num_tokens = 129
+    vllm.give("b", (11,), (12,))
+    events = vllm.run({"b": 1})
+    assert kinds(events) == ["blocks_freed", "blocks_allocated", "step_scheduled"]
+    assert events[0] == ev.BlocksFreed(request_id="b", block_ids=((), (7,)))
+    assert vllm.table("b") == ((1, 2, 5, 9, 11), (0, 0, 0, 10, 12))
+    assert vllm.state.core.requests["b"].free_floor == [0, 3]
+    check(vllm.state)
+
+
 def test_preemption_then_readmission_in_a_later_step_and_in_the_same_one():
     vllm = FakeVllm(full_only_config())
     vllm.add("a", 64, chain(2))
