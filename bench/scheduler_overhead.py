@@ -6,7 +6,7 @@ time no forward runs. This benchmark builds a real vLLM `Scheduler` per
 connector (kvledger's `KVLedgerConnector`, vLLM's `OffloadingConnector` and
 `SimpleCPUOffloadConnector`, all in role SCHEDULER) and feeds each the same
 trace: 256 requests kept in flight over 32 shared documents, prompts of
-1k-8k tokens, 256 decoded tokens each, chunked prefill of 8192 tokens a
+1k-8k tokens (`--prompt-tokens`), 256 decoded tokens each, chunked prefill of 8192 tokens a
 step, and a device pool small enough that vLLM preempts. The KV cache has
 two groups, full attention and a 1024-token sliding window, in 16-token
 blocks; every tier holds the same number of blocks.
@@ -88,16 +88,18 @@ class Trace:
     connector ran it or when.
     """
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, prompt_tokens: tuple[int, int] = (1024, 8192)) -> None:
         self._rng = random.Random(seed)
-        self._documents = [[self._rng.randrange(4, VOCAB) for _ in range(8192)] for _ in range(NUM_DOCUMENTS)]
+        self._lengths = prompt_tokens
+        self._documents = [[self._rng.randrange(4, VOCAB) for _ in range(prompt_tokens[1])]
+                           for _ in range(NUM_DOCUMENTS)]
         self._specs: list[tuple[list[int], list[int]]] = []
 
     def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
         """(prompt token ids, output token ids) of request `index`."""
         rng = self._rng
         while len(self._specs) <= index:
-            length = rng.randint(1024, 8192)
+            length = rng.randint(*self._lengths)
             tail = rng.randint(16, 256)
             prompt = self._documents[rng.randrange(NUM_DOCUMENTS)][: length - tail]
             prompt = prompt + [rng.randrange(4, VOCAB) for _ in range(tail)]
@@ -108,14 +110,14 @@ class Trace:
 # vLLM, built as its engine core builds it, without model or workers.
 
 def vllm_config(model: Path, kv_transfer: dict, *, device_blocks: int, concurrency: int,
-                retention_interval: int | None, async_scheduling: bool = False):
+                retention_interval: int | None, async_scheduling: bool = False, max_prompt_tokens: int = 8192):
     from vllm.engine.arg_utils import EngineArgs
 
     config = EngineArgs(
         model=str(model), dtype="float32", skip_tokenizer_init=True, seed=0,
-        # tiny-gemma3's shape with a 1024-token window and room for 8k prompts.
-        hf_overrides={"max_position_embeddings": 16384, "sliding_window": WINDOW_TOKENS},
-        max_model_len=8192 + OUTPUT_TOKENS + BLOCK_TOKENS, block_size=BLOCK_TOKENS,
+        # tiny-gemma3's shape with a 1024-token window and room for the longest prompt.
+        hf_overrides={"max_position_embeddings": max(16384, 2 * max_prompt_tokens), "sliding_window": WINDOW_TOKENS},
+        max_model_len=max_prompt_tokens + OUTPUT_TOKENS + BLOCK_TOKENS, block_size=BLOCK_TOKENS,
         enable_prefix_caching=True, num_gpu_blocks_override=device_blocks,
         prefix_cache_retention_interval=retention_interval,
         max_num_seqs=concurrency, max_num_batched_tokens=8192, kv_transfer_config=kv_transfer,
@@ -563,18 +565,23 @@ def main() -> None:
     parser.add_argument("--early-stops", action="store_true",
                         help="every other request ends on a stop token vLLM sees only in a step's output, "
                              "not at max_tokens, which vLLM's scheduler sees coming")
+    parser.add_argument("--prompt-tokens", default="1024-8192", help="prompt lengths, drawn uniformly: LO-HI")
     parser.add_argument("--connectors", default="kvledger,vllm-offloading,vllm-simple-cpu")
     parser.add_argument("--event-log", default=str(HERE / "out" / "scheduler_overhead.kvlog"),
                         help="where kvledger-logged writes its event log (replaced if there)")
     parser.add_argument("--out", default=str(HERE / "out" / "scheduler_overhead.json"))
     args = parser.parse_args()
+    low, _, high = args.prompt_tokens.partition("-")
+    if not (low.isdigit() and high.isdigit() and 256 < int(low) <= int(high)):
+        parser.error(f"--prompt-tokens wants LO-HI with 256 < LO <= HI, not {args.prompt_tokens!r}")
+    prompt_tokens = (int(low), int(high))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     from kvledger.adapters.testing.tiny_models import build_model
 
     model = build_model("tiny-gemma3", HERE / "out" / "models")
     capacity_bytes = tier_bytes(args.tier_blocks or 4 * args.device_blocks)
-    trace = Trace(args.seed)
+    trace = Trace(args.seed, prompt_tokens)
     runs: list[Run] = []
     failed: dict[str, str] = {}
     if "kvledger-logged" in args.connectors.split(","):
@@ -587,7 +594,7 @@ def main() -> None:
             scheduler, hasher = build_scheduler(
                 model, kv_transfer, device_blocks=args.device_blocks, concurrency=args.requests,
                 retention_interval=None if args.retention_interval == "dense" else int(args.retention_interval),
-                async_scheduling=args.async_scheduling)
+                async_scheduling=args.async_scheduling, max_prompt_tokens=prompt_tokens[1])
         except Exception as error:  # reported, not hidden: the benchmark says why a connector is missing
             failed[name] = f"{type(error).__name__}: {error}"
             print(f"{name}: cannot be built: {failed[name]}", file=sys.stderr)
