@@ -79,18 +79,23 @@ def test_a_window_free_comes_before_the_growth_that_reuses_the_block():
     assert vllm.table("a") == ((1, 2, 3), (0, 5, 6))
 
 
-def test_an_admission_may_touch_a_block_a_running_request_allocated_this_step():
+def hit_beside_growth(b_window: tuple[int, ...]) -> tuple[FakeVllm, list[ev.Event]]:
+    """a computes 64 tokens. Then one step: a grows by blocks 5, 6 / 7, 8 and
+    computes them; b, the same prompt, hits vLLM's prefix cache on 96 tokens,
+    block 5 among them, with `b_window` as its window group's table."""
     vllm = FakeVllm(make_config())
     prompt = chain(4)
     vllm.add("a", 128, prompt)
     vllm.give("a", (1, 2), (3, 4))
     admitted(vllm, "a", 64)
-    # One step: a grows by blocks 5, 6 / 7, 8 and computes them; b, the same
-    # prompt, hits vLLM's prefix cache on 96 tokens, block 5 among them.
     vllm.give("a", (5, 6), (7, 8))
     vllm.add("b", 128, prompt)
-    vllm.give("b", (1, 2, 5, 9), (0, 4, 7, 10))
-    events = admitted(vllm, "b", 32, local=96, running={"a": 64})
+    vllm.give("b", (1, 2, 5, 9), b_window)
+    return vllm, admitted(vllm, "b", 32, local=96, running={"a": 64})
+
+
+def test_an_admission_may_touch_a_block_a_running_request_allocated_this_step():
+    _, events = hit_beside_growth((0, 4, 7, 10))
     assert kinds(events) == ["blocks_allocated", "blocks_touched", "blocks_allocated", "step_scheduled"]
     assert events[0] == ev.BlocksAllocated(request_id="a", block_ids=((5, 6), (7, 8)))
     assert events[1] == ev.BlocksTouched(request_id="b", block_ids=((1, 2, 5), (0, 4, 7)))
@@ -104,15 +109,7 @@ def test_a_window_table_admitted_past_skipped_positions_scans_for_frees_from_its
     floor starts past them (the planner's scan for window frees starts there, in
     every step: over a long context, thousands of positions), and the next free
     is still found."""
-    vllm = FakeVllm(make_config())
-    prompt = chain(4)
-    vllm.add("a", 128, prompt)
-    vllm.give("a", (1, 2), (3, 4))
-    admitted(vllm, "a", 64)
-    vllm.give("a", (5, 6), (7, 8))
-    vllm.add("b", 128, prompt)
-    vllm.give("b", (1, 2, 5, 9), (0, 0, 7, 10))
-    admitted(vllm, "b", 32, local=96, running={"a": 64})
+    vllm, _ = hit_beside_growth((0, 0, 7, 10))
     assert vllm.state.core.requests["b"].free_floor == [0, 2]
     vllm.null_out("b", 1, 2)
     vllm.requests["b"].num_tokens = 129
