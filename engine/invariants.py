@@ -263,9 +263,13 @@ def _check_request(core: Core, request: RequestState, problems: list[str]) -> No
     _check_request_facts(core, request, problems)
     rid = request.request_id
     for group in core.groups:
-        for block in request.table[group.group_id]:
+        table = request.table[group.group_id]
+        for block in table:
             if block != NULL_BLOCK_ID and core.block_refs[block] <= 0:
                 problems.append(f"request {rid}: holds block {block} whose ref count is {core.block_refs[block]}")
+        floor = request.free_floor[group.group_id]
+        if floor > len(table) or table[:floor].count(NULL_BLOCK_ID) != floor:
+            problems.append(f"request {rid}: group {group.group_id} has a held block below its free floor {floor}")
 
 
 def _check_request_facts(core: Core, request: RequestState, problems: list[str], kind: str = "") -> None:

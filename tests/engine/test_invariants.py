@@ -128,6 +128,8 @@ REQUEST_CORRUPTIONS = {
     "holds a free block": (lambda c: c.requests["s"].table[0].append(40), "holds block 40 whose ref count is 0"),
     "stale step limit": (lambda c: setattr(c.requests["s"], "step_limit", 5), "request s: derived counts"),
     "stale capacity": (lambda c: setattr(c.requests["b"], "capacity_tokens", 0), "request b: derived counts"),
+    "free floor above a held block": (lambda c: c.requests["s"].free_floor.__setitem__(0, 1),
+                                      "request s: group 0 has a held block below its free floor 1"),
 }
 
 
