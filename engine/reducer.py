@@ -415,10 +415,7 @@ def _blocks_freed(core: Core, event: ev.BlocksFreed, out: list[fx.Effect]) -> No
             table[position] = NULL_BLOCK_ID
         # Positions below the floor are all null: `index` starts there. Only a
         # group that freed a block can move its floor (a lower one stays true).
-        end = len(table)
-        while start < end and table[start] == NULL_BLOCK_ID:
-            start += 1
-        floors[group_id] = start
+        floors[group_id] = _past_nulls(table, start)
 
 
 def _extend_table(request: RequestState, group_id: int, ids: tuple[int, ...]) -> None:
@@ -428,12 +425,16 @@ def _extend_table(request: RequestState, group_id: int, ids: tuple[int, ...]) ->
     otherwise pass over them in every step."""
     table = request.table[group_id]
     table.extend(ids)
-    floor = request.free_floor[group_id]
-    if floor < len(table) and table[floor] == NULL_BLOCK_ID:
-        end = len(table)
-        while floor < end and table[floor] == NULL_BLOCK_ID:
-            floor += 1
-        request.free_floor[group_id] = floor
+    floors = request.free_floor
+    floors[group_id] = _past_nulls(table, floors[group_id])
+
+
+def _past_nulls(table: list[int], position: int) -> int:
+    """The first position from `position` on that holds a block (the table's length if none)."""
+    end = len(table)
+    while position < end and table[position] == NULL_BLOCK_ID:
+        position += 1
+    return position
 
 
 def _free_table(core: Core, request: RequestState) -> None:

@@ -1,5 +1,5 @@
 """The step planner, without vLLM: each case plays vLLM's scheduler by hand
-(tests/engine/fake_vllm.py), asks for the step's events, checks their exact
+(adapters/testing/fake_vllm.py), asks for the step's events, checks their exact
 order, and has the engine apply them strictly."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvledger.adapters.testing.fake_vllm import FakeVllm
 from kvledger.engine import queries
 from kvledger.engine.invariants import check
 from kvledger.engine.planner import Admission
@@ -21,7 +22,6 @@ from kvledger.events import types as ev
 from kvledger.events.config import StoreMode
 from tests.engine import planner_workload
 from tests.engine.builders import chain, full_only_config, make_config
-from tests.engine.fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.fast
 

@@ -1,10 +1,10 @@
 """The parts of vLLM the step planner reads, as plain data.
 
-A test plays vLLM's scheduler by hand: it sets each request's block table
-per group (block 0 is vLLM's null block), its hashes and token counts, says
-which requests a step schedules, admits or preempts, and asks the planner
-for the step's events. The engine applies them strictly, so an order the
-engine would reject fails the test where it happens.
+A test (or a benchmark of the planner) plays vLLM's scheduler by hand: it
+sets each request's block table per group (block 0 is vLLM's null block),
+its hashes and token counts, says which requests a step schedules, admits or
+preempts, and asks the planner for the step's events. The engine applies
+them strictly, so an order the engine would reject fails where it happens.
 """
 
 from __future__ import annotations
