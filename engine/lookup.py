@@ -1,7 +1,27 @@
 """The tier-hit query behind `get_num_new_matched_tokens`. Pure: it reads the
-state and changes nothing, so vLLM may call it any number of times."""
+state and changes nothing, so vLLM may call it any number of times.
+
+And it does: vLLM asks again, in every step, about a waiting request that
+does not fit the device pool, and a lookup walks every key of the prompt. So
+an answer carries what it rests on, and a lookup given the request's last
+answer back (`previous`) returns it unwalked while that holds:
+- the question: the request (its last chain hash and length stand for its
+  keys), the local hit and the slots promised;
+- the tier's counters, which every change that could shorten or defer an
+  answer moves: a key leaves host memory by eviction or a cache reset
+  (`evictions`, `epoch`) or by failure (`keys_failed`), and a slot becomes
+  busy only when a load starts (`loads`);
+- the keys that could lengthen it (`awaits`): the missing keys the full
+  attention walks stopped at. A hit a window group shortened could grow with
+  any new key, so it rests on the count of stores planned instead.
+Keys storing become stored and loads end: that only makes a ready answer more
+so, and "ask again later" answers are never kept. Tiers below host memory change
+without these counters: with any, nothing is kept.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import attrs
 
@@ -19,15 +39,21 @@ class LookupResult:
     num_hit_tokens: int
     ready: bool = True
     slots_taken: int = 0  # with lower tiers: host slots the hit's load takes from the evictable pool
+    # What the answer rests on (`_basis`), None if it is not to be given back;
+    # and the missing keys whose arrival would lengthen it.
+    basis: tuple | None = attrs.field(default=None, eq=False, repr=False)
+    awaits: Sequence[bytes] = attrs.field(default=(), eq=False, repr=False)
 
 
 MISS = LookupResult(0)
 LATER = LookupResult(0, ready=False)
 
 
-def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised: int = 0) -> LookupResult:
+def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised: int = 0,
+           previous: LookupResult | None = None) -> LookupResult:
     """`slots_promised`: host slots earlier hits of this step will take (the sum of
-    their `slots_taken`): vLLM admits several requests before the engine sees any."""
+    their `slots_taken`): vLLM admits several requests before the engine sees any.
+    `previous`: this request's last answer, returned again if its basis holds."""
     core = state.core
     request = core.requests.get(request_id)
     if request is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -35,10 +61,17 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
     alignment = core.alignment
     if num_local_tokens % alignment:
         return MISS  # vLLM rounds the local hit down; anything else cannot extend
-    best = (request.num_tokens - 1) // alignment * alignment  # leave one token to compute
+    most = (request.num_tokens - 1) // alignment * alignment  # leave one token to compute
     known = lower.known(core)
+    if previous is not None and previous.basis is not None:
+        stores_matter = previous.basis[-1] >= 0
+        if (previous.basis == _basis(core, request, num_local_tokens, slots_promised, stores_matter)
+                and not any(map(known, previous.awaits))):
+            return previous
 
     # Full-attention groups bound the hit by their first missing key.
+    best = most
+    stops: list[bytes] = []  # the missing keys the walks stopped at
     for group in core.groups:
         if group.kind is not GroupKind.FULL:
             continue
@@ -47,6 +80,8 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
         limit = min(best // group.block_size, len(keys))
         while position < limit and known(keys[position]):
             position += 1
+        if position < limit:
+            stops.append(keys[position])
         best = min(best, position * group.block_size // alignment * alignment)
 
     # Window groups: walk down to the largest boundary every group can serve, and
@@ -63,9 +98,23 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
                 taken = slots
                 break
         end -= alignment
-    if end <= num_local_tokens:
-        return MISS
-    return LookupResult(end - num_local_tokens, slots_taken=taken)
+    hit = max(end - num_local_tokens, 0)
+    if core.lower:
+        return LookupResult(hit, slots_taken=taken)
+    # Only the missing keys the full walks stopped at can lengthen a hit that no
+    # window group shortened; a shortened one, any store.
+    stores_matter = end < best
+    basis = _basis(core, request, num_local_tokens, slots_promised, stores_matter)
+    return LookupResult(hit, slots_taken=taken, basis=basis, awaits=() if stores_matter else tuple(stops))
+
+
+def _basis(core, request, local: int, promised: int, stores_matter: bool) -> tuple:
+    """Equal for two lookups whose answers are equal, unless a key the first
+    awaits has arrived (module docstring)."""
+    stats = core.stats
+    hashes = request.hashes
+    return (request.request_id, hashes[-1] if hashes else b"", len(hashes), request.num_tokens, local, promised,
+            core.epoch, stats.evictions, stats.keys_failed, stats.loads, stats.stores if stores_matter else -1)
 
 
 def _slots_taken(core, request, start: int, end: int, promised: int) -> int | None:

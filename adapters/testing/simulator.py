@@ -25,7 +25,7 @@ from kvledger.adapters.engine_host import EngineHost
 from kvledger.engine import effects as fx
 from kvledger.engine import hma
 from kvledger.engine.invariants import check, check_event
-from kvledger.engine.lookup import lookup
+from kvledger.engine.lookup import LookupResult, lookup
 from kvledger.engine.reducer import reduce
 from kvledger.engine.state import RequestStatus, SlotState, State, initial_state
 from kvledger.events import types as ev
@@ -90,6 +90,7 @@ class Simulator:
         self.holders = [0] * n  # request references + pins
         self.content: list[object] = [None] * n
         self.cached: dict[bytes, int] = {}  # prefix cache: key -> block
+        self.answers: dict[str, LookupResult] = {}  # each request's last lookup, given back as vLLM's adapter does
         self.cached_key: dict[int, bytes] = {}
         self.dirty: set[int] = set()
         self.slot_content: dict[int, object] = {}
@@ -266,7 +267,12 @@ class Simulator:
         """vLLM's WAITING loop for one request: local hit, tier lookup, allocation."""
         request = self.requests[rid]
         local = self._local_hit(request)
-        result = lookup(self.state, rid, local)
+        result = lookup(self.state, rid, local, 0, self.answers.get(rid))
+        if result is self.answers.get(rid):  # a kept answer: it must be what a fresh walk finds
+            fresh = lookup(self.state, rid, local)
+            if fresh != result:
+                raise AssertionError(f"{rid}: kept lookup answer {result} but a fresh lookup finds {fresh}")
+        self.answers[rid] = result
         if not result.ready:
             return False
         ext = result.num_hit_tokens
@@ -308,6 +314,7 @@ class Simulator:
             if len(loads) != 1:
                 raise SimulationError(f"{rid}: a hit of {ext} tokens started {len(loads)} loads")
             request.load_job = loads[0].job_id
+        del self.answers[rid]
         return True
 
     def _check_hit(self, request: SimRequest, local: int, ext: int) -> None:

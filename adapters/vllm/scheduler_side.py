@@ -35,7 +35,7 @@ from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, tier_name
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
-from kvledger.engine.lookup import lookup
+from kvledger.engine.lookup import LookupResult, lookup
 from kvledger.engine.planner import Admission, StepInputs, new_hashes, plan_step
 from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
@@ -97,6 +97,7 @@ class LedgerScheduler:
         self._pool: BlockPoolView | None = None
         self._requests: dict[str, Request] = {}
         self._local_hit: dict[str, int] = {}  # the local hit vLLM passed to the last lookup
+        self._last_answer: dict[str, LookupResult] = {}  # each waiting request's, given back to the next lookup
         self._admitted: list[Admission] = []  # this step's, in vLLM's order
         self._promised = 0  # host slots this step's admitted hits take (promotions, and keys they pin)
         self._pending_promotions: dict[str, int] = {}  # slots each request's last hit would take
@@ -199,7 +200,8 @@ class LedgerScheduler:
             found = tiers.answers()
             if found:
                 self._apply(list(found))
-        result = lookup(self.host.state, rid, num_computed_tokens, self._promised)
+        result = lookup(self.host.state, rid, num_computed_tokens, self._promised, self._last_answer.get(rid))
+        self._last_answer[rid] = result
         if result.ready and tiers is not None and tiers.shared:
             # Keys beyond the hit that another process may have written: look once.
             wanted = queries.unknown_keys(self.host.state, rid, num_computed_tokens + result.num_hit_tokens)
@@ -219,6 +221,7 @@ class LedgerScheduler:
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         rid = request.request_id
+        self._last_answer.pop(rid, None)
         if queries.request_status(self.host.state, rid) in queries.ADMITTABLE:
             self._admitted.append(Admission(rid, self._local_hit.pop(rid, 0), num_external_tokens))
             if num_external_tokens:  # admitted with its hit: its promotions are spoken for
@@ -257,6 +260,7 @@ class LedgerScheduler:
             self._apply([ev.RequestAborted(request_id=rid)])
         self._requests.pop(rid, None)
         self._local_hit.pop(rid, None)
+        self._last_answer.pop(rid, None)
         if self._chain is not None:
             self._chain.forget(rid)
         if self._tiers is not None:

@@ -9,6 +9,7 @@ from kvledger.engine.invariants import check
 from kvledger.engine.lookup import LATER, MISS, LookupResult, lookup
 from kvledger.engine.state import SlotState
 from kvledger.events.config import GroupSpec
+from kvledger.events import types as ev
 from tests.engine.builders import Engine, chain, full_only_config, key, make_config, seed_tier
 
 H = chain(8, "p")
@@ -205,3 +206,75 @@ def test_the_seeded_tier_is_a_consistent_state():
         check(e.state)  # a storing slot without a store job is caught...
     e = waiting(make_config(), 161, full_keys(5), sliding_keys(3, 4))
     check(e.state)  # ...a stored one is a legal tier
+
+
+# (g) a kept answer: given back while nothing it rests on moved
+
+
+def again(e: Engine, first: LookupResult, local: int = 0) -> LookupResult:
+    """The lookup given its last answer back; it must equal a fresh lookup."""
+    kept = lookup(e.state, "r", local, previous=first)
+    assert kept == lookup(e.state, "r", local)
+    return kept
+
+
+def stored_doc(num_tier_slots: int = 32) -> Engine:
+    e = Engine(make_config(num_tier_slots=num_tier_slots))
+    e.run_and_store("d", 128, (1, 2, 3, 4), (5, 6, 7, 8), tag="p")
+    e.finish("d")
+    e.add("r", 129, H[:4])
+    return e
+
+
+def test_an_answer_is_given_back_while_the_tier_only_grows():
+    e = stored_doc()
+    first = hit(e)
+    assert first == LookupResult(128)
+    assert again(e, first) is first
+    e.run_and_store("x", 64, (9, 10), (11, 12), tag="other")  # stores of other keys: the whole prompt still hits
+    assert again(e, first) is first
+    assert again(e, first, local=32) is not first  # another local hit is another question
+
+
+def test_a_load_of_the_same_keys_drops_the_kept_answer():
+    e = stored_doc()
+    first = hit(e)
+    e.add("b", 129, H[:4])
+    e.alloc("b", (9, 10, 11, 12, 13), (0, 0, 14, 15, 16), ext=128)
+    assert again(e, first) == LATER
+
+
+def test_an_eviction_drops_the_kept_answer():
+    e = stored_doc(num_tier_slots=8)
+    first = hit(e)
+    e.run_and_store("x", 128, (9, 10, 11, 12), (13, 14, 15, 16), tag="other")  # evicts the document
+    assert e.core.stats.evictions == 8
+    assert again(e, first) == MISS
+
+
+def test_a_kept_answer_short_of_the_prompt_waits_for_the_key_it_stopped_at():
+    e = Engine(make_config())
+    e.run_and_store("d", 64, (1, 2), (3, 4), tag="p")
+    e.finish("d")
+    e.add("r", 129, H[:4])
+    first = hit(e)
+    assert first == LookupResult(64)
+    assert again(e, first) is first
+    e.run_and_store("x", 64, (5, 6), (7, 8), tag="other")  # not the key the walk stopped at
+    assert again(e, first) is first
+    e.run_and_store("y", 128, (9, 10, 11, 12), (13, 14, 15, 16), tag="p")  # the rest of the document
+    assert again(e, first) == LookupResult(128)
+
+
+def test_a_cache_reset_drops_the_kept_answer():
+    e = stored_doc()
+    first = hit(e)
+    e.apply(ev.CacheReset(epoch=1))
+    assert again(e, first) == MISS
+
+
+def test_a_later_answer_is_never_given_back():
+    keys = full_keys(4)
+    e = waiting(make_config(), 129, keys[:3], sliding_keys(2, 3), storing=[keys[3]])
+    first = hit(e)
+    assert first == LATER and first.basis is None
