@@ -8,8 +8,8 @@ from kvledger.engine.digest import digest
 from kvledger.engine.invariants import check
 from kvledger.engine.lookup import LATER, MISS, LookupResult, lookup
 from kvledger.engine.state import SlotState
-from kvledger.events.config import GroupSpec
 from kvledger.events import types as ev
+from kvledger.events.config import GroupSpec
 from tests.engine.builders import Engine, chain, full_only_config, key, make_config, seed_tier
 
 H = chain(8, "p")
