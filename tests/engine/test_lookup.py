@@ -273,8 +273,15 @@ def test_a_cache_reset_drops_the_kept_answer():
     assert again(e, first) == MISS
 
 
-def test_a_later_answer_is_never_given_back():
-    keys = full_keys(4)
-    e = waiting(make_config(), 129, keys[:3], sliding_keys(2, 3), storing=[keys[3]])
+def test_an_ask_again_later_answer_is_not_given_back_once_the_store_ends():
+    # A store ending moves none of the counters a kept answer rests on.
+    e = Engine(make_config(world_size=2))
+    e.add("d", 128, H[:4])
+    e.alloc("d", (1, 2, 3, 4), (5, 6, 7, 8))
+    e.step(("d", 0, 128))
+    e.store_done(1, worker=0)
+    e.add("r", 129, H[:4])
     first = hit(e)
-    assert first == LATER and first.basis is None
+    assert first == LATER
+    e.store_done(1, worker=1)
+    assert again(e, first) == LookupResult(128)
