@@ -21,7 +21,9 @@ from __future__ import annotations
 from collections import Counter
 from itertools import chain, repeat
 from operator import contains, eq
+from typing import Any
 
+import attrs
 from mypy_extensions import mypyc_attr
 
 from kvledger.events import types as ev
@@ -70,11 +72,16 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
     """
     core = state.core
     problems: list[str] = []
-    request_id = getattr(event, "request_id", None)
+    fields = _FOOTPRINT.get(type(event))
+    if fields is None:
+        fields = _footprint_fields(type(event))
+    has_request, has_blocks, has_job = fields
+    any_event: Any = event  # its fields read by name, where `fields` says it has them
+    request_id: str | None = any_event.request_id if has_request else None
     request = None if request_id is None else core.requests.get(request_id)
     if request is not None:
         _check_request_facts(core, request, problems, event.kind)
-    named = getattr(event, "block_ids", None)
+    named = any_event.block_ids if has_blocks else None
     if named:
         if type(named[0]) is tuple:
             blocks = list(chain.from_iterable(named))
@@ -84,18 +91,30 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
         if not _blocks_look_fine(core, blocks, held):
             _block_problems(core, blocks, held, request_id, problems)
     jobs = core.jobs
-    job_id = getattr(event, "job_id", None)
+    job_id: int | None = any_event.job_id if has_job else None
     if job_id is not None or first_new_job_id != core.next_job_id:
         touched = [jobs.get(j) for j in range(first_new_job_id, core.next_job_id)]
         if job_id is not None:
             touched.append(jobs.get(job_id))
-        stores = [job for job in touched if job is not None and job.kind is _STORE]
-        suspects = [] if _stores_look_fine(core, stores) else stores  # a step's new stores, in one pass
-        suspects += [job for job in touched if job is not None and (
-            job.kind is _SPILL or (job.kind is _LOAD and not _load_looks_fine(core, job)))]
-        _job_problems(core, suspects, problems)
+        if any(touched):  # an event that ended its job (most outcomes) touched none
+            stores = [job for job in touched if job is not None and job.kind is _STORE]
+            suspects = [] if not stores or _stores_look_fine(core, stores) else stores  # a step's new stores
+            suspects += [job for job in touched if job is not None and (
+                job.kind is _SPILL or (job.kind is _LOAD and not _load_looks_fine(core, job)))]
+            _job_problems(core, suspects, problems)
     if problems:
         raise InvariantViolation(problems)
+
+
+def _footprint_fields(kind: type) -> tuple[bool, bool, bool]:
+    names = {field.name for field in attrs.fields(kind)} if attrs.has(kind) else set(dir(kind))
+    return "request_id" in names, "block_ids" in names, "job_id" in names
+
+
+# Whether each event type has a request_id, block_ids and job_id, looked up per type:
+# compiled, a getattr with a default makes and clears an AttributeError for a missing
+# field, and that cost more than the whole check of a transfer outcome.
+_FOOTPRINT = {kind: _footprint_fields(kind) for kind in ev.EVENT_TYPES}
 
 
 # Events after which the request holds the blocks it names (if the event was applied:
