@@ -86,9 +86,9 @@ def _reported(violation: ProtocolViolation, event: ev.Event) -> fx.ReportViolati
 
 
 # The per-event wrapper is a measurable share of a replay, so it avoids Python-level
-# calls: `State.take`/`State(core)` and the namedtuple's `__new__`, spelled out.
+# calls: `State.take` and the namedtuple's `__new__`, spelled out. `State` is a
+# native class when compiled, so building a handle is a C call.
 _new_tuple = tuple.__new__
-_new_object = object.__new__
 
 
 def reduce(state: State, event: ev.Event, *, strict: bool = False) -> Transition:
@@ -104,9 +104,7 @@ def reduce(state: State, event: ev.Event, *, strict: bool = False) -> Transition
             state.restore(core)
             raise
         out = [_reported(violation, event)]
-    handle = _new_object(State)
-    handle._core = core
-    return _new_tuple(Transition, (handle, tuple(out) if out else ()))
+    return _new_tuple(Transition, (State(core), tuple(out) if out else ()))
 
 
 def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, strict: bool = False) -> Transition:
@@ -131,9 +129,7 @@ def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, 
                 raise
             del out[mark:]
             out.append(_reported(violation, event))
-    handle = _new_object(State)
-    handle._core = core
-    return _new_tuple(Transition, (handle, tuple(out) if out else ()))
+    return _new_tuple(Transition, (State(core), tuple(out) if out else ()))
 
 
 # A request's moves.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from operator import mul
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
 
@@ -363,7 +363,6 @@ class Core:
         return self.config.num_tier_slots - self.num_free_slots()
 
 
-@mypyc_attr(native_class=False)  # the reducer builds handles with object.__new__, and reads through __getattr__
 class State:
     """A handle on the engine state. Read it freely; the reducer consumes it."""
 
@@ -397,9 +396,6 @@ class State:
 
     def clone(self) -> State:
         return State(self.core.clone())
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.core, name)
 
     def __repr__(self) -> str:
         if self._core is None:
