@@ -73,8 +73,8 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
     core = state.core
     problems: list[str] = []
     fields = _FOOTPRINT.get(type(event))
-    if fields is None:
-        fields = _footprint_fields(type(event))
+    if fields is None:  # not one of the event types: ask the instance
+        fields = (hasattr(event, "request_id"), hasattr(event, "block_ids"), hasattr(event, "job_id"))
     has_request, has_blocks, has_job = fields
     any_event: Any = event  # its fields read by name, where `fields` says it has them
     request_id: str | None = any_event.request_id if has_request else None
@@ -107,7 +107,7 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
 
 
 def _footprint_fields(kind: type) -> tuple[bool, bool, bool]:
-    names = {field.name for field in attrs.fields(kind)} if attrs.has(kind) else set(dir(kind))
+    names = {field.name for field in attrs.fields(kind)}
     return "request_id" in names, "block_ids" in names, "job_id" in names
 
 
