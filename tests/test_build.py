@@ -7,6 +7,7 @@ pure run that still loaded extension modules."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -106,3 +107,17 @@ def test_the_engine_properties_and_golden_replays_hold_on_the_pure_build(tmp_pat
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "deselected" not in summary, summary
+
+
+def test_compiled_modules_never_call_getattr_with_a_default():
+    """Compiled, `getattr(obj, name, default)` makes and clears an AttributeError
+    whenever the attribute is missing: for a transfer outcome's per-event check that
+    was three times the cost of the check itself. The engine reads optional fields
+    by the event's type instead (`invariants._FOOTPRINT`)."""
+    offenders = []
+    for source in _build.sources(str(ROOT)):
+        for node in ast.walk(ast.parse((ROOT / source).read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                    and len(node.args) == 3):
+                offenders.append(f"{source}:{node.lineno}")
+    assert not offenders, offenders
