@@ -72,10 +72,7 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
     """
     core = state.core
     problems: list[str] = []
-    fields = _FOOTPRINT.get(type(event))
-    if fields is None:  # not one of the event types: ask the instance
-        fields = (hasattr(event, "request_id"), hasattr(event, "block_ids"), hasattr(event, "job_id"))
-    has_request, has_blocks, has_job = fields
+    has_request, has_blocks, has_job = _FOOTPRINT[type(event)]  # like the reducer, event types only
     any_event: Any = event  # its fields read by name, where `fields` says it has them
     request_id: str | None = any_event.request_id if has_request else None
     request = None if request_id is None else core.requests.get(request_id)

@@ -354,15 +354,6 @@ def test_event_footprint_checks(case):
     assert any(message in p for p in problems), problems
 
 
-def test_the_footprint_of_an_object_of_no_event_type_is_read_from_its_fields():
-    """Event types have their fields looked up once; anything else is asked field by field."""
-    mutate, event, message = FOOTPRINT_CORRUPTIONS["negative refs"]
-    lookalike = SimpleNamespace(kind=event.kind, request_id=event.request_id, block_ids=event.block_ids)
-    assert any(message in p for p in _footprint(mutate, lookalike))
-    mutate, event, message = FOOTPRINT_CORRUPTIONS["job and its slots"]
-    assert any(message in p for p in _footprint(mutate, SimpleNamespace(kind=event.kind, job_id=event.job_id)))
-
-
 @pytest.mark.parametrize("corrupt, message", [
     (lambda c, job: c.slot_state.__setitem__(job.slot_ids[1][0], SlotState.STORED), "store target slot"),
     (lambda c, job: c.block_generation.__setitem__(job.block_ids[0][1], 99), "was reallocated"),

@@ -145,13 +145,19 @@ def test_a_key_another_request_is_loading_defers_until_the_load_ends():
     assert hit(e) == LookupResult(128)
 
 
-def test_a_key_storing_on_one_of_two_workers_defers():
+def stored_on_one_of_two_workers() -> Engine:
+    """Request "r" asks for a prefix whose store one of two workers has reported."""
     e = Engine(make_config(world_size=2))
     e.add("d", 128, H[:4])
     e.alloc("d", (1, 2, 3, 4), (5, 6, 7, 8))
     e.step(("d", 0, 128))
     e.store_done(1, worker=0)
     e.add("r", 129, H[:4])
+    return e
+
+
+def test_a_key_storing_on_one_of_two_workers_defers():
+    e = stored_on_one_of_two_workers()
     assert hit(e) == LATER
     e.store_done(1, worker=1)
     assert hit(e) == LookupResult(128)
@@ -275,12 +281,7 @@ def test_a_cache_reset_drops_the_kept_answer():
 
 def test_an_ask_again_later_answer_is_not_given_back_once_the_store_ends():
     # A store ending moves none of the counters a kept answer rests on.
-    e = Engine(make_config(world_size=2))
-    e.add("d", 128, H[:4])
-    e.alloc("d", (1, 2, 3, 4), (5, 6, 7, 8))
-    e.step(("d", 0, 128))
-    e.store_done(1, worker=0)
-    e.add("r", 129, H[:4])
+    e = stored_on_one_of_two_workers()
     first = hit(e)
     assert first == LATER
     e.store_done(1, worker=1)
