@@ -126,7 +126,7 @@ def log_size(cfg: EngineConfig, trace: list[list]) -> dict[str, float]:
     assert decoded == seq
     # The same rows without the zstd stream: what format version 1 wrote.
     stream = zstandard.ZstdDecompressor().decompressobj()
-    rows = len(head) + sum(8 + len(stream.decompress(frame[8:])) for frame in frames)
+    rows = len(head) + sum(8 + len(stream.decompress(frame[9:])) for frame in frames)
     jsonl = len(encode_jsonl(header, [r for step in steps for r in step]))
     return {"binary": len(data) / seq, "rows": rows / seq, "jsonl": jsonl / seq,
             "encode_ms": encode * 1e3, "decode_ms": decode * 1e3}
