@@ -23,7 +23,11 @@ Timed: every scheduler-side method of the connector that vLLM calls, summed
 per step. Reported per connector: that time per step (median, p99, mean),
 its ratio to vLLM's `OffloadingConnector`, the tokens vLLM admitted as
 external hits, the tokens it computed, preemptions, and for kvledger the
-protocol violations its engine reported (a run with any is not valid).
+protocol violations its engine reported (a run with any is not valid), and
+the cyclic garbage collector's runs during each connector's steps and inside
+its calls (a collection is paid by whoever's allocation crosses the
+threshold, so the connector whose objects outlive its calls is charged
+some, and vLLM's code around them the rest).
 
 `kvledger-logged` is kvledger writing its event log (`--event-log`, binary,
 a part digest every 64 steps). Run beside `kvledger`, their ratio is what
@@ -214,7 +218,7 @@ class ConnectorClock:
         self.seconds = 0.0
         self.method_seconds: Counter[str] = Counter()
         self.method_calls: Counter[str] = Counter()
-        self._depth = 0
+        self.depth = 0  # calls under way (only the outermost is timed)
         for name in SCHEDULER_METHODS:
             method = getattr(connector, name, None)
             if callable(method):
@@ -224,9 +228,9 @@ class ConnectorClock:
         clock = time.perf_counter
 
         def timed(*args, **kwargs):
-            if self._depth:
+            if self.depth:
                 return method(*args, **kwargs)
-            self._depth += 1
+            self.depth += 1
             start = clock()
             try:
                 result = method(*args, **kwargs)
@@ -234,12 +238,40 @@ class ConnectorClock:
                 return list(result) if isinstance(result, GeneratorType) else result
             finally:
                 elapsed = clock() - start
-                self._depth -= 1
+                self.depth -= 1
                 self.seconds += elapsed
                 self.method_seconds[name] += elapsed
                 self.method_calls[name] += 1
 
         return timed
+
+
+class CollectorClock:
+    """The cyclic garbage collector's runs, charged to the run whose step was
+    going on, and whether one of its connector's calls was. A collection starts
+    wherever the process's count of new container objects crosses the
+    collector's threshold, and walks vLLM's young objects too: a connector that
+    leaves many objects alive between calls pays for collections in its own
+    calls and makes vLLM's code around them pay for more."""
+
+    def __init__(self) -> None:
+        self.run: Run | None = None
+        self.started = 0.0
+        gc.callbacks.append(self._observe)
+
+    def _observe(self, phase: str, info: dict) -> None:
+        run = self.run
+        if run is None:
+            return
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self.started
+        run.collections["step"] += 1
+        run.collections["step_ms"] += seconds * 1e3
+        if run.clock.depth:
+            run.collections["in_calls"] += 1
+            run.collections["in_calls_ms"] += seconds * 1e3
 
 
 # Workers, simulated alike for every connector.
@@ -400,6 +432,7 @@ class Run:
         self.early_stops = early_stops
         self.in_flight: deque[tuple[Any, Any]] = deque()  # (scheduler output, model output), newest first
         self.connector_ms: list[float] = []
+        self.collections: Counter[str] = Counter()  # the cyclic collector's runs in this run's steps
         self.scheduler_ms: list[float] = []
         self.stats = Counter()
 
@@ -464,7 +497,16 @@ class Run:
             req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)}, sampled_token_ids=sampled,
             kv_connector_output=self.worker.output(self.step_index, out.kv_connector_metadata))
 
-    def step(self) -> None:
+    def step(self, collector: CollectorClock | None = None) -> None:
+        if collector is not None:
+            collector.run = self
+        try:
+            self._step()
+        finally:
+            if collector is not None:
+                collector.run = None
+
+    def _step(self) -> None:
         clock = time.perf_counter
         before = self.clock.seconds
         start = clock()
@@ -497,6 +539,7 @@ class Run:
                if self.violations is not None else {}),
             "method_ms_per_step": {k: v * 1e3 / len(ms) for k, v in self.clock.method_seconds.most_common()},
             "method_calls": dict(self.clock.method_calls),
+            "collections": dict(self.collections),
             "connector_ms": self.connector_ms,
         }
 
@@ -615,11 +658,12 @@ def main() -> None:
         sys.exit("no connector could be built")
     gc.collect()
     gc.freeze()
+    collector = CollectorClock()
     start = time.perf_counter()
     for step in range(args.steps):
         shift = step % len(runs)
         for run in runs[shift:] + runs[:shift]:  # a rotating order: no connector always runs first
-            run.step()
+            run.step(collector)
         if (step + 1) % 50 == 0:
             print(f"step {step + 1}: " + ", ".join(
                 f"{r.name} {statistics.median(r.connector_ms):.2f} ms" for r in runs), flush=True)
@@ -679,6 +723,10 @@ def print_table(summaries: dict) -> None:
     for name, s in summaries.items():
         top = ", ".join(f"{k} {v:.3f}" for k, v in list(s["method_ms_per_step"].items())[:4])
         print(f"  {name}: ms per step by method: {top}")
+    for name, s in summaries.items():
+        c = s["collections"]
+        print(f"  {name}: cyclic collector: {c.get('step', 0)} collections in its steps "
+              f"({c.get('step_ms', 0.0):.0f} ms), {c.get('in_calls', 0)} inside its calls ({c.get('in_calls_ms', 0.0):.0f} ms)")
 
 
 if __name__ == "__main__":

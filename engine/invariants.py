@@ -39,7 +39,7 @@ from .state import SPILL as _SPILL
 from .state import STORE as _STORE
 from .state import STORED as _STORED
 from .state import STORING as _STORING
-from .state import Core, Job, JobKind, RequestState, SlotState, State
+from .state import Core, Job, JobKind, RequestState, SlotState, State, reader_ids
 from .transitions import STEPPABLE
 
 _PIN = Protection.PIN
@@ -151,7 +151,7 @@ def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
     if readers and not readers.keys().isdisjoint(blocks):
         jobs = core.jobs
         for block in readers.keys() & set(blocks):
-            for job_id in readers[block]:
+            for job_id in reader_ids(readers[block]):
                 job = jobs.get(job_id)
                 if job is None or job.flushed:
                     return False
@@ -211,7 +211,7 @@ def _stores_look_fine(core: Core, jobs: list[Job]) -> bool:
         return False
     owners = chain.from_iterable(repeat(job.job_id, sum(map(len, job.keys))) for job in reading)
     try:
-        return all(map(contains, map(core.block_readers.__getitem__, blocks), owners))
+        return all(map(contains, map(reader_ids, map(core.block_readers.__getitem__, blocks)), owners))
     except KeyError:  # a source block that records no reader
         return False
 
@@ -328,7 +328,7 @@ def _check_block(core: Core, block: int, problems: list[str]) -> None:
     # Pin counts only in pin mode: nothing else changes them, and `check` recounts them.
     if core.block_refs[block] < 0 or (core.config.protection is _PIN and core.block_pins[block] < 0):
         problems.append(f"block {block}: negative count (refs={core.block_refs[block]}, pins={core.block_pins[block]})")
-    for job_id in core.block_readers.get(block, ()):
+    for job_id in reader_ids(core.block_readers.get(block, [])):
         job = core.jobs.get(job_id)
         if job is None or job.flushed:
             problems.append(f"block {block}: stale reader job {job_id}")
@@ -377,7 +377,7 @@ def _check_job(core: Core, job: Job, problems: list[str]) -> None:
             for block, generation in zip(group_blocks, group_gens):
                 if core.block_generation[block] != generation:
                     problems.append(f"job {jid}: source block {block} was reallocated while the store reads it")
-                if jid not in core.block_readers.get(block, ()):
+                if jid not in reader_ids(core.block_readers.get(block, [])):
                     problems.append(f"job {jid}: source block {block} does not record its reader")
     if job.kind is JobKind.LOAD:
         # Contract 2: a load's destination stays held by its request until the load ends.
@@ -465,7 +465,7 @@ def _check_block_counts(core: Core, problems: list[str]) -> None:
                 if block in writers:
                     problems.append(f"block {block}: two loads write it")
                 writers[block] = job.job_id
-    if {b: sorted(j) for b, j in readers.items()} != {b: sorted(j) for b, j in core.block_readers.items()}:
+    if {b: sorted(j) for b, j in readers.items()} != {b: sorted(reader_ids(j)) for b, j in core.block_readers.items()}:
         problems.append("block readers do not match the unflushed stores")
     if writers != core.block_writer:
         problems.append("block writers do not match the open loads")

@@ -20,6 +20,7 @@ like a store's.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from . import effects as fx
 from . import slots
@@ -32,7 +33,7 @@ class _Part:
 
     __slots__ = ("keys", "slot_ids", "failed_keys", "stale")
 
-    def __init__(self, keys: tuple, slot_ids: tuple, failed_keys: set[bytes], stale: bool) -> None:
+    def __init__(self, keys: tuple, slot_ids: tuple, failed_keys: AbstractSet[bytes], stale: bool) -> None:
         self.keys = keys
         self.slot_ids = slot_ids
         self.failed_keys = failed_keys

@@ -252,8 +252,11 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
             if block != NULL_BLOCK_ID:
                 if readers:
                     reading = readers.get(block)
-                    if reading:
-                        to_flush.extend(reading)
+                    if reading is not None:
+                        if isinstance(reading, int):
+                            to_flush.append(reading)
+                        else:
+                            to_flush.extend(reading)
                 refs[block] = 1
                 generation[block] += 1
                 group_of[block] = group_id
@@ -384,10 +387,13 @@ def _release_sources(core: Core, job: Job) -> None:
     for ids in job.block_ids:
         for block in ids:
             jobs = readers[block]
-            if len(jobs) == 1 and jobs[0] == job_id:
+            if isinstance(jobs, int):
+                assert jobs == job_id, f"block {block}: read by job {jobs}, not {job_id}"
                 del readers[block]
             else:
                 jobs.remove(job_id)
+                if len(jobs) == 1:
+                    readers[block] = jobs[0]
 
 
 def _blocks_freed(core: Core, event: ev.BlocksFreed, out: list[fx.Effect]) -> None:
@@ -585,7 +591,9 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
         block_key[block] = key
         reading = readers.get(block)
         if reading is None:
-            readers[block] = [job_id]
+            readers[block] = job_id
+        elif isinstance(reading, int):
+            readers[block] = [reading, job_id]
         else:
             reading.append(job_id)
         candidate_blocks.append(block)
@@ -681,7 +689,7 @@ def _store_failed(core: Core, event: ev.StoreFailed, out: list[fx.Effect]) -> No
     if not failed <= all_keys:
         raise ProtocolViolation("foreign_keys", f"store {job.job_id} failed keys it does not hold",
                                 job_id=job.job_id)
-    job.failed_keys |= failed
+    job.failed_keys = job.failed_keys | failed
     _worker_reported(core, job, event.worker_index, out)
 
 
@@ -702,10 +710,11 @@ def _load_failed(core: Core, event: ev.LoadFailed, out: list[fx.Effect]) -> None
         raise ProtocolViolation("empty_failure", f"load {job.job_id} failed with no blocks or keys",
                                 job_id=job.job_id)
     failed_blocks = set(event.block_ids)
-    job.failed_blocks |= failed_blocks
-    job.failed_keys.update(event.keys)
+    failed_keys = set(event.keys)
     for group_keys, group_blocks in zip(job.keys, job.block_ids):  # a failed block's key is suspect too
-        job.failed_keys.update(k for k, b in zip(group_keys, group_blocks) if b in failed_blocks)
+        failed_keys.update(k for k, b in zip(group_keys, group_blocks) if b in failed_blocks)
+    job.failed_blocks = job.failed_blocks | failed_blocks
+    job.failed_keys = job.failed_keys | failed_keys
     _worker_reported(core, job, event.worker_index, out)
 
 

@@ -19,6 +19,7 @@ dropped key releases it as an orphan.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from .state import FREE as _FREE
@@ -36,7 +37,7 @@ class Ended(Protocol):
     @property
     def slot_ids(self) -> tuple: ...
     @property
-    def failed_keys(self) -> set[bytes]: ...
+    def failed_keys(self) -> AbstractSet[bytes]: ...
     @property
     def stale(self) -> bool: ...
 

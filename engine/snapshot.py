@@ -26,7 +26,7 @@ from typing import Any
 from kvledger.events.config import EngineConfig
 
 from .policies import ARC, LRU
-from .state import Core, Job, JobKind, LowerTier, RequestState, RequestStatus, State
+from .state import Core, Job, JobKind, LowerTier, RequestState, RequestStatus, State, reader_ids
 
 SNAPSHOT_VERSION = 1
 """Bumped when the data's shape changes; `restore` refuses other versions."""
@@ -88,7 +88,7 @@ def capture(state: State) -> list[Any]:
         [c.step_index, c.epoch, c.next_job_id, c.next_fresh_slot],
         [_ints(c.block_refs), _ints(c.block_pins), _ints(c.block_generation), _ints(c.block_group)],
         list(c.block_key),
-        [[b, list(jobs)] for b, jobs in c.block_readers.items()],
+        [[b, list(reader_ids(jobs))] for b, jobs in c.block_readers.items()],
         list(c.block_writer.items()),
         list(c.lazy_keys.items()),
         [list(c.slot_of_key), _ints(c.slot_of_key.values())],
@@ -156,8 +156,8 @@ def _restore_job(row: Sequence[Any]) -> Job:
      flushed, stale, num_tokens, tier, promote_tiers) = row
     j = Job(job_id, _JOB_KINDS[kind], rid, _tuples(keys), _tuples(block_ids), _tuples(slot_ids),
             _tuples(generations), pending_workers, num_tokens)
-    j.failed_keys = set(failed_keys)
-    j.failed_blocks = set(failed_blocks)
+    j.failed_keys = frozenset(failed_keys)
+    j.failed_blocks = frozenset(failed_blocks)
     j.flushed = bool(flushed)
     j.stale = bool(stale)
     j.tier = tier
@@ -216,7 +216,8 @@ def _restore(config: EngineConfig, data: Sequence[Any]) -> State:
     core.block_refs, core.block_pins, core.block_generation, core.block_group = (
         _column(_unints(c), n, "device block column") for c in columns)
     core.block_key = _column(block_key, n, "block_key")
-    core.block_readers = {b: list(jobs) for b, jobs in _pairs(block_readers, "block_readers")}
+    core.block_readers = {b: jobs[0] if len(jobs) == 1 else list(jobs)
+                          for b, jobs in _pairs(block_readers, "block_readers")}
     core.block_writer = dict(_pairs(block_writer, "block_writer"))
     core.lazy_keys = dict(_pairs(lazy_keys, "lazy_keys"))
     keys, slots = slot_index

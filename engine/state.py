@@ -12,6 +12,7 @@ an immutable state. `clone()` gives an independent copy when one is needed
 from __future__ import annotations
 
 import enum
+from collections.abc import Set as AbstractSet
 from operator import mul
 from typing import ClassVar
 
@@ -138,6 +139,15 @@ _JOB_FIELDS = (
 )
 
 
+def reader_ids(readers: int | list[int]) -> list[int]:
+    """The store jobs in one `Core.block_readers` entry, as a list."""
+    return [readers] if isinstance(readers, int) else readers
+
+
+_NO_KEYS: frozenset[bytes] = frozenset()
+_NO_BLOCKS: frozenset[int] = frozenset()
+
+
 class Job:
     """A transfer in flight. Per-group tuples are aligned with `keys`."""
 
@@ -157,8 +167,10 @@ class Job:
         self.slot_ids = slot_ids
         self.generations = generations  # STORE: each source block's generation when planned
         self.pending_workers = pending_workers  # bitmask of workers yet to report
-        self.failed_keys: set[bytes] = set()
-        self.failed_blocks: set[int] = set()
+        # Empty until a failure (most jobs have none): the shared empty frozenset, so a
+        # job is not two sets the cyclic collector counts; a failure rebinds a new one.
+        self.failed_keys: AbstractSet[bytes] = _NO_KEYS
+        self.failed_blocks: AbstractSet[int] = _NO_BLOCKS
         self.flushed = False  # STORE: the worker waited for it; sources are free to reuse
         self.stale = False  # started before a cache reset: its outcome no longer counts
         self.num_tokens = num_tokens  # LOAD: tokens the hit covers
@@ -170,8 +182,8 @@ class Job:
                     self.generations, self.pending_workers)
         for name in _JOB_FIELDS:
             setattr(other, name, getattr(self, name))
-        other.failed_keys = set(self.failed_keys)
-        other.failed_blocks = set(self.failed_blocks)
+        other.failed_keys = self.failed_keys  # never changed in place: shared
+        other.failed_blocks = self.failed_blocks
         return other
 
     def flat_blocks(self) -> list[int]:
@@ -312,7 +324,9 @@ class Core:
         self.block_generation = [0] * n
         self.block_group = [-1] * n
         self.block_key: list[bytes | None] = [None] * n
-        self.block_readers: dict[int, list[int]] = {}  # block -> unflushed store jobs reading it
+        # block -> the unflushed store job reading it, or a list when several do (rare: one
+        # list per stored block would be a container object per block the collector counts)
+        self.block_readers: dict[int, int | list[int]] = {}
         self.block_writer: dict[int, int] = {}  # block -> load job writing it
         self.lazy_keys: dict[int, bytes] = {}  # lazy mode: block -> key of its full, reachable content
         m = config.num_tier_slots
@@ -336,7 +350,7 @@ class Core:
         for name in ("block_refs", "block_pins", "block_generation", "block_group", "block_key",
                      "slot_key", "free_slots"):
             setattr(other, name, list(getattr(self, name)))
-        other.block_readers = {b: list(j) for b, j in self.block_readers.items()}
+        other.block_readers = {b: j if isinstance(j, int) else list(j) for b, j in self.block_readers.items()}
         other.block_writer = dict(self.block_writer)
         other.lazy_keys = dict(self.lazy_keys)
         other.slot_of_key = dict(self.slot_of_key)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.engine import checks, invariants
 from kvledger.engine.checks import ProtocolViolation
-from kvledger.engine.state import Core, JobKind, RequestState, RequestStatus, SlotState, State
+from kvledger.engine.state import Core, JobKind, RequestState, RequestStatus, SlotState, State, reader_ids
 from kvledger.engine.transitions import REQUEST_MOVES
 from kvledger.events import types as ev
 from kvledger.events.types import NULL_BLOCK_ID
@@ -209,7 +209,7 @@ def _corrupt(draw, core: Core, kind: JobKind | None) -> None:
     elif change == "pins":
         core.block_pins[block] = -1
     elif change == "stale reader":
-        core.block_readers.setdefault(block, []).append(10**6)
+        core.block_readers[block] = reader_ids(core.block_readers.get(block, [])) + [10**6]
     elif change == "reader gone":
         core.block_readers.pop(block, None)
     elif change == "writer":

@@ -226,7 +226,7 @@ def test_reallocating_a_finished_requests_block_flushes_exactly_its_store():
     e.step(("c", 0, 128))  # store job 2 reads blocks 9-16
     assert sorted(e.core.jobs) == [1, 2]
     e.finish("a")
-    assert e.core.block_refs[3] == 0 and e.core.block_readers[3] == [1]
+    assert e.core.block_refs[3] == 0 and e.core.block_readers[3] == 1
     e.add("b", 64, tag="b")
     effects = e.alloc("b", (3, 20), (21, 22))
     assert effects == (fx.FlushStores(job_ids=(1,)),)
@@ -290,7 +290,7 @@ def test_blocks_freed_nulls_the_positions_and_drops_the_refs():
     assert e.free("a", (), (5, 6)) == ()
     assert e.core.requests["a"].table == [[1, 2, 3, 4], [0, 0, 7, 8]]
     assert [e.core.block_refs[b] for b in (5, 6, 7)] == [0, 0, 1]
-    assert e.core.block_readers[5] == [1]  # the store still reads it: reuse would flush
+    assert e.core.block_readers[5] == 1  # the store still reads it: reuse would flush
     check(e.state)
 
 
@@ -450,7 +450,7 @@ def test_step_scheduled_stores_every_full_new_block():
     assert job.generations == ((1, 1, 1, 1), (1, 1, 1, 1))
     assert c.slot_of_key == {k: s for s, k in enumerate(KA0 + KA1)}
     assert [c.slot_state[s] for s in range(9)] == [SlotState.STORING] * 8 + [SlotState.FREE]
-    assert c.block_readers == {b: [1] for b in range(1, 9)}
+    assert c.block_readers == {b: 1 for b in range(1, 9)}
     assert [c.block_key[b] for b in range(1, 9)] == list(KA0 + KA1)
     assert len(c.policy) == 0  # storing keys are not evictable
     assert c.stats.stores == 1 and c.stats.keys_stored == 0

@@ -336,7 +336,7 @@ def test_mutant_trusting_failed_spills_is_caught(monkeypatch: pytest.MonkeyPatch
     real = lower.spill_ended
 
     def trusting(core, job, out):  # a failed write counted as written
-        job.failed_keys.clear()
+        job.failed_keys = frozenset()
         real(core, job, out)
 
     monkeypatch.setattr(lower, "spill_ended", trusting)
