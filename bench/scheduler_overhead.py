@@ -497,16 +497,7 @@ class Run:
             req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)}, sampled_token_ids=sampled,
             kv_connector_output=self.worker.output(self.step_index, out.kv_connector_metadata))
 
-    def step(self, collector: CollectorClock | None = None) -> None:
-        if collector is not None:
-            collector.run = self
-        try:
-            self._step()
-        finally:
-            if collector is not None:
-                collector.run = None
-
-    def _step(self) -> None:
+    def step(self) -> None:
         clock = time.perf_counter
         before = self.clock.seconds
         start = clock()
@@ -663,7 +654,9 @@ def main() -> None:
     for step in range(args.steps):
         shift = step % len(runs)
         for run in runs[shift:] + runs[:shift]:  # a rotating order: no connector always runs first
-            run.step(collector)
+            collector.run = run
+            run.step()
+            collector.run = None
         if (step + 1) % 50 == 0:
             print(f"step {step + 1}: " + ", ".join(
                 f"{r.name} {statistics.median(r.connector_ms):.2f} ms" for r in runs), flush=True)

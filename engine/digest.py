@@ -26,7 +26,7 @@ from typing import Any, cast
 from kvledger.events.config import EngineConfig
 from kvledger.events.log_records import join_digest, split_digest
 
-from .state import State, reader_ids
+from .state import Core, State, reader_ids
 
 PART_ROWS = 8192
 """Rows of the largest table (device blocks or tier slots) per part: about
@@ -54,7 +54,7 @@ def digest(state: State) -> str:
         h.update(array("q", column).tobytes())
     h.update(b"".join(k or b"\x00" for k in core.block_key))
     put(sorted(core.block_writer.items()))
-    put(sorted((b, sorted(reader_ids(j))) for b, j in core.block_readers.items()))
+    put(_readers(core))
     if core.lazy_keys:  # empty in eager mode: eager logs keep their digests
         put(sorted(core.lazy_keys.items()))
     used = core.next_fresh_slot
@@ -91,7 +91,7 @@ def part_digest(state: State, part: int, parts: int) -> str:
     put((core.step_index, core.epoch, core.next_job_id, core.next_fresh_slot, part, parts))
     put((len(core.slot_of_key), len(core.free_slots), len(core.requests), len(core.lazy_keys)))
     put(sorted(core.block_writer.items()))
-    put(sorted((b, sorted(reader_ids(j))) for b, j in core.block_readers.items()))
+    put(_readers(core))
     put(sorted(core.slot_loads.items()))
     for jid in sorted(core.jobs):
         put(core.jobs[jid].canonical())
@@ -126,6 +126,12 @@ def part_digest(state: State, part: int, parts: int) -> str:
     for rid in islice(rids, lo, hi):
         put(core.requests[rid].canonical())
     return join_digest(part, parts, h.digest())
+
+
+def _readers(core: Core) -> list[tuple[int, list[int]]]:
+    """Each read block and its readers, sorted: the same rows whether an entry
+    holds one job id or a list."""
+    return sorted((b, sorted(reader_ids(j))) for b, j in core.block_readers.items())
 
 
 def _bounds(n: int, part: int, parts: int) -> tuple[int, int]:
