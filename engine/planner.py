@@ -35,7 +35,7 @@ from typing import Protocol
 import attrs
 
 from kvledger.events import types as ev
-from kvledger.events.config import GroupKind, StoreMode
+from kvledger.events.config import GroupKind, GroupSpec, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
 from .state import PREEMPTED, RUNNING, Core, RequestState, State
@@ -115,20 +115,44 @@ def _new_hashes(mine: RequestState, request: Request,
                                   block_hashes=tuple(hashes[known:]))
 
 
-def _window_frees(window_tables: tuple[tuple[int, Mapping[str, Sequence[Block]]], ...], mine: RequestState,
-                  num_groups: int) -> ev.BlocksFreed | None:
-    """Blocks vLLM replaced by the null block in a window group (`window_tables`:
-    each window group's id and vLLM's tables for it).
+# A window group as the planner reads it: its id, vLLM's tables for it, its block
+# size, and the lag of vLLM's frees behind a request's computed tokens.
+WindowGroup = tuple[int, Mapping[str, Sequence[Block]], int, int]
+
+_ALWAYS = -(1 << 62)  # a lag no horizon falls below: scan in every step
+
+
+def _free_lag(group: GroupSpec) -> int:
+    """vLLM frees a window group's block at position `p` only once the request's
+    computed tokens reach `(p + 1) * block_size + lag`.
+
+    A sliding window of W tokens (extra retained tokens included) keeps the
+    last W - 1 computed tokens for the next one's attention: vLLM's
+    `get_num_skipped_tokens` is `computed - W + 1`. For any other window kind
+    the planner does not rely on a rule and scans in every step.
+    """
+    return group.window - 1 if group.kind is GroupKind.SLIDING else _ALWAYS
+
+
+def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, num_groups: int,
+                  horizon: int) -> ev.BlocksFreed | None:
+    """Blocks vLLM replaced by the null block in a window group.
 
     Only window groups lose blocks mid-request, always from the front, so
     the scan starts at the engine's free floor and stops at the first block
-    vLLM still holds: a comparison per window group in most steps.
+    vLLM still holds. vLLM frees with the request's computed tokens, which
+    the step's `horizon` (computed plus scheduled) bounds: below a block's
+    free point the scan is skipped, so a decoding request is scanned about
+    once a block, not in every step.
     """
     freed: list[list[int]] | None = None
     rid = mine.request_id
-    for g, tables in window_tables:
+    floors = mine.free_floor
+    for g, tables, block_size, lag in window_groups:
+        if horizon < (floors[g] + 1) * block_size + lag:
+            continue
         known, now = mine.table[g], tables.get(rid, ())
-        for position in range(mine.free_floor[g], min(len(known), len(now))):
+        for position in range(floors[g], min(len(known), len(now))):
             if now[position].block_id != NULL_BLOCK_ID:
                 break
             if known[position] != NULL_BLOCK_ID:
@@ -176,27 +200,29 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             preempted_now.add(rid)
 
     admitted = {a.request_id for a in step.admissions}  # membership only, never iterated
-    window_tables = tuple((g, step.tables[g]) for g, group in enumerate(core.groups)
-                          if group.kind is not GroupKind.FULL)
+    window_groups = tuple((g, step.tables[g], group.block_size, _free_lag(group))
+                          for g, group in enumerate(core.groups) if group.kind is not GroupKind.FULL)
     tables = step.tables
     requests = step.requests
     keys_of = step.keys_of
     grown = step.grown
     growing: list[tuple[RequestState, tuple[Sequence[Block], ...]]] = []
     # Per running request, the common step costs a few comparisons: a new hash
-    # shows in the length of vLLM's list, a window free at the engine's free
-    # floor, and growth in `grown` (vLLM says which tables it extended).
-    for rid in step.scheduled:
+    # shows in the length of vLLM's list, a window free only once the step's
+    # horizon passes the free point of the block at the engine's free floor,
+    # and growth in `grown` (vLLM says which tables it extended).
+    for rid, count in step.scheduled.items():
         if rid in admitted:
             continue
         mine = mine_of(rid)
         if mine is None:
             continue
-        appended = _new_hashes(mine, requests[rid], keys_of)
+        request = requests[rid]
+        appended = _new_hashes(mine, request, keys_of)
         if appended is not None:
             events.append(appended)
-        if window_tables:
-            freed = _window_frees(window_tables, mine, len(tables))
+        if window_groups:
+            freed = _window_frees(window_groups, mine, len(tables), request.num_computed_tokens + count)
             if freed is not None:
                 events.append(freed)
         if grown is None or rid in grown:

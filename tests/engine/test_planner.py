@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +22,7 @@ from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import StoreMode
 from tests.engine import planner_workload
-from tests.engine.builders import chain, full_only_config, make_config
+from tests.engine.builders import FULL, SLIDING, chain, full_only_config, make_config
 
 pytestmark = pytest.mark.fast
 
@@ -111,15 +112,44 @@ def test_a_window_table_admitted_past_skipped_positions_scans_for_frees_from_its
     is still found."""
     vllm, _ = hit_beside_growth((0, 0, 7, 10))
     assert vllm.state.core.requests["b"].free_floor == [0, 2]
-    vllm.null_out("b", 1, 2)
-    vllm.requests["b"].num_tokens = 129
+    # b has computed 128 tokens; vLLM frees position 2 once 159 are computed
+    # (3 blocks of 32, plus the 63 tokens the 64-token window keeps).
+    vllm.requests["b"].num_tokens = 160
     vllm.give("b", (11,), (12,))
+    assert vllm.run({"b": 30})[0].kind == "blocks_allocated"
+    vllm.null_out("b", 1, 2)
     events = vllm.run({"b": 1})
-    assert kinds(events) == ["blocks_freed", "blocks_allocated", "step_scheduled"]
+    assert kinds(events) == ["blocks_freed", "step_scheduled"]
     assert events[0] == ev.BlocksFreed(request_id="b", block_ids=((), (7,)))
     assert vllm.table("b") == ((1, 2, 5, 9, 11), (0, 0, 0, 10, 12))
     assert vllm.state.core.requests["b"].free_floor == [0, 3]
     check(vllm.state)
+
+
+@pytest.mark.parametrize("window", [32, 48])
+def test_a_decoding_requests_window_free_is_found_in_the_step_vllm_makes_it(window):
+    """The planner looks for a window free only once the step's horizon reaches
+    the point where vLLM's `get_num_skipped_tokens` passes the block at the free
+    floor; decoding token by token, each free is still found in its own step."""
+    config = make_config(groups=(FULL, attrs.evolve(SLIDING, window=window)))
+    vllm = FakeVllm(config)
+    vllm.add("a", 64, chain(2))
+    vllm.give("a", (1, 2, 3), (4, 5, 6))
+    admitted(vllm, "a", 64)
+    found = []
+    for _ in range(31):  # decode to 95 tokens; vLLM frees as it would
+        request = vllm.requests["a"]
+        request.num_tokens += 1
+        skipped = max(0, request.num_computed_tokens - window + 1) // 32
+        for position in range(skipped):
+            if vllm.tables[1]["a"][position].block_id:
+                vllm.null_out("a", 1, position)
+        events = vllm.run({"a": 1})
+        found += [(request.num_computed_tokens - 1, e.block_ids) for e in events if e.kind == "blocks_freed"]
+        assert vllm.engine_table("a") == vllm.table("a")
+    # Position 0 leaves the window once 32 + window - 1 tokens are computed
+    # (with a 32-token window, already before the first decode step).
+    assert found == [(max(64, 32 + window - 1), ((), (4,)))]
 
 
 def test_preemption_then_readmission_in_a_later_step_and_in_the_same_one():
