@@ -29,7 +29,6 @@ set or dict of requests is iterated except in an order vLLM fixed.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping, Sequence
-from operator import attrgetter
 from typing import Protocol
 
 import attrs
@@ -90,9 +89,12 @@ class StepInputs:
     # The running requests vLLM gave new blocks this step (its scheduler output's
     # `new_block_ids` that are not None), or None: then every table is compared.
     grown: Container[str] | None = None
-
-
-_computed = attrgetter("num_computed_tokens")
+    # What vLLM's scheduler output says of the scheduled requests, so that a step
+    # need not read each request: its computed tokens, and its output tokens
+    # (placeholders of async scheduling included, so with the prompt an upper
+    # bound on its tokens). A request missing from them is read from `requests`.
+    num_computed: Mapping[str, int] = attrs.field(factory=dict)
+    num_output: Mapping[str, int] = attrs.field(factory=dict)
 
 
 def new_hashes(state: State, request_id: str, request: Request,
@@ -119,7 +121,7 @@ def _new_hashes(mine: RequestState, request: Request,
 # size, and the lag of vLLM's frees behind a request's computed tokens.
 WindowGroup = tuple[int, Mapping[str, Sequence[Block]], int, int]
 
-_ALWAYS = -(1 << 62)  # a lag no horizon falls below: scan in every step
+_ALWAYS = -(1 << 62)  # a lag no token count falls below: scan in every step
 
 
 def _free_lag(group: GroupSpec) -> int:
@@ -135,21 +137,21 @@ def _free_lag(group: GroupSpec) -> int:
 
 
 def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, num_groups: int,
-                  horizon: int) -> ev.BlocksFreed | None:
+                  computed: int) -> ev.BlocksFreed | None:
     """Blocks vLLM replaced by the null block in a window group.
 
     Only window groups lose blocks mid-request, always from the front, so
     the scan starts at the engine's free floor and stops at the first block
-    vLLM still holds. vLLM frees with the request's computed tokens, which
-    the step's `horizon` (computed plus scheduled) bounds: below a block's
-    free point the scan is skipped, so a decoding request is scanned about
-    once a block, not in every step.
+    vLLM still holds. vLLM frees with at most the request's `computed`
+    tokens as this step's output gives them (it subtracts tokens still in
+    flight): below the free point of the block at the floor the scan is
+    skipped, so a decoding request is scanned once a block, not every step.
     """
     freed: list[list[int]] | None = None
     rid = mine.request_id
     floors = mine.free_floor
     for g, tables, block_size, lag in window_groups:
-        if horizon < (floors[g] + 1) * block_size + lag:
+        if computed < (floors[g] + 1) * block_size + lag:
             continue
         known, now = mine.table[g], tables.get(rid, ())
         for position in range(floors[g], min(len(known), len(now))):
@@ -208,21 +210,31 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     grown = step.grown
     growing: list[tuple[RequestState, tuple[Sequence[Block], ...]]] = []
     # Per running request, the common step costs a few comparisons: a new hash
-    # shows in the length of vLLM's list, a window free only once the step's
-    # horizon passes the free point of the block at the engine's free floor,
+    # shows in the length of vLLM's list, a window free only once the computed
+    # tokens pass the free point of the block at the engine's free floor,
     # and growth in `grown` (vLLM says which tables it extended).
-    for rid, count in step.scheduled.items():
+    computed: list[int] = []  # the step's num_computed_tokens, in its order
+    said_computed, said_output = step.num_computed, step.num_output
+    hash_block_size = core.config.hash_block_size
+    for rid in step.scheduled:
+        done = said_computed.get(rid, -1)
+        if done < 0:
+            done = requests[rid].num_computed_tokens
+        computed.append(done)
         if rid in admitted:
             continue
         mine = mine_of(rid)
         if mine is None:
             continue
-        request = requests[rid]
-        appended = _new_hashes(mine, request, keys_of)
-        if appended is not None:
-            events.append(appended)
+        # vLLM hashes every full block of the request's tokens, so a new hash needs
+        # the tokens to have passed the next block of the engine's hashes.
+        output = said_output.get(rid, -1)
+        if output < 0 or (mine.num_prompt_tokens + output) // hash_block_size > len(mine.hashes):
+            appended = _new_hashes(mine, requests[rid], keys_of)
+            if appended is not None:
+                events.append(appended)
         if window_groups:
-            freed = _window_frees(window_groups, mine, len(tables), request.num_computed_tokens + count)
+            freed = _window_frees(window_groups, mine, len(tables), done)
             if freed is not None:
                 events.append(freed)
         if grown is None or rid in grown:
@@ -256,9 +268,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         events.append(ev.BlocksNearEviction(block_ids=step.near_eviction))
 
     if step.scheduled:
-        rids = tuple(step.scheduled)
         events.append(ev.StepScheduled(
-            step_index=step.step_index, request_ids=rids,
-            num_computed_tokens=tuple(map(_computed, map(requests.__getitem__, rids))),
+            step_index=step.step_index, request_ids=tuple(step.scheduled), num_computed_tokens=tuple(computed),
             num_scheduled_tokens=tuple(step.scheduled.values())))
     return events

@@ -28,6 +28,7 @@ class Request:
     num_tokens: int
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = attrs.field(factory=list)
+    num_prompt_tokens: int = attrs.field(default=attrs.Factory(lambda self: self.num_tokens, takes_self=True))
 
 
 class FakeVllm:
@@ -39,6 +40,9 @@ class FakeVllm:
         self.step_index = 0
         self.given: set[str] = set()  # requests given blocks since the last plan (vLLM's `new_block_ids`)
         self.say_grown = True  # False: the planner is not told, and compares every table
+        # False: the planner is not given the scheduled requests' token counts, as
+        # vLLM's scheduler output gives them, and reads each request instead.
+        self.say_counts = True
         self.log: list[ev.Event] = []
         self.effects: list = []  # every effect the engine produced, in order
 
@@ -75,7 +79,10 @@ class FakeVllm:
         events = plan_step(self.state, StepInputs(
             step_index=self.step_index + 1, preempted=preempted, scheduled=scheduled, admissions=admitted,
             requests=self.requests, tables=self.tables, near_eviction=near_eviction,
-            grown=set(self.given) if self.say_grown else None))
+            grown=set(self.given) if self.say_grown else None,
+            num_computed={rid: self.requests[rid].num_computed_tokens for rid in scheduled} if self.say_counts else {},
+            num_output=({rid: self.requests[rid].num_tokens - self.requests[rid].num_prompt_tokens for rid in scheduled}
+                        if self.say_counts else {})))
         self.given.clear()
         if scheduled:
             self.step_index += 1

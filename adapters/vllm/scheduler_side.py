@@ -230,12 +230,17 @@ class LedgerScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLedgerMetadata:
         assert self._managers, "bind_kv_cache_manager was not called"
         scheduled = scheduler_output.num_scheduled_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        num_computed = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        for new in scheduler_output.scheduled_new_reqs:
+            num_computed[new.req_id] = new.num_computed_tokens
         step = StepInputs(
             step_index=self._step + 1, preempted=tuple(scheduler_output.preempted_req_ids or ()),
             scheduled=scheduled, admissions=self._admitted, requests=self._requests,
             tables=tuple(manager.req_to_blocks for manager in self._managers),
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
-            keys_of=self._keys_of, grown=_grown(scheduler_output))
+            keys_of=self._keys_of, grown=_grown(scheduler_output), num_computed=num_computed,
+            num_output=dict(zip(cached.req_ids, cached.num_output_tokens)))
         events = plan_step(self.host.state, step)
         self._admitted = []
         self._promised = 0
