@@ -98,7 +98,7 @@ class EngineHost:
             return tuple(effect for event in events for effect in self.apply(event))
         if not events:
             return ()
-        assert not any(isinstance(e, ev.StepScheduled) for e in events[:-1]), "step_scheduled ends a step"
+        assert ev.StepScheduled not in map(type, events[:-1]), "step_scheduled ends a step"
         self.state, effects = reduce_step(self.state, events)
         if self.writer is not None:
             self._record(events)

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 _log = structlog.get_logger("kvledger.adapters.vllm.scheduler")
 
-_FAILURES = (ev.StoreFailed, ev.LoadFailed)
+_FAILURES = frozenset((ev.StoreFailed, ev.LoadFailed))
 
 # Engine totals reported as counters: the stats carry their change since the last report.
 _COUNTED = (("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORES),
@@ -126,11 +126,13 @@ class LedgerScheduler:
         # read before the events end them. Most calls need none.
         jobs: dict[int, queries.JobView] = {}
         everyone = self.tier_events is not None
-        for event in events:
-            if everyone or type(event) in _FAILURES:
-                job = queries.job_view(state, getattr(event, "job_id", -1))
-                if job is not None:
-                    jobs[job.job_id] = job
+        failures = not _FAILURES.isdisjoint(map(type, events))
+        if everyone or failures:
+            for event in events:
+                if everyone or type(event) in _FAILURES:
+                    job = queries.job_view(state, getattr(event, "job_id", -1))
+                    if job is not None:
+                        jobs[job.job_id] = job
         effects = self.host.apply_step(events)
         if effects:
             self._carry_out(effects, jobs)
@@ -138,7 +140,7 @@ class LedgerScheduler:
                 for effect in effects:
                     if type(effect) is fx.DropTierKeys:
                         self._tiers.removed(effect.tier, effect.keys)
-        for event in events:
+        for event in events if failures else ():
             if type(event) in _FAILURES:
                 job = jobs.get(event.job_id)  # type: ignore[union-attr]
                 _log.warning(event.kind, request_id=None if job is None else job.request_id,
