@@ -164,7 +164,7 @@ def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]], out: 
     # A key another load in this step is promoting already has a slot: this load
     # reads the block again into a slot of its own, left out of the index.
     again = {key for _, _, key in taken if key in core.slot_of_key}
-    _, placed = slots.reserve(core, [(g, 0, key) for g, _, key in taken if key not in again])
+    placed = slots.reserve(core, [key for _, _, key in taken if key not in again])
     spare = slots.reserve_unindexed(core, [key for _, _, key in taken if key in again])
     fresh, twice = iter(placed), iter(spare)
     got = [next(twice) if key in again else next(fresh) for _, _, key in taken]

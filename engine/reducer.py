@@ -508,7 +508,10 @@ def _step_scheduled(core: Core, event: ev.StepScheduled, out: list[fx.Effect]) -
 def _plan_stores(core: Core, request: RequestState, horizon: int, out: list[fx.Effect], *, lazy: bool = False) -> None:
     """Store every block that is full after this step and not yet in the tier;
     in lazy mode, only note its key, for when the block nears eviction."""
-    candidates: list[tuple[int, int, bytes]] = []  # (group, block, key)
+    # The candidates as three columns (no tuple each: a new prompt has hundreds).
+    cand_groups: list[int] = []
+    cand_blocks: list[int] = []
+    cand_keys: list[bytes] = []
     slot_of_key = core.slot_of_key
     writer = core.block_writer
     next_store = request.next_store
@@ -541,50 +544,52 @@ def _plan_stores(core: Core, request: RequestState, horizon: int, out: list[fx.E
                 key = keys[position]
                 if key in slot_of_key or (pattern is not None and not pattern[position % period]):
                     continue
-                candidates.append((group_id, block, key))
+                cand_groups.append(group_id)
+                cand_blocks.append(block)
+                cand_keys.append(key)
             next_store[group_id] = first = full
         reach = (first + 1) * block_size
         if next_tokens < 0 or reach < next_tokens:
             next_tokens = reach
     request.next_store_tokens = max(next_tokens, 0)
     if lazy:
-        for _, block, key in candidates:
-            core.lazy_keys[block] = key
-    elif candidates:
-        _admit_store(core, request.request_id, candidates, out)
+        lazy_keys = core.lazy_keys
+        for block, key in zip(cand_blocks, cand_keys):
+            lazy_keys[block] = key
+    elif cand_keys:
+        _admit_store(core, request.request_id, cand_groups, cand_blocks, cand_keys, out)
 
 
-def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, bytes]],
-                 out: list[fx.Effect]) -> None:
-    """Reserve slots, evicting if needed; what cannot fit is not stored. `candidates`
-    are (group, block, key); slots are taken in their order."""
-    wanted = len(candidates)
+def _admit_store(core: Core, request_id: str, cand_groups: list[int], cand_blocks: list[int],
+                 cand_keys: list[bytes], out: list[fx.Effect]) -> None:
+    """Reserve slots, evicting if needed; what cannot fit is not stored. The
+    candidates are columns (group, block, key); slots are taken in their order."""
+    wanted = len(cand_keys)
     free = len(core.free_slots) + core.config.num_tier_slots - core.next_fresh_slot  # core.num_free_slots()
     evicted: list[bytes] = []
     if wanted > free:
         admitted = min(wanted, free + len(core.policy))
         if admitted < wanted:
             core.stats.store_rejections += wanted - admitted
-            candidates = candidates[:admitted]
-        if not candidates:
+            del cand_groups[admitted:], cand_blocks[admitted:], cand_keys[admitted:]
+        if not cand_keys:
             return
         if admitted > free:
             evicted = slots.evict(core, admitted - free)
             core.stats.evictions += len(evicted)
     job_id = core.next_job_id
     core.next_job_id = job_id + 1
-    candidate_keys, candidate_slots = slots.reserve(core, candidates)
+    candidate_slots = slots.reserve(core, cand_keys)
     block_key = core.block_key
     readers = core.block_readers
     generation = core.block_generation
     # Columns in candidate order. The planner's candidates come in group order,
     # so each group's part is one slice of the flat tuple; others are regrouped.
-    candidate_blocks: list[int] = []
     candidate_gens: list[int] = []
     counts = [0] * len(core.groups)
     in_order = True
     last_group = 0
-    for group_id, block, key in candidates:
+    for group_id, block, key in zip(cand_groups, cand_blocks, cand_keys):
         if group_id < last_group:
             in_order = False
         last_group = group_id
@@ -596,7 +601,6 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
             readers[block] = [reading, job_id]
         else:
             reading.append(job_id)
-        candidate_blocks.append(block)
         candidate_gens.append(generation[block])
         counts[group_id] += 1
     keys: tuple[tuple[bytes, ...], ...]
@@ -605,9 +609,9 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
     gens: tuple[tuple[int, ...], ...]
     if in_order and len(counts) == 2:  # the usual two groups: two slices each
         cut = counts[0]
-        flat_keys = tuple(candidate_keys)
+        flat_keys = tuple(cand_keys)
         keys = (flat_keys[:cut], flat_keys[cut:])
-        flat_ints = tuple(candidate_blocks)
+        flat_ints = tuple(cand_blocks)
         blocks = (flat_ints[:cut], flat_ints[cut:])
         flat_ints = tuple(candidate_slots)
         slot_ids = (flat_ints[:cut], flat_ints[cut:])
@@ -619,16 +623,15 @@ def _admit_store(core: Core, request_id: str, candidates: list[tuple[int, int, b
         for count in counts:
             spans.append((start, start + count))
             start += count
-        keys = _split(tuple(candidate_keys), spans)
-        blocks = _split(tuple(candidate_blocks), spans)
+        keys = _split(tuple(cand_keys), spans)
+        blocks = _split(tuple(cand_blocks), spans)
         slot_ids = _split(tuple(candidate_slots), spans)
         gens = _split(tuple(candidate_gens), spans)
     else:
-        groups = [group_id for group_id, _, _ in candidates]
-        keys = _regroup(groups, candidate_keys, len(counts))
-        blocks = _regroup(groups, candidate_blocks, len(counts))
-        slot_ids = _regroup(groups, candidate_slots, len(counts))
-        gens = _regroup(groups, candidate_gens, len(counts))
+        keys = _regroup(cand_groups, cand_keys, len(counts))
+        blocks = _regroup(cand_groups, cand_blocks, len(counts))
+        slot_ids = _regroup(cand_groups, candidate_slots, len(counts))
+        gens = _regroup(cand_groups, candidate_gens, len(counts))
     job = Job(job_id, _STORE, request_id, keys, blocks, slot_ids, gens, (1 << core.config.world_size) - 1)
     core.jobs[job_id] = job
     core.stats.stores += 1
@@ -662,13 +665,17 @@ def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: list[fx
             raise ProtocolViolation("near_eviction_in_use", f"block {block} is held, not free")
     if core.config.store_mode is not _LAZY:
         return
-    candidates: list[tuple[int, int, bytes]] = []
+    groups: list[int] = []
+    blocks: list[int] = []
+    keys: list[bytes] = []
     for block in event.block_ids:
         key = core.lazy_keys.pop(block, None)
         if key is not None and key not in core.slot_of_key:
-            candidates.append((core.block_group[block], block, key))
-    if candidates:
-        _admit_store(core, "", candidates, out)
+            groups.append(core.block_group[block])
+            blocks.append(block)
+            keys.append(key)
+    if keys:
+        _admit_store(core, "", groups, blocks, keys, out)
 
 
 def _writing_kind(core: Core, job_id: int) -> JobKind:

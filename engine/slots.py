@@ -67,20 +67,18 @@ def _release(core: Core, slot: int, target: int) -> None:
     core.free_slots.append(slot)
 
 
-def reserve(core: Core, candidates: list[tuple[int, int, bytes]]) -> tuple[list[bytes], list[int]]:
-    """store_planned: a free slot for the key of each (group, block, key)
-    candidate (the free list's last freed first, then fresh ones), indexed to
-    it; the policy learns of them. Returns the keys and their slots, in
-    candidate order. A plain loop: a step plans a few keys per store, where
-    C-level passes cost more to set up than they save."""
+def reserve(core: Core, keys: list[bytes]) -> list[int]:
+    """store_planned: a free slot for each key (the free list's last freed
+    first, then fresh ones), indexed to it; the policy learns of them. Returns
+    their slots, in order. A plain loop: a step plans a few keys per store,
+    where C-level passes cost more to set up than they save."""
     free_slots = core.free_slots
     slot_of_key = core.slot_of_key
     slot_key = core.slot_key
     slot_state = core.slot_state
     fresh = core.next_fresh_slot
-    keys = []
     slots = []
-    for _, _, key in candidates:
+    for key in keys:
         if free_slots:
             slot = free_slots.pop()
         else:
@@ -89,11 +87,10 @@ def reserve(core: Core, candidates: list[tuple[int, int, bytes]]) -> tuple[list[
         slot_of_key[key] = slot
         slot_key[slot] = key
         slot_state[slot] = _PLANNED_TO
-        keys.append(key)
         slots.append(slot)
     core.next_fresh_slot = fresh
     core.policy.admit_many(keys)
-    return keys, slots
+    return slots
 
 
 def reserve_unindexed(core: Core, keys: list[bytes]) -> list[int]:
