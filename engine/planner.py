@@ -29,6 +29,8 @@ set or dict of requests is iterated except in an order vLLM fixed.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping, Sequence
+from itertools import compress, count
+from operator import attrgetter
 from typing import Protocol
 
 import attrs
@@ -122,6 +124,8 @@ def _new_hashes(mine: RequestState, request: Request,
 WindowGroup = tuple[int, Mapping[str, Sequence[Block]], int, int]
 
 _ALWAYS = -(1 << 62)  # a lag no token count falls below: scan in every step
+_LONG_SCAN = 8  # positions: a shorter scan is cheaper as a plain loop
+_block_id = attrgetter("block_id")
 
 
 def _free_lag(group: GroupSpec) -> int:
@@ -151,10 +155,22 @@ def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, nu
     rid = mine.request_id
     floors = mine.free_floor
     for g, tables, block_size, lag in window_groups:
-        if computed < (floors[g] + 1) * block_size + lag:
+        floor = floors[g]
+        limit = (computed - lag) // block_size  # vLLM can have freed positions below this
+        if limit <= floor:
             continue
         known, now = mine.table[g], tables.get(rid, ())
-        for position in range(floors[g], min(len(known), len(now))):
+        stop = min(len(known), len(now), limit)
+        if stop - floor > _LONG_SCAN:
+            # The first scan after a prefill chunk: hundreds of positions, read in C-level passes.
+            nulls = next(compress(count(), map(_block_id, now[floor:stop])), stop - floor)
+            gone = list(filter(None, known[floor:floor + nulls]))  # the null block's id is 0
+            if gone:
+                if freed is None:
+                    freed = [[] for _ in range(num_groups)]
+                freed[g].extend(gone)
+            continue
+        for position in range(floor, stop):
             if now[position].block_id != NULL_BLOCK_ID:
                 break
             if known[position] != NULL_BLOCK_ID:

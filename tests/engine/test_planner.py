@@ -157,6 +157,26 @@ def test_a_decoding_requests_window_free_is_found_in_the_step_vllm_makes_it(wind
     assert found == [(max(64, 32 + window - 1), ((), (4,)))]
 
 
+@pytest.mark.parametrize("nulled", [19, 12])
+def test_a_prefills_window_frees_are_found_in_one_pass_up_to_the_first_held_block(nulled):
+    """After a long prefill chunk vLLM frees a run of window blocks at once (the
+    planner reads those in C-level passes). It may free fewer than the window
+    allows (blocks it retains): the run stops at the first block it holds."""
+    vllm = FakeVllm(short_window_config())
+    vllm.add("a", 640, chain(20))
+    full, window = tuple(range(1, 21)), tuple(range(21, 41))
+    vllm.give("a", full, window)
+    admitted(vllm, "a", 639)
+    # 639 computed tokens: the 32-token window keeps 31, so positions 0-18 may go.
+    vllm.null_out("a", 1, *range(nulled))
+    vllm.requests["a"].num_tokens = 641
+    events = vllm.run({"a": 1})
+    assert events[0] == ev.BlocksFreed(request_id="a", block_ids=((), window[:nulled]))
+    assert vllm.engine_table("a") == vllm.table("a")
+    assert vllm.state.core.requests["a"].free_floor == [0, nulled]
+    check(vllm.state)
+
+
 def test_preemption_then_readmission_in_a_later_step_and_in_the_same_one():
     vllm = FakeVllm(full_only_config())
     vllm.add("a", 64, chain(2))
