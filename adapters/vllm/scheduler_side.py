@@ -44,7 +44,7 @@ from kvledger.events.keys import hex_keys
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -96,6 +96,9 @@ class LedgerScheduler:
         self._managers: tuple = ()  # vLLM's per-group managers, in group order
         self._pool: BlockPoolView | None = None
         self._requests: dict[str, Request] = {}
+        # Streaming sessions (vLLM's resumable requests): their prompt grows between
+        # turns, so the engine's prompt length plus the output count bounds nothing.
+        self._sessions: set[str] = set()
         self._local_hit: dict[str, int] = {}  # the local hit vLLM passed to the last lookup
         self._last_answer: dict[str, LookupResult] = {}  # each waiting request's, given back to the next lookup
         self._admitted: list[Admission] = []  # this step's, in vLLM's order
@@ -186,6 +189,8 @@ class LedgerScheduler:
     def on_new_request(self, request: Request) -> None:
         rid = request.request_id
         self._requests[rid] = request
+        if getattr(request, "resumable", False):
+            self._sessions.add(rid)
         hashes = request.block_hashes if self._keys_of is None else self._keys_of(request)
         self._apply([ev.RequestAdded(request_id=rid, num_prompt_tokens=request.num_prompt_tokens,
                                      block_hashes=tuple(hashes))])
@@ -242,7 +247,7 @@ class LedgerScheduler:
             tables=tuple(manager.req_to_blocks for manager in self._managers),
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
             keys_of=self._keys_of, grown=_grown(scheduler_output), num_computed=num_computed,
-            num_output=dict(zip(cached.req_ids, cached.num_output_tokens)))
+            num_output=self._num_output(cached))
         events = plan_step(self.host.state, step)
         self._admitted = []
         self._promised = 0
@@ -252,6 +257,14 @@ class LedgerScheduler:
         self._apply(events)
         carried, self._carried = self._carried, []  # this step's, after those of calls since the last
         return KVLedgerMetadata.from_effects(carried)
+
+    def _num_output(self, cached: CachedRequestData) -> dict[str, int]:
+        """Output tokens per running request, as the step planner takes them: not
+        for a streaming session, whose hashes are then read in every step."""
+        num_output = dict(zip(cached.req_ids, cached.num_output_tokens))
+        for rid in self._sessions:
+            num_output.pop(rid, None)
+        return num_output
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -266,6 +279,7 @@ class LedgerScheduler:
         elif status is not None:  # never ran, preempted, or still loading: vLLM frees a loading one when its load ends
             self._apply([ev.RequestAborted(request_id=rid)])
         self._requests.pop(rid, None)
+        self._sessions.discard(rid)
         self._local_hit.pop(rid, None)
         self._last_answer.pop(rid, None)
         if self._chain is not None:
