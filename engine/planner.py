@@ -37,7 +37,6 @@ import attrs
 
 from kvledger.events import types as ev
 from kvledger.events.config import GroupKind, GroupSpec, StoreMode
-from kvledger.events.types import NULL_BLOCK_ID
 
 from .state import PREEMPTED, RUNNING, Core, RequestState, State
 
@@ -124,7 +123,6 @@ def _new_hashes(mine: RequestState, request: Request,
 WindowGroup = tuple[int, Mapping[str, Sequence[Block]], int, int]
 
 _ALWAYS = -(1 << 62)  # a lag no token count falls below: scan in every step
-_LONG_SCAN = 8  # positions: a shorter scan is cheaper as a plain loop
 _block_id = attrgetter("block_id")
 
 
@@ -160,23 +158,14 @@ def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, nu
         if limit <= floor:
             continue
         known, now = mine.table[g], tables.get(rid, ())
-        stop = min(len(known), len(now), limit)
-        if stop - floor > _LONG_SCAN:
-            # The first scan after a prefill chunk: hundreds of positions, read in C-level passes.
-            nulls = next(compress(count(), map(_block_id, now[floor:stop])), stop - floor)
-            gone = list(filter(None, known[floor:floor + nulls]))  # the null block's id is 0
-            if gone:
-                if freed is None:
-                    freed = [[] for _ in range(num_groups)]
-                freed[g].extend(gone)
-            continue
-        for position in range(floor, stop):
-            if now[position].block_id != NULL_BLOCK_ID:
-                break
-            if known[position] != NULL_BLOCK_ID:
-                if freed is None:
-                    freed = [[] for _ in range(num_groups)]
-                freed[g].append(known[position])
+        # C-level passes: after a prefill chunk the run is hundreds of positions long.
+        span = now[floor:min(len(known), limit)]
+        nulls = next(compress(count(), map(_block_id, span)), len(span))  # vLLM's nulls before a held block
+        gone = list(filter(None, known[floor:floor + nulls]))  # the null block's id is 0
+        if gone:
+            if freed is None:
+                freed = [[] for _ in range(num_groups)]
+            freed[g] = gone
     if freed is None:
         return None
     return ev.BlocksFreed(request_id=rid, block_ids=tuple(tuple(f) for f in freed))

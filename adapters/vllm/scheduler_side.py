@@ -143,8 +143,8 @@ class LedgerScheduler:
                 for effect in effects:
                     if type(effect) is fx.DropTierKeys:
                         self._tiers.removed(effect.tier, effect.keys)
-        for event in events if failures else ():
-            if type(event) in _FAILURES:
+        for event in events:
+            if failures and type(event) in _FAILURES:
                 job = jobs.get(event.job_id)  # type: ignore[union-attr]
                 _log.warning(event.kind, request_id=None if job is None else job.request_id,
                              job_id=event.job_id, worker_index=event.worker_index,  # type: ignore[union-attr]
