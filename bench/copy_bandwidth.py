@@ -32,10 +32,13 @@ head_size x block_size, bf16). Each copy is timed on the device by the
 backend's own CUDA events (start recorded on the copy stream once it has
 waited for the compute stream, end after the last copy): the GB/s are
 device time. The host's submit time (descriptor building, launches) is a
-column of its own. Both copy paths run where they can: kvledger's torch path
-(staging) and vLLM's `swap_blocks_batch` (when the installed vLLM ships it).
-The baseline is one contiguous `copy_` of the same bytes, timed with CUDA
-events too.
+column of its own. Every copy path runs where it can: kvledger's torch path
+(staging), vLLM's `swap_blocks_batch` (when the installed vLLM ships it), the
+driver's `cuMemcpyBatchAsync`, and the Triton kernel (a column set for each
+`--programs`). The baseline is one contiguous `copy_` of the same bytes,
+timed with CUDA events too. The "both" columns run a store and a load at
+once, on the backend's two streams, against two contiguous `copy_`s on two
+streams: bytes of both directions over the wall time.
 
     python bench/copy_bandwidth.py [--device cpu|cuda] [--total-mib 256] [--repeats 7] [--settle-ms 30]
                                    [--max-others 0.1] [--layouts 32x8x128x16 ...]
@@ -54,8 +57,10 @@ import structlog
 import torch
 
 from kvledger.transfers.backend import CopyJob, Direction
+from kvledger.transfers.driver_copy import driver_batch_copy
 from kvledger.transfers.host_tier import HostTier
 from kvledger.transfers.layout import CanonicalKVCaches, CanonicalRef, CanonicalTensor, CopySpan
+from kvledger.transfers.triton_copy import PROGRAMS, triton_batch_copy
 
 PAGES_KIB = (16, 64, 256, 1024, 2048)
 
@@ -239,7 +244,8 @@ def event_seconds(fn) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def measure_cuda(spec: str, total: int, repeats: int, device: torch.device | None = None) -> dict:
+def measure_cuda(spec: str, total: int, repeats: int, device: torch.device | None = None,
+                 args_programs: tuple[int, ...] = (PROGRAMS,)) -> dict:
     from kvledger.transfers.cuda_backend import CudaBackend
 
     device = device or torch.device("cuda")
@@ -253,15 +259,26 @@ def measure_cuda(spec: str, total: int, repeats: int, device: torch.device | Non
     paths = {"torch": CudaBackend(layout, tier)}
     batch = batch_copy_of_installed_vllm()
     if batch is not None:
-        paths["batch"] = CudaBackend(layout, tier, batch_copy=batch)
+        paths["vLLM batch"] = CudaBackend(layout, tier, batch_copy=batch)
+    driver = driver_batch_copy()
+    if driver is not None:
+        paths["driver batch"] = CudaBackend(layout, tier, batch_copy=driver)
+    for programs in args_programs:
+        kernel = triton_batch_copy(programs=programs)
+        if kernel is not None:
+            paths[f"triton x{programs}"] = CudaBackend(layout, tier, batch_copy=kernel)
     g = torch.Generator().manual_seed(n)
     blocks = (torch.randperm(pool - 1, generator=g)[:n] + 1).tolist()
     slots = torch.randperm(tier.num_slots, generator=g)[:n].tolist()
     first = int(torch.randint(0, tier.num_slots - n + 1, (), generator=g))
     runs = list(range(first, first + n))
+    others = sorted(set(range(1, pool)) - set(blocks))  # the load beside a store writes other blocks
     nbytes = n * sum(span.nbytes for span in layout.group_spans[0])
     flat_device = torch.empty(nbytes, dtype=torch.int8, device=device)
     flat_host = torch.empty(nbytes, dtype=torch.int8).pin_memory()
+    back_device = torch.empty(nbytes, dtype=torch.int8, device=device)
+    back_host = torch.empty(nbytes, dtype=torch.int8).pin_memory()
+    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
     job_ids = iter(range(1, 1 << 30))
 
     def job(backend, direction: Direction, slot_ids):
@@ -277,21 +294,53 @@ def measure_cuda(spec: str, total: int, repeats: int, device: torch.device | Non
             return outcome.seconds, submitted
         return run
 
+    def both(backend):
+        """A store and a load at once, on the backend's two streams: wall time from the first
+        submit to both done (the load reads slots the store may be writing; timing only)."""
+        def run() -> tuple[float, float]:
+            store = CopyJob(job_id=next(job_ids), direction=Direction.STORE, block_ids=[blocks], slot_ids=[runs])
+            load = CopyJob(job_id=next(job_ids), direction=Direction.LOAD, block_ids=[others], slot_ids=[slots])
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            backend.submit(store)
+            backend.submit(load)
+            submitted = time.perf_counter() - started
+            torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - started
+            outcomes = backend.poll()
+            assert len(outcomes) == 2 and all(o.ok for o in outcomes), outcomes
+            return elapsed, submitted
+        return run
+
+    def both_copy_() -> tuple[float, float]:
+        """The baseline of `both`: one contiguous copy_ each way, on two streams, timed alike."""
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        with torch.cuda.stream(streams[0]):
+            flat_host.copy_(flat_device, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            back_device.copy_(back_host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - started, 0.0
+
     cases = {
         "copy_ to host": lambda: (event_seconds(lambda: flat_host.copy_(flat_device, non_blocking=True)), 0.0),
         "copy_ to device": lambda: (event_seconds(lambda: flat_device.copy_(flat_host, non_blocking=True)), 0.0),
+        "copy_ both": both_copy_,
     }
     for path, backend in paths.items():
         cases[f"store scattered, {path}"] = job(backend, Direction.STORE, slots)
         cases[f"store slot runs, {path}"] = job(backend, Direction.STORE, runs)
         cases[f"load scattered, {path}"] = job(backend, Direction.LOAD, slots)
+        cases[f"both, {path}"] = both(backend)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
     for fn in cases.values():  # warm up
         fn()
     for _ in range(repeats):
         for name, fn in cases.items():
             samples[name].append(fn())
-    results = {name: nbytes / statistics.median(t for t, _ in s) / 1e9 for name, s in samples.items()}
+    moved = {name: 2 * nbytes if "both" in name else nbytes for name in cases}
+    results = {name: moved[name] / statistics.median(t for t, _ in s) / 1e9 for name, s in samples.items()}
     submit_us = {name: statistics.median(h for _, h in s) * 1e6 for name, s in samples.items()}
     for backend in paths.values():
         backend.shutdown(drain=True, timeout_s=60)
@@ -302,9 +351,11 @@ def measure_cuda(spec: str, total: int, repeats: int, device: torch.device | Non
 
 def main_cuda(args) -> None:
     print(f"machine: {describe(torch.device('cuda'))}")
-    print(f"device: cuda; {args.total_mib} MiB per copy; median of {args.repeats}; GB/s = 1e9 bytes/s of device "
-          f"time (CUDA events); submit: host time of the backend's submit, median")
-    rows = [measure_cuda(spec, args.total_mib << 20, args.repeats) for spec in args.layouts]
+    print(f"device: cuda; {args.total_mib} MiB per copy and direction; median of {args.repeats}; GB/s = 1e9 "
+          f"bytes/s of device time (CUDA events), except 'both': bytes of both directions over the wall time "
+          f"from the first submit to both done; submit: host time of the backend's submit, median")
+    rows = [measure_cuda(spec, args.total_mib << 20, args.repeats, args_programs=tuple(args.programs))
+            for spec in args.layouts]
     names = list(rows[0]["results"])
     header = ["layout", "spans x bytes", "blocks", *names]
     print("| " + " | ".join(header) + " |")
@@ -316,7 +367,8 @@ def main_cuda(args) -> None:
             if name.startswith("copy_"):
                 cells.append(f"{results[name]:.1f}")
                 continue
-            base = results["copy_ to device" if name.startswith("load") else "copy_ to host"]
+            base = results["copy_ both" if name.startswith("both") else
+                           "copy_ to device" if name.startswith("load") else "copy_ to host"]
             cells.append(f"{results[name]:.1f} ({results[name] / base:.2f}x; submit {submit[name]:.0f} us)")
         print("| " + " | ".join(cells) + " |")
 
@@ -335,6 +387,8 @@ def main() -> None:
     parser.add_argument("--tries", type=int, default=20)
     parser.add_argument("--layouts", nargs="*", default=list(CUDA_LAYOUTS),
                         help="CUDA: layers x kv_heads x head_size x block_size, one table row each")
+    parser.add_argument("--programs", type=int, nargs="*", default=[PROGRAMS],
+                        help="CUDA: grid sizes of the Triton copy path, one column set each")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     device = torch.device(args.device)

@@ -42,14 +42,15 @@ def open_transfers(
 ) -> Transfers:
     """Canonical layout, host tier and runner, with the backend the device calls for;
     `lower_tiers` opens the tiers below host memory once the host tier exists;
-    `batch_copy` (vLLM's `swap_blocks_batch`, on CUDA) replaces the torch copy path."""
+    `batch_copy` (vLLM's `swap_blocks_batch`, on CUDA) replaces kvledger's own copy paths."""
     layout = canonicalize(kv_caches, config)
     tier = HostTier(capacity_bytes=capacity_bytes, slot_bytes=layout.slot_bytes)
     backend: CopyBackend
     if layout.device.type == "cuda":
+        from kvledger.transfers.batch_copies import own_batch_copy
         from kvledger.transfers.cuda_backend import CudaBackend
 
-        backend = CudaBackend(layout, tier, batch_copy=batch_copy)
+        backend = CudaBackend(layout, tier, batch_copy=batch_copy or own_batch_copy(tier))
     else:
         backend = CpuBackend(layout, tier, inline=inline_cpu_copies)
     if store_hold_polls:

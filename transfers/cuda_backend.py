@@ -5,9 +5,11 @@ submit: a store then reads KV the step's forward already wrote, and a load
 writes its blocks after any zeroing vLLM queued for them. Two ways to move
 the bytes, chosen once at start and logged:
 
-- batch (when the installed vLLM ships `_custom_ops.swap_blocks_batch`, which
-  the adapter hands in): one descriptor per block and span
-  (`copy_descriptors`), one driver call per job, no device memory used;
+- batch: one descriptor per block and span (`copy_descriptors`), one call
+  per job, no device memory used. vLLM's `_custom_ops.swap_blocks_batch`
+  where the installed vLLM ships it (the adapter hands it in), else
+  kvledger's own (`batch_copies`): a Triton kernel on a pinned tier, or the
+  driver's `cuMemcpyBatchAsync`;
 - torch: per group, a job gathers its blocks' spans into a device staging
   buffer laid out as slots (one `index_select` per span, written in place),
   then moves whole slot rows over DMA, one `cudaMemcpyAsync` per run of
@@ -91,8 +93,7 @@ class CudaBackend:
         if batch_copy is None:
             self._staging = self._allocate_staging(STAGING_BYTES if staging_bytes is None else staging_bytes)
         staged = sum(t.numel() for t in self._staging.values())
-        _log.info("cuda_copy_path", path="swap_blocks_batch" if batch_copy is not None else "torch",
-                  device_staging_bytes=staged)
+        _log.info("cuda_copy_path", path=self.copy_path, device_staging_bytes=staged)
         with torch.cuda.device(self._device):
             self._streams = {d: torch.cuda.Stream(device=self._device) for d in Direction}
         self._launched: dict[int, _Launched] = {}
@@ -100,7 +101,8 @@ class CudaBackend:
 
     @property
     def copy_path(self) -> str:
-        return "swap_blocks_batch" if self._batch_copy is not None else "torch"
+        """The batch copy's function name (`swap_blocks_batch`, `triton_copy`, ...), or torch."""
+        return "torch" if self._batch_copy is None else getattr(self._batch_copy, "__name__", "batch copy")
 
     def _allocate_staging(self, staging_bytes: int) -> dict[Direction, torch.Tensor]:
         """One buffer per direction (the two streams run at once), whole slot rows."""

@@ -4,7 +4,7 @@
 is_src_access_order_any=False)` (vLLM 0.32 and 0.33) submits every pointer
 pair in one driver call on the current stream. The transfers layer takes it
 as a plain function; without it (no such op in the installed build, or not
-on CUDA), kvledger's torch path runs, and the backend logs which one does.
+on CUDA), kvledger's own copy paths run, and the backend logs which one does.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvledger.transfers.copy_descriptors import BatchCopy
 from kvledger.transfers.layout import LayerCaches
 
 _log = structlog.get_logger("kvledger.adapters.vllm.batch_copy")
-_FALLBACK = "kvledger's torch copy path, with 2 x 32 MiB of device staging"
+_FALLBACK = "kvledger's own batch copy (transfers/batch_copies.py)"
 
 
 def _device_type(kv_caches: Mapping[str, LayerCaches]) -> str:

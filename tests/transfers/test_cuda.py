@@ -12,12 +12,15 @@ import torch
 
 from kvledger.engine.effects import FlushStores
 from kvledger.events.types import LoadCompleted, StoreCompleted
-from kvledger.transfers.assemble import make_runner
+from kvledger.transfers.assemble import make_runner, open_transfers
 from kvledger.transfers.backend import Direction, TransferTimeout
+from kvledger.transfers.batch_copies import own_batch_copy
 from kvledger.transfers.cuda_backend import CudaBackend, slot_runs
+from kvledger.transfers.driver_copy import driver_batch_copy
 from kvledger.transfers.faults import FaultPlan
 from kvledger.transfers.host_tier import HostTier
 from kvledger.transfers.layout import canonicalize
+from kvledger.transfers.triton_copy import triton_batch_copy
 from tests.transfers import layouts
 from tests.transfers.cuda_standin import FakeEvent, FakeStream, HostStandIn, install_fake_cuda
 from tests.transfers.harness import load, make_rig, store
@@ -79,9 +82,53 @@ def test_round_trip_through_the_pinned_tier_is_byte_exact(build, batch_copy=None
     runner.shutdown()
 
 
+def driver_copy():
+    copy = driver_batch_copy()
+    assert copy is not None, "a CUDA 12.8 driver or newer has cuMemcpyBatchAsync"
+    return copy
+
+
+def triton_copy():
+    copy = triton_batch_copy(programs=4)
+    assert copy is not None, "PyTorch's CUDA builds ship Triton"
+    return copy
+
+
+COPY_PATHS = {"torch": lambda: None, "driver": driver_copy, "triton": triton_copy}
+
+
 @needs_cuda
-def test_a_store_reads_what_the_compute_stream_wrote_before_it() -> None:
-    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8))
+@pytest.mark.parametrize("build", BUILDERS)
+@pytest.mark.parametrize("path", ["driver", "triton"])
+def test_round_trip_on_kvledgers_batch_copies_is_byte_exact(build, path) -> None:
+    test_round_trip_through_the_pinned_tier_is_byte_exact(build, batch_copy=COPY_PATHS[path]())
+
+
+@needs_cuda
+def test_a_cuda_worker_without_vllms_batch_copy_takes_the_triton_kernel_on_a_pinned_tier() -> None:
+    case = layouts.on_device(layouts.cpu_attention(num_blocks=8), "cuda")
+    transfers = open_transfers(case.kv_caches, case.config, capacity_bytes=1 << 20)
+    assert transfers.tier.pinned
+    assert transfers.runner.backend.copy_path == "triton_copy"
+    transfers.runner.shutdown()
+
+
+@needs_cuda
+def test_the_triton_copy_refuses_a_job_that_is_not_in_8_byte_words() -> None:
+    words = torch.tensor([8, 16], dtype=torch.int64)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        triton_copy()(words, words, torch.tensor([8, 12], dtype=torch.int64))
+
+
+def test_an_unpinned_tier_gets_no_batch_copy_of_kvledgers_own() -> None:
+    """The kernel reaches the tier through its device mapping, which pageable memory lacks."""
+    assert own_batch_copy(HostTier(capacity_bytes=1 << 16, slot_bytes=1024, pin=False)) is None
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", COPY_PATHS)
+def test_a_store_reads_what_the_compute_stream_wrote_before_it(path) -> None:
+    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8), batch_copy=COPY_PATHS[path]())
     torch.cuda._sleep(SLEEP_CYCLES)
     for raw in case.raws:
         raw.fill_(7)  # queued behind the sleep on the compute stream
@@ -97,8 +144,9 @@ def test_a_store_reads_what_the_compute_stream_wrote_before_it() -> None:
 
 
 @needs_cuda
-def test_a_load_lands_after_the_compute_stream_zeroed_its_blocks() -> None:
-    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8))
+@pytest.mark.parametrize("path", COPY_PATHS)
+def test_a_load_lands_after_the_compute_stream_zeroed_its_blocks(path) -> None:
+    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8), batch_copy=COPY_PATHS[path]())
     for raw in case.raws:
         raw.fill_(5)
     runner.submit([store(1, [[2]], [[0]]), FlushStores(job_ids=(1,))])
@@ -113,10 +161,11 @@ def test_a_load_lands_after_the_compute_stream_zeroed_its_blocks() -> None:
 
 
 @needs_cuda
-def test_compute_work_queued_after_order_after_waits_for_the_store() -> None:
+@pytest.mark.parametrize("path", COPY_PATHS)
+def test_compute_work_queued_after_order_after_waits_for_the_store(path) -> None:
     """vLLM's V2 runner zeroes reused blocks on the compute stream before any
     connector hook of the step: the store must already be ordered before it."""
-    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8))
+    case, runner, masks_of = cuda_rig(lambda: layouts.cpu_attention(num_blocks=8), batch_copy=COPY_PATHS[path]())
     for raw in case.raws:
         raw.fill_(7)
     torch.cuda._sleep(SLEEP_CYCLES)  # the store's stream starts after this
@@ -162,7 +211,7 @@ def test_corrupt_mode_flips_device_bytes() -> None:
     runner.wait([2])
     (block_4,), (block_2,) = masks_of({0: [4]}), masks_of({0: [2]})
     assert torch.equal(case.raws[0].cpu()[block_4], original[0][block_2].bitwise_not())
-    assert runner.poll() == [LoadCompleted(job_id=2, worker_index=1)]
+    assert runner.poll() == [StoreCompleted(job_id=1, worker_index=1), LoadCompleted(job_id=2, worker_index=1)]
     runner.shutdown()
 
 
@@ -193,7 +242,7 @@ def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, 
 
     monkeypatch.setattr(cuda_backend, "STAGING_BYTES", staging_bytes)
     rig = make_rig(build(), backend_cls=HostStandIn, batch_copy=batch_copy)
-    assert rig.backend.copy_path == ("torch" if batch_copy is None else "swap_blocks_batch")
+    assert rig.backend.copy_path == ("torch" if batch_copy is None else "memmove_batch")
     assert bool(rig.backend._staging) is (batch_copy is None), "the batch path takes no device memory"
     groups = len(rig.case.config.kv_cache_groups)
     blocks = [[1, 3, 2], [5, 4]][:groups] if groups == 2 else [[1, 3, 2, 6]]

@@ -1,0 +1,24 @@
+"""kvledger's own batch copy for a CUDA worker that vLLM hands none.
+
+Measured on an H100 with 32 KiB spans (bench/RESULTS.md, 256 MiB jobs, one
+direction): the Triton kernel 39-44 GB/s, the driver's `cuMemcpyBatchAsync`
+27-35, the torch path 22-26 (its launches, 64 per staging chunk, set the
+pace). Both batch copies need the tier pinned: the kernel reaches the tier
+through its device mapping, and the driver's stream-ordered batch copy is
+for pinned host memory. An unpinned tier keeps the torch path, which copies
+synchronously and says so at start.
+"""
+
+from __future__ import annotations
+
+from kvledger.transfers.copy_descriptors import BatchCopy
+from kvledger.transfers.driver_copy import driver_batch_copy
+from kvledger.transfers.host_tier import HostTier
+from kvledger.transfers.triton_copy import triton_batch_copy
+
+
+def own_batch_copy(tier: HostTier) -> BatchCopy | None:
+    """The Triton kernel, else the driver's batch copy, else None (the torch path)."""
+    if not tier.pinned:
+        return None
+    return triton_batch_copy() or driver_batch_copy()
