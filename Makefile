@@ -80,7 +80,7 @@ venv-vllm033: $(STAMP033)
 # vLLM 0.33 finds no platform without VLLM_TARGET_DEVICE=cpu.
 test-vllm033: $(STAMP033)
 	VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest -q -p no:cacheprovider \
-		tests/on_vllm/test_scheduler_trace.py tests/on_vllm/test_connector_conformance.py \
+		tests/on_vllm/test_scheduler_trace.py tests/on_vllm/test_connector_conformance.py tests/on_vllm/test_sessions.py \
 		tests/adapters/test_sleep_hooks.py tests/adapters/test_store_timing.py tests/adapters/test_batch_copy.py
 
 clean:

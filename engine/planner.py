@@ -96,6 +96,9 @@ class StepInputs:
     # bound on its tokens). A request missing from them is read from `requests`.
     num_computed: Mapping[str, int] = attrs.field(factory=dict)
     num_output: Mapping[str, int] = attrs.field(factory=dict)
+    # Streaming sessions (vLLM's resumable requests): their hashes are compared with
+    # the engine's in every step, as a new input can rewind them (`session_hashes`).
+    sessions: Container[str] = ()
 
 
 def new_hashes(state: State, request_id: str, request: Request,
@@ -116,6 +119,31 @@ def _new_hashes(mine: RequestState, request: Request,
         return None
     return ev.BlockHashesAppended(request_id=mine.request_id, num_tokens=request.num_tokens,
                                   block_hashes=tuple(hashes[known:]))
+
+
+def session_hashes(state: State, request_id: str, request: Request,
+                   keys_of: Callable[[Request], Sequence[bytes]] | None = None) -> list[ev.Event]:
+    """`new_hashes` for a streaming session (vLLM's resumable request), whose hashes
+    can also be rewound: its next input replaces its last sampled token, and vLLM
+    computes the hashes from that token's block again."""
+    mine = state.core.requests.get(request_id)
+    return [] if mine is None else _session_hashes(mine, request, keys_of)
+
+
+def _session_hashes(mine: RequestState, request: Request,
+                    keys_of: Callable[[Request], Sequence[bytes]] | None) -> list[ev.Event]:
+    hashes = request.block_hashes if keys_of is None else keys_of(request)
+    known = mine.hashes
+    keep = min(len(known), len(hashes))
+    while keep and hashes[keep - 1] != known[keep - 1]:  # chained: equal here means equal before
+        keep -= 1
+    events: list[ev.Event] = []
+    if keep < len(known):
+        events.append(ev.BlockHashesRewound(request_id=mine.request_id, num_hashes=keep))
+    if len(hashes) > keep:
+        events.append(ev.BlockHashesAppended(request_id=mine.request_id, num_tokens=request.num_tokens,
+                                             block_hashes=tuple(hashes[keep:])))
+    return events
 
 
 # A window group as the planner reads it: its id, vLLM's tables for it, its block
@@ -220,6 +248,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     # and growth in `grown` (vLLM says which tables it extended).
     computed: list[int] = []  # the step's num_computed_tokens, in its order
     said_computed, said_output = step.num_computed, step.num_output
+    sessions = step.sessions
     hash_block_size = core.config.hash_block_size
     for rid in step.scheduled:
         done = said_computed.get(rid, -1)
@@ -234,7 +263,9 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         # vLLM hashes every full block of the request's tokens, so a new hash needs
         # the tokens to have passed the next block of the engine's hashes.
         output = said_output.get(rid, -1)
-        if output < 0 or (mine.num_prompt_tokens + output) // hash_block_size > len(mine.hashes):
+        if sessions and rid in sessions:
+            events.extend(_session_hashes(mine, requests[rid], keys_of))
+        elif output < 0 or (mine.num_prompt_tokens + output) // hash_block_size > len(mine.hashes):
             appended = _new_hashes(mine, requests[rid], keys_of)
             if appended is not None:
                 events.append(appended)
@@ -260,6 +291,9 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             continue
         seen.add(rid)
         admissions.append((admission, mine))
+        if sessions and rid in sessions:
+            events.extend(_session_hashes(mine, step.requests[rid], step.keys_of))
+            continue
         appended = _new_hashes(mine, step.requests[rid], step.keys_of)
         if appended is not None:
             events.append(appended)

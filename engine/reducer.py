@@ -194,6 +194,35 @@ def _block_hashes_appended(core: Core, event: ev.BlockHashesAppended, out: list[
     _append_hashes(core, request, event.block_hashes)
 
 
+def _block_hashes_rewound(core: Core, event: ev.BlockHashesRewound, out: list[fx.Effect]) -> None:
+    """Forget the request's keys from the rewound hashes on. A block at a dropped
+    position was never computed with the dropped token (vLLM rewinds a session to
+    its computed tokens), so none was stored from it; should one hold such a key
+    anyway, it is marked as holding unknown content, and no lazy store takes it.
+    Positions already considered for storing stay considered: their blocks are
+    not stored again under the keys that follow."""
+    request = legal_request(core, event.request_id, event.kind)
+    keep = event.num_hashes
+    if not 0 <= keep <= len(request.hashes):
+        raise ProtocolViolation("rewind_past_end", f"rewound to {keep} of {len(request.hashes)} hashes",
+                                request_id=event.request_id)
+    del request.hashes[keep:]
+    block_key = core.block_key
+    lazy_keys = core.lazy_keys
+    for keys, table, (per_block, _) in zip(request.keys, request.table, core.key_rules):
+        kept = keep // per_block
+        for position in range(kept, min(len(keys), len(table))):
+            block = table[position]
+            if block == NULL_BLOCK_ID:
+                continue
+            dropped = keys[position]
+            if block_key[block] == dropped:
+                block_key[block] = None
+            if lazy_keys.get(block) == dropped:
+                del lazy_keys[block]
+        del keys[kept:]
+
+
 def _blocks_touched(core: Core, event: ev.BlocksTouched, out: list[fx.Effect]) -> None:
     rid = event.request_id
     request = legal_request(core, rid, event.kind)
@@ -839,6 +868,7 @@ def _tier_keys_found(core: Core, event: ev.TierKeysFound, out: list[fx.Effect]) 
 _HANDLERS: dict[type, Callable[[Core, Any, list[fx.Effect]], None]] = {
     ev.RequestAdded: _request_added,
     ev.BlockHashesAppended: _block_hashes_appended,
+    ev.BlockHashesRewound: _block_hashes_rewound,
     ev.BlocksTouched: _blocks_touched,
     ev.BlocksAllocated: _blocks_allocated,
     ev.BlocksFreed: _blocks_freed,

@@ -240,6 +240,18 @@ class TierKeysFound:
     keys: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
 
 
+@attrs.frozen(kw_only=True)
+class BlockHashesRewound:
+    """vLLM dropped the request's hashes from index `num_hashes` on: a streaming
+    session's next input replaced its last sampled token, and the hashes of the
+    blocks that token was in are computed again (they follow as appended)."""
+
+    kind: ClassVar[str] = "block_hashes_rewound"
+    version: ClassVar[int] = 1
+    request_id: str
+    num_hashes: int
+
+
 Event = Union[
     RequestAdded,
     BlockHashesAppended,
@@ -258,6 +270,7 @@ Event = Union[
     LoadFailed,
     CacheReset,
     TierKeysFound,
+    BlockHashesRewound,
 ]
 
 TransferEvent = Union[StoreCompleted, StoreFailed, LoadCompleted, LoadFailed]

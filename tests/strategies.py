@@ -39,6 +39,7 @@ EXAMPLE_EVENTS: dict[str, ev.Event] = {
         ev.LoadFailed(job_id=44, worker_index=3, block_ids=(13, 14), keys=(_H[0], _H[1])),
         ev.CacheReset(epoch=2),
         ev.TierKeysFound(tier=1, keys=(_H[2], _H[3])),
+        ev.BlockHashesRewound(request_id="cmpl-7f3a-0", num_hashes=2),
     )
 }
 assert set(EXAMPLE_EVENTS) == set(ev.KIND_TO_TYPE), "every event kind needs an example"
@@ -99,6 +100,7 @@ _BY_KIND: dict[str, st.SearchStrategy] = {
     ),
     "cache_reset": st.builds(ev.CacheReset, epoch=ints, forget_device=st.booleans(), rekeyed=st.booleans()),
     "tier_keys_found": st.builds(ev.TierKeysFound, tier=small_ints, keys=hash_tuples),
+    "block_hashes_rewound": st.builds(ev.BlockHashesRewound, request_id=request_ids, num_hashes=small_ints),
 }
 assert set(_BY_KIND) == set(ev.KIND_TO_TYPE), "every event kind needs a strategy"
 

@@ -75,20 +75,32 @@ class ChainKeys:
         self._narrow = struct.Struct(f"<{hash_block_size}i").pack
         self._wide = struct.Struct(f"<{hash_block_size}q").pack
         self._chains: dict[str, list[bytes]] = {}
+        self._bases: dict[str, list[bytes]] = {}
 
     def keys(self, request: Request) -> Sequence[bytes]:
         chain = self._chains.get(request.request_id)
         if chain is None:
             chain = self._chains[request.request_id] = []
-        wanted = len(request.block_hashes)
+            self._bases[request.request_id] = []
+        basis = self._bases[request.request_id]  # vLLM's hash of each keyed block, as it was then
+        hashes = request.block_hashes
+        wanted = len(hashes)
         done = len(chain)
-        assert wanted >= done, f"request {request.request_id}: {wanted} block hashes, {done} keys before"
+        if done and (wanted < done or hashes[done - 1] != basis[done - 1]):
+            # A streaming session's next input replaced its last sampled token, and vLLM
+            # hashed that token's block again: key it again from there.
+            done = min(wanted, done)
+            while done and hashes[done - 1] != basis[done - 1]:
+                done -= 1
+            del chain[done:], basis[done:]
         if wanted > done:
             self._extend(chain, request, done, wanted)
+            basis.extend(hashes[done:wanted])
         return chain
 
     def forget(self, request_id: str) -> None:
         self._chains.pop(request_id, None)
+        self._bases.pop(request_id, None)
 
     def __len__(self) -> int:
         """Requests with keys held."""

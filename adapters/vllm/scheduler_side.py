@@ -36,7 +36,7 @@ from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMeta
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.lookup import LookupResult, lookup
-from kvledger.engine.planner import Admission, StepInputs, new_hashes, plan_step
+from kvledger.engine.planner import Admission, StepInputs, new_hashes, plan_step, session_hashes
 from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, EngineConfig, StoreMode
@@ -199,9 +199,15 @@ class LedgerScheduler:
         started = time.perf_counter()
         rid = request.request_id
         self._local_hit[rid] = num_computed_tokens
-        appended = new_hashes(self.host.state, rid, request, self._keys_of)
-        if appended is not None:
-            self._apply([appended])
+        if rid in self._sessions:
+            changed = session_hashes(self.host.state, rid, request, self._keys_of)
+            if changed:
+                self._last_answer.pop(rid, None)  # a kept answer may rest on rewound keys
+                self._apply(changed)
+        else:
+            appended = new_hashes(self.host.state, rid, request, self._keys_of)
+            if appended is not None:
+                self._apply([appended])
         tiers = self._tiers
         if tiers is not None and tiers.shared:
             found = tiers.answers()
@@ -247,7 +253,7 @@ class LedgerScheduler:
             tables=tuple(manager.req_to_blocks for manager in self._managers),
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
             keys_of=self._keys_of, grown=_grown(scheduler_output), num_computed=num_computed,
-            num_output=self._num_output(cached))
+            num_output=self._num_output(cached), sessions=self._sessions)
         events = plan_step(self.host.state, step)
         self._admitted = []
         self._promised = 0

@@ -279,17 +279,25 @@ def test_keys_are_kept_per_request_until_forgotten() -> None:
     assert list(chain_keys.keys(a)) == keys_of(TOKENS)
 
 
-def test_a_request_whose_block_hashes_shrink_is_a_bug() -> None:
-    chain_keys = ChainKeys(ROOT_KEY, H)
-    r = request(TOKENS)
-    chain_keys.keys(r)
-    r.block_hashes.pop()
-    with pytest.raises(AssertionError, match="6 keys before"):
-        chain_keys.keys(r)
-
-
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(TypeError, match="root must be bytes"):
         ChainKeys("root", H)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="hash_block_size"):
         ChainKeys(b"root", 0)
+
+
+def test_a_streaming_session_whose_last_token_is_replaced_is_keyed_again_from_that_block() -> None:
+    """vLLM's `_update_request_as_session`: the last sampled token goes, the hashes from its
+    block on are dropped and computed again with the next input's tokens."""
+    session = request(TOKENS[:48])  # three full blocks, the third ending with the sampled token
+    chain_keys = ChainKeys(ROOT_KEY, H)
+    assert list(chain_keys.keys(session)) == keys_of(TOKENS[:48])
+    kept = session.num_tokens - 1
+    del session._all_token_ids[kept:]
+    del session.block_hashes[kept // H:]
+    assert len(chain_keys.keys(session)) == 2  # shorter than the keys before: no stale third key
+    session._all_token_ids.extend([7, 8, 9])
+    session.update_block_hashes()
+    new_tokens = TOKENS[:47] + [7, 8, 9]
+    assert list(chain_keys.keys(session)) == keys_of(new_tokens)
+    assert keys_of(new_tokens)[2] != keys_of(TOKENS[:48])[2]

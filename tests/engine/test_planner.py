@@ -22,7 +22,7 @@ from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import StoreMode
 from tests.engine import planner_workload
-from tests.engine.builders import FULL, SLIDING, chain, full_only_config, make_config
+from tests.engine.builders import FULL, SLIDING, chain, full_only_config, key, make_config
 
 pytestmark = pytest.mark.fast
 
@@ -223,6 +223,28 @@ def test_new_hashes_come_before_the_frees_of_a_decoding_request():
     assert events[0] == ev.BlockHashesAppended(request_id="a", num_tokens=96, block_hashes=longer[2:])
     assert events[1] == ev.BlocksFreed(request_id="a", block_ids=((), (4,)))
     assert kinds(events)[2:] == ["step_scheduled"]
+
+
+def test_a_sessions_replaced_hash_is_rewound_in_the_engine_and_its_block_stored_under_the_new_one():
+    """vLLM's `_update_request_as_session`: the last sampled token (here the one that filled
+    block 2) is replaced by the next input, and block 2's hash is computed again."""
+    vllm = FakeVllm(full_only_config())
+    vllm.sessions.add("s")
+    vllm.add("s", 64, chain(2))
+    vllm.give("s", (1, 2, 3, 4))
+    admitted(vllm, "s", 64)
+    old, new = chain(3), chain(2) + chain(1, "next input")
+    session = vllm.requests["s"]
+    session.block_hashes, session.num_tokens = list(old), 96
+    assert vllm.run({"s": 31})[0] == ev.BlockHashesAppended(request_id="s", num_tokens=96, block_hashes=old[2:])
+    session.block_hashes, session.num_tokens = list(new), 98  # 95 kept, 3 new
+    events = vllm.run({"s": 3})
+    assert events[:2] == [ev.BlockHashesRewound(request_id="s", num_hashes=2),
+                          ev.BlockHashesAppended(request_id="s", num_tokens=98, block_hashes=new[2:])]
+    stored = {k for store in vllm.effects if hasattr(store, "keys") for group in store.keys for k in group}
+    assert key(new[2], 0) in stored and key(old[2], 0) not in stored
+    assert vllm.run({"s": 1})[:1] == [ev.StepScheduled(step_index=4, request_ids=("s",), num_computed_tokens=(98,),
+                                                       num_scheduled_tokens=(1,))]  # nothing more to compare
 
 
 def test_the_engine_table_stays_vllms_so_the_final_table_is_accepted():

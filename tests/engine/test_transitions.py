@@ -55,6 +55,8 @@ def event_for(kind: str, e: Engine) -> ev.Event:
         return ev.RequestAdded(request_id="r", num_prompt_tokens=129, block_hashes=A[:4])
     if kind == "block_hashes_appended":
         return ev.BlockHashesAppended(request_id="r", num_tokens=160, block_hashes=A[4:])
+    if kind == "block_hashes_rewound":
+        return ev.BlockHashesRewound(request_id="r", num_hashes=max(0, len(request.hashes) - 1) if request else 0)
     if kind == "blocks_touched":
         return ev.BlocksTouched(request_id="r", block_ids=((1,), (5,)))
     if kind == "blocks_allocated":
@@ -203,7 +205,10 @@ def test_the_reducer_reads_every_row(pair, consulted):
 # appends an admission's new hashes just before admitting it, waiting or
 # preempted; the loading row is legal, but neither produces it.
 UNSIMULATED = {(R.WAITING, "block_hashes_appended"), (R.LOADING, "block_hashes_appended"),
-               (R.PREEMPTED, "block_hashes_appended")}
+               (R.PREEMPTED, "block_hashes_appended"),
+               # The simulator has no streaming sessions; tests/engine/test_rewind.py drives these.
+               (R.WAITING, "block_hashes_rewound"), (R.RUNNING, "block_hashes_rewound"),
+               (R.PREEMPTED, "block_hashes_rewound")}
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
