@@ -245,7 +245,7 @@ def event_seconds(fn) -> float:
 
 
 def measure_cuda(spec: str, total: int, repeats: int, device: torch.device | None = None,
-                 args_programs: tuple[int, ...] = (PROGRAMS,)) -> dict:
+                 programs: tuple[int, ...] = (PROGRAMS,)) -> dict:
     from kvledger.transfers.cuda_backend import CudaBackend
 
     device = device or torch.device("cuda")
@@ -263,10 +263,10 @@ def measure_cuda(spec: str, total: int, repeats: int, device: torch.device | Non
     driver = driver_batch_copy()
     if driver is not None:
         paths["driver batch"] = CudaBackend(layout, tier, batch_copy=driver)
-    for programs in args_programs:
-        kernel = triton_batch_copy(programs=programs)
+    for grid in programs:
+        kernel = triton_batch_copy(programs=grid)
         if kernel is not None:
-            paths[f"triton x{programs}"] = CudaBackend(layout, tier, batch_copy=kernel)
+            paths[f"triton x{grid}"] = CudaBackend(layout, tier, batch_copy=kernel)
     g = torch.Generator().manual_seed(n)
     blocks = (torch.randperm(pool - 1, generator=g)[:n] + 1).tolist()
     slots = torch.randperm(tier.num_slots, generator=g)[:n].tolist()
@@ -354,7 +354,7 @@ def main_cuda(args) -> None:
     print(f"device: cuda; {args.total_mib} MiB per copy and direction; median of {args.repeats}; GB/s = 1e9 "
           f"bytes/s of device time (CUDA events), except 'both': bytes of both directions over the wall time "
           f"from the first submit to both done; submit: host time of the backend's submit, median")
-    rows = [measure_cuda(spec, args.total_mib << 20, args.repeats, args_programs=tuple(args.programs))
+    rows = [measure_cuda(spec, args.total_mib << 20, args.repeats, programs=tuple(args.programs))
             for spec in args.layouts]
     names = list(rows[0]["results"])
     header = ["layout", "spans x bytes", "blocks", *names]

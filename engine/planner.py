@@ -97,53 +97,37 @@ class StepInputs:
     num_computed: Mapping[str, int] = attrs.field(factory=dict)
     num_output: Mapping[str, int] = attrs.field(factory=dict)
     # Streaming sessions (vLLM's resumable requests): their hashes are compared with
-    # the engine's in every step, as a new input can rewind them (`session_hashes`).
+    # the engine's in every step, as a new input can rewind them (`new_hashes`).
     sessions: Container[str] = ()
 
 
 def new_hashes(state: State, request_id: str, request: Request,
-               keys_of: Callable[[Request], Sequence[bytes]] | None = None) -> ev.BlockHashesAppended | None:
+               keys_of: Callable[[Request], Sequence[bytes]] | None = None, *,
+               rewinds: bool = False) -> tuple[ev.Event, ...]:
     """The hashes vLLM computed for the request that the engine does not know yet
-    (or, with `keys_of`, the block keys derived from them)."""
+    (or, with `keys_of`, the block keys derived from them). With `rewinds` (a
+    streaming session, vLLM's resumable request), the hashes the engine knows are
+    compared too: a session's next input replaces its last sampled token, and
+    vLLM computes the hashes from that token's block again."""
     mine = state.core.requests.get(request_id)
-    return None if mine is None else _new_hashes(mine, request, keys_of)
+    return () if mine is None else _new_hashes(mine, request, keys_of, rewinds)
 
 
-def _new_hashes(mine: RequestState, request: Request,
-                keys_of: Callable[[Request], Sequence[bytes]] | None) -> ev.BlockHashesAppended | None:
-    known = len(mine.hashes)
-    if len(request.block_hashes) <= known:
-        return None  # nothing new (and, with `keys_of`, no keys to derive)
-    hashes = request.block_hashes if keys_of is None else keys_of(request)
-    if len(hashes) <= known:
-        return None
-    return ev.BlockHashesAppended(request_id=mine.request_id, num_tokens=request.num_tokens,
-                                  block_hashes=tuple(hashes[known:]))
-
-
-def session_hashes(state: State, request_id: str, request: Request,
-                   keys_of: Callable[[Request], Sequence[bytes]] | None = None) -> list[ev.Event]:
-    """`new_hashes` for a streaming session (vLLM's resumable request), whose hashes
-    can also be rewound: its next input replaces its last sampled token, and vLLM
-    computes the hashes from that token's block again."""
-    mine = state.core.requests.get(request_id)
-    return [] if mine is None else _session_hashes(mine, request, keys_of)
-
-
-def _session_hashes(mine: RequestState, request: Request,
-                    keys_of: Callable[[Request], Sequence[bytes]] | None) -> list[ev.Event]:
-    hashes = request.block_hashes if keys_of is None else keys_of(request)
+def _new_hashes(mine: RequestState, request: Request, keys_of: Callable[[Request], Sequence[bytes]] | None,
+                rewinds: bool) -> tuple[ev.Event, ...]:
     known = mine.hashes
+    if not rewinds and len(request.block_hashes) <= len(known):
+        return ()  # nothing new (and, with `keys_of`, no keys to derive)
+    hashes = request.block_hashes if keys_of is None else keys_of(request)
     keep = min(len(known), len(hashes))
-    while keep and hashes[keep - 1] != known[keep - 1]:  # chained: equal here means equal before
-        keep -= 1
-    events: list[ev.Event] = []
+    if rewinds:
+        while keep and hashes[keep - 1] != known[keep - 1]:  # chained: equal here means equal before
+            keep -= 1
+    appended = () if len(hashes) <= keep else (ev.BlockHashesAppended(
+        request_id=mine.request_id, num_tokens=request.num_tokens, block_hashes=tuple(hashes[keep:])),)
     if keep < len(known):
-        events.append(ev.BlockHashesRewound(request_id=mine.request_id, num_hashes=keep))
-    if len(hashes) > keep:
-        events.append(ev.BlockHashesAppended(request_id=mine.request_id, num_tokens=request.num_tokens,
-                                             block_hashes=tuple(hashes[keep:])))
-    return events
+        return (ev.BlockHashesRewound(request_id=mine.request_id, num_hashes=keep), *appended)
+    return appended
 
 
 # A window group as the planner reads it: its id, vLLM's tables for it, its block
@@ -262,13 +246,11 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             continue
         # vLLM hashes every full block of the request's tokens, so a new hash needs
         # the tokens to have passed the next block of the engine's hashes.
+        # A session's prompt grows between turns, so its output count bounds nothing.
         output = said_output.get(rid, -1)
-        if sessions and rid in sessions:
-            events.extend(_session_hashes(mine, requests[rid], keys_of))
-        elif output < 0 or (mine.num_prompt_tokens + output) // hash_block_size > len(mine.hashes):
-            appended = _new_hashes(mine, requests[rid], keys_of)
-            if appended is not None:
-                events.append(appended)
+        rewinds = rid in sessions
+        if rewinds or output < 0 or (mine.num_prompt_tokens + output) // hash_block_size > len(mine.hashes):
+            events.extend(_new_hashes(mine, requests[rid], keys_of, rewinds))
         if window_groups:
             freed = _window_frees(window_groups, mine, len(tables), done)
             if freed is not None:
@@ -291,12 +273,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             continue
         seen.add(rid)
         admissions.append((admission, mine))
-        if sessions and rid in sessions:
-            events.extend(_session_hashes(mine, step.requests[rid], step.keys_of))
-            continue
-        appended = _new_hashes(mine, step.requests[rid], step.keys_of)
-        if appended is not None:
-            events.append(appended)
+        events.extend(_new_hashes(mine, step.requests[rid], step.keys_of, rid in sessions))
     for admission, mine in admissions:
         rid = admission.request_id
         block_ids = tuple(tuple(b.block_id for b in t.get(rid, ())) for t in tables)

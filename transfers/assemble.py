@@ -50,7 +50,7 @@ def open_transfers(
         from kvledger.transfers.batch_copies import own_batch_copy
         from kvledger.transfers.cuda_backend import CudaBackend
 
-        backend = CudaBackend(layout, tier, batch_copy=batch_copy or own_batch_copy(tier))
+        backend = CudaBackend(layout, tier, batch_copy=batch_copy or own_batch_copy(layout, tier))
     else:
         backend = CpuBackend(layout, tier, inline=inline_cpu_copies)
     if store_hold_polls:

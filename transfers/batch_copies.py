@@ -11,14 +11,24 @@ synchronously and says so at start.
 
 from __future__ import annotations
 
-from kvledger.transfers.copy_descriptors import BatchCopy
+from kvledger.transfers.copy_descriptors import BatchCopy, span_addresses
 from kvledger.transfers.driver_copy import driver_batch_copy
 from kvledger.transfers.host_tier import HostTier
+from kvledger.transfers.layout import CanonicalKVCaches
 from kvledger.transfers.triton_copy import triton_batch_copy
 
 
-def own_batch_copy(tier: HostTier) -> BatchCopy | None:
-    """The Triton kernel, else the driver's batch copy, else None (the torch path)."""
+def own_batch_copy(layout: CanonicalKVCaches, tier: HostTier) -> BatchCopy | None:
+    """The Triton kernel (where the layout moves in 8-byte words), else the driver's
+    batch copy, else None (the torch path)."""
     if not tier.pinned:
         return None
-    return triton_batch_copy() or driver_batch_copy()
+    kernel = triton_batch_copy() if moves_in_words(layout, tier) else None
+    return kernel or driver_batch_copy()
+
+
+def moves_in_words(layout: CanonicalKVCaches, tier: HostTier) -> bool:
+    """Every descriptor of every job starts, and spans, a multiple of 8 bytes: its
+    addresses are a base plus a multiple of a stride, on both sides."""
+    return all(not (a.device_base | a.device_stride | a.host_base | a.host_stride | a.nbytes) & 7
+               for spans in span_addresses(layout, tier) for a in spans)

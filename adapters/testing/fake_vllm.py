@@ -43,7 +43,7 @@ class FakeVllm:
         # False: the planner is not given the scheduled requests' token counts, as
         # vLLM's scheduler output gives them, and reads each request instead.
         self.say_counts = True
-        self.sessions: set[str] = set()  # streaming sessions: no output count, hashes compared each step
+        self.sessions: set[str] = set()  # streaming sessions: their hashes compared in every step
         self.log: list[ev.Event] = []
         self.effects: list = []  # every effect the engine produced, in order
 
@@ -82,8 +82,8 @@ class FakeVllm:
             requests=self.requests, tables=self.tables, near_eviction=near_eviction,
             grown=set(self.given) if self.say_grown else None,
             num_computed={rid: self.requests[rid].num_computed_tokens for rid in scheduled} if self.say_counts else {},
-            num_output=({rid: self.requests[rid].num_tokens - self.requests[rid].num_prompt_tokens for rid in scheduled
-                         if rid not in self.sessions} if self.say_counts else {}),
+            num_output=({rid: self.requests[rid].num_tokens - self.requests[rid].num_prompt_tokens for rid in scheduled}
+                        if self.say_counts else {}),
             sessions=self.sessions))
         self.given.clear()
         if scheduled:

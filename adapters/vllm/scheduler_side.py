@@ -36,7 +36,7 @@ from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMeta
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.lookup import LookupResult, lookup
-from kvledger.engine.planner import Admission, StepInputs, new_hashes, plan_step, session_hashes
+from kvledger.engine.planner import Admission, StepInputs, new_hashes, plan_step
 from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, EngineConfig, StoreMode
@@ -44,7 +44,7 @@ from kvledger.events.keys import hex_keys
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -96,8 +96,8 @@ class LedgerScheduler:
         self._managers: tuple = ()  # vLLM's per-group managers, in group order
         self._pool: BlockPoolView | None = None
         self._requests: dict[str, Request] = {}
-        # Streaming sessions (vLLM's resumable requests): their prompt grows between
-        # turns, so the engine's prompt length plus the output count bounds nothing.
+        # Streaming sessions (vLLM's resumable requests): the planner compares their
+        # hashes in every step, as a turn's next input can rewind them.
         self._sessions: set[str] = set()
         self._local_hit: dict[str, int] = {}  # the local hit vLLM passed to the last lookup
         self._last_answer: dict[str, LookupResult] = {}  # each waiting request's, given back to the next lookup
@@ -199,15 +199,11 @@ class LedgerScheduler:
         started = time.perf_counter()
         rid = request.request_id
         self._local_hit[rid] = num_computed_tokens
-        if rid in self._sessions:
-            changed = session_hashes(self.host.state, rid, request, self._keys_of)
-            if changed:
+        changed = new_hashes(self.host.state, rid, request, self._keys_of, rewinds=rid in self._sessions)
+        if changed:
+            if type(changed[0]) is ev.BlockHashesRewound:
                 self._last_answer.pop(rid, None)  # a kept answer may rest on rewound keys
-                self._apply(changed)
-        else:
-            appended = new_hashes(self.host.state, rid, request, self._keys_of)
-            if appended is not None:
-                self._apply([appended])
+            self._apply(list(changed))
         tiers = self._tiers
         if tiers is not None and tiers.shared:
             found = tiers.answers()
@@ -253,7 +249,7 @@ class LedgerScheduler:
             tables=tuple(manager.req_to_blocks for manager in self._managers),
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
             keys_of=self._keys_of, grown=_grown(scheduler_output), num_computed=num_computed,
-            num_output=self._num_output(cached), sessions=self._sessions)
+            num_output=dict(zip(cached.req_ids, cached.num_output_tokens)), sessions=self._sessions)
         events = plan_step(self.host.state, step)
         self._admitted = []
         self._promised = 0
@@ -263,14 +259,6 @@ class LedgerScheduler:
         self._apply(events)
         carried, self._carried = self._carried, []  # this step's, after those of calls since the last
         return KVLedgerMetadata.from_effects(carried)
-
-    def _num_output(self, cached: CachedRequestData) -> dict[str, int]:
-        """Output tokens per running request, as the step planner takes them: not
-        for a streaming session, whose hashes are then read in every step."""
-        num_output = dict(zip(cached.req_ids, cached.num_output_tokens))
-        for rid in self._sessions:
-            num_output.pop(rid, None)
-        return num_output
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta

@@ -14,18 +14,16 @@ from tests.engine.builders import FULL, chain, make_config
 pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
 
 
-def test_a_streaming_session_gets_no_output_count_so_its_hashes_are_read_every_step():
-    """A resumable request's prompt grows between turns: the engine's prompt length
-    plus vLLM's output count would not bound its tokens, so the planner is not given
-    the count for it (and reads the request's hashes instead) until it finishes."""
+def test_a_streaming_session_is_one_to_the_planner_until_it_finishes():
+    """A resumable request's next turn can rewind its hashes, so the planner is told
+    which requests are sessions (and compares their hashes in every step)."""
     scheduler = LedgerScheduler(make_config(groups=(FULL,)), parse_settings({"capacity_bytes": 1 << 20}))
     try:
         for rid, resumable in (("chat", False), ("session", True)):
             scheduler.on_new_request(SimpleNamespace(request_id=rid, num_prompt_tokens=64,
                                                      block_hashes=list(chain(2, rid)), resumable=resumable))
-        cached = SimpleNamespace(req_ids=["chat", "session"], num_output_tokens=[3, 5])
-        assert scheduler._num_output(cached) == {"chat": 3}
+        assert scheduler._sessions == {"session"}
         scheduler.request_finished(SimpleNamespace(request_id="session"), ([],))
-        assert scheduler._num_output(cached) == {"chat": 3, "session": 5}  # a later request of that id is new
+        assert scheduler._sessions == set()  # a later request of that id is new
     finally:
         scheduler.shutdown()

@@ -14,7 +14,7 @@ from kvledger.engine.effects import FlushStores
 from kvledger.events.types import LoadCompleted, StoreCompleted
 from kvledger.transfers.assemble import make_runner, open_transfers
 from kvledger.transfers.backend import Direction, TransferTimeout
-from kvledger.transfers.batch_copies import own_batch_copy
+from kvledger.transfers.batch_copies import moves_in_words, own_batch_copy
 from kvledger.transfers.cuda_backend import CudaBackend, slot_runs
 from kvledger.transfers.driver_copy import driver_batch_copy
 from kvledger.transfers.faults import FaultPlan
@@ -113,16 +113,21 @@ def test_a_cuda_worker_without_vllms_batch_copy_takes_the_triton_kernel_on_a_pin
     transfers.runner.shutdown()
 
 
-@needs_cuda
-def test_the_triton_copy_refuses_a_job_that_is_not_in_8_byte_words() -> None:
-    words = torch.tensor([8, 16], dtype=torch.int64)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        triton_copy()(words, words, torch.tensor([8, 12], dtype=torch.int64))
+def on_unpinned_tier(case):
+    layout = canonicalize(case.kv_caches, case.config)
+    return layout, HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes,
+                            pin=False)
+
+
+def test_the_triton_copy_is_offered_only_layouts_that_move_in_8_byte_words() -> None:
+    assert moves_in_words(*on_unpinned_tier(layouts.hybrid_mamba()))
+    assert moves_in_words(*on_unpinned_tier(layouts.cpu_attention()))
+    assert not moves_in_words(*on_unpinned_tier(layouts.mla(block_size=2, latent=3)))  # 12-byte pages
 
 
 def test_an_unpinned_tier_gets_no_batch_copy_of_kvledgers_own() -> None:
     """The kernel reaches the tier through its device mapping, which pageable memory lacks."""
-    assert own_batch_copy(HostTier(capacity_bytes=1 << 16, slot_bytes=1024, pin=False)) is None
+    assert own_batch_copy(*on_unpinned_tier(layouts.cpu_attention())) is None
 
 
 @needs_cuda
