@@ -20,9 +20,9 @@ the check's per-item path, which names the violation.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import compress
+from itertools import compress, repeat
 from operator import not_
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 from kvledger.events import types as ev
 from kvledger.events.config import Protection, StoreMode
@@ -242,10 +242,14 @@ def _blocks_touched(core: Core, event: ev.BlocksTouched, out: list[fx.Effect]) -
     refs = core.block_refs
     for group_id, ids in enumerate(block_ids):
         keys = request.keys[group_id]
-        for block, key in zip(ids, keys):
+        for position, (block, key) in enumerate(zip(ids, keys)):
             if block:
                 refs[block] += 1
-                block_key[block] = key
+                known = block_key[block]
+                if known is None:
+                    block_key[block] = key
+                else:
+                    keys[position] = known  # equal (touch_ok): share the block's object
         for block in ids[len(keys):]:
             if block:
                 refs[block] += 1
@@ -356,22 +360,45 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
             f"to compute ({request.num_tokens} tokens)", request_id=rid)
     keys, slot_ids, targets, tiers = [], [], [], []
     promoting = False
+    slot_of_key = core.slot_of_key
+    slot_state = core.slot_state
+    slot_key = core.slot_key
     for group, ids in zip(core.groups, event.block_ids):
         table = request.table[group.group_id] + list(ids)
+        known = request.keys[group.group_id]
+        span = hma.needed_range(group, start, end)
+        first, stop = span.start, span.stop
+        # The usual hit: every block there and every key stored in host memory,
+        # found by C-level passes. Anything else takes the loop below, which
+        # names the problem or finds the lower tier.
+        if stop <= len(table) and stop <= len(known):
+            group_blocks = table[first:stop]
+            group_slots = list(map(slot_of_key.get, known[first:stop], repeat(-1)))
+            if (NULL_BLOCK_ID not in group_blocks and -1 not in group_slots
+                    and all(map(_STORED.__eq__, map(slot_state.__getitem__, group_slots)))):
+                # The tier's own key objects: equal to the request's, and the dicts
+                # of every later step of this load compare them by identity.
+                stored = cast(list[bytes], list(map(slot_key.__getitem__, group_slots)))  # stored slots hold keys
+                known[first:stop] = stored
+                keys.append(tuple(stored))
+                slot_ids.append(tuple(group_slots))
+                targets.append(tuple(group_blocks))
+                tiers.append((0,) * len(group_slots))
+                continue
         group_keys, group_slots, group_blocks, group_tiers = [], [], [], []
-        for position in hma.needed_range(group, start, end):
+        for position in span:
             if position >= len(table) or table[position] == NULL_BLOCK_ID:
                 raise ProtocolViolation(
                     "load_target_missing", f"group {group.group_id} position {position} has no block",
                     request_id=rid)
-            if position >= len(request.keys[group.group_id]):
+            if position >= len(known):
                 raise ProtocolViolation(
                     "load_key_unknown", f"group {group.group_id} position {position} has no hash",
                     request_id=rid)
-            key = request.keys[group.group_id][position]
-            slot = core.slot_of_key.get(key, -1)
+            key = known[position]
+            slot = slot_of_key.get(key, -1)
             tier = 0
-            if slot >= 0 and core.slot_state[slot] != _STORED:
+            if slot >= 0 and slot_state[slot] != _STORED:
                 slot = -1
             if slot < 0 and core.lower:
                 # Not in host memory: promoted from a lower tier. Or, when an earlier

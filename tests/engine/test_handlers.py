@@ -120,6 +120,22 @@ def test_blocks_touched_takes_refs_and_marks_the_prefix_computed():
     check(e.state)
 
 
+def test_a_touched_block_gives_the_request_its_key_object():
+    # Equal keys, one object: the tier's dicts then compare by identity in the
+    # request's later steps. Keys of blocks with no known content stay the request's.
+    e = donor_stored()
+    e.add("b", 129, A)
+    own = list(e.core.requests["b"].keys[0])
+    e.core.block_key[2] = None  # block 2's content unknown to the engine
+    e.touch("b", (1, 2), (5, 6))
+    keys = e.core.requests["b"].keys
+    assert keys[0][:2] == list(KA0[:2]) and keys[1][:2] == list(KA1[:2])
+    assert keys[0][0] is e.core.block_key[1] and keys[0][0] is not own[0]
+    assert keys[1][0] is e.core.block_key[5] and keys[1][1] is e.core.block_key[6]
+    assert keys[0][1] is own[1] and e.core.block_key[2] is own[1]
+    check(e.state)
+
+
 def test_blocks_touched_skips_null_sliding_positions():
     e = donor_stored()
     e.add("b", 129, A)
@@ -201,6 +217,19 @@ def test_blocks_allocated_with_a_hit_starts_the_load_of_exactly_the_needed_block
     assert policy_order(e) == KA1[:2]
     s = e.core.stats
     assert (s.loads, s.hit_tokens, s.keys_loaded) == (1, 128, 6)
+    check(e.state)
+
+
+def test_a_load_gives_the_request_the_tiers_key_objects():
+    e = donor_stored()
+    loading_b(e)
+    core = e.core
+    job = core.jobs[core.requests["b"].load_job_id]
+    for group_keys, group_slots in zip(job.keys, job.slot_ids):
+        assert all(k is core.slot_key[s] for k, s in zip(group_keys, group_slots))
+    keys = core.requests["b"].keys
+    assert keys[0][:4] == list(KA0) and all(a is b for a, b in zip(keys[0], job.keys[0]))
+    assert all(a is b for a, b in zip(keys[1][2:4], job.keys[1]))
     check(e.state)
 
 
