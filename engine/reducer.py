@@ -281,21 +281,25 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
     block_key = core.block_key
     lazy_keys = core.lazy_keys  # lazy mode: a reallocated block's old content is gone
     for group_id, ids in enumerate(block_ids):
+        # A block still read by a store, or noted for a lazy store, is rare: one
+        # C-level pass each finds whether any is, not a lookup per block.
+        if readers and not readers.keys().isdisjoint(ids):
+            for block in ids:
+                reading = readers.get(block)
+                if reading is not None:
+                    if isinstance(reading, int):
+                        to_flush.append(reading)
+                    else:
+                        to_flush.extend(reading)
+        if lazy_keys and not lazy_keys.keys().isdisjoint(ids):
+            for block in ids:
+                lazy_keys.pop(block, None)
         for block in ids:
             if block != NULL_BLOCK_ID:
-                if readers:
-                    reading = readers.get(block)
-                    if reading is not None:
-                        if isinstance(reading, int):
-                            to_flush.append(reading)
-                        else:
-                            to_flush.extend(reading)
                 refs[block] = 1
                 generation[block] += 1
                 group_of[block] = group_id
                 block_key[block] = None
-                if lazy_keys:
-                    lazy_keys.pop(block, None)
         _extend_table(request, group_id, ids)
     request.table_changed(core.block_sizes)
     if to_flush:
