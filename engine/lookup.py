@@ -21,14 +21,15 @@ without these counters: with any, nothing is kept.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
-from kvledger.events.config import GroupKind
+from kvledger.events.config import GroupKind, GroupSpec
 
 from . import hma, lower
-from .state import RequestStatus, SlotState, State
+from .state import STORED as _STORED
+from .state import Core, RequestState, RequestStatus, State
 
 
 @attrs.frozen
@@ -70,6 +71,7 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
             return previous
 
     # Full-attention groups bound the hit by their first missing key.
+    slot_of_key = core.slot_of_key
     best = most
     stops: list[bytes] = []  # the missing keys the walks stopped at
     for group in core.groups:
@@ -78,8 +80,12 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
         keys = request.keys[group.group_id]
         position = num_local_tokens // group.block_size
         limit = min(best // group.block_size, len(keys))
-        while position < limit and known(keys[position]):
-            position += 1
+        if core.lower:
+            while position < limit and known(keys[position]):
+                position += 1
+        else:  # the index's own `in`, not a call through `known`
+            while position < limit and keys[position] in slot_of_key:
+                position += 1
         if position < limit:
             stops.append(keys[position])
         best = min(best, position * group.block_size // alignment * alignment)
@@ -108,7 +114,7 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
     return LookupResult(hit, slots_taken=taken, basis=basis, awaits=() if stores_matter else tuple(stops))
 
 
-def _basis(core, request, local: int, promised: int, stores_matter: bool) -> tuple:
+def _basis(core: Core, request: RequestState, local: int, promised: int, stores_matter: bool) -> tuple:
     """Equal for two lookups whose answers are equal, unless a key the first
     awaits has arrived (module docstring)."""
     stats = core.stats
@@ -117,7 +123,7 @@ def _basis(core, request, local: int, promised: int, stores_matter: bool) -> tup
             core.epoch, stats.evictions, stats.keys_failed, stats.loads, stats.stores if stores_matter else -1)
 
 
-def _slots_taken(core, request, start: int, end: int, promised: int) -> int | None:
+def _slots_taken(core: Core, request: RequestState, start: int, end: int, promised: int) -> int | None:
     """With lower tiers, the host slots the hit [start, end) takes from the
     evictable pool: a slot for each key a lower tier holds (a promotion), and
     each evictable host key it reads (pinned while it does); 0 without. None if
@@ -138,7 +144,7 @@ def _slots_taken(core, request, start: int, end: int, promised: int) -> int | No
             if slot < 0:
                 promotions += 1  # a lower tier holds it
                 continue
-            if slot_state[slot] != SlotState.STORED:
+            if slot_state[slot] != _STORED:
                 return None
             loads = slot_loads.get(slot, 0)
             if loads and loads > spill_reads.get(slot, 0):
@@ -150,7 +156,8 @@ def _slots_taken(core, request, start: int, end: int, promised: int) -> int | No
     return promotions + pinned
 
 
-def _covers(core, request, group, start: int, end: int, known) -> bool:
+def _covers(core: Core, request: RequestState, group: GroupSpec, start: int, end: int,
+            known: Callable[[bytes], bool]) -> bool:
     keys = request.keys[group.group_id]
     for position in hma.needed_range(group, start, end):
         if position >= len(keys) or not known(keys[position]):

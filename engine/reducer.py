@@ -372,22 +372,26 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
         known = request.keys[group.group_id]
         span = hma.needed_range(group, start, end)
         first, stop = span.start, span.stop
-        # The usual hit: every block there and every key stored in host memory,
-        # found by C-level passes. Anything else takes the loop below, which
-        # names the problem or finds the lower tier.
-        if stop <= len(table) and stop <= len(known):
-            group_blocks = table[first:stop]
-            group_slots = list(map(slot_of_key.get, known[first:stop], repeat(-1)))
-            if (NULL_BLOCK_ID not in group_blocks and -1 not in group_slots
-                    and all(map(_STORED.__eq__, map(slot_state.__getitem__, group_slots)))):
-                # The tier's own key objects: equal to the request's, and the dicts
-                # of every later step of this load compare them by identity.
-                stored = cast(list[bytes], list(map(slot_key.__getitem__, group_slots)))  # stored slots hold keys
+        # The usual hit: every block there and every key stored in host memory.
+        # Anything else takes the loop below, which names the problem or finds
+        # the lower tier.
+        if stop <= len(table) and stop <= len(known) and NULL_BLOCK_ID not in table[first:stop]:
+            found: list[int] = []
+            stored: list[bytes] = []  # the tier's own key objects (equal to the request's)
+            for key in known[first:stop]:
+                slot = slot_of_key.get(key, -1)
+                if slot < 0 or slot_state[slot] != _STORED:
+                    break
+                found.append(slot)
+                stored.append(cast(bytes, slot_key[slot]))
+            else:
+                # The request takes them: the dicts of every later step of this load
+                # (and its lookups) then compare keys by identity.
                 known[first:stop] = stored
                 keys.append(tuple(stored))
-                slot_ids.append(tuple(group_slots))
-                targets.append(tuple(group_blocks))
-                tiers.append((0,) * len(group_slots))
+                slot_ids.append(tuple(found))
+                targets.append(tuple(table[first:stop]))
+                tiers.append((0,) * len(found))
                 continue
         group_keys, group_slots, group_blocks, group_tiers = [], [], [], []
         for position in span:
