@@ -205,15 +205,20 @@ def _admission(core: Core, admission: Admission, table: tuple[tuple[int, ...], .
     return events
 
 
+def _as_dict(counts: Mapping[str, int]) -> dict[str, int]:
+    """A dict as it is (the adapter passes dicts): compiled, its lookups are direct calls."""
+    return counts if isinstance(counts, dict) else dict(counts)
+
+
 def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     """The step's events, in the order above; apply them with `reduce_step`."""
     core = state.core
-    mine_of = core.requests.get
+    mine_of = core.requests  # a typed dict: its `get` is a direct call when compiled
     events: list[ev.Event] = []
 
     preempted_now: set[str] = set()
     for rid in sorted(step.preempted):
-        mine = mine_of(rid)
+        mine = mine_of.get(rid)
         if mine is not None and mine.status is RUNNING:
             events.append(ev.RequestPreempted(request_id=rid))
             preempted_now.add(rid)
@@ -231,7 +236,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     # tokens pass the free point of the block at the engine's free floor,
     # and growth in `grown` (vLLM says which tables it extended).
     computed: list[int] = []  # the step's num_computed_tokens, in its order
-    said_computed, said_output = step.num_computed, step.num_output
+    said_computed, said_output = _as_dict(step.num_computed), _as_dict(step.num_output)
     sessions = step.sessions
     hash_block_size = core.config.hash_block_size
     for rid in step.scheduled:
@@ -241,7 +246,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         computed.append(done)
         if rid in admitted:
             continue
-        mine = mine_of(rid)
+        mine = mine_of.get(rid)
         if mine is None:
             continue
         # vLLM hashes every full block of the request's tokens, so a new hash needs
@@ -268,7 +273,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     seen: set[str] = set()
     for admission in step.admissions:  # vLLM's order; a repeat is the same admission
         rid = admission.request_id
-        mine = mine_of(rid)
+        mine = mine_of.get(rid)
         if mine is None or rid in seen:
             continue
         seen.add(rid)
