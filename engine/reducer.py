@@ -20,7 +20,7 @@ the check's per-item path, which names the violation.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import compress, repeat
+from itertools import compress
 from operator import not_
 from typing import Any, NamedTuple, TypeVar, cast
 
