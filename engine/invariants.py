@@ -19,8 +19,9 @@ exactly the parts in which the item check finds nothing
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from itertools import chain, repeat
-from operator import contains, eq
+from operator import eq, itemgetter
 from typing import Any
 
 import attrs
@@ -38,11 +39,12 @@ from .state import PREEMPTED as _PREEMPTED
 from .state import SPILL as _SPILL
 from .state import STORE as _STORE
 from .state import STORED as _STORED
-from .state import STORING as _STORING
-from .state import Core, Job, JobKind, RequestState, SlotState, State, reader_ids
+from .state import STORING_CODE, Core, Job, JobKind, RequestState, SlotState, State, reader_ids
 from .transitions import STEPPABLE
 
 _PIN = Protection.PIN
+# As a tuple: membership by identity (an Enum's __hash__ is a Python call).
+_STEPPABLE = tuple(STEPPABLE)
 
 
 @mypyc_attr(native_class=False)  # mypyc builds no native subclass of AssertionError
@@ -85,7 +87,9 @@ def check_event(state: State, event: ev.Event, first_new_job_id: int) -> None:
             held = request is not None and event.kind in _HOLDING_KINDS and _table_ends_with(request, named)
         else:
             blocks, held = list(named), False
-        if not _blocks_look_fine(core, blocks, held):
+        # A few blocks (a decode step's, a free's) cost less one by one than in
+        # the fast path's C-level passes, each a call; both find the same problems.
+        if len(blocks) <= _FEW_BLOCKS or not _blocks_look_fine(core, blocks, held):
             _block_problems(core, blocks, held, request_id, problems)
     jobs = core.jobs
     job_id: int | None = any_event.job_id if has_job else None
@@ -114,6 +118,8 @@ def _footprint_fields(kind: type) -> tuple[bool, bool, bool]:
 _FOOTPRINT = {kind: _footprint_fields(kind) for kind in ev.EVENT_TYPES}
 
 
+_FEW_BLOCKS = 4
+
 # Events after which the request holds the blocks it names (if the event was applied:
 # then its tables end with them).
 _HOLDING_KINDS = frozenset({"blocks_allocated", "blocks_touched"})
@@ -140,12 +146,18 @@ def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
         blocks = list(filter(None, blocks))
     if not blocks:
         return True
-    if max(blocks) >= len(core.block_refs) or min(blocks) < 0:
+    if min(blocks) < 0:
         return False  # named by `_block_problems`
-    if min(map(core.block_refs.__getitem__, blocks)) <= (0 if held else -1):
-        return False
+    # The counts through one itemgetter: its lookup past the pool's end is the upper
+    # bound check (a negative index would wrap around: min's above).
+    counts = itemgetter(*blocks) if len(blocks) > 1 else _one(blocks[0])
+    try:
+        if min(counts(core.block_refs)) <= (0 if held else -1):
+            return False
+    except IndexError:
+        return False  # named by `_block_problems`
     # Pins change only with pinning stores (their jobs are checked); in flush mode never.
-    if core.config.protection is _PIN and min(map(core.block_pins.__getitem__, blocks)) < 0:
+    if core.config.protection is _PIN and min(counts(core.block_pins)) < 0:
         return False
     readers = core.block_readers
     if readers and not readers.keys().isdisjoint(blocks):
@@ -161,6 +173,11 @@ def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
         if any(refs_of[block] <= 0 for block in writer.keys() & set(blocks)):
             return False
     return True
+
+
+def _one(block: int) -> Callable[[list[int]], tuple[int]]:
+    """`itemgetter` of one block, returning a 1-tuple as `itemgetter` of several does."""
+    return lambda column: (column[block],)
 
 
 def _block_problems(core: Core, blocks: list[int], held: bool, request_id: str | None,
@@ -187,33 +204,40 @@ def _frame_looks_fine(core: Core, job: Job) -> bool:
             and shape == list(map(len, job.block_ids)) and shape == list(map(len, job.slot_ids)))
 
 
-def _rows(jobs: list[Job], column: str) -> list:
-    """One per-group column of several jobs, flattened."""
-    return list(chain.from_iterable(chain.from_iterable(getattr(job, column) for job in jobs)))
-
-
 def _stores_look_fine(core: Core, jobs: list[Job]) -> bool:
-    """`_check_job` and `_check_slot` of store jobs, as C-level passes over all
-    their rows at once (a step plans one per request that reached a storable
-    block); False for anything a pass does not vouch for."""
-    if not all(_frame_looks_fine(core, job) for job in jobs):
-        return False
-    slots, keys = _rows(jobs, "slot_ids"), _rows(jobs, "keys")
-    if (NULL_BLOCK_ID in _rows(jobs, "block_ids")
-            or not all(map(_STORING.__eq__, map(core.slot_state.__getitem__, slots)))
-            or list(map(core.slot_key.__getitem__, slots)) != keys
-            or (core.slot_loads and not core.slot_loads.keys().isdisjoint(slots))
-            or _offered_as_evictable(core, keys, slots)):  # a storing slot is never evictable
-        return False
-    reading = [job for job in jobs if not job.flushed]  # a flushed store's sources are free
-    blocks = _rows(reading, "block_ids")
-    if list(map(core.block_generation.__getitem__, blocks)) != _rows(reading, "generations"):
-        return False
-    owners = chain.from_iterable(repeat(job.job_id, sum(map(len, job.keys))) for job in reading)
-    try:
-        return all(map(contains, map(reader_ids, map(core.block_readers.__getitem__, blocks)), owners))
-    except KeyError:  # a source block that records no reader
-        return False
+    """`_check_job` and `_check_slot` of store jobs, in one typed pass over all
+    their rows (a step plans one per request that reached a storable block);
+    False for anything it does not vouch for."""
+    slot_state = core.slot_state
+    slot_key = core.slot_key
+    slot_loads = core.slot_loads
+    generation = core.block_generation
+    readers = core.block_readers
+    keys: list[bytes] = []
+    slots: list[int] = []
+    for job in jobs:
+        if not _frame_looks_fine(core, job):
+            return False
+        jid = job.job_id
+        reading = not job.flushed  # a flushed store's sources are free
+        if reading and list(map(len, job.generations)) != list(map(len, job.block_ids)):
+            return False
+        for group_keys, group_blocks, group_slots, group_gens in zip(
+                job.keys, job.block_ids, job.slot_ids, job.generations if reading else repeat(())):
+            for i, slot in enumerate(group_slots):
+                block = group_blocks[i]
+                if block == NULL_BLOCK_ID or slot_state[slot] != STORING_CODE or slot_key[slot] != group_keys[i]:
+                    return False
+                if reading:
+                    if generation[block] != group_gens[i]:
+                        return False
+                    reader = readers.get(block)
+                    if reader is None or (reader != jid if isinstance(reader, int) else jid not in reader):
+                        return False
+            keys.extend(group_keys)
+            slots.extend(group_slots)
+    return not ((slot_loads and not slot_loads.keys().isdisjoint(slots))
+                or _offered_as_evictable(core, keys, slots))  # a storing slot is never evictable
 
 
 def _load_looks_fine(core: Core, job: Job) -> bool:
@@ -309,7 +333,7 @@ def _check_request_facts(core: Core, request: RequestState, problems: list[str],
                 problems.append(f"request {rid}: group {group_id} keys do not match its hashes")
     if not kind or kind not in _TABLE_KEEPING_KINDS:
         capacity = request.table_tokens(core.block_sizes)
-        limit = capacity if status in STEPPABLE else -1  # the reducer's rule, from the same table
+        limit = capacity if status in _STEPPABLE else -1  # the reducer's rule, from the same table
         if request.capacity_tokens != capacity or request.step_limit != limit:
             problems.append(f"request {rid}: derived counts (capacity {request.capacity_tokens}, step limit "
                             f"{request.step_limit}) differ from its table and status ({capacity}, {limit})")

@@ -28,8 +28,7 @@ import attrs
 from kvledger.events.config import GroupKind, GroupSpec
 
 from . import hma, lower
-from .state import STORED as _STORED
-from .state import Core, RequestState, RequestStatus, State
+from .state import STORED_CODE, Core, RequestState, RequestStatus, State
 
 
 @attrs.frozen
@@ -144,7 +143,7 @@ def _slots_taken(core: Core, request: RequestState, start: int, end: int, promis
             if slot < 0:
                 promotions += 1  # a lower tier holds it
                 continue
-            if slot_state[slot] != _STORED:
+            if slot_state[slot] != STORED_CODE:
                 return None
             loads = slot_loads.get(slot, 0)
             if loads and loads > spill_reads.get(slot, 0):

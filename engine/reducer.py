@@ -50,8 +50,7 @@ from .checks import (
 from .state import LOAD as _LOAD
 from .state import SPILL as _SPILL
 from .state import STORE as _STORE
-from .state import STORED as _STORED
-from .state import Core, Job, JobKind, RequestState, RequestStatus, State
+from .state import STORED_CODE, Core, Job, JobKind, RequestState, RequestStatus, State
 from .transitions import GONE, REQUEST_MOVES, STEPPABLE, moves_by_kind
 
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
@@ -63,7 +62,7 @@ _LAZY = StoreMode.LAZY
 # REQUEST_MOVES as the handlers read it: {kind: {status before: status after}},
 # and the statuses a step may schedule (`RequestState.step_limit` follows them).
 _NEXT = moves_by_kind(REQUEST_MOVES)
-_STEPPABLE = STEPPABLE
+_STEPPABLE = tuple(STEPPABLE)  # membership by identity: an Enum's __hash__ is a Python call
 # Per kind, the statuses it leaves as they are, as tuples (membership by identity;
 # an Enum's __hash__ is a Python call): a handler on a hot path skips the move.
 _STAYS = {kind: tuple(s for s, t in moves.items() if s is t) for kind, moves in _NEXT.items()}
@@ -380,7 +379,7 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
             stored: list[bytes] = []  # the tier's own key objects (equal to the request's)
             for key in known[first:stop]:
                 slot = slot_of_key.get(key, -1)
-                if slot < 0 or slot_state[slot] != _STORED:
+                if slot < 0 or slot_state[slot] != STORED_CODE:
                     break
                 found.append(slot)
                 stored.append(cast(bytes, slot_key[slot]))
@@ -406,7 +405,7 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
             key = known[position]
             slot = slot_of_key.get(key, -1)
             tier = 0
-            if slot >= 0 and slot_state[slot] != _STORED:
+            if slot >= 0 and slot_state[slot] != STORED_CODE:
                 slot = -1
             if slot < 0 and core.lower:
                 # Not in host memory: promoted from a lower tier. Or, when an earlier

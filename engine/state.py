@@ -58,6 +58,10 @@ WAITING, LOADING, RUNNING, PREEMPTED, ABORTING = (
     RequestStatus.ABORTING)
 STORE, LOAD, SPILL = JobKind.STORE, JobKind.LOAD, JobKind.SPILL
 FREE, STORING, STORED = SlotState.FREE, SlotState.STORING, SlotState.STORED
+# The same as plain ints, for the per-key loops: compiled, comparing a bytearray
+# item with them is an int compare, with an enum member a rich compare.
+STORING_CODE: int = int(STORING)
+STORED_CODE: int = int(STORED)
 
 
 # Each class's fields, for its __slots__ and its clone() (a compiled class has no
