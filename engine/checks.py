@@ -204,10 +204,13 @@ def free_positions(core: Core, request: RequestState,
         for block in ids:
             if block == NULL_BLOCK_ID:
                 continue
-            try:
-                position = table.index(block, start)
-            except (ValueError, TypeError):
-                return None
+            if start < end and table[start] == block:  # the usual free: the oldest held block
+                position = start
+            else:
+                try:
+                    position = table.index(block, start)
+                except (ValueError, TypeError):
+                    return None
             positions.append(position)
             if position == start:
                 start += 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Set as AbstractSet
-from operator import mul
 from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
@@ -110,7 +109,12 @@ class RequestState:
 
     def table_tokens(self, block_sizes: tuple[int, ...]) -> int:
         """Tokens the table covers in every group (`block_sizes` in group order)."""
-        return min(map(mul, map(len, self.table), block_sizes))
+        tokens = -1
+        for table, block_size in zip(self.table, block_sizes):  # typed: cheaper than min(map(...)) for a few groups
+            covered = len(table) * block_size
+            if tokens < 0 or covered < tokens:
+                tokens = covered
+        return max(tokens, 0)
 
     def table_changed(self, block_sizes: tuple[int, ...]) -> None:
         """After the table grew or shrank: its capacity, and the step limit (a
