@@ -19,9 +19,8 @@ the check's per-item path, which names the violation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from itertools import compress
-from operator import not_
 from typing import Any, NamedTuple, TypeVar, cast
 
 from kvledger.events import types as ev
@@ -587,25 +586,20 @@ def _plan_stores(core: Core, request: RequestState, horizon: int, out: list[fx.E
         if full > len(table):
             full = len(table)
         if full > first:
-            if full - first == 1:
-                positions: Iterable[int] = (first,)
-            else:
-                # A new request's whole prefix at once. Most of its keys are in the
-                # tier already (shared documents), and a window group's old positions
-                # hold no block: visit only positions with a block and a key not in
-                # the tier, found by C-level passes (a tier lookup is the cost here).
-                span = range(first, full)
-                held = list(compress(span, table[first:full]))
-                if len(held) == len(span):
-                    positions = compress(span, map(not_, map(slot_of_key.__contains__, keys[first:full])))
-                else:
-                    positions = compress(held, map(not_, map(slot_of_key.__contains__, map(keys.__getitem__, held))))
+            # A new request's whole prefix comes at once; a window group's old
+            # positions hold no block, and only positions with one are visited.
+            # A typed loop: each tier lookup is a direct call when compiled.
+            positions = list(range(first, full))
+            if full - first > 1:
+                held = list(compress(positions, table[first:full]))
+                if len(held) != len(positions):
+                    positions = held
             for position in positions:
-                block = table[position]
-                if block == NULL_BLOCK_ID or block in writer:
-                    continue
                 key = keys[position]
-                if key in slot_of_key or (pattern is not None and not pattern[position % period]):
+                if key in slot_of_key:
+                    continue
+                block = table[position]
+                if block == NULL_BLOCK_ID or block in writer or (pattern is not None and not pattern[position % period]):
                     continue
                 cand_groups.append(group_id)
                 cand_blocks.append(block)
