@@ -104,8 +104,9 @@ def touch_ok(core: Core, request: RequestState, block_ids: ev.BlockIdsByGroup) -
     for ids, keys in zip(block_ids, request.keys):
         if writer and not writer.keys().isdisjoint(ids):
             return False
-        for known, key in zip(map(block_key.__getitem__, ids), keys):
-            if known is not None and known != key:
+        for position in range(min(len(ids), len(keys))):  # typed: each read a direct call when compiled
+            known = block_key[ids[position]]
+            if known is not None and known != keys[position]:
                 return False
     return True
 

@@ -13,9 +13,6 @@ hash at the block's last hash boundary, followed by `g` as 4 big-endian bytes.
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import add
-
 from kvledger.events.config import GroupKind, GroupSpec
 
 
@@ -31,9 +28,8 @@ def append_keys(keys: list[bytes], hashes: list[bytes], per_block: int, suffix: 
     """Append the keys of every block whose last hash is now known: a block
     spans `per_block` hashes (block size over hash block size), and `suffix`
     is its group's (`group_suffix`)."""
-    first_hash = (len(keys) + 1) * per_block - 1
-    if first_hash < len(hashes):
-        keys.extend(map(add, hashes[first_hash::per_block], repeat(suffix)))
+    for position in range((len(keys) + 1) * per_block - 1, len(hashes), per_block):
+        keys.append(hashes[position] + suffix)  # a typed loop: cheaper than map(add) when compiled
 
 
 def window_blocks(group: GroupSpec) -> int:
