@@ -22,6 +22,7 @@ class Policy(Protocol):
     def insert_many(self, keys: list[bytes], reused: bool) -> None: ...
     def admit_many(self, keys: list[bytes]) -> None: ...
     def remove(self, key: bytes) -> None: ...
+    def remove_many(self, keys: list[bytes]) -> None: ...
     def admit(self, key: bytes) -> None: ...
     def evict(self, count: int) -> list[bytes] | None: ...
     def clear(self) -> None: ...
@@ -52,6 +53,12 @@ class LRU:
 
     def remove(self, key: bytes) -> None:
         del self._order[key]
+
+    def remove_many(self, keys: list[bytes]) -> None:
+        """`remove` of each key in turn (one call for a load's keys)."""
+        order = self._order
+        for key in keys:
+            del order[key]
 
     def admit(self, key: bytes) -> None:
         """A new key is being stored; LRU has nothing to learn from it."""
@@ -142,6 +149,10 @@ class ARC:
             del self.t1[key]
         else:
             del self.t2[key]
+
+    def remove_many(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self.remove(key)
 
     def evict(self, count: int) -> list[bytes] | None:
         if count > len(self.t1) + len(self.t2):

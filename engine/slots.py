@@ -139,13 +139,15 @@ def load_planned(core: Core, keys: tuple[tuple[bytes, ...], ...], slots: tuple[t
     count goes up, and a slot's first load takes its key out of the policy (a
     slot being read is never evicted)."""
     slot_loads = core.slot_loads
-    policy = core.policy
+    pinned: list[bytes] = []  # out of the policy in one call (its type is known only at run time)
     for group_keys, group_slots in zip(keys, slots):
         for key, slot in zip(group_keys, group_slots):
             loads = slot_loads.get(slot, 0)
             if loads == 0:
-                policy.remove(key)
+                pinned.append(key)
             slot_loads[slot] = loads + 1
+    if pinned:
+        core.policy.remove_many(pinned)
 
 
 def load_ended(core: Core, job: Ended) -> list[bytes]:

@@ -161,6 +161,20 @@ def test_arc_clone_and_clear():
     assert arc.canonical() == ("arc", 0, (), (), (), ())
 
 
+@pytest.mark.parametrize("make", [lambda: LRU(), lambda: ARC(8)])
+def test_remove_many_is_remove_of_each_key(make):
+    one, many = make(), make()
+    for policy in (one, many):
+        for i, k in enumerate(K[:6]):
+            policy.insert(k, i % 2 == 1)  # ARC: into T1 and T2 alike
+    for k in (K[4], K[1], K[2]):
+        one.remove(k)
+    many.remove_many([K[4], K[1], K[2]])
+    assert many.canonical() == one.canonical() and len(many) == 3
+    with pytest.raises(KeyError):
+        many.remove_many([K[0], K[1]])
+
+
 def test_make_policy():
     assert isinstance(make_policy(PolicyName.LRU, 4), LRU)
     arc = make_policy(PolicyName.ARC, 4)
