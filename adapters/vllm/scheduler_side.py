@@ -288,10 +288,14 @@ class LedgerScheduler:
         stats = m.KVLedgerStats()
         state = self.host.state
         totals = queries.stats(state)
-        for field, metric in _COUNTED:
-            stats.add(metric, totals[field] - self._reported.get(field, 0))  # a zero change is not added
+        reported = self._reported
+        for field, metric in _COUNTED:  # vLLM asks every step: most counts did not move
+            change = totals[field] - reported.get(field, 0)
+            if change:
+                stats.add(metric, change)
         self._reported = totals
-        stats.add(m.VIOLATIONS, self._violations)
+        if self._violations:
+            stats.add(m.VIOLATIONS, self._violations)
         if self.host.log_failure is not None and not self._log_failure_reported:
             stats.add(m.LOG_FAILURES, 1)
             self._log_failure_reported = True
