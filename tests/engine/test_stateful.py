@@ -324,7 +324,7 @@ def test_mutant_offering_unfinished_stores_is_caught(monkeypatch: pytest.MonkeyP
     from kvledger.engine import lookup as lookup_module
     from kvledger.engine.state import SlotState
 
-    monkeypatch.setattr(lookup_module, "SlotState", type("S", (), {"STORED": SlotState.STORING}))
+    monkeypatch.setattr(lookup_module, "STORED_CODE", int(SlotState.STORING))
     caught = _run_until_caught(CONFIGS[0])
     assert caught is not None, "hits on keys still being stored went unnoticed"
 
