@@ -32,6 +32,7 @@ import json
 import os
 import random
 import sys
+import time
 
 
 def prompts(seed: int, count: int, prefix_words: int, tail_words: int) -> tuple[list[str], list[str]]:
@@ -109,6 +110,25 @@ def _new_weights(worker, announced: bool) -> None:
         connector.restore_kv_caches()
 
 
+def _remove_tree(path: str) -> None:
+    """rmtree while the tier's writer may still add files to it (a spill in flight):
+    a directory that gains a file during the removal is not empty; remove again."""
+    import errno
+    import shutil
+
+    for _ in range(200):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:
+                raise
+            time.sleep(0.01)
+    raise RuntimeError(f"{path} kept gaining files")
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if not spec.get("multiprocess", False):
@@ -172,9 +192,7 @@ def main() -> None:
             llm.reset_prefix_cache(reset_connector=True)
         result[phase] = run(shifted if phase in ("shifted", "reference") else first)
         if phase == "first" and spec.get("remove_after_first"):  # a directory that vanishes under the engine
-            import shutil
-
-            shutil.rmtree(spec["remove_after_first"])
+            _remove_tree(spec["remove_after_first"])
         if phase == "first" and spec.get("kill_after_first"):  # a server that dies under the engine
             import signal
 
