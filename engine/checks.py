@@ -21,10 +21,13 @@ from itertools import chain
 from operator import eq, itemgetter, not_, or_
 
 from kvledger.events import types as ev
+from kvledger.events.config import Protection
 from kvledger.events.types import NULL_BLOCK_ID
 
 from .state import Core, Job, JobKind, RequestState, RequestStatus
 from .transitions import REQUEST_MOVES, request_move
+
+_PIN = Protection.PIN
 
 
 class ProtocolViolation(Exception):
@@ -82,7 +85,7 @@ def group_shape_problem(core: Core, block_ids: ev.BlockIdsByGroup, request_id: s
         raise ProtocolViolation(
             "bad_group_count", f"{len(block_ids)} block lists for {len(core.groups)} KV groups",
             request_id=request_id)
-    limit = core.num_device_blocks
+    limit = core.config.num_device_blocks
     for ids in block_ids:
         for block in ids:
             if not 0 <= block < limit:
@@ -133,7 +136,7 @@ def allocation_ok(core: Core, block_ids: ev.BlockIdsByGroup) -> bool:
         return False
     fresh = list(filter(None, chain.from_iterable(block_ids)))  # every non-null block, in order
     if len(fresh) < 2:  # itemgetter of one item returns it bare: the per-block check is as cheap
-        return not fresh or 0 < fresh[0] < core.num_device_blocks and not (
+        return not fresh or 0 < fresh[0] < core.config.num_device_blocks and not (
             core.block_refs[fresh[0]] or core.block_pins[fresh[0]] or fresh[0] in core.block_writer)
     # One C-level pass per fact (an admission names hundreds of blocks): the counts
     # read through one itemgetter, whose lookup past the pool's end is the upper
@@ -148,7 +151,7 @@ def allocation_ok(core: Core, block_ids: ev.BlockIdsByGroup) -> bool:
     except IndexError:
         return False
     writer = core.block_writer
-    return not ((core.pin_mode and any(held(core.block_pins)))
+    return not ((core.config.protection is _PIN and any(held(core.block_pins)))
                 or (writer and not writer.keys().isdisjoint(fresh)))
 
 
@@ -157,7 +160,7 @@ def allocation_problem(core: Core, block_ids: ev.BlockIdsByGroup, request_id: st
     if len(block_ids) != len(core.groups):
         group_shape_problem(core, block_ids, request_id)
     seen: set[int] = set()
-    limit = core.num_device_blocks
+    limit = core.config.num_device_blocks
     refs = core.block_refs
     pins = core.block_pins
     writer = core.block_writer
@@ -330,8 +333,8 @@ def report_problem(core: Core, job_id: int, kind: JobKind, worker: int) -> None:
     job = core.jobs.get(job_id)
     if job is None or job.kind is not kind:
         raise ProtocolViolation("unknown_job", f"no {kind.value} job {job_id} in flight", job_id=job_id)
-    if not 0 <= worker < core.world_size:
-        raise ProtocolViolation("bad_worker", f"worker {worker} not in [0, {core.world_size})",
+    if not 0 <= worker < core.config.world_size:
+        raise ProtocolViolation("bad_worker", f"worker {worker} not in [0, {core.config.world_size})",
                                 job_id=job_id)
     if not job.pending_workers >> worker & 1:
         raise ProtocolViolation("duplicate_completion", f"worker {worker} already reported job {job_id}",
@@ -341,7 +344,7 @@ def report_problem(core: Core, job_id: int, kind: JobKind, worker: int) -> None:
 def reported_job(core: Core, job_id: int, kind: JobKind, worker: int) -> Job:
     """The job a worker's report names, if the report is legal."""
     job = core.jobs.get(job_id)
-    if not report_ok(job, kind, worker, core.world_size):
+    if not report_ok(job, kind, worker, core.config.world_size):
         report_problem(core, job_id, kind, worker)
         raise disagree("report")
     assert job is not None  # report_ok vouched for it

@@ -42,6 +42,7 @@ from .state import STORED as _STORED
 from .state import STORING_CODE, Core, Job, JobKind, RequestState, SlotState, State, reader_ids
 from .transitions import STEPPABLE
 
+_PIN = Protection.PIN
 # As a tuple: membership by identity (an Enum's __hash__ is a Python call).
 _STEPPABLE = tuple(STEPPABLE)
 
@@ -156,7 +157,7 @@ def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
     except IndexError:
         return False  # named by `_block_problems`
     # Pins change only with pinning stores (their jobs are checked); in flush mode never.
-    if core.pin_mode and min(counts(core.block_pins)) < 0:
+    if core.config.protection is _PIN and min(counts(core.block_pins)) < 0:
         return False
     readers = core.block_readers
     if readers and not readers.keys().isdisjoint(blocks):
@@ -199,7 +200,7 @@ def _block_problems(core: Core, blocks: list[int], held: bool, request_id: str |
 def _frame_looks_fine(core: Core, job: Job) -> bool:
     """A job's pending workers and id in range, and its keys, blocks and slots aligned."""
     shape = list(map(len, job.keys))
-    return (0 < job.pending_workers < 1 << core.world_size and 0 < job.job_id < core.next_job_id
+    return (0 < job.pending_workers < 1 << core.config.world_size and 0 < job.job_id < core.next_job_id
             and shape == list(map(len, job.block_ids)) and shape == list(map(len, job.slot_ids)))
 
 
@@ -349,7 +350,7 @@ def _check_block(core: Core, block: int, problems: list[str]) -> None:
             problems.append("the null block is held, pinned or transferred")
         return
     # Pin counts only in pin mode: nothing else changes them, and `check` recounts them.
-    if core.block_refs[block] < 0 or (core.pin_mode and core.block_pins[block] < 0):
+    if core.block_refs[block] < 0 or (core.config.protection is _PIN and core.block_pins[block] < 0):
         problems.append(f"block {block}: negative count (refs={core.block_refs[block]}, pins={core.block_pins[block]})")
     for job_id in reader_ids(core.block_readers.get(block, [])):
         job = core.jobs.get(job_id)
@@ -362,7 +363,7 @@ def _check_block(core: Core, block: int, problems: list[str]) -> None:
 
 def _check_job(core: Core, job: Job, problems: list[str]) -> None:
     jid = job.job_id
-    everyone = core.all_workers
+    everyone = (1 << core.config.world_size) - 1
     if not 0 < job.pending_workers <= everyone or job.pending_workers & ~everyone:
         problems.append(f"job {jid}: pending workers {job.pending_workers:b} out of range")
     if not 0 < jid < core.next_job_id:

@@ -24,7 +24,7 @@ from itertools import compress
 from typing import Any, NamedTuple, TypeVar, cast
 
 from kvledger.events import types as ev
-from kvledger.events.config import StoreMode
+from kvledger.events.config import Protection, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
 from . import effects as fx
@@ -55,6 +55,7 @@ from .transitions import GONE, REQUEST_MOVES, STEPPABLE, moves_by_kind
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
 
 _T = TypeVar("_T")
+_PIN = Protection.PIN
 _LAZY = StoreMode.LAZY
 
 # REQUEST_MOVES as the handlers read it: {kind: {status before: status after}},
@@ -158,7 +159,7 @@ def _request_added(core: Core, event: ev.RequestAdded, out: list[fx.Effect]) -> 
         legal_request(core, rid, event.kind)  # raises: only an unknown request may be added
     if event.num_prompt_tokens <= 0:
         raise ProtocolViolation("bad_prompt", f"num_prompt_tokens={event.num_prompt_tokens}", request_id=rid)
-    if len(event.block_hashes) > event.num_prompt_tokens // core.hash_block_size:
+    if len(event.block_hashes) > event.num_prompt_tokens // core.config.hash_block_size:
         raise ProtocolViolation(
             "too_many_hashes", f"{len(event.block_hashes)} hashes for {event.num_prompt_tokens} tokens",
             request_id=rid)
@@ -184,7 +185,7 @@ def _block_hashes_appended(core: Core, event: ev.BlockHashesAppended, out: list[
         raise ProtocolViolation("tokens_shrank", f"num_tokens {request.num_tokens} -> {event.num_tokens}",
                                 request_id=rid)
     total = len(request.hashes) + len(event.block_hashes)
-    if total > event.num_tokens // core.hash_block_size:
+    if total > event.num_tokens // core.config.hash_block_size:
         raise ProtocolViolation("too_many_hashes", f"{total} hashes for {event.num_tokens} tokens",
                                 request_id=rid)
     request.num_tokens = event.num_tokens
@@ -312,7 +313,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
     else:
         slots.load_planned(core, keys, slot_ids)
     job = Job(job_id=core.next_job_id, kind=_LOAD, request_id=rid, keys=keys, block_ids=targets,
-              slot_ids=slot_ids, generations=(), pending_workers=core.all_workers,
+              slot_ids=slot_ids, generations=(), pending_workers=(1 << core.config.world_size) - 1,
               num_tokens=ext)
     job.promote_tiers = promote_tiers
     core.next_job_id += 1
@@ -621,7 +622,7 @@ def _admit_store(core: Core, request_id: str, cand_groups: list[int], cand_block
     """Reserve slots, evicting if needed; what cannot fit is not stored. The
     candidates are columns (group, block, key); slots are taken in their order."""
     wanted = len(cand_keys)
-    free = len(core.free_slots) + core.num_tier_slots - core.next_fresh_slot  # core.num_free_slots()
+    free = len(core.free_slots) + core.config.num_tier_slots - core.next_fresh_slot  # core.num_free_slots()
     evicted: list[bytes] = []
     if wanted > free:
         admitted = min(wanted, free + len(core.policy))
@@ -688,12 +689,12 @@ def _admit_store(core: Core, request_id: str, cand_groups: list[int], cand_block
         blocks = _regroup(cand_groups, cand_blocks, len(counts))
         slot_ids = _regroup(cand_groups, candidate_slots, len(counts))
         gens = _regroup(cand_groups, candidate_gens, len(counts))
-    job = Job(job_id, _STORE, request_id, keys, blocks, slot_ids, gens, core.all_workers)
+    job = Job(job_id, _STORE, request_id, keys, blocks, slot_ids, gens, (1 << core.config.world_size) - 1)
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:
         out.append(fx.KeysEvicted(keys=tuple(evicted)))
-    if core.pin_mode:
+    if core.config.protection is _PIN:
         pinned = tuple(job.flat_blocks())
         pins = core.block_pins
         for block in pinned:
@@ -713,7 +714,7 @@ def _regroup(groups: list[int], column: list[_T], num_groups: int) -> tuple[tupl
 
 def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: list[fx.Effect]) -> None:
     """Lazy mode: store the free blocks vLLM is about to reuse, if their content is known."""
-    limit = core.num_device_blocks
+    limit = core.config.num_device_blocks
     for block in event.block_ids:
         if not 0 < block < limit:
             raise ProtocolViolation("block_out_of_range", f"block {block} not in (0, {limit})")
@@ -797,7 +798,7 @@ def _worker_reported(core: Core, job: Job, worker: int, out: list[fx.Effect]) ->
 def _store_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     if not job.flushed:
         _release_sources(core, job)
-    if core.pin_mode:
+    if core.config.protection is _PIN:
         flat = tuple(job.flat_blocks())
         pins = core.block_pins
         for block in flat:

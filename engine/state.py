@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
 
-from kvledger.events.config import EngineConfig, GroupSpec, Protection
+from kvledger.events.config import EngineConfig, GroupSpec
 from kvledger.events.types import NULL_BLOCK_ID
 
 from . import hma
@@ -293,7 +293,6 @@ _CORE_FIELDS = (
     "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
     # derived from the config once (immutable, shared by clones)
     "block_sizes", "key_rules", "store_rules",
-    "hash_block_size", "num_device_blocks", "num_tier_slots", "world_size", "all_workers", "pin_mode",
     # device pool, indexed by block id (the null block is index 0)
     "block_refs", "block_pins", "block_generation", "block_group", "block_key",
     "block_readers", "block_writer", "lazy_keys",
@@ -324,14 +323,6 @@ class Core:
         self.store_rules = tuple(
             (g.group_id, g.block_size, hma.reach_pattern(g, self.alignment), self.alignment // g.block_size)
             for g in config.groups)
-        # The config's numbers the per-event paths read, as typed attributes (the
-        # config is a Python object: each read of its fields is a generic lookup).
-        self.hash_block_size: int = config.hash_block_size
-        self.num_device_blocks: int = config.num_device_blocks
-        self.num_tier_slots: int = config.num_tier_slots
-        self.world_size: int = config.world_size
-        self.all_workers: int = (1 << config.world_size) - 1  # every worker's bit: a job's pending set
-        self.pin_mode: bool = config.protection is Protection.PIN
         self.step_index = -1
         self.epoch = 0
         self.next_job_id = 1
@@ -388,10 +379,10 @@ class Core:
         return self.slot_of_key.get(key, -1)
 
     def num_free_slots(self) -> int:
-        return len(self.free_slots) + self.num_tier_slots - self.next_fresh_slot
+        return len(self.free_slots) + self.config.num_tier_slots - self.next_fresh_slot
 
     def num_used_slots(self) -> int:
-        return self.num_tier_slots - self.num_free_slots()
+        return self.config.num_tier_slots - self.num_free_slots()
 
 
 class State:

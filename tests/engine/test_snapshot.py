@@ -115,7 +115,6 @@ def test_a_new_field_of_the_state_is_not_forgotten() -> None:
     assert sorted(fields(Core)) == sorted((
         "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
         "block_sizes", "key_rules", "store_rules",  # derived from the config
-        "hash_block_size", "num_device_blocks", "num_tier_slots", "world_size", "all_workers", "pin_mode",
         "block_refs", "block_pins", "block_generation", "block_group", "block_key",
         "block_readers", "block_writer", "lazy_keys",
         "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot", "policy",
