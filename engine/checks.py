@@ -18,13 +18,13 @@ keyed): the agreement is over states the reducer can reach.
 from __future__ import annotations
 
 from itertools import chain
-from operator import eq, itemgetter, not_, or_
+from operator import eq, not_, or_
 
 from kvledger.events import types as ev
 from kvledger.events.config import Protection
 from kvledger.events.types import NULL_BLOCK_ID
 
-from .state import Core, Job, JobKind, RequestState, RequestStatus
+from .state import Core, Job, JobKind, RequestState, RequestStatus, counts_of
 from .transitions import REQUEST_MOVES, request_move
 
 _PIN = Protection.PIN
@@ -135,16 +135,13 @@ def allocation_ok(core: Core, block_ids: ev.BlockIdsByGroup) -> bool:
     if len(block_ids) != len(core.groups):
         return False
     fresh = list(filter(None, chain.from_iterable(block_ids)))  # every non-null block, in order
-    if len(fresh) < 2:  # itemgetter of one item returns it bare: the per-block check is as cheap
-        return not fresh or 0 < fresh[0] < core.config.num_device_blocks and not (
-            core.block_refs[fresh[0]] or core.block_pins[fresh[0]] or fresh[0] in core.block_writer)
-    # One C-level pass per fact (an admission names hundreds of blocks): the counts
-    # read through one itemgetter, whose lookup past the pool's end is the upper
-    # bound check (the lower one is min's, as a negative index would wrap around).
+    if not fresh:
+        return True
+    # One C-level pass per fact; reading the counts is the upper bound check.
     # Pins are counted only by pinning stores: in flush mode every count is 0.
     if min(fresh) < 0 or len(set(fresh)) != len(fresh):
         return False
-    held = itemgetter(*fresh)
+    held = counts_of(fresh)
     try:
         if any(held(core.block_refs)):
             return False

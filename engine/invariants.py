@@ -19,9 +19,8 @@ exactly the parts in which the item check finds nothing
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from itertools import chain, repeat
-from operator import eq, itemgetter
+from operator import eq
 from typing import Any
 
 import attrs
@@ -39,12 +38,10 @@ from .state import PREEMPTED as _PREEMPTED
 from .state import SPILL as _SPILL
 from .state import STORE as _STORE
 from .state import STORED as _STORED
-from .state import STORING_CODE, Core, Job, JobKind, RequestState, SlotState, State, reader_ids
+from .state import STORING_CODE, Core, Job, JobKind, RequestState, SlotState, State, counts_of, reader_ids
 from .transitions import STEPPABLE
 
 _PIN = Protection.PIN
-# As a tuple: membership by identity (an Enum's __hash__ is a Python call).
-_STEPPABLE = tuple(STEPPABLE)
 
 
 @mypyc_attr(native_class=False)  # mypyc builds no native subclass of AssertionError
@@ -148,9 +145,7 @@ def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
         return True
     if min(blocks) < 0:
         return False  # named by `_block_problems`
-    # The counts through one itemgetter: its lookup past the pool's end is the upper
-    # bound check (a negative index would wrap around: min's above).
-    counts = itemgetter(*blocks) if len(blocks) > 1 else _one(blocks[0])
+    counts = counts_of(blocks)  # reading them is the upper bound check
     try:
         if min(counts(core.block_refs)) <= (0 if held else -1):
             return False
@@ -173,11 +168,6 @@ def _blocks_look_fine(core: Core, blocks: list[int], held: bool) -> bool:
         if any(refs_of[block] <= 0 for block in writer.keys() & set(blocks)):
             return False
     return True
-
-
-def _one(block: int) -> Callable[[list[int]], tuple[int]]:
-    """`itemgetter` of one block, returning a 1-tuple as `itemgetter` of several does."""
-    return lambda column: (column[block],)
 
 
 def _block_problems(core: Core, blocks: list[int], held: bool, request_id: str | None,
@@ -333,7 +323,7 @@ def _check_request_facts(core: Core, request: RequestState, problems: list[str],
                 problems.append(f"request {rid}: group {group_id} keys do not match its hashes")
     if not kind or kind not in _TABLE_KEEPING_KINDS:
         capacity = request.table_tokens(core.block_sizes)
-        limit = capacity if status in _STEPPABLE else -1  # the reducer's rule, from the same table
+        limit = capacity if status in STEPPABLE else -1  # the reducer's rule, from the same table
         if request.capacity_tokens != capacity or request.step_limit != limit:
             problems.append(f"request {rid}: derived counts (capacity {request.capacity_tokens}, step limit "
                             f"{request.step_limit}) differ from its table and status ({capacity}, {limit})")

@@ -70,7 +70,6 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
             return previous
 
     # Full-attention groups bound the hit by their first missing key.
-    slot_of_key = core.slot_of_key
     best = most
     stops: list[bytes] = []  # the missing keys the walks stopped at
     for group in core.groups:
@@ -79,12 +78,8 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
         keys = request.keys[group.group_id]
         position = num_local_tokens // group.block_size
         limit = min(best // group.block_size, len(keys))
-        if core.lower:
-            while position < limit and known(keys[position]):
-                position += 1
-        else:  # the index's own `in`, not a call through `known`
-            while position < limit and keys[position] in slot_of_key:
-                position += 1
+        while position < limit and known(keys[position]):
+            position += 1
         if position < limit:
             stops.append(keys[position])
         best = min(best, position * group.block_size // alignment * alignment)

@@ -123,6 +123,8 @@ def _new_hashes(mine: RequestState, request: Request, keys_of: Callable[[Request
     if rewinds:
         while keep and hashes[keep - 1] != known[keep - 1]:  # chained: equal here means equal before
             keep -= 1
+    elif keep < len(known):
+        return ()  # fewer keys than the engine knows, and no rewind to say so: nothing new
     appended = () if len(hashes) <= keep else (ev.BlockHashesAppended(
         request_id=mine.request_id, num_tokens=request.num_tokens, block_hashes=tuple(hashes[keep:])),)
     if keep < len(known):
@@ -238,6 +240,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     computed: list[int] = []  # the step's num_computed_tokens, in its order
     said_computed, said_output = _as_dict(step.num_computed), _as_dict(step.num_output)
     sessions = step.sessions
+    any_sessions = bool(sessions)  # most steps have none: no membership test per request
     hash_block_size = core.config.hash_block_size
     for rid in step.scheduled:
         done = said_computed.get(rid, -1)
@@ -253,7 +256,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         # the tokens to have passed the next block of the engine's hashes.
         # A session's prompt grows between turns, so its output count bounds nothing.
         output = said_output.get(rid, -1)
-        rewinds = rid in sessions
+        rewinds = any_sessions and rid in sessions
         if rewinds or output < 0 or (mine.num_prompt_tokens + output) // hash_block_size > len(mine.hashes):
             events.extend(_new_hashes(mine, requests[rid], keys_of, rewinds))
         if window_groups:
@@ -278,7 +281,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             continue
         seen.add(rid)
         admissions.append((admission, mine))
-        events.extend(_new_hashes(mine, step.requests[rid], step.keys_of, rid in sessions))
+        events.extend(_new_hashes(mine, step.requests[rid], step.keys_of, any_sessions and rid in sessions))
     for admission, mine in admissions:
         rid = admission.request_id
         block_ids = tuple(tuple(b.block_id for b in t.get(rid, ())) for t in tables)

@@ -61,7 +61,7 @@ _LAZY = StoreMode.LAZY
 # REQUEST_MOVES as the handlers read it: {kind: {status before: status after}},
 # and the statuses a step may schedule (`RequestState.step_limit` follows them).
 _NEXT = moves_by_kind(REQUEST_MOVES)
-_STEPPABLE = tuple(STEPPABLE)  # membership by identity: an Enum's __hash__ is a Python call
+_STEPPABLE = STEPPABLE
 # Per kind, the statuses it leaves as they are, as tuples (membership by identity;
 # an Enum's __hash__ is a Python call): a handler on a hot path skips the move.
 _STAYS = {kind: tuple(s for s, t in moves.items() if s is t) for kind, moves in _NEXT.items()}
@@ -369,28 +369,6 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
         table = request.table[group.group_id] + list(ids)
         known = request.keys[group.group_id]
         span = hma.needed_range(group, start, end)
-        first, stop = span.start, span.stop
-        # The usual hit: every block there and every key stored in host memory.
-        # Anything else takes the loop below, which names the problem or finds
-        # the lower tier.
-        if stop <= len(table) and stop <= len(known) and NULL_BLOCK_ID not in table[first:stop]:
-            found: list[int] = []
-            stored: list[bytes] = []  # the tier's own key objects (equal to the request's)
-            for key in known[first:stop]:
-                slot = slot_of_key.get(key, -1)
-                if slot < 0 or slot_state[slot] != STORED_CODE:
-                    break
-                found.append(slot)
-                stored.append(cast(bytes, slot_key[slot]))
-            else:
-                # The request takes them: the dicts of every later step of this load
-                # (and its lookups) then compare keys by identity.
-                known[first:stop] = stored
-                keys.append(tuple(stored))
-                slot_ids.append(tuple(found))
-                targets.append(tuple(table[first:stop]))
-                tiers.append((0,) * len(found))
-                continue
         group_keys, group_slots, group_blocks, group_tiers = [], [], [], []
         for position in span:
             if position >= len(table) or table[position] == NULL_BLOCK_ID:
@@ -406,7 +384,12 @@ def _plan_load(core: Core, request: RequestState, event: ev.BlocksAllocated) -> 
             tier = 0
             if slot >= 0 and slot_state[slot] != STORED_CODE:
                 slot = -1
-            if slot < 0 and core.lower:
+            if slot >= 0:
+                # The tier's own key object (equal): the request takes it, and the
+                # dicts of this load's later steps (and its lookups) compare by identity.
+                key = cast(bytes, slot_key[slot])
+                known[position] = key
+            elif core.lower:
                 # Not in host memory: promoted from a lower tier. Or, when an earlier
                 # admission of this step took the slot it was found in, lost: that
                 # block fails at once and is recomputed (no slot, tier 1's number).

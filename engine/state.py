@@ -12,7 +12,9 @@ an immutable state. `clone()` gives an independent copy when one is needed
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from operator import itemgetter
 from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
@@ -383,6 +385,16 @@ class Core:
 
     def num_used_slots(self) -> int:
         return self.config.num_tier_slots - self.num_free_slots()
+
+
+def counts_of(blocks: list[int]) -> Callable[[list[int]], tuple[int, ...]]:
+    """Reads a per-block column (`block_refs`, `block_pins`) at `blocks` in one C-level
+    call: an admission or a finish names hundreds. A block past the column's end
+    raises IndexError; the caller rules out negative ones (they would wrap around)."""
+    if len(blocks) == 1:  # itemgetter of one item returns it bare
+        block = blocks[0]
+        return lambda column: (column[block],)
+    return itemgetter(*blocks)
 
 
 class State:

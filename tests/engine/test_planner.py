@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvledger.adapters.testing.fake_vllm import FakeVllm
 from kvledger.engine import queries
 from kvledger.engine.invariants import check
-from kvledger.engine.planner import Admission
+from kvledger.engine.planner import Admission, new_hashes
 from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import StoreMode
@@ -245,6 +245,19 @@ def test_a_sessions_replaced_hash_is_rewound_in_the_engine_and_its_block_stored_
     assert key(new[2], 0) in stored and key(old[2], 0) not in stored
     assert vllm.run({"s": 1})[:1] == [ev.StepScheduled(step_index=4, request_ids=("s",), num_computed_tokens=(98,),
                                                        num_scheduled_tokens=(1,))]  # nothing more to compare
+
+
+def test_fewer_keys_than_the_engine_knows_rewind_a_session_only():
+    """A `keys_of` that yields fewer keys than the engine holds (vLLM's hashes grew,
+    its derived keys have not): nothing new for a request, a rewind for a session."""
+    vllm = FakeVllm(full_only_config())
+    vllm.add("a", 129, chain(4))
+    request = vllm.requests["a"]
+    request.block_hashes = list(chain(5))
+    behind = lambda _request: list(chain(2))  # noqa: E731
+    assert new_hashes(vllm.state, "a", request, behind) == ()
+    assert new_hashes(vllm.state, "a", request, behind, rewinds=True) == (
+        ev.BlockHashesRewound(request_id="a", num_hashes=2),)
 
 
 def test_the_engine_table_stays_vllms_so_the_final_table_is_accepted():
