@@ -38,6 +38,7 @@ import attrs
 from kvledger.events import types as ev
 from kvledger.events.config import GroupKind, GroupSpec, StoreMode
 
+from . import construct as new
 from .state import PREEMPTED, RUNNING, Core, RequestState, State
 
 
@@ -125,8 +126,8 @@ def _new_hashes(mine: RequestState, request: Request, keys_of: Callable[[Request
             keep -= 1
     elif keep < len(known):
         return ()  # fewer keys than the engine knows, and no rewind to say so: nothing new
-    appended = () if len(hashes) <= keep else (ev.BlockHashesAppended(
-        request_id=mine.request_id, num_tokens=request.num_tokens, block_hashes=tuple(hashes[keep:])),)
+    appended = () if len(hashes) <= keep else (
+        new.hashes_appended(mine.request_id, request.num_tokens, tuple(hashes[keep:])),)
     if keep < len(known):
         return (ev.BlockHashesRewound(request_id=mine.request_id, num_hashes=keep), *appended)
     return appended
@@ -182,14 +183,14 @@ def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, nu
             freed[g] = gone
     if freed is None:
         return None
-    return ev.BlocksFreed(request_id=rid, block_ids=tuple(tuple(f) for f in freed))
+    return new.blocks_freed(rid, tuple([tuple(f) for f in freed]))
 
 
 def _growth(mine: RequestState, blocks: tuple[Sequence[Block], ...]) -> ev.BlocksAllocated | None:
     grown = tuple(tuple(b.block_id for b in now[len(known):]) for known, now in zip(mine.table, blocks))
     if not any(grown):
         return None
-    return ev.BlocksAllocated(request_id=mine.request_id, block_ids=grown)
+    return new.blocks_allocated(mine.request_id, grown)
 
 
 def _admission(core: Core, admission: Admission, table: tuple[tuple[int, ...], ...],
@@ -200,10 +201,9 @@ def _admission(core: Core, admission: Admission, table: tuple[tuple[int, ...], .
         events.append(ev.RequestResumed(request_id=rid))
     if local:
         touched = tuple(ids[: local // g.block_size] for ids, g in zip(table, core.groups))
-        events.append(ev.BlocksTouched(request_id=rid, block_ids=touched))
+        events.append(new.blocks_touched(rid, touched))
     fresh = tuple(ids[local // g.block_size:] for ids, g in zip(table, core.groups))
-    events.append(ev.BlocksAllocated(request_id=rid, block_ids=fresh,
-                                     num_external_tokens=admission.num_external_tokens))
+    events.append(new.blocks_allocated(rid, fresh, admission.num_external_tokens))
     return events
 
 
@@ -292,7 +292,6 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         events.append(ev.BlocksNearEviction(block_ids=step.near_eviction))
 
     if step.scheduled:
-        events.append(ev.StepScheduled(
-            step_index=step.step_index, request_ids=tuple(step.scheduled), num_computed_tokens=tuple(computed),
-            num_scheduled_tokens=tuple(step.scheduled.values())))
+        events.append(new.step_scheduled(step.step_index, tuple(step.scheduled), tuple(computed),
+                                         tuple(step.scheduled.values())))
     return events

@@ -27,6 +27,7 @@ from kvledger.events import types as ev
 from kvledger.events.config import Protection, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
+from . import construct as new
 from . import effects as fx
 from . import hma, lower, slots
 from .checks import (
@@ -327,8 +328,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
     core.stats.loads += 1
     core.stats.hit_tokens += ext
     core.stats.keys_loaded += sum(len(k) for k in keys)
-    out.append(fx.StartLoad(job_id=job.job_id, request_id=rid, keys=keys, source_slot_ids=slot_ids,
-                            target_block_ids=targets, promote_tiers=promote_tiers))
+    out.append(new.start_load(job.job_id, rid, keys, slot_ids, targets, promote_tiers))
 
 
 LOST = -2  # `_plan_load`'s mark for a key no tier holds any more: its block fails at once
@@ -676,15 +676,14 @@ def _admit_store(core: Core, request_id: str, cand_groups: list[int], cand_block
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:
-        out.append(fx.KeysEvicted(keys=tuple(evicted)))
+        out.append(new.keys_evicted(tuple(evicted)))
     if core.config.protection is _PIN:
         pinned = tuple(job.flat_blocks())
         pins = core.block_pins
         for block in pinned:
             pins[block] += 1
         out.append(fx.PinDeviceBlocks(block_ids=pinned))
-    out.append(fx.StartStore(job_id=job_id, request_id=request_id, keys=keys,
-                             source_block_ids=blocks, target_slot_ids=slot_ids))
+    out.append(new.start_store(job_id, request_id, keys, blocks, slot_ids))
 
 
 def _split(flat: tuple[_T, ...], spans: list[tuple[int, int]]) -> tuple[tuple[_T, ...], ...]:
@@ -819,7 +818,7 @@ def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
         core.stats.load_failures += 1
         core.stats.keys_failed += len(job.failed_keys)
         if dropped:  # a failed key already gone, or stored again since, is not reported
-            out.append(fx.KeysEvicted(keys=tuple(sorted(dropped))))
+            out.append(new.keys_evicted(tuple(sorted(dropped))))
     request = core.requests.get(job.request_id)
     if request is None or request.load_job_id != job.job_id:
         return
