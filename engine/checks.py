@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from itertools import chain
 from operator import eq, not_, or_
+from typing import Final
 
 from kvledger.events import types as ev
 from kvledger.events.config import Protection
@@ -27,7 +28,7 @@ from kvledger.events.types import NULL_BLOCK_ID
 from .state import Core, Job, JobKind, RequestState, RequestStatus, counts_of
 from .transitions import REQUEST_MOVES, request_move
 
-_PIN = Protection.PIN
+_PIN: Final = Protection.PIN
 
 
 class ProtocolViolation(Exception):

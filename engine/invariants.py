@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from itertools import chain, repeat
 from operator import eq
-from typing import Any
+from typing import Any, Final
 
 import attrs
 from mypy_extensions import mypyc_attr
@@ -41,7 +41,7 @@ from .state import STORED as _STORED
 from .state import STORING_CODE, Core, Job, JobKind, RequestState, SlotState, State, counts_of, reader_ids
 from .transitions import STEPPABLE
 
-_PIN = Protection.PIN
+_PIN: Final = Protection.PIN
 
 
 @mypyc_attr(native_class=False)  # mypyc builds no native subclass of AssertionError
@@ -115,7 +115,7 @@ def _footprint_fields(kind: type) -> tuple[bool, bool, bool]:
 _FOOTPRINT = {kind: _footprint_fields(kind) for kind in ev.EVENT_TYPES}
 
 
-_FEW_BLOCKS = 4
+_FEW_BLOCKS: Final = 4
 
 # Events after which the request holds the blocks it names (if the event was applied:
 # then its tables end with them).

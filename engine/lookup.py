@@ -22,6 +22,7 @@ without these counters: with any, nothing is kept.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import attrs
 
@@ -45,8 +46,8 @@ class LookupResult:
     awaits: Sequence[bytes] = attrs.field(default=(), eq=False, repr=False)
 
 
-MISS = LookupResult(0)
-LATER = LookupResult(0, ready=False)
+MISS: Final = LookupResult(0)
+LATER: Final = LookupResult(0, ready=False)
 
 
 def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised: int = 0,

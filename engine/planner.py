@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Mapping, Sequence
 from itertools import compress, count
 from operator import attrgetter
-from typing import Protocol
+from typing import Final, Protocol
 
 import attrs
 
@@ -137,8 +137,8 @@ def _new_hashes(mine: RequestState, request: Request, keys_of: Callable[[Request
 # size, and the lag of vLLM's frees behind a request's computed tokens.
 WindowGroup = tuple[int, Mapping[str, Sequence[Block]], int, int]
 
-_ALWAYS = -(1 << 62)  # a lag no token count falls below: scan in every step
-_block_id = attrgetter("block_id")
+_ALWAYS: Final = -(1 << 62)  # a lag no token count falls below: scan in every step
+_block_id: Final = attrgetter("block_id")
 
 
 def _free_lag(group: GroupSpec) -> int:

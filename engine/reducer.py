@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import compress
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, Final, NamedTuple, TypeVar, cast
 
 from kvledger.events import types as ev
 from kvledger.events.config import Protection, StoreMode
@@ -56,8 +56,8 @@ from .transitions import GONE, REQUEST_MOVES, STEPPABLE, moves_by_kind
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
 
 _T = TypeVar("_T")
-_PIN = Protection.PIN
-_LAZY = StoreMode.LAZY
+_PIN: Final = Protection.PIN
+_LAZY: Final = StoreMode.LAZY
 
 # REQUEST_MOVES as the handlers read it: {kind: {status before: status after}},
 # and the statuses a step may schedule (`RequestState.step_limit` follows them).
@@ -87,7 +87,7 @@ def _reported(violation: ProtocolViolation, event: ev.Event) -> fx.ReportViolati
 # The per-event wrapper is a measurable share of a replay, so it avoids Python-level
 # calls: `State.take` and the namedtuple's `__new__`, spelled out. `State` is a
 # native class when compiled, so building a handle is a C call.
-_new_tuple = tuple.__new__
+_new_tuple: Final = tuple.__new__
 
 
 def reduce(state: State, event: ev.Event, *, strict: bool = False) -> Transition:
@@ -331,7 +331,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
     out.append(new.start_load(job.job_id, rid, keys, slot_ids, targets, promote_tiers))
 
 
-LOST = -2  # `_plan_load`'s mark for a key no tier holds any more: its block fails at once
+LOST: Final = -2  # `_plan_load`'s mark for a key no tier holds any more: its block fails at once
 
 
 def _place_promotions(core: Core, keys: tuple, slot_ids: tuple, promote_tiers: tuple,
@@ -875,7 +875,7 @@ def _tier_keys_found(core: Core, event: ev.TierKeysFound, out: list[fx.Effect]) 
     lower.keys_found(core, event.tier, event.keys, out)
 
 
-_HANDLERS: dict[type, Callable[[Core, Any, list[fx.Effect]], None]] = {
+_HANDLERS: Final[dict[type, Callable[[Core, Any, list[fx.Effect]], None]]] = {
     ev.RequestAdded: _request_added,
     ev.BlockHashesAppended: _block_hashes_appended,
     ev.BlockHashesRewound: _block_hashes_rewound,

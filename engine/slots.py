@@ -20,7 +20,7 @@ dropped key releases it as an orphan.
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import Protocol
+from typing import Final, Protocol
 
 from .state import FREE as _FREE
 from .state import STORED as _STORED
@@ -54,11 +54,12 @@ assert all(_TO[action] == _FREE for action in _RELEASES), "a released slot is fr
 assert _MOVES["store_planned"][0] == _FREE
 assert all(_MOVES[action][0] == _STORING for action in ("store_succeeded", "store_failed", "store_ended_stale"))
 assert all(_MOVES[action] == (_STORED, _STORED) for action in ("load_planned", "load_ended"))
-# The storing paths' targets, as globals (a global read costs what a constant does).
-_PLANNED_TO = _TO["store_planned"]
-_SUCCEEDED_TO = _TO["store_succeeded"]
-_FAILED_TO = _TO["store_failed"]
-_STALE_TO = _TO["store_ended_stale"]
+# The storing paths' targets, as constants (Final: a static of the compiled module,
+# where a plain global is a lookup in the module's dict).
+_PLANNED_TO: Final = _TO["store_planned"]
+_SUCCEEDED_TO: Final = _TO["store_succeeded"]
+_FAILED_TO: Final = _TO["store_failed"]
+_STALE_TO: Final = _TO["store_ended_stale"]
 
 
 def _release(core: Core, slot: int, target: int) -> None:

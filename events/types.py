@@ -12,11 +12,11 @@ window, or a mamba position between boundaries); it is never allocated.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar, Union
+from typing import ClassVar, Final, Union
 
 import attrs
 
-NULL_BLOCK_ID = 0
+NULL_BLOCK_ID: Final = 0
 
 BlockIdsByGroup = tuple[tuple[int, ...], ...]
 
