@@ -12,7 +12,7 @@ its class's own constructor.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final
+from typing import Final, TypeVar
 
 import attrs
 
@@ -21,6 +21,7 @@ from kvledger.events import types as ev
 from . import effects as fx
 
 _Setter = Callable[[object, object], None]
+_E = TypeVar("_E")
 _new: Final = object.__new__
 
 
@@ -63,12 +64,17 @@ def hashes_appended(request_id: str, num_tokens: int, block_hashes: tuple[bytes,
     return event
 
 
-def blocks_freed(request_id: str, block_ids: ev.BlockIdsByGroup) -> ev.BlocksFreed:
-    event = _new(_BlocksFreed)
-    request_id_of, block_ids_of = _FREED
+def _of_table(cls: type[_E], setters: tuple[_Setter, ...], request_id: str, block_ids: ev.BlockIdsByGroup) -> _E:
+    """An event of a request and per-group block ids."""
+    event = _new(cls)
+    request_id_of, block_ids_of = setters
     request_id_of(event, request_id)
     block_ids_of(event, block_ids)
     return event
+
+
+def blocks_freed(request_id: str, block_ids: ev.BlockIdsByGroup) -> ev.BlocksFreed:
+    return _of_table(_BlocksFreed, _FREED, request_id, block_ids)
 
 
 def blocks_allocated(request_id: str, block_ids: ev.BlockIdsByGroup,
@@ -82,11 +88,7 @@ def blocks_allocated(request_id: str, block_ids: ev.BlockIdsByGroup,
 
 
 def blocks_touched(request_id: str, block_ids: ev.BlockIdsByGroup) -> ev.BlocksTouched:
-    event = _new(_BlocksTouched)
-    request_id_of, block_ids_of = _TOUCHED
-    request_id_of(event, request_id)
-    block_ids_of(event, block_ids)
-    return event
+    return _of_table(_BlocksTouched, _TOUCHED, request_id, block_ids)
 
 
 def step_scheduled(step_index: int, request_ids: tuple[str, ...], num_computed_tokens: tuple[int, ...],

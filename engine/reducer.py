@@ -11,16 +11,15 @@ effect, strict mode (tests, replay) raises. A broken internal invariant is an
 Cost: a scheduler step carries one `step_scheduled` for every running
 request, and about one `blocks_allocated`, `blocks_freed`, `store_completed`
 and `block_hashes_appended` per 16 of them (one per block boundary crossed).
-So the per-request work of `step_scheduled` runs as C-level passes over its
-columns (`map`, `compress`), and only requests whose horizon crossed a block
-boundary reach the store planner. Where a fast check fails, the handler runs
+So the per-request work of `step_scheduled` is one typed pass over its
+columns (compiled, direct calls), and only requests whose horizon crossed a
+block boundary reach the store planner. Where a fast check fails, the handler runs
 the check's per-item path, which names the violation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import compress
 from typing import Any, Final, NamedTuple, TypeVar, cast
 
 from kvledger.events import types as ev
@@ -569,20 +568,15 @@ def _plan_stores(core: Core, request: RequestState, horizon: int, out: list[fx.E
         if full > len(table):
             full = len(table)
         if full > first:
-            # A new request's whole prefix comes at once; a window group's old
-            # positions hold no block, and only positions with one are visited.
-            # A typed loop: each tier lookup is a direct call when compiled.
-            positions = list(range(first, full))
-            if full - first > 1:
-                held = list(compress(positions, table[first:full]))
-                if len(held) != len(positions):
-                    positions = held
-            for position in positions:
-                key = keys[position]
-                if key in slot_of_key:
-                    continue
+            # One typed loop, the null test first: a window group's old positions
+            # hold no block, and reading a table slot costs less than the tier
+            # lookup. A decoding request has one position here; a new prompt, hundreds.
+            for position in range(first, full):
                 block = table[position]
-                if block == NULL_BLOCK_ID or block in writer or (pattern is not None and not pattern[position % period]):
+                if block == NULL_BLOCK_ID:
+                    continue
+                key = keys[position]
+                if key in slot_of_key or block in writer or (pattern is not None and not pattern[position % period]):
                     continue
                 cand_groups.append(group_id)
                 cand_blocks.append(block)
