@@ -5,7 +5,7 @@ for a keyword dict and an interpreted frame: 0.55 µs an event, against 0.16
 here, and a step builds dozens. Each function sets the instance's slots as that
 `__init__` does (frozen classes refuse `setattr`, not their slot setters).
 Callers pass the canonical field types, so the converters (which return tuples
-unchanged) are skipped; `tests/test_construct.py` checks every function against
+unchanged) are skipped; `tests/engine/test_construct.py` checks every function against
 its class's own constructor.
 """
 
