@@ -55,40 +55,38 @@ _LOAD: Final = _setters(fx.StartLoad, "job_id", "request_id", "keys", "source_sl
 _EVICTED: Final = _setters(fx.KeysEvicted, "keys")
 
 
-def hashes_appended(request_id: str, num_tokens: int, block_hashes: tuple[bytes, ...]) -> ev.BlockHashesAppended:
-    event = _new(_BlockHashesAppended)
-    request_id_of, num_tokens_of, block_hashes_of = _APPENDED
-    request_id_of(event, request_id)
-    num_tokens_of(event, num_tokens)
-    block_hashes_of(event, block_hashes)
-    return event
-
-
-def _of_table(cls: type[_E], setters: tuple[_Setter, ...], request_id: str, block_ids: ev.BlockIdsByGroup) -> _E:
-    """An event of a request and per-group block ids."""
+def _two(cls: type[_E], setters: tuple[_Setter, ...], first: object, second: object) -> _E:
     event = _new(cls)
-    request_id_of, block_ids_of = setters
-    request_id_of(event, request_id)
-    block_ids_of(event, block_ids)
+    first_of, second_of = setters
+    first_of(event, first)
+    second_of(event, second)
     return event
+
+
+def _three(cls: type[_E], setters: tuple[_Setter, ...], first: object, second: object, third: object) -> _E:
+    event = _new(cls)
+    first_of, second_of, third_of = setters
+    first_of(event, first)
+    second_of(event, second)
+    third_of(event, third)
+    return event
+
+
+def hashes_appended(request_id: str, num_tokens: int, block_hashes: tuple[bytes, ...]) -> ev.BlockHashesAppended:
+    return _three(_BlockHashesAppended, _APPENDED, request_id, num_tokens, block_hashes)
 
 
 def blocks_freed(request_id: str, block_ids: ev.BlockIdsByGroup) -> ev.BlocksFreed:
-    return _of_table(_BlocksFreed, _FREED, request_id, block_ids)
+    return _two(_BlocksFreed, _FREED, request_id, block_ids)
 
 
 def blocks_allocated(request_id: str, block_ids: ev.BlockIdsByGroup,
                      num_external_tokens: int = 0) -> ev.BlocksAllocated:
-    event = _new(_BlocksAllocated)
-    request_id_of, block_ids_of, external_of = _ALLOCATED
-    request_id_of(event, request_id)
-    block_ids_of(event, block_ids)
-    external_of(event, num_external_tokens)
-    return event
+    return _three(_BlocksAllocated, _ALLOCATED, request_id, block_ids, num_external_tokens)
 
 
 def blocks_touched(request_id: str, block_ids: ev.BlockIdsByGroup) -> ev.BlocksTouched:
-    return _of_table(_BlocksTouched, _TOUCHED, request_id, block_ids)
+    return _two(_BlocksTouched, _TOUCHED, request_id, block_ids)
 
 
 def step_scheduled(step_index: int, request_ids: tuple[str, ...], num_computed_tokens: tuple[int, ...],
