@@ -28,10 +28,10 @@ set or dict of requests is iterated except in an order vLLM fixed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from itertools import compress, count
 from operator import attrgetter
-from typing import Final, Protocol
+from typing import Final, Protocol, cast
 
 import attrs
 
@@ -62,6 +62,23 @@ class Request(Protocol):
     def block_hashes(self) -> Sequence[bytes]: ...
 
 
+class CachedRequests(Protocol):
+    """vLLM's `CachedRequestData`: the scheduled requests that ran before (or
+    resume), as columns in its scheduling order."""
+
+    @property
+    def req_ids(self) -> Sequence[str]: ...
+
+    @property
+    def num_computed_tokens(self) -> Sequence[int]: ...
+
+    @property
+    def num_output_tokens(self) -> Sequence[int]: ...
+
+    @property
+    def new_block_ids(self) -> Sequence[object]: ...
+
+
 @attrs.frozen
 class Admission:
     """A waiting request vLLM admitted this step (`update_state_after_alloc`)."""
@@ -88,15 +105,14 @@ class StepInputs:
     tables: Sequence[Mapping[str, Sequence[Block]]] = ()
     near_eviction: tuple[int, ...] = ()  # free blocks at the eviction end, in eviction order
     keys_of: Callable[[Request], Sequence[bytes]] | None = None  # a request's block keys, if not its hashes
-    # The running requests vLLM gave new blocks this step (its scheduler output's
-    # `new_block_ids` that are not None), or None: then every table is compared.
-    grown: Container[str] | None = None
-    # What vLLM's scheduler output says of the scheduled requests, so that a step
-    # need not read each request: its computed tokens, and its output tokens
-    # (placeholders of async scheduling included, so with the prompt an upper
-    # bound on its tokens). A request missing from them is read from `requests`.
-    num_computed: Mapping[str, int] = attrs.field(factory=dict)
-    num_output: Mapping[str, int] = attrs.field(factory=dict)
+    # vLLM's scheduler output's cached requests, read in place, or None. They
+    # come in the order of `scheduled` (which adds the new requests among them),
+    # so each is matched by position, with no lookup: its computed tokens, its
+    # output tokens (placeholders of async scheduling included, so with the
+    # prompt an upper bound on its tokens), and whether vLLM gave it new blocks
+    # (`new_block_ids` not None). A scheduled request not matched is read from
+    # `requests`, and its tables are compared.
+    cached: CachedRequests | None = None
     # Streaming sessions (vLLM's resumable requests): their hashes are compared with
     # the engine's in every step, as a new input can rewind them (`new_hashes`).
     sessions: Container[str] = ()
@@ -207,11 +223,6 @@ def _admission(core: Core, admission: Admission, table: tuple[tuple[int, ...], .
     return events
 
 
-def _as_dict(counts: Mapping[str, int]) -> dict[str, int]:
-    """A dict as it is (the adapter passes dicts): compiled, its lookups are direct calls."""
-    return counts if isinstance(counts, dict) else dict(counts)
-
-
 def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     """The step's events, in the order above; apply them with `reduce_step`."""
     core = state.core
@@ -231,22 +242,36 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
     tables = step.tables
     requests = step.requests
     keys_of = step.keys_of
-    grown = step.grown
     growing: list[tuple[RequestState, tuple[Sequence[Block], ...]]] = []
     # Per running request, the common step costs a few comparisons: a new hash
     # shows in the length of vLLM's list, a window free only once the computed
     # tokens pass the free point of the block at the engine's free floor,
-    # and growth in `grown` (vLLM says which tables it extended).
-    computed: list[int] = []  # the step's num_computed_tokens, in its order
-    said_computed, said_output = _as_dict(step.num_computed), _as_dict(step.num_output)
+    # and growth in `new_block_ids` (vLLM says which tables it extended).
+    # The step's num_computed_tokens, in its order, as the objects vLLM holds
+    # (compiled, an int boxed again is an allocation per request).
+    computed: list[object] = []
+    # vLLM's cached requests, matched in step with `scheduled`: one zip pass
+    # (an index would be boxed again per request when compiled).
+    cached = step.cached
+    ran: Iterator[tuple[str, object, int, object]] = iter(())
+    if cached is not None:
+        ran = zip(cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens, cached.new_block_ids)
+    head = next(ran, None)
     sessions = step.sessions
     any_sessions = bool(sessions)  # most steps have none: no membership test per request
     hash_block_size = core.config.hash_block_size
     for rid in step.scheduled:
-        done = said_computed.get(rid, -1)
-        if done < 0:
-            done = requests[rid].num_computed_tokens
-        computed.append(done)
+        if head is not None and head[0] == rid:
+            said: object = head[1]
+            output = head[2]
+            grew = head[3] is not None
+            head = next(ran, None)
+        else:
+            said = requests[rid].num_computed_tokens
+            output = -1
+            grew = True
+        computed.append(said)
+        done = cast(int, said)
         if rid in admitted:
             continue
         mine = mine_of.get(rid)
@@ -255,7 +280,6 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         # vLLM hashes every full block of the request's tokens, so a new hash needs
         # the tokens to have passed the next block of the engine's hashes.
         # A session's prompt grows between turns, so its output count bounds nothing.
-        output = said_output.get(rid, -1)
         rewinds = any_sessions and rid in sessions
         if rewinds or output < 0 or (mine.num_prompt_tokens + output) // hash_block_size > len(mine.hashes):
             events.extend(_new_hashes(mine, requests[rid], keys_of, rewinds))
@@ -263,7 +287,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             freed = _window_frees(window_groups, mine, len(tables), done)
             if freed is not None:
                 events.append(freed)
-        if grown is None or rid in grown:
+        if grew:
             blocks = tuple(t.get(rid, ()) for t in tables)
             if any(len(now) != len(known) for known, now in zip(mine.table, blocks)):
                 growing.append((mine, blocks))
@@ -292,6 +316,6 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         events.append(ev.BlocksNearEviction(block_ids=step.near_eviction))
 
     if step.scheduled:
-        events.append(new.step_scheduled(step.step_index, tuple(step.scheduled), tuple(computed),
+        events.append(new.step_scheduled(step.step_index, tuple(step.scheduled), cast(tuple[int, ...], tuple(computed)),
                                          tuple(step.scheduled.values())))
     return events

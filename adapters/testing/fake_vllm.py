@@ -23,6 +23,16 @@ class Block:
     block_id: int
 
 
+@attrs.frozen
+class CachedRequests:
+    """vLLM's `CachedRequestData`, the columns the planner reads."""
+
+    req_ids: list[str]
+    num_computed_tokens: list[int]
+    num_output_tokens: list[int]
+    new_block_ids: list[tuple | None]
+
+
 @attrs.define
 class Request:
     num_tokens: int
@@ -40,9 +50,11 @@ class FakeVllm:
         self.step_index = 0
         self.given: set[str] = set()  # requests given blocks since the last plan (vLLM's `new_block_ids`)
         self.say_grown = True  # False: the planner is not told, and compares every table
-        # False: the planner is not given the scheduled requests' token counts, as
-        # vLLM's scheduler output gives them, and reads each request instead.
+        # False: the planner is not given vLLM's cached requests (their token counts
+        # and new blocks), and reads each request and compares every table instead.
         self.say_counts = True
+        self.ran: set[str] = set()  # requests scheduled before: vLLM's cached requests
+        self.cached_reversed = False  # True: in the reverse of vLLM's order, so matched by none
         self.sessions: set[str] = set()  # streaming sessions: their hashes compared in every step
         self.log: list[ev.Event] = []
         self.effects: list = []  # every effect the engine produced, in order
@@ -80,15 +92,23 @@ class FakeVllm:
         events = plan_step(self.state, StepInputs(
             step_index=self.step_index + 1, preempted=preempted, scheduled=scheduled, admissions=admitted,
             requests=self.requests, tables=self.tables, near_eviction=near_eviction,
-            grown=set(self.given) if self.say_grown else None,
-            num_computed={rid: self.requests[rid].num_computed_tokens for rid in scheduled} if self.say_counts else {},
-            num_output=({rid: self.requests[rid].num_tokens - self.requests[rid].num_prompt_tokens for rid in scheduled}
-                        if self.say_counts else {}),
-            sessions=self.sessions))
+            cached=self.cached(scheduled) if self.say_counts else None, sessions=self.sessions))
         self.given.clear()
+        self.ran.update(scheduled)
         if scheduled:
             self.step_index += 1
         return events
+
+    def cached(self, scheduled: dict[str, int]) -> CachedRequests:
+        """As vLLM's scheduler output gives them: the scheduled requests that ran
+        before, in scheduling order (a first-scheduled one is a new request)."""
+        ids = [rid for rid in scheduled if rid in self.ran]
+        if self.cached_reversed:
+            ids.reverse()
+        requests = [self.requests[rid] for rid in ids]
+        return CachedRequests(
+            ids, [r.num_computed_tokens for r in requests], [r.num_tokens - r.num_prompt_tokens for r in requests],
+            [() if rid in self.given or not self.say_grown else None for rid in ids])
 
     def apply(self, events: list[ev.Event]) -> tuple:
         """Strict: the engine raises on the first event it would reject."""

@@ -20,7 +20,6 @@ equal in every process), not vLLM's per-process block hashes.
 from __future__ import annotations
 
 import time
-from itertools import compress
 from typing import TYPE_CHECKING
 
 import structlog
@@ -61,17 +60,6 @@ _COUNTED = (("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORE
 
 _TIER_COUNTED = (("keys_read", m.TIER_KEYS_READ), ("keys_written", m.TIER_KEYS_WRITTEN),
                  ("evictions", m.TIER_EVICTIONS), ("keys_found", m.TIER_FOUND))
-
-
-def _grown(scheduler_output: SchedulerOutput) -> set[str]:
-    """The requests whose tables vLLM may have extended this step: every request
-    scheduled for the first time (one whose load has ended among them), and the
-    running ones with `new_block_ids`."""
-    cached = scheduler_output.scheduled_cached_reqs
-    # An entry is None or a tuple with a list per group, never empty: truth is "not None".
-    grown = set(compress(cached.req_ids, cached.new_block_ids))
-    grown.update(new.req_id for new in scheduler_output.scheduled_new_reqs)
-    return grown
 
 
 class LedgerScheduler:
@@ -239,17 +227,12 @@ class LedgerScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLedgerMetadata:
         assert self._managers, "bind_kv_cache_manager was not called"
         scheduled = scheduler_output.num_scheduled_tokens
-        cached = scheduler_output.scheduled_cached_reqs
-        num_computed = dict(zip(cached.req_ids, cached.num_computed_tokens))
-        for new in scheduler_output.scheduled_new_reqs:
-            num_computed[new.req_id] = new.num_computed_tokens
         step = StepInputs(
             step_index=self._step + 1, preempted=tuple(scheduler_output.preempted_req_ids or ()),
             scheduled=scheduled, admissions=self._admitted, requests=self._requests,
             tables=tuple(manager.req_to_blocks for manager in self._managers),
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
-            keys_of=self._keys_of, grown=_grown(scheduler_output), num_computed=num_computed,
-            num_output=dict(zip(cached.req_ids, cached.num_output_tokens)), sessions=self._sessions)
+            keys_of=self._keys_of, cached=scheduler_output.scheduled_cached_reqs, sessions=self._sessions)
         events = plan_step(self.host.state, step)
         self._admitted = []
         self._promised = 0

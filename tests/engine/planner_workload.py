@@ -22,16 +22,19 @@ BLOCK = 32
 
 
 def run(out: str | None = None, steps: int = 120, seed: int = 7, *, preempt_rate: float = 0.1,
-        check: bool = False, say_grown: bool = True, say_counts: bool = True) -> FakeVllm:
+        check: bool = False, say_grown: bool = True, say_counts: bool = True,
+        cached_reversed: bool = False) -> FakeVllm:
     """Play the workload; with `check`, after every step the engine's block
     tables must be vLLM's, position for position. `say_grown=False` keeps from
     the planner which tables grew, as a vLLM without `new_block_ids` would;
-    `say_counts=False`, the token counts of vLLM's scheduler output."""
+    `say_counts=False`, the token counts of vLLM's scheduler output;
+    `cached_reversed=True` gives them out of vLLM's order."""
     rng = random.Random(seed)
     config = make_config(num_device_blocks=400, num_tier_slots=256)
     vllm = FakeVllm(config)
     vllm.say_grown = say_grown
     vllm.say_counts = say_counts
+    vllm.cached_reversed = cached_reversed
     free = list(range(1, config.num_device_blocks))
     waiting: list[str] = []
     running: list[str] = []

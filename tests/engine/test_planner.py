@@ -326,6 +326,9 @@ def test_told_what_vllms_output_says_the_planner_emits_what_reading_every_table_
                                     say_counts=False)
     assert told.log == compared.log
     assert {"blocks_allocated", "blocks_freed", "block_hashes_appended"} <= {e.kind for e in told.log}
+    # Out of vLLM's order the cached requests match no scheduled one, and each is read instead.
+    unordered = planner_workload.run(None, 60, seed, preempt_rate=preempt_rate, check=True, cached_reversed=True)
+    assert told.log == unordered.log
 
 
 def test_a_running_request_not_named_as_grown_is_not_compared():
