@@ -36,7 +36,7 @@ from typing import Final, Protocol, cast
 import attrs
 
 from kvledger.events import types as ev
-from kvledger.events.config import GroupKind, GroupSpec, StoreMode
+from kvledger.events.config import StoreMode
 
 from . import construct as new
 from .state import PREEMPTED, RUNNING, Core, RequestState, State
@@ -153,20 +153,7 @@ def _new_hashes(mine: RequestState, request: Request, keys_of: Callable[[Request
 # size, and the lag of vLLM's frees behind a request's computed tokens.
 WindowGroup = tuple[int, Mapping[str, Sequence[Block]], int, int]
 
-_ALWAYS: Final = -(1 << 62)  # a lag no token count falls below: scan in every step
 _block_id: Final = attrgetter("block_id")
-
-
-def _free_lag(group: GroupSpec) -> int:
-    """vLLM frees a window group's block at position `p` only once the request's
-    computed tokens reach `(p + 1) * block_size + lag`.
-
-    A sliding window of W tokens (extra retained tokens included) keeps the
-    last W - 1 computed tokens for the next one's attention: vLLM's
-    `get_num_skipped_tokens` is `computed - W + 1`. For any other window kind
-    the planner does not rely on a rule and scans in every step.
-    """
-    return group.window - 1 if group.kind is GroupKind.SLIDING else _ALWAYS
 
 
 def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, num_groups: int,
@@ -177,8 +164,9 @@ def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, nu
     the scan starts at the engine's free floor and stops at the first block
     vLLM still holds. vLLM frees with at most the request's `computed`
     tokens as this step's output gives them (it subtracts tokens still in
-    flight): below the free point of the block at the floor the scan is
-    skipped, so a decoding request is scanned once a block, not every step.
+    flight): below the free point of the block at the floor (`free_lag`)
+    the scan is skipped, so a decoding request is scanned once a block, not
+    every step; the caller skips a request below its `next_free_tokens`.
     """
     freed: list[list[int]] | None = None
     rid = mine.request_id
@@ -237,8 +225,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
             preempted_now.add(rid)
 
     admitted = {a.request_id for a in step.admissions}  # membership only, never iterated
-    window_groups = tuple((g, step.tables[g], group.block_size, _free_lag(group))
-                          for g, group in enumerate(core.groups) if group.kind is not GroupKind.FULL)
+    window_groups = tuple((g, step.tables[g], block_size, lag) for g, block_size, lag in core.free_rules)
     tables = step.tables
     requests = step.requests
     keys_of = step.keys_of
@@ -283,7 +270,7 @@ def plan_step(state: State, step: StepInputs) -> list[ev.Event]:
         rewinds = any_sessions and rid in sessions
         if rewinds or output < 0 or (mine.num_prompt_tokens + output) // hash_block_size > len(mine.hashes):
             events.extend(_new_hashes(mine, requests[rid], keys_of, rewinds))
-        if window_groups:
+        if window_groups and done >= mine.next_free_tokens:
             freed = _window_frees(window_groups, mine, len(tables), done)
             if freed is not None:
                 events.append(freed)

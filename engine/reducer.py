@@ -253,6 +253,7 @@ def _blocks_touched(core: Core, event: ev.BlocksTouched, out: list[fx.Effect]) -
                 refs[block] += 1
         _extend_table(request, group_id, ids)
     request.table_changed(core.block_sizes)
+    request.floor_changed(core.free_rules)
     request.num_computed_tokens = spans.pop()
 
 
@@ -300,6 +301,7 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
                 block_key[block] = None
         _extend_table(request, group_id, ids)
     request.table_changed(core.block_sizes)
+    request.floor_changed(core.free_rules)
     if to_flush:
         _flush(core, sorted(set(to_flush)), out)
     if request.status not in _STAYS[kind]:  # a running request's growth: no move to make
@@ -462,6 +464,7 @@ def _blocks_freed(core: Core, event: ev.BlocksFreed, out: list[fx.Effect]) -> No
         # Positions below the floor are all null: `index` starts there. Only a
         # group that freed a block can move its floor (a lower one stays true).
         floors[group_id] = _past_nulls(table, start)
+    request.floor_changed(core.free_rules)
 
 
 def _extend_table(request: RequestState, group_id: int, ids: tuple[int, ...]) -> None:
@@ -494,6 +497,7 @@ def _free_table(core: Core, request: RequestState) -> None:
     request.table = [[] for _ in core.groups]
     request.free_floor = [0] * len(core.groups)
     request.table_changed(core.block_sizes)
+    request.floor_changed(core.free_rules)
 
 
 def _request_preempted(core: Core, event: ev.RequestPreempted, out: list[fx.Effect]) -> None:

@@ -5,7 +5,8 @@ the uninterrupted run did, so a snapshot holds every table the reducer reads,
 not only what `digest` hashes: derived per-request fields (`capacity_tokens`,
 `step_limit`, `free_floor`), the free-slot stack in its order, the policy's
 orders, and every dict in its insertion order (eviction and planning iterate
-some of them). Only what `Core.__init__` derives from the config is left out;
+some of them). Only what `Core.__init__` derives from the config, and
+`next_free_tokens` (recomputed from the floors), are left out;
 `restore` takes the config from the log's header.
 
 The data is lists, ints, bytes, strs, bools and None, so that msgpack (or any
@@ -233,6 +234,8 @@ def _restore(config: EngineConfig, data: Sequence[Any]) -> State:
     core.spill_reads = dict(_pairs(spill_reads, "spill_reads"))
     groups = len(config.groups)
     core.requests = {r.request_id: r for r in (_restore_request(row, groups) for row in requests)}
+    for request in core.requests.values():
+        request.floor_changed(core.free_rules)  # derived, not stored
     core.jobs = {j.job_id: j for j in (_restore_job(row) for row in jobs)}
     names = list(core.stats.as_dict())
     for name, value in zip(names, _column(stats, len(names), "stats")):

@@ -19,7 +19,7 @@ from typing import ClassVar, Final
 
 from mypy_extensions import mypyc_attr
 
-from kvledger.events.config import EngineConfig, GroupSpec
+from kvledger.events.config import EngineConfig, GroupKind, GroupSpec
 from kvledger.events.types import NULL_BLOCK_ID
 
 from . import hma
@@ -77,8 +77,30 @@ STORED_CODE: Final[int] = int(STORED)
 _REQUEST_FIELDS = (
     "request_id", "status", "num_prompt_tokens", "num_tokens", "hashes", "keys",
     "table", "num_computed_tokens", "next_store", "next_store_tokens", "load_job_id",
-    "num_preemptions", "capacity_tokens", "step_limit", "free_floor",
+    "num_preemptions", "capacity_tokens", "step_limit", "free_floor", "next_free_tokens",
 )
+
+_ALWAYS: Final = -(1 << 62)  # a lag no token count falls below: scan in every step
+
+# A window group as a request's free point reads it: (group id, block size, lag).
+FreeRule = tuple[int, int, int]
+
+
+def free_lag(group: GroupSpec) -> int:
+    """vLLM frees a window group's block at position `p` only once the request's
+    computed tokens reach `(p + 1) * block_size + lag`.
+
+    A sliding window of W tokens (extra retained tokens included) keeps the
+    last W - 1 computed tokens for the next one's attention: vLLM's
+    `get_num_skipped_tokens` is `computed - W + 1`. For any other window kind
+    no rule is relied on, and the planner scans in every step.
+    """
+    return group.window - 1 if group.kind is GroupKind.SLIDING else _ALWAYS
+
+
+def free_rules(groups: tuple[GroupSpec, ...]) -> tuple[FreeRule, ...]:
+    """Per window group (any but full attention): (group id, block size, free lag)."""
+    return tuple((g.group_id, g.block_size, free_lag(g)) for g in groups if g.kind is not GroupKind.FULL)
 
 
 class RequestState:
@@ -104,6 +126,11 @@ class RequestState:
         # request (its status has a `step_scheduled` move in the table), else -1.
         self.step_limit = -1
         self.free_floor = [0] * len(groups)  # positions below are all null (sliding frees go in order)
+        # The computed tokens below which vLLM cannot have freed a block above the
+        # floors (derived from them): the planner skips a request's scan below it
+        # without reading them.
+        self.next_free_tokens = 0
+        self.floor_changed(free_rules(groups))
 
     def clone(self) -> RequestState:
         other = RequestState(self.request_id, self.num_prompt_tokens, ())  # a compiled class has no bare __new__
@@ -131,6 +158,18 @@ class RequestState:
         self.capacity_tokens = self.table_tokens(block_sizes)
         if self.step_limit >= 0:
             self.step_limit = self.capacity_tokens
+
+    def floor_changed(self, free_rules: tuple[FreeRule, ...]) -> None:
+        """After a free floor moved: the lowest free point over the window groups."""
+        floors = self.free_floor
+        tokens = 0
+        first = True
+        for group_id, block_size, lag in free_rules:
+            point = (floors[group_id] + 1) * block_size + lag
+            if first or point < tokens:
+                tokens = point
+                first = False
+        self.next_free_tokens = tokens
 
     def set_status(self, status: RequestStatus, steppable: bool) -> None:
         """Move to `status`; `steppable` (may a step schedule it? the reducer asks
@@ -301,7 +340,7 @@ class LowerTier:
 _CORE_FIELDS = (
     "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
     # derived from the config once (immutable, shared by clones)
-    "block_sizes", "key_rules", "store_rules",
+    "block_sizes", "key_rules", "store_rules", "free_rules",
     # device pool, indexed by block id (the null block is index 0)
     "block_refs", "block_pins", "block_generation", "block_group", "block_key",
     "block_readers", "block_writer", "lazy_keys",
@@ -332,6 +371,7 @@ class Core:
         self.store_rules = tuple(
             (g.group_id, g.block_size, hma.reach_pattern(g, self.alignment), self.alignment // g.block_size)
             for g in config.groups)
+        self.free_rules = free_rules(config.groups)
         self.step_index = -1
         self.epoch = 0
         self.next_job_id = 1

@@ -130,6 +130,8 @@ REQUEST_CORRUPTIONS = {
     "stale capacity": (lambda c: setattr(c.requests["b"], "capacity_tokens", 0), "request b: derived counts"),
     "free floor above a held block": (lambda c: c.requests["s"].free_floor.__setitem__(0, 1),
                                       "request s: group 0 has a held block below its free floor 1"),
+    "stale free point": (lambda c: setattr(c.requests["s"], "next_free_tokens", 10**6),
+                         "request s: next_free_tokens 1000000, not its free point"),
 }
 
 

@@ -114,11 +114,11 @@ def test_a_new_field_of_the_state_is_not_forgotten() -> None:
 
     assert sorted(fields(Core)) == sorted((
         "config", "groups", "alignment", "step_index", "epoch", "next_job_id",
-        "block_sizes", "key_rules", "store_rules",  # derived from the config
+        "block_sizes", "key_rules", "store_rules", "free_rules",  # derived from the config
         "block_refs", "block_pins", "block_generation", "block_group", "block_key",
         "block_readers", "block_writer", "lazy_keys",
         "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot", "policy",
         "lower", "spill_reads", "requests", "jobs", "stats"))
-    assert len(fields(RequestState)) == 15 and len(fields(Job)) == 15
+    assert len(fields(RequestState)) == 16 and len(fields(Job)) == 15  # next_free_tokens: from free_floor
     assert fields(LowerTier) == ("name", "capacity", "held", "writing", "reading", "counts")
     assert len(fields(Stats)) == 15
