@@ -37,6 +37,7 @@ import attrs
 
 from kvledger.events import types as ev
 from kvledger.events.config import StoreMode
+from kvledger.events.types import NULL_BLOCK_ID
 
 from . import construct as new
 from .state import PREEMPTED, RUNNING, Core, RequestState, State
@@ -154,6 +155,7 @@ def _new_hashes(mine: RequestState, request: Request, keys_of: Callable[[Request
 WindowGroup = tuple[int, Mapping[str, Sequence[Block]], int, int]
 
 _block_id: Final = attrgetter("block_id")
+_SHORT_SPAN: Final = 4  # positions a window scan reads one by one; longer spans take C-level passes
 
 
 def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, num_groups: int,
@@ -168,7 +170,7 @@ def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, nu
     the scan is skipped, so a decoding request is scanned once a block, not
     every step; the caller skips a request below its `next_free_tokens`.
     """
-    freed: list[list[int]] | None = None
+    freed: list[tuple[int, ...]] | None = None
     rid = mine.request_id
     floors = mine.free_floor
     for g, tables, block_size, lag in window_groups:
@@ -177,17 +179,26 @@ def _window_frees(window_groups: tuple[WindowGroup, ...], mine: RequestState, nu
         if limit <= floor:
             continue
         known, now = mine.table[g], tables.get(rid, ())
-        # C-level passes: after a prefill chunk the run is hundreds of positions long.
-        span = now[floor:min(len(known), limit)]
-        nulls = next(compress(count(), map(_block_id, span)), len(span))  # vLLM's nulls before a held block
-        gone = list(filter(None, known[floor:floor + nulls]))  # the null block's id is 0
+        stop = min(len(known), limit, len(now))
+        if stop - floor <= _SHORT_SPAN:  # a decoding request's block or two: one typed loop
+            gone: list[int] = []
+            position = floor
+            while position < stop and now[position].block_id == NULL_BLOCK_ID:  # vLLM's nulls before a held block
+                block = known[position]
+                if block != NULL_BLOCK_ID:
+                    gone.append(block)
+                position += 1
+        else:  # after a prefill chunk the run is hundreds of positions long: C-level passes
+            span = now[floor:stop]
+            nulls = next(compress(count(), map(_block_id, span)), len(span))
+            gone = list(filter(None, known[floor:floor + nulls]))  # the null block's id is 0
         if gone:
             if freed is None:
-                freed = [[] for _ in range(num_groups)]
-            freed[g] = gone
+                freed = [()] * num_groups
+            freed[g] = tuple(gone)
     if freed is None:
         return None
-    return new.blocks_freed(rid, tuple([tuple(f) for f in freed]))
+    return new.blocks_freed(rid, tuple(freed))
 
 
 def _growth(mine: RequestState, blocks: tuple[Sequence[Block], ...]) -> ev.BlocksAllocated | None:
