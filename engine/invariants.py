@@ -300,7 +300,7 @@ def _check_request(core: Core, request: RequestState, problems: list[str]) -> No
         floor = request.free_floor[group.group_id]
         if floor > len(table) or table[:floor].count(NULL_BLOCK_ID) != floor:
             problems.append(f"request {rid}: group {group.group_id} has a held block below its free floor {floor}")
-    point = min([(request.free_floor[g] + 1) * size + lag for g, size, lag in core.free_rules], default=0)
+    point = request.free_point(core.free_rules)
     if request.next_free_tokens != point:  # above it, the planner would miss a free
         problems.append(f"request {rid}: next_free_tokens {request.next_free_tokens}, not its free point {point}")
 

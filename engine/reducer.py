@@ -49,7 +49,7 @@ from .checks import (
 from .state import LOAD as _LOAD
 from .state import SPILL as _SPILL
 from .state import STORE as _STORE
-from .state import STORED_CODE, Core, Job, JobKind, RequestState, RequestStatus, State
+from .state import STORED_CODE, Core, FreeRule, Job, JobKind, RequestState, RequestStatus, State
 from .transitions import GONE, REQUEST_MOVES, STEPPABLE, moves_by_kind
 
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
@@ -251,9 +251,8 @@ def _blocks_touched(core: Core, event: ev.BlocksTouched, out: list[fx.Effect]) -
         for block in ids[len(keys):]:
             if block:
                 refs[block] += 1
-        _extend_table(request, group_id, ids)
+        _extend_table(request, group_id, ids, core.free_rules)
     request.table_changed(core.block_sizes)
-    request.floor_changed(core.free_rules)
     request.num_computed_tokens = spans.pop()
 
 
@@ -299,9 +298,8 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
                 generation[block] += 1
                 group_of[block] = group_id
                 block_key[block] = None
-        _extend_table(request, group_id, ids)
+        _extend_table(request, group_id, ids, core.free_rules)
     request.table_changed(core.block_sizes)
-    request.floor_changed(core.free_rules)
     if to_flush:
         _flush(core, sorted(set(to_flush)), out)
     if request.status not in _STAYS[kind]:  # a running request's growth: no move to make
@@ -467,7 +465,8 @@ def _blocks_freed(core: Core, event: ev.BlocksFreed, out: list[fx.Effect]) -> No
     request.floor_changed(core.free_rules)
 
 
-def _extend_table(request: RequestState, group_id: int, ids: tuple[int, ...]) -> None:
+def _extend_table(request: RequestState, group_id: int, ids: tuple[int, ...],
+                  free_rules: tuple[FreeRule, ...]) -> None:
     """Append to a group's table, keeping its free floor past any leading nulls:
     a window group admitted on a prefix hit starts with the positions vLLM skipped,
     and the planner's scan for window frees, which starts at the floor, would
@@ -475,7 +474,11 @@ def _extend_table(request: RequestState, group_id: int, ids: tuple[int, ...]) ->
     table = request.table[group_id]
     table.extend(ids)
     floors = request.free_floor
-    floors[group_id] = _past_nulls(table, floors[group_id])
+    floor = floors[group_id]
+    moved = _past_nulls(table, floor)
+    if moved != floor:  # rare (a growing table's floor stays put): its free point moves too
+        floors[group_id] = moved
+        request.floor_changed(free_rules)
 
 
 def _past_nulls(table: list[int], position: int) -> int:

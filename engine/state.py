@@ -159,8 +159,8 @@ class RequestState:
         if self.step_limit >= 0:
             self.step_limit = self.capacity_tokens
 
-    def floor_changed(self, free_rules: tuple[FreeRule, ...]) -> None:
-        """After a free floor moved: the lowest free point over the window groups."""
+    def free_point(self, free_rules: tuple[FreeRule, ...]) -> int:
+        """The lowest free point over the window groups (0 with none)."""
         floors = self.free_floor
         tokens = 0
         first = True
@@ -169,7 +169,11 @@ class RequestState:
             if first or point < tokens:
                 tokens = point
                 first = False
-        self.next_free_tokens = tokens
+        return tokens
+
+    def floor_changed(self, free_rules: tuple[FreeRule, ...]) -> None:
+        """After a free floor moved: its derived free point."""
+        self.next_free_tokens = self.free_point(free_rules)
 
     def set_status(self, status: RequestStatus, steppable: bool) -> None:
         """Move to `status`; `steppable` (may a step schedule it? the reducer asks
