@@ -1,16 +1,16 @@
 """End-to-end on real vLLM-CPU: what kvledger costs, and what a tier hit saves.
 
 1. Throughput, kvledger storing every block but never hit, against vLLM with
-   no connector: the same unique prompts, the same engine settings, in the
-   same process, alternating engines over several rounds (target >= 0.97x).
+   no connector and with a connector that does nothing: the same unique
+   prompts, the same engine settings, the three engines alive side by side
+   (one process each) and taking turns batch by batch (target >= 0.97x).
    Reported as the ratio of the medians over all batches, and paired by
-   round (the median of each round's ratio), which drift between rounds
-   moves less.
+   round (the median of each round's ratio).
 2. Time to first token of a 2k-token prompt restored from the tier against
    the same prompt recomputed (target <= 0.3x), on a model whose prefill
    costs real time on a CPU.
 
-Usage: python bench/e2e_vllm_cpu.py [--quick] [--out bench/out]
+Usage: python bench/e2e_vllm_cpu.py [--quick] [--rounds N] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -51,6 +52,7 @@ def _llm(model: Path, max_model_len: int, transfer: dict | None):
 
 
 NOOP = {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector", "kv_role": "kv_both"}
+CONFIGS = {"none": None, "noop": NOOP, "kvledger": _connector(None, 1 << 30)}
 
 
 class OwnTime:
@@ -96,60 +98,104 @@ class OwnTime:
         return taken
 
 
+def _engine_process(conn, model: str, max_model_len: int, name: str) -> None:
+    """One engine in its own process, running the batches it is sent. Each engine
+    needs its own process: vLLM keeps the worker's connector in a module global."""
+    from vllm import SamplingParams
+
+    own = OwnTime() if name == "kvledger" else None
+    llm = _llm(Path(model), max_model_len, CONFIGS[name])
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        prompts, out_tokens = job
+        params = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
+        if own is not None:
+            own.take()
+            own.by_method = {}
+            own.counting = True
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        result = llm.generate(prompts, params, use_tqdm=False)
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        seconds, steps = own.take() if own is not None else (0.0, 0)
+        if own is not None:
+            own.counting = False
+        conn.send({"seconds": elapsed, "cpu_seconds": cpu, "outputs": [list(o.outputs[0].token_ids) for o in result],
+                   "own_seconds": seconds, "own_steps": steps, "by_method": own.by_method if own else {}})
+
+
+class Engines:
+    """The three engines, alive side by side; only one runs at a time."""
+
+    def __init__(self, model: Path, max_model_len: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.pipes = {}
+        self.procs = []
+        for name in CONFIGS:  # one at a time: loading three at once only thrashes two cores
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_engine_process, args=(child, str(model), max_model_len, name),
+                               name=f"engine-{name}", daemon=True)
+            proc.start()
+            if parent.recv() != "ready":
+                raise RuntimeError(f"engine {name} did not start")
+            self.pipes[name] = parent
+            self.procs.append(proc)
+
+    def run(self, name: str, prompts: list[str], out_tokens: int) -> dict:
+        self.pipes[name].send((prompts, out_tokens))
+        return self.pipes[name].recv()
+
+    def close(self) -> None:
+        for pipe in self.pipes.values():
+            pipe.send(None)
+        for proc in self.procs:
+            proc.join(timeout=60)
+
+
 def throughput(model: Path, rounds: int, prompts: int, prompt_words: int, out_tokens: int,
-               own: OwnTime, batches: int = 2) -> dict:
+               by_method: dict[str, float]) -> dict:
     """Tokens per second over unique prompts: kvledger stores, never hits.
 
     Three engines on the same batches: no connector, a connector that does
     nothing (what vLLM's connector plumbing costs by itself), and kvledger.
-    Each engine warms up on a batch of the same shape first, then runs
-    `batches` timed batches; the order rotates every round. kvledger's own time
-    per step is measured in its timed batches.
+    They live side by side, each in its own process, and take turns batch by
+    batch, in an order that rotates every round: the guest's speed drifts over
+    seconds, and an engine built anew each round lands differently in memory,
+    so engines run minutes apart (or built apart) differ by more than the cost
+    being measured. Each engine runs one untimed batch of the same shape first.
     """
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
     rng = random.Random(1)
-    configs = {"none": None, "noop": NOOP, "kvledger": _connector(None, 1 << 30)}
-    names = list(configs)
+    names = list(CONFIGS)
     times: dict[str, list[float]] = {name: [] for name in names}
     outputs: dict[str, list] = {name: [] for name in names}
     own_ms: list[float] = []  # kvledger's own time per step, per timed batch
     own_share: list[float] = []  # and as a share of that batch's wall time
-    for round_index in range(rounds):
-        timed = [[words(rng, prompt_words) for _p in range(prompts)] for _b in range(batches)]  # fresh: no hits
+    engines = Engines(model, prompt_words + out_tokens + 32)
+    try:
         warmup = [words(rng, prompt_words) for _p in range(prompts)]
-        order = names[round_index % len(names):] + names[:round_index % len(names)]
-        for name in order:
-            llm = _llm(model, prompt_words + out_tokens + 32, configs[name])
-            # A whole batch of the same shape first: the first generate of an engine
-            # pays one-off costs (allocations, kernel selection) several times over.
-            llm.generate(warmup, params, use_tqdm=False)
-            for batch in timed:
-                own.take()
-                own.counting = name == "kvledger"
-                t0 = time.perf_counter()
-                result = llm.generate(batch, params, use_tqdm=False)
-                elapsed = time.perf_counter() - t0
-                own.counting = False
-                times[name].append(elapsed)
-                outputs[name].append([list(o.outputs[0].token_ids) for o in result])
-                seconds, steps = own.take()
+        for name in names:
+            engines.run(name, warmup, out_tokens)
+        for round_index in range(rounds):
+            batch = [words(rng, prompt_words) for _p in range(prompts)]  # fresh: no hits
+            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            for name in order:
+                done = engines.run(name, batch, out_tokens)
+                times[name].append(done["seconds"])
+                outputs[name].append(done["outputs"])
                 if name == "kvledger":
-                    own_ms.append(seconds / max(steps, 1) * 1000)
-                    own_share.append(seconds / elapsed)
-            del llm
-            gc.collect()
+                    own_ms.append(done["own_seconds"] / max(done["own_steps"], 1) * 1000)
+                    own_share.append(done["own_seconds"] / done["seconds"])
+                    for method, seconds in done["by_method"].items():
+                        by_method[method] = by_method.get(method, 0.0) + seconds
+    finally:
+        engines.close()
     tokens = prompts * (prompt_words + out_tokens)
     rate = {name: tokens / statistics.median(t) for name, t in times.items()}
-    # The guest's speed drifts over minutes, and each round runs the engines one after
-    # another: a ratio within each round, then their median, is less moved by drift.
-    per_round = [statistics.median(times["none"][r * batches:(r + 1) * batches])
-                 / statistics.median(times["kvledger"][r * batches:(r + 1) * batches]) for r in range(rounds)]
+    per_round = [none / mine for none, mine in zip(times["none"], times["kvledger"])]
     return {
         "model": model.name, "prompts": prompts, "prompt_tokens": prompt_words, "output_tokens": out_tokens,
-        "rounds": rounds, "batches_per_round": batches, "seconds": times, "tokens_per_s": rate,
+        "rounds": rounds, "seconds": times, "tokens_per_s": rate,
         "ratio": rate["kvledger"] / rate["none"], "ratio_to_noop": rate["kvledger"] / rate["noop"],
+        "noop_to_none": rate["noop"] / rate["none"],
         "ratio_per_round": per_round, "ratio_paired": statistics.median(per_round),
         "kvledger_own_ms_per_step": statistics.median(own_ms), "kvledger_own_share": statistics.median(own_share),
         "outputs_equal": outputs["none"] == outputs["kvledger"] == outputs["noop"],
@@ -187,18 +233,23 @@ def ttft(model: Path, docs: int, doc_words: int, log: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, for a smoke run")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds on small-llama, each one batch per engine (tiny-llama, whose batches "
+                             "take a fifth of the time, runs twice as many)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tiny = build_model("tiny-llama", out / "models")
     small = build_model("small-llama", out / "models")
-    rounds = 1 if args.quick else 3
-    own = OwnTime()
+    rounds = 2 if args.quick else args.rounds
+    by_method: dict[str, float] = {}  # kvledger's own seconds by method, timed batches of both models
     result = {
-        "throughput_tiny": throughput(tiny, rounds=rounds, prompts=64, prompt_words=480, out_tokens=64, own=own),
-        "throughput_small": throughput(small, rounds=rounds, prompts=16, prompt_words=480, out_tokens=32, own=own),
-        "kvledger_own_seconds_by_method": own.by_method,
+        "throughput_tiny": throughput(tiny, rounds=rounds * 2, prompts=64, prompt_words=480, out_tokens=64,
+                                      by_method=by_method),
+        "throughput_small": throughput(small, rounds=rounds, prompts=16, prompt_words=480, out_tokens=32,
+                                       by_method=by_method),
+        "kvledger_own_seconds_by_method": by_method,
         "ttft": ttft(small, docs=2 if args.quick else 4, doc_words=2048, log=out / "e2e-ttft.log"),
     }
     (out / "e2e_vllm_cpu.json").write_text(json.dumps(result, indent=2))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import structlog
@@ -80,6 +80,24 @@ class CpuBackend:
             self._run_each(job.direction, [job])
         else:
             self._queues[job.direction].put(job)
+
+    def submit_many(self, jobs: Sequence[CopyJob]) -> None:
+        """`submit` each job; inline, jobs of one direction are one merged
+        copy, as the copy threads merge what is queued behind a job. Raises
+        only before any job started (the backend was shut down)."""
+        with self._lock:
+            if self._closed:
+                raise BackendClosed("the CPU copy backend was shut down")
+            for job in jobs:
+                self._pending[job.job_id] = threading.Event()
+        if not self._inline:
+            for job in jobs:
+                self._queues[job.direction].put(job)
+        elif len({job.direction for job in jobs}) == 1:
+            self._run_batch(jobs[0].direction, list(jobs))
+        else:
+            for job in jobs:
+                self._run_each(job.direction, [job])
 
     def _work(self, direction: Direction) -> None:
         # One OpenMP thread for copies (the setting is per thread): they are

@@ -37,16 +37,22 @@ def precondition_error(effect: StartStore | StartLoad, limits: Limits) -> str | 
     for g, (k, b, s) in enumerate(zip(keys, blocks, slots)):
         if not len(k) == len(b) == len(s):
             return f"group {g}: {len(k)} keys, {len(b)} block ids and {len(s)} slot ids are not aligned"
-        bad_block = next((i for i in b if not NULL_BLOCK_ID < i < limits.num_device_blocks), None)
-        if bad_block is not None:
+        if not b:
+            continue
+        # min and max first (C loops, every job); the offender is looked for only when one is out.
+        if min(b) <= NULL_BLOCK_ID or max(b) >= limits.num_device_blocks:
+            bad_block = next(i for i in b if not NULL_BLOCK_ID < i < limits.num_device_blocks)
             return f"group {g}: block id {bad_block} is the null block or outside [1, {limits.num_device_blocks})"
-        promoted = effect.promote_tiers[g] if isinstance(effect, StartLoad) and effect.promote_tiers else ()
-        # A promoted key with no host slot (-1) is failed by the runner, not copied.
-        bad_slot = next((i for j, i in enumerate(s) if not 0 <= i < limits.num_slots
-                         and not (i == -1 and promoted and promoted[j])), None)
-        if bad_slot is not None:
-            return f"group {g}: slot id {bad_slot} is outside [0, {limits.num_slots})"
+        if min(s) < 0 or max(s) >= limits.num_slots:
+            promoted = effect.promote_tiers[g] if isinstance(effect, StartLoad) and effect.promote_tiers else ()
+            # A promoted key with no host slot (-1) is failed by the runner, not copied.
+            bad_slot = next((i for j, i in enumerate(s) if not 0 <= i < limits.num_slots
+                             and not (i == -1 and promoted and promoted[j])), None)
+            if bad_slot is not None:
+                return f"group {g}: slot id {bad_slot} is outside [0, {limits.num_slots})"
     target_ids = [i for ids in (slots if isinstance(effect, StartStore) else blocks) for i in ids]
+    if len(set(target_ids)) == len(target_ids):
+        return None
     repeated = sorted(i for i, n in Counter(target_ids).items() if n > 1)
     if repeated:
         return f"{targets} ids {repeated} appear more than once"

@@ -8,7 +8,7 @@ each phase run by the vLLM hook that owns that moment of the step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -34,10 +34,15 @@ class KVLedgerMetadata(KVConnectorMetadata):
     after_forward: tuple[fx.Effect, ...] = ()
 
     @classmethod
-    def from_effects(cls, effects: Iterable[fx.Effect]) -> KVLedgerMetadata:
+    def from_effects(cls, effects: Sequence[fx.Effect]) -> KVLedgerMetadata:
+        if not effects:  # most decode steps: one shared empty value (it is frozen)
+            return _NO_WORK
         routed = fx.route(effects)
         return cls(before_step=tuple(routed[fx.Phase.BEFORE_STEP]), loads=tuple(routed[fx.Phase.LOADS]),
                    after_forward=tuple(routed[fx.Phase.AFTER_FORWARD]))
+
+
+_NO_WORK = KVLedgerMetadata()
 
 
 @attrs.frozen(kw_only=True)

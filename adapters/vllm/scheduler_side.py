@@ -272,11 +272,12 @@ class LedgerScheduler:
         state = self.host.state
         totals = queries.stats(state)
         reported = self._reported
-        for field, metric in _COUNTED:  # vLLM asks every step: most counts did not move
-            change = totals[field] - reported.get(field, 0)
-            if change:
-                stats.add(metric, change)
-        self._reported = totals
+        if totals != reported:  # vLLM asks every step: most steps move no count
+            for field, metric in _COUNTED:
+                change = totals[field] - reported.get(field, 0)
+                if change:
+                    stats.add(metric, change)
+            self._reported = totals
         if self._violations:
             stats.add(m.VIOLATIONS, self._violations)
         if self.host.log_failure is not None and not self._log_failure_reported:

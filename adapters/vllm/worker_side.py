@@ -178,9 +178,13 @@ class LedgerWorker:
         """Bytes, copy time and sizes of the jobs finished since the last call."""
         if self.transfers is None:
             return None
+        jobs = self.transfers.runner.take_stats()
+        tier_jobs = self.transfers.runner.take_tier_stats()
+        if not jobs and not tier_jobs:  # vLLM asks every step; most steps finish no job
+            return None
         stats = m.KVLedgerStats()
         layout = self.transfers.layout
-        for job in self.transfers.runner.take_stats():
+        for job in jobs:
             nbytes = sum(n * layout.payload_bytes(g) for g, n in enumerate(job.blocks_per_group))
             if job.direction is Direction.LOAD:
                 stats.add(m.LOAD_BYTES, nbytes)
@@ -190,7 +194,7 @@ class LedgerWorker:
                 stats.add(m.STORE_BYTES, nbytes)
                 stats.add(m.STORE_TIME, job.seconds)
                 stats.add(m.STORE_SIZE, nbytes)
-        for job in self.transfers.runner.take_tier_stats():
+        for job in tier_jobs:
             tier = tier_name(job.tier, self.settings.secondary_tiers[job.tier - 1])
             if job.kind == "read":
                 stats.add(m.TIER_READ_BYTES, job.nbytes, tier)
