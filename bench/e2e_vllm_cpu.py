@@ -2,10 +2,11 @@
 
 1. Throughput, kvledger storing every block but never hit, against vLLM with
    no connector and with a connector that does nothing: the same unique
-   prompts, the same engine settings, the three engines alive side by side
-   (one process each) and taking turns batch by batch (target >= 0.97x).
-   Reported as the ratio of the medians over all batches, and paired by
-   round (the median of each round's ratio).
+   prompts, the same engine settings; each round builds the three engines
+   anew, side by side (one process each), and they take turns batch by
+   batch (target >= 0.97x). Reported as the ratio of the medians over all
+   batches, and paired (each round's median of the batch-by-batch ratios,
+   then their median).
 2. Time to first token of a 2k-token prompt restored from the tier against
    the same prompt recomputed (target <= 0.3x), on a model whose prefill
    costs real time on a CPU.
@@ -103,7 +104,7 @@ def _engine_process(conn, model: str, max_model_len: int, name: str) -> None:
     needs its own process: vLLM keeps the worker's connector in a module global."""
     from vllm import SamplingParams
 
-    own = OwnTime() if name == "kvledger" else None
+    own = OwnTime() if name.startswith("kvledger") else None
     llm = _llm(Path(model), max_model_len, CONFIGS[name])
     conn.send("ready")
     while (job := conn.recv()) is not None:
@@ -151,17 +152,18 @@ class Engines:
             proc.join(timeout=60)
 
 
-def throughput(model: Path, rounds: int, prompts: int, prompt_words: int, out_tokens: int,
+def throughput(model: Path, rounds: int, batches: int, prompts: int, prompt_words: int, out_tokens: int,
                by_method: dict[str, float]) -> dict:
     """Tokens per second over unique prompts: kvledger stores, never hits.
 
     Three engines on the same batches: no connector, a connector that does
     nothing (what vLLM's connector plumbing costs by itself), and kvledger.
-    They live side by side, each in its own process, and take turns batch by
-    batch, in an order that rotates every round: the guest's speed drifts over
-    seconds, and an engine built anew each round lands differently in memory,
-    so engines run minutes apart (or built apart) differ by more than the cost
-    being measured. Each engine runs one untimed batch of the same shape first.
+    Each round builds the three anew, side by side, each in its own process;
+    they run one untimed batch, then take turns batch by batch, in an order
+    that rotates. Both matter on a shared guest: its speed drifts over
+    seconds, so engines are compared batch against batch; and one engine
+    instance can run several percent faster or slower than another for its
+    whole life, so the instances change every round.
     """
     rng = random.Random(1)
     names = list(CONFIGS)
@@ -169,31 +171,37 @@ def throughput(model: Path, rounds: int, prompts: int, prompt_words: int, out_to
     outputs: dict[str, list] = {name: [] for name in names}
     own_ms: list[float] = []  # kvledger's own time per step, per timed batch
     own_share: list[float] = []  # and as a share of that batch's wall time
-    engines = Engines(model, prompt_words + out_tokens + 32)
-    try:
-        warmup = [words(rng, prompt_words) for _p in range(prompts)]
-        for name in names:
-            engines.run(name, warmup, out_tokens)
-        for round_index in range(rounds):
-            batch = [words(rng, prompt_words) for _p in range(prompts)]  # fresh: no hits
-            order = names[round_index % len(names):] + names[:round_index % len(names)]
-            for name in order:
-                done = engines.run(name, batch, out_tokens)
-                times[name].append(done["seconds"])
-                outputs[name].append(done["outputs"])
-                if name == "kvledger":
-                    own_ms.append(done["own_seconds"] / max(done["own_steps"], 1) * 1000)
-                    own_share.append(done["own_seconds"] / done["seconds"])
-                    for method, seconds in done["by_method"].items():
-                        by_method[method] = by_method.get(method, 0.0) + seconds
-    finally:
-        engines.close()
+    per_round: list[float] = []  # each round's median of none / kvledger, batch by batch
+    turn = 0
+    for _round in range(rounds):
+        engines = Engines(model, prompt_words + out_tokens + 32)
+        try:
+            warmup = [words(rng, prompt_words) for _p in range(prompts)]
+            for name in names:
+                engines.run(name, warmup, out_tokens)
+            ratios = []
+            for _batch in range(batches):
+                batch = [words(rng, prompt_words) for _p in range(prompts)]  # fresh: no hits
+                order = names[turn % len(names):] + names[:turn % len(names)]
+                turn += 1
+                for name in order:
+                    done = engines.run(name, batch, out_tokens)
+                    times[name].append(done["seconds"])
+                    outputs[name].append(done["outputs"])
+                    if name == "kvledger":
+                        own_ms.append(done["own_seconds"] / max(done["own_steps"], 1) * 1000)
+                        own_share.append(done["own_seconds"] / done["seconds"])
+                        for method, seconds in done["by_method"].items():
+                            by_method[method] = by_method.get(method, 0.0) + seconds
+                ratios.append(times["none"][-1] / times["kvledger"][-1])
+            per_round.append(statistics.median(ratios))
+        finally:
+            engines.close()
     tokens = prompts * (prompt_words + out_tokens)
     rate = {name: tokens / statistics.median(t) for name, t in times.items()}
-    per_round = [none / mine for none, mine in zip(times["none"], times["kvledger"])]
     return {
         "model": model.name, "prompts": prompts, "prompt_tokens": prompt_words, "output_tokens": out_tokens,
-        "rounds": rounds, "seconds": times, "tokens_per_s": rate,
+        "rounds": rounds, "batches_per_round": batches, "seconds": times, "tokens_per_s": rate,
         "ratio": rate["kvledger"] / rate["none"], "ratio_to_noop": rate["kvledger"] / rate["noop"],
         "noop_to_none": rate["noop"] / rate["none"],
         "ratio_per_round": per_round, "ratio_paired": statistics.median(per_round),
@@ -233,21 +241,21 @@ def ttft(model: Path, docs: int, doc_words: int, log: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, for a smoke run")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="rounds on small-llama, each one batch per engine (tiny-llama, whose batches "
-                             "take a fifth of the time, runs twice as many)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds, each with three engines built anew (3 batches each on tiny-llama, 2 on "
+                             "small-llama)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tiny = build_model("tiny-llama", out / "models")
     small = build_model("small-llama", out / "models")
-    rounds = 2 if args.quick else args.rounds
+    rounds = 1 if args.quick else args.rounds
     by_method: dict[str, float] = {}  # kvledger's own seconds by method, timed batches of both models
     result = {
-        "throughput_tiny": throughput(tiny, rounds=rounds * 2, prompts=64, prompt_words=480, out_tokens=64,
+        "throughput_tiny": throughput(tiny, rounds=rounds, batches=3, prompts=64, prompt_words=480, out_tokens=64,
                                       by_method=by_method),
-        "throughput_small": throughput(small, rounds=rounds, prompts=16, prompt_words=480, out_tokens=32,
+        "throughput_small": throughput(small, rounds=rounds, batches=2, prompts=16, prompt_words=480, out_tokens=32,
                                        by_method=by_method),
         "kvledger_own_seconds_by_method": by_method,
         "ttft": ttft(small, docs=2 if args.quick else 4, doc_words=2048, log=out / "e2e-ttft.log"),
