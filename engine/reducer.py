@@ -163,7 +163,7 @@ def _request_added(core: Core, event: ev.RequestAdded, out: list[fx.Effect]) -> 
         raise ProtocolViolation(
             "too_many_hashes", f"{len(event.block_hashes)} hashes for {event.num_prompt_tokens} tokens",
             request_id=rid)
-    request = RequestState(rid, event.num_prompt_tokens, core.groups)
+    request = RequestState(rid, event.num_prompt_tokens, core.groups, core.free_rules)
     status = _NEXT[event.kind][None]  # from no request at all
     assert status is not None
     _enter(request, status)

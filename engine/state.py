@@ -108,7 +108,9 @@ class RequestState:
 
     __slots__ = _REQUEST_FIELDS
 
-    def __init__(self, request_id: str, num_prompt_tokens: int, groups: tuple[GroupSpec, ...]) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int, groups: tuple[GroupSpec, ...],
+                 rules: tuple[FreeRule, ...] = ()) -> None:
+        """`rules`: the core's `free_rules`, for the free point of a new request's floors."""
         self.request_id = request_id
         self.status = WAITING
         self.num_prompt_tokens = num_prompt_tokens
@@ -129,8 +131,7 @@ class RequestState:
         # The computed tokens below which vLLM cannot have freed a block above the
         # floors (derived from them): the planner skips a request's scan below it
         # without reading them.
-        self.next_free_tokens = 0
-        self.floor_changed(free_rules(groups))
+        self.next_free_tokens = self.free_point(rules)
 
     def clone(self) -> RequestState:
         other = RequestState(self.request_id, self.num_prompt_tokens, ())  # a compiled class has no bare __new__
@@ -161,15 +162,10 @@ class RequestState:
 
     def free_point(self, free_rules: tuple[FreeRule, ...]) -> int:
         """The lowest free point over the window groups (0 with none)."""
+        if not free_rules:
+            return 0
         floors = self.free_floor
-        tokens = 0
-        first = True
-        for group_id, block_size, lag in free_rules:
-            point = (floors[group_id] + 1) * block_size + lag
-            if first or point < tokens:
-                tokens = point
-                first = False
-        return tokens
+        return min([(floors[group_id] + 1) * block_size + lag for group_id, block_size, lag in free_rules])
 
     def floor_changed(self, free_rules: tuple[FreeRule, ...]) -> None:
         """After a free floor moved: its derived free point."""

@@ -72,17 +72,10 @@ class CpuBackend:
         return pieces
 
     def submit(self, job: CopyJob) -> None:
-        with self._lock:
-            if self._closed:
-                raise BackendClosed("the CPU copy backend was shut down")
-            self._pending[job.job_id] = threading.Event()
-        if self._inline:
-            self._run_each(job.direction, [job])
-        else:
-            self._queues[job.direction].put(job)
+        self.submit_many((job,))
 
     def submit_many(self, jobs: Sequence[CopyJob]) -> None:
-        """`submit` each job; inline, jobs of one direction are one merged
+        """`submit` each job; inline, the jobs of each direction are one merged
         copy, as the copy threads merge what is queued behind a job. Raises
         only before any job started (the backend was shut down)."""
         with self._lock:
@@ -90,14 +83,15 @@ class CpuBackend:
                 raise BackendClosed("the CPU copy backend was shut down")
             for job in jobs:
                 self._pending[job.job_id] = threading.Event()
-        if not self._inline:
-            for job in jobs:
-                self._queues[job.direction].put(job)
-        elif len({job.direction for job in jobs}) == 1:
-            self._run_batch(jobs[0].direction, list(jobs))
-        else:
-            for job in jobs:
-                self._run_each(job.direction, [job])
+        for direction in Direction:
+            batch = [job for job in jobs if job.direction is direction]
+            if not batch:
+                continue
+            if self._inline:
+                self._run_batch(direction, batch)
+            else:
+                for job in batch:
+                    self._queues[direction].put(job)
 
     def _work(self, direction: Direction) -> None:
         # One OpenMP thread for copies (the setting is per thread): they are

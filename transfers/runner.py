@@ -143,8 +143,7 @@ class TransferRunner:
                 self._start(effect)
             return
         started = [e for e in stores if self._problem(e) is None]
-        copies = [CopyJob(job_id=e.job_id, direction=Direction.STORE, block_ids=e.source_block_ids,
-                          slot_ids=e.target_slot_ids) for e in started]
+        copies = [_copy_job(e) for e in started]
         try:
             submit_many(copies)
         except Exception as exc:
@@ -183,12 +182,9 @@ class TransferRunner:
 
     def _copy(self, effect: StartStore | StartLoad, failed: set[Position]) -> None:
         """Start the device copy of every position but the `failed` ones."""
-        if isinstance(effect, StartStore):
-            direction, blocks, slots = Direction.STORE, effect.source_block_ids, effect.target_slot_ids
-        else:
-            direction, blocks, slots = Direction.LOAD, effect.target_block_ids, effect.source_slot_ids
         # A promoted key with no host slot (-1) is always among `failed`: `without` drops it.
-        copy = CopyJob(job_id=effect.job_id, direction=direction, block_ids=blocks, slot_ids=slots)
+        copy = _copy_job(effect)
+        direction = copy.direction
         kept = None
         if failed:
             copy, kept = copy.without(failed)
@@ -368,6 +364,15 @@ def _in_own_positions(job: _Job, outcome: JobOutcome) -> JobOutcome:
 _ASLEEP = "vLLM's KV cache is unmapped (asleep): unregister_kv_caches came before this job"
 
 # Every worker effect (the worker phases of `engine.effects.ROUTES`) and what carries it out.
+def _copy_job(effect: StartStore | StartLoad) -> CopyJob:
+    """The device copy an effect asks for, whole."""
+    if isinstance(effect, StartStore):
+        return CopyJob(job_id=effect.job_id, direction=Direction.STORE, block_ids=effect.source_block_ids,
+                       slot_ids=effect.target_slot_ids)
+    return CopyJob(job_id=effect.job_id, direction=Direction.LOAD, block_ids=effect.target_block_ids,
+                   slot_ids=effect.source_slot_ids)
+
+
 _RUN = {StartStore: TransferRunner._start, StartLoad: TransferRunner._start, FlushStores: TransferRunner._flush,
         StartSpill: TransferRunner._spill, DropTierKeys: TransferRunner._drop}
 assert set(_RUN) == {kind for kind, phase in ROUTES.items() if phase in WORKER_PHASES}, \
