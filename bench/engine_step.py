@@ -6,13 +6,14 @@ requests over 2 KV groups (full attention + a 1024-token sliding window,
 drawn from shared documents, 256 decoded tokens each, chunked prefill, and
 preemptions when the pool runs short. The engine's time is then measured by
 re-running the recorded events from a fresh state, one `reduce_step` per
-scheduler step.
+scheduler step. `--store-jobs request` plans one store job per request per
+step, as logs recorded before that option do (more events in the trace).
 
 The machines this runs on are shared and noisy, so each timed measure runs
 `--repeat` times and the best run is reported (the least disturbed one; the
 spread is printed too).
 
-    python bench/engine_step.py [--steps N] [--repeat R] [--quick]
+    python bench/engine_step.py [--steps N] [--repeat R] [--store-jobs step|request] [--quick]
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from kvledger.engine.state import initial_state
 from kvledger.events.config import EngineConfig, GroupSpec
 
 
-def config(num_device_blocks: int, num_tier_slots: int) -> EngineConfig:
+def config(num_device_blocks: int, num_tier_slots: int, store_jobs: str = "step") -> EngineConfig:
     return EngineConfig(
         groups=(GroupSpec(group_id=0, kind="full", block_size=16),
                 GroupSpec(group_id=1, kind="sliding", block_size=16, window=1024)),
-        hash_block_size=16, num_device_blocks=num_device_blocks, num_tier_slots=num_tier_slots)
+        hash_block_size=16, num_device_blocks=num_device_blocks, num_tier_slots=num_tier_slots,
+        store_jobs=store_jobs)
 
 
 def make_trace(cfg: EngineConfig, *, steps: int, running: int, seed: int) -> list[list]:
@@ -140,11 +142,13 @@ def main() -> None:
     parser.add_argument("--tier-slots", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each timed measure; the best is reported")
+    parser.add_argument("--store-jobs", choices=("step", "request"), default="step",
+                        help="one store job per step (the default), or per request per step (older logs)")
     parser.add_argument("--quick", action="store_true", help="a small run to check the script works")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.running, args.device_blocks, args.tier_slots = 60, 16, 4000, 20000
-    cfg = config(args.device_blocks, args.tier_slots)
+    cfg = config(args.device_blocks, args.tier_slots, args.store_jobs)
     t0 = time.perf_counter()
     trace = make_trace(cfg, steps=args.steps, running=args.running, seed=args.seed)
     events = [e for step in trace for e in step]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, Final, NamedTuple, TypeVar, cast
 
 from kvledger.events import types as ev
-from kvledger.events.config import Protection, StoreMode
+from kvledger.events.config import Protection, StoreJobs, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
 from . import construct as new
@@ -57,6 +57,7 @@ __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
 _T = TypeVar("_T")
 _PIN: Final = Protection.PIN
 _LAZY: Final = StoreMode.LAZY
+_BY_REQUEST: Final = StoreJobs.REQUEST
 
 # REQUEST_MOVES as the handlers read it: {kind: {status before: status after}},
 # and the statuses a step may schedule (`RequestState.step_limit` follows them).
@@ -550,19 +551,57 @@ def _step_scheduled(core: Core, event: ev.StepScheduled, out: list[fx.Effect]) -
     core.step_index = event.step_index
     for request, done in zip(scheduled, event.num_computed_tokens):
         request.num_computed_tokens = done
-    if crossed:
-        lazy = core.config.store_mode is _LAZY
-        for request, horizon in crossed:
-            _plan_stores(core, request, horizon, out, lazy=lazy)
-
-
-def _plan_stores(core: Core, request: RequestState, horizon: int, out: list[fx.Effect], *, lazy: bool = False) -> None:
-    """Store every block that is full after this step and not yet in the tier;
-    in lazy mode, only note its key, for when the block nears eviction."""
-    # The candidates as three columns (no tuple each: a new prompt has hundreds).
+    if not crossed:
+        return
+    # The step's candidates as three columns (no tuple each: a new prompt has
+    # hundreds), in request order and each request's in group order.
     cand_groups: list[int] = []
     cand_blocks: list[int] = []
     cand_keys: list[bytes] = []
+    if core.config.store_mode is _LAZY:  # only note the keys, for when their blocks near eviction
+        for request, horizon in crossed:
+            _find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
+        lazy_keys = core.lazy_keys
+        for block, key in zip(cand_blocks, cand_keys):
+            lazy_keys[block] = key
+    elif core.config.store_jobs is _BY_REQUEST:
+        for request, horizon in crossed:
+            _find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
+            if cand_keys:
+                _admit_store(core, request.request_id, cand_groups, cand_blocks, cand_keys, out)
+                cand_groups.clear()  # the job holds tuples of its own
+                cand_blocks.clear()
+                cand_keys.clear()
+    else:  # one job for the whole step
+        for request, horizon in crossed:
+            _find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
+        if cand_keys:
+            if len(set(cand_keys)) < len(cand_keys):
+                _drop_repeats(cand_groups, cand_blocks, cand_keys)
+            # In request order: when the tier cannot take them all, the first
+            # requests' blocks are stored, each with its every group.
+            _admit_store(core, "", cand_groups, cand_blocks, cand_keys, out)
+
+
+def _drop_repeats(cand_groups: list[int], cand_blocks: list[int], cand_keys: list[bytes]) -> None:
+    """Keep each key's first candidate. Requests of one step can share a block (a
+    prefix hit on blocks allocated in the same step) or hold the same content
+    twice; one copy is stored, as when each request's job was admitted in turn."""
+    seen: set[bytes] = set()
+    kept: list[int] = []
+    for index, key in enumerate(cand_keys):
+        if key not in seen:
+            seen.add(key)
+            kept.append(index)
+    cand_groups[:] = [cand_groups[i] for i in kept]
+    cand_blocks[:] = [cand_blocks[i] for i in kept]
+    cand_keys[:] = [cand_keys[i] for i in kept]
+
+
+def _find_stores(core: Core, request: RequestState, horizon: int, cand_groups: list[int],
+                 cand_blocks: list[int], cand_keys: list[bytes]) -> None:
+    """Append every block of `request` that is full after this step and not yet
+    in the tier (nor being written by a load) to the candidate columns."""
     slot_of_key = core.slot_of_key
     writer = core.block_writer
     next_store = request.next_store
@@ -593,12 +632,6 @@ def _plan_stores(core: Core, request: RequestState, horizon: int, out: list[fx.E
         if next_tokens < 0 or reach < next_tokens:
             next_tokens = reach
     request.next_store_tokens = max(next_tokens, 0)
-    if lazy:
-        lazy_keys = core.lazy_keys
-        for block, key in zip(cand_blocks, cand_keys):
-            lazy_keys[block] = key
-    elif cand_keys:
-        _admit_store(core, request.request_id, cand_groups, cand_blocks, cand_keys, out)
 
 
 def _admit_store(core: Core, request_id: str, cand_groups: list[int], cand_blocks: list[int],
@@ -692,7 +725,12 @@ def _split(flat: tuple[_T, ...], spans: list[tuple[int, int]]) -> tuple[tuple[_T
 
 
 def _regroup(groups: list[int], column: list[_T], num_groups: int) -> tuple[tuple[_T, ...], ...]:
-    return tuple(tuple(x for g, x in zip(groups, column) if g == group_id) for group_id in range(num_groups))
+    """`column`'s items by group, each group's in their order (one pass: a step's
+    job lists its requests in turn, each in group order)."""
+    parts: list[list[_T]] = [[] for _ in range(num_groups)]
+    for group_id, item in zip(groups, column):
+        parts[group_id].append(item)
+    return tuple([tuple(part) for part in parts])
 
 
 def _blocks_near_eviction(core: Core, event: ev.BlocksNearEviction, out: list[fx.Effect]) -> None:

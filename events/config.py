@@ -50,6 +50,19 @@ class StoreMode(enum.Enum):
     LAZY = "lazy"
 
 
+class StoreJobs(enum.Enum):
+    """How a step's stores are grouped into jobs (each ends with one event per worker).
+
+    STEP: one job per scheduler step, every request's new blocks together: one
+    effect, one copy and one completion per worker, whatever the batch size.
+    REQUEST: one job per request per step. Logs recorded before this option
+    were made so, and replay so (a config without the key reads as REQUEST).
+    """
+
+    STEP = "step"
+    REQUEST = "request"
+
+
 class PolicyName(enum.Enum):
     LRU = "lru"
     ARC = "arc"
@@ -127,6 +140,7 @@ class EngineConfig:
     world_size: int = attrs.field(default=1, validator=_positive)
     store_mode: StoreMode = attrs.field(default=StoreMode.EAGER, converter=StoreMode)
     lower_tiers: tuple[LowerTierSpec, ...] = attrs.field(default=(), converter=_lower_tiers)
+    store_jobs: StoreJobs = attrs.field(default=StoreJobs.STEP, converter=StoreJobs)
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -169,6 +183,8 @@ class EngineConfig:
             data["store_mode"] = self.store_mode.value
         if self.lower_tiers:  # likewise
             data["lower_tiers"] = [t.to_dict() for t in self.lower_tiers]
+        if self.store_jobs is not StoreJobs.REQUEST:  # absent means REQUEST: older logs keep their digests
+            data["store_jobs"] = self.store_jobs.value
         return data
 
     @classmethod
@@ -181,7 +197,7 @@ class EngineConfig:
             raise ConfigError(f"unknown config keys: {', '.join(unknown)}")
         try:
             groups = tuple(GroupSpec(**g) for g in data["groups"])
-            return cls(**{**data, "groups": groups})
+            return cls(**{"store_jobs": StoreJobs.REQUEST, **data, "groups": groups})
         except KeyError as exc:
             raise ConfigError(f"missing config key: {exc.args[0]}") from None
         except (TypeError, ValueError) as exc:

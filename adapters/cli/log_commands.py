@@ -372,7 +372,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from kvledger.adapters.testing.simulator import Simulator, run_random
     from kvledger.events.config import EngineConfig
 
-    data = dict(SCENARIOS[args.scenario])
+    data = {"store_jobs": "step", **SCENARIOS[args.scenario]}  # absent, a config reads as an older log's
     if args.protection:
         data["protection"] = args.protection
     config = EngineConfig.from_dict(data)

@@ -295,7 +295,8 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
         ("KV groups", groups),
         ("tier", f"{config['num_tier_slots']} slots; {config['num_device_blocks']} device blocks; policy "
                  f"{config['policy']}, protection {config['protection']}, store mode "
-                 f"{config.get('store_mode', 'eager')}, {config['world_size']} worker(s)"),
+                 f"{config.get('store_mode', 'eager')}, one store job per {config.get('store_jobs', 'request')}, "
+                 f"{config['world_size']} worker(s)"),
         ("hits", f"{totals['hit_tokens']} tokens restored by {totals['loads']} loads ({totals['keys_loaded']} blocks)"),
         ("stores", f"{totals['stores']} jobs, {totals['keys_stored']} blocks stored, "
                    f"{totals['store_rejections']} not admitted (tier full)"),

@@ -30,13 +30,14 @@ def make_config(**overrides: object) -> EngineConfig:
 
 # The simulated workloads' configurations (the stateful machine, the check-agreement
 # property tests): one group; windows; pin mode with ARC; mamba; mixed block
-# sizes; lazy stores.
+# sizes; lazy stores. Two keep one store job per request (the older logs' way).
 SIMULATED_CONFIGS = [
     EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),),
                  hash_block_size=16, num_device_blocks=24, num_tier_slots=12),
     EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
                          GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
-                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, world_size=2),
+                 hash_block_size=32, num_device_blocks=32, num_tier_slots=16, world_size=2,
+                 store_jobs="request"),
     EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
                          GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
                  hash_block_size=32, num_device_blocks=32, num_tier_slots=16, protection="pin", policy="arc"),
@@ -45,7 +46,7 @@ SIMULATED_CONFIGS = [
                  hash_block_size=32, num_device_blocks=32, num_tier_slots=16, policy="arc"),
     EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),
                          GroupSpec(group_id=1, kind="sliding", block_size=32, window=48)),
-                 hash_block_size=16, num_device_blocks=40, num_tier_slots=20),
+                 hash_block_size=16, num_device_blocks=40, num_tier_slots=20, store_jobs="request"),
     EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),
                          GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)),
                  hash_block_size=32, num_device_blocks=32, num_tier_slots=16, store_mode="lazy"),

@@ -470,7 +470,7 @@ def test_step_scheduled_stores_every_full_new_block():
     e.alloc("a", *A_BLOCKS)
     effects = e.step(("a", 0, 128))
     assert effects == (fx.StartStore(
-        job_id=1, request_id="a", keys=(KA0, KA1), source_block_ids=A_BLOCKS,
+        job_id=1, request_id="", keys=(KA0, KA1), source_block_ids=A_BLOCKS,
         target_slot_ids=((0, 1, 2, 3), (4, 5, 6, 7))),)
     c = e.core
     assert c.step_index == 0
@@ -499,7 +499,7 @@ def test_step_scheduled_stores_only_blocks_filled_since_the_last_store():
     assert e.step(("a", 80, 1)) == ()  # 81 tokens: block 2 is not full yet
     e.apply(ev.BlockHashesAppended(request_id="a", num_tokens=96, block_hashes=A[2:3]))
     assert e.step(("a", 81, 15)) == (fx.StartStore(
-        job_id=2, request_id="a", keys=((KA0[2],), (KA1[2],)), source_block_ids=((3,), (7,)),
+        job_id=2, request_id="", keys=((KA0[2],), (KA1[2],)), source_block_ids=((3,), (7,)),
         target_slot_ids=((4,), (5,))),)
     assert e.core.requests["a"].num_computed_tokens == 81
     check(e.state)
@@ -511,8 +511,55 @@ def test_step_scheduled_skips_keys_already_in_the_tier_and_null_blocks():
     e.alloc("b", (9, 10, 11, 12, 13), (0, 0, 14, 15, 16))
     k4 = chain(5, "a")[4]
     assert e.step(("b", 0, 160)) == (fx.StartStore(
-        job_id=2, request_id="b", keys=((key(k4, 0),), (key(k4, 1),)), source_block_ids=((13,), (16,)),
+        job_id=2, request_id="", keys=((key(k4, 0),), (key(k4, 1),)), source_block_ids=((13,), (16,)),
         target_slot_ids=((8,), (9,))),)
+    check(e.state)
+
+
+@pytest.mark.parametrize("store_jobs", ["step", "request"])
+def test_a_steps_stores_are_one_job_in_group_order_and_a_shared_block_is_stored_once(store_jobs):
+    """Request "y" shares the blocks "x" computes in the same step (vLLM caches a
+    full block when it allocates it). One job per step holds both requests'
+    blocks, by group, and the shared ones once; one job per request stores the
+    shared blocks with the first request, as each job is admitted in turn."""
+    e = Engine(make_config(store_jobs=store_jobs))
+    e.add("x", 64, tag="x")
+    e.alloc("x", (1, 2), (3, 4))
+    e.add("y", 96, chain(3, "x"))
+    e.touch("y", (1, 2), (3, 4))
+    e.alloc("y", (5,), (6,))
+    effects = e.step(("x", 0, 64), ("y", 64, 32))
+    kx = chain(3, "x")
+    k0, k1 = tuple(key(h, 0) for h in kx), tuple(key(h, 1) for h in kx)
+    if store_jobs == "step":
+        assert effects == (fx.StartStore(
+            job_id=1, request_id="", keys=(k0, k1), source_block_ids=((1, 2, 5), (3, 4, 6)),
+            target_slot_ids=((0, 1, 4), (2, 3, 5))),)  # slots taken request by request
+    else:
+        assert effects == (
+            fx.StartStore(job_id=1, request_id="x", keys=(k0[:2], k1[:2]), source_block_ids=((1, 2), (3, 4)),
+                          target_slot_ids=((0, 1), (2, 3))),
+            fx.StartStore(job_id=2, request_id="y", keys=(k0[2:], k1[2:]), source_block_ids=((5,), (6,)),
+                          target_slot_ids=((4,), (5,))))
+    assert e.core.block_readers == {b: e.core.next_job_id - 1 if b in (5, 6) else 1 for b in range(1, 7)}
+    check(e.state)
+    e.finish_all_jobs()
+    assert sorted(e.core.slot_of_key) == sorted(k0 + k1) and len(e.core.policy) == 6
+    check(e.state)
+
+
+@pytest.mark.parametrize("store_jobs", ["step", "request"])
+def test_when_the_tier_is_short_a_steps_first_requests_are_stored_whole(store_jobs):
+    """Four slots, two requests of two blocks in each of two groups: the first
+    request's blocks are stored in every group (a hit needs them all), the
+    second's are not admitted."""
+    e = Engine(make_config(num_tier_slots=4, store_jobs=store_jobs))
+    for rid, blocks in (("x", ((1, 2), (3, 4))), ("y", ((5, 6), (7, 8)))):
+        e.add(rid, 64, tag=rid)
+        e.alloc(rid, *blocks)
+    (store,) = e.step(("x", 0, 64), ("y", 0, 64))
+    assert store.source_block_ids == ((1, 2), (3, 4))
+    assert e.core.stats.store_rejections == 4
     check(e.state)
 
 
@@ -848,7 +895,7 @@ def test_store_admission_never_evicts_a_key_under_a_load():
     kb0 = key(chain(1, "b")[0], 0)
     assert effects == (
         fx.KeysEvicted(keys=(KA0[3],)),
-        fx.StartStore(job_id=3, request_id="b", keys=((kb0,),), source_block_ids=((9,),),
+        fx.StartStore(job_id=3, request_id="", keys=((kb0,),), source_block_ids=((9,),),
                       target_slot_ids=((3,),)),
     )
     assert e.core.stats.store_rejections == 3 and e.core.stats.evictions == 1

@@ -364,18 +364,19 @@ def test_event_footprint_checks(case):
     (lambda c, job: c.block_readers.pop(job.block_ids[1][1]), "does not record its reader"),
     (lambda c, job: c.policy.insert(job.keys[0][0], False), "policy membership disagrees"),
 ], ids=["slot state", "generation", "reader", "evictable"])
-def test_a_steps_new_stores_are_checked_together_and_each_problem_named(corrupt, message):
-    e = Engine()
+@pytest.mark.parametrize("store_jobs, jobs", [("step", 1), ("request", 2)])
+def test_a_steps_new_stores_are_checked_together_and_each_problem_named(corrupt, message, store_jobs, jobs):
+    e = Engine(make_config(store_jobs=store_jobs))
     for rid, blocks in (("x", ((1, 2), (3, 4))), ("y", ((5, 6), (7, 8)))):
         e.add(rid, 64, tag=rid)
         e.alloc(rid, *blocks)
     first = e.core.next_job_id
     e.step(("x", 0, 64), ("y", 0, 64))
     step = e.log[-1]
-    assert len(range(first, e.core.next_job_id)) == 2
+    assert len(range(first, e.core.next_job_id)) == jobs
     check_event(e.state, step, first)
     state = e.state.clone()
-    corrupt(state.core, state.core.jobs[first + 1])
+    corrupt(state.core, state.core.jobs[e.core.next_job_id - 1])
     with pytest.raises(InvariantViolation) as raised:
         check_event(state, step, first)
     assert any(message in p for p in raised.value.problems), raised.value.problems

@@ -217,10 +217,12 @@ def test_replays_and_simulated_runs_reach_every_other_row(consulted):
     for path in golden + sorted((GOLDEN / "vllm").glob("*.jsonl.gz")):
         header, records = open_log(path)
         assert replay(header.config, records).first_problem is None, path.name
-    for config in (full_only_config(num_device_blocks=24, num_tier_slots=12), make_config(world_size=2)):
-        for seed in range(3):
-            run_random(Simulator(config), random.Random(seed), steps=200, arrivals=0.9, max_tokens=30,
-                       completion_rate=0.3, fail_rate=0.2, abort_rate=0.1)
+    for store_jobs in ("request", "step"):
+        for config in (full_only_config(num_device_blocks=24, num_tier_slots=12, store_jobs=store_jobs),
+                       make_config(world_size=2, store_jobs=store_jobs)):
+            for seed in range(3):
+                run_random(Simulator(config), random.Random(seed), steps=200, arrivals=0.9, max_tokens=30,
+                           completion_rate=0.3, fail_rate=0.2, abort_rate=0.1)
     assert consulted <= set(REQUEST_MOVES)
     assert sorted(map(name, set(REQUEST_MOVES) - UNSIMULATED - consulted)) == []
     assert not UNSIMULATED & consulted, "a run reaches a row listed as unsimulated: take it off the list"

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvledger.events import types as ev
+from kvledger.events.config import EngineConfig, StoreJobs
 from kvledger.events.log_binary import encode_binary, read_binary
 from kvledger.events.log_records import (
     LOG_SCHEMA_VERSION,
@@ -82,7 +84,8 @@ def test_old_store_failed_v1_fixture_decodes_with_all_keys() -> None:
     with (GOLDEN / "old_store_failed_v1.jsonl").open("rb") as file:
         header, records = read_jsonl(file)
         events = [r.event for r in records]
-    assert header.config == CONFIG
+    # Recorded before `store_jobs`: a header without it reads as one job per request.
+    assert header.config == attrs.evolve(CONFIG, store_jobs=StoreJobs.REQUEST)
     assert ev.StoreFailed(job_id=0, worker_index=0, keys=()) in events
     assert b'"kind":"store_failed","step_index":1,"job_id":0,"worker_index":0}' in (
         GOLDEN / "old_store_failed_v1.jsonl"
@@ -98,6 +101,16 @@ def fails(lines: list[bytes], message: str, line: int) -> LogError:
     assert caught.value.line == line
     assert str(caught.value).startswith(f"line {line}: ")
     return caught.value
+
+
+@pytest.mark.parametrize("store_jobs", list(StoreJobs))
+def test_store_jobs_round_trip_and_a_config_without_it_is_an_older_logs(store_jobs: StoreJobs) -> None:
+    config = attrs.evolve(CONFIG, store_jobs=store_jobs)
+    data = config.to_dict()
+    assert EngineConfig.from_dict(data) == config
+    # Only the option's new default is written, so an older log's config (and digests) read back unchanged.
+    assert ("store_jobs" in data) is (store_jobs is StoreJobs.STEP)
+    assert EngineConfig.from_dict({k: v for k, v in data.items() if k != "store_jobs"}).store_jobs is StoreJobs.REQUEST
 
 
 def test_truncated_last_line() -> None:
@@ -230,6 +243,7 @@ def _header_line(**changes: object) -> bytes:
         ),
         (_header_line(config={**CONFIG.to_dict(), "groups": [{"group_id": 0}]}), "config: .*'kind'"),
         (_header_line(config={**CONFIG.to_dict(), "policy": "fifo"}), "config: .*'fifo'"),
+        (_header_line(config={**CONFIG.to_dict(), "store_jobs": "batch"}), "config: .*'batch'"),
         (_header_line(config=[1]), "config: config must be a mapping"),
         # Impossible sizes are refused before anything is allocated (they once overflowed,
         # filled memory, or ran for minutes).
