@@ -189,6 +189,8 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> EngineConfig:
+        """The config `to_dict` wrote. Keys added since default to what a log
+        written before them meant: no `store_jobs` is one store job per request."""
         if not isinstance(data, dict):
             raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
         known = {f.name for f in attrs.fields(cls)}
