@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 import structlog
@@ -72,26 +72,14 @@ class CpuBackend:
         return pieces
 
     def submit(self, job: CopyJob) -> None:
-        self.submit_many((job,))
-
-    def submit_many(self, jobs: Sequence[CopyJob]) -> None:
-        """`submit` each job; inline, the jobs of each direction are one merged
-        copy, as the copy threads merge what is queued behind a job. Raises
-        only before any job started (the backend was shut down)."""
         with self._lock:
             if self._closed:
                 raise BackendClosed("the CPU copy backend was shut down")
-            for job in jobs:
-                self._pending[job.job_id] = threading.Event()
-        for direction in Direction:
-            batch = [job for job in jobs if job.direction is direction]
-            if not batch:
-                continue
-            if self._inline:
-                self._run_batch(direction, batch)
-            else:
-                for job in batch:
-                    self._queues[direction].put(job)
+            self._pending[job.job_id] = threading.Event()
+        if self._inline:
+            self._run_each(job.direction, [job])
+        else:
+            self._queues[job.direction].put(job)
 
     def _work(self, direction: Direction) -> None:
         # One OpenMP thread for copies (the setting is per thread): they are
@@ -117,8 +105,8 @@ class CpuBackend:
             self._run_batch(direction, batch)
 
     def _run_batch(self, direction: Direction, batch: list[CopyJob]) -> None:
-        """One copy for all queued jobs: vLLM queues a store per request per
-        step, and each copy costs a few torch calls however small it is. If
+        """One copy for all queued jobs (steps' stores that queued up behind a
+        slow copy): each copy costs a few torch calls however small it is. If
         the merged copy fails, each job runs alone, so a failure names its job."""
         if len(batch) > 1 and not self._cancelled:
             started = time.perf_counter()

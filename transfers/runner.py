@@ -103,22 +103,13 @@ class TransferRunner:
 
     def submit(self, effects: Iterable[Effect]) -> None:
         """Run worker effects in order. Any other kind is a routing bug, refused by name."""
-        stores: list[StartStore] = []  # consecutive stores go to the backend together
         for effect in effects:
-            if type(effect) is StartStore:
-                stores.append(effect)
-                continue
-            if stores:
-                self._start_stores(stores)
-                stores = []
             run = _RUN.get(type(effect))
             if run is None:
                 raise TypeError(f"{type(effect).__name__} is not a worker effect (its route is "
                                 f"{ROUTES.get(type(effect))}); the runner carries out only "
                                 f"{sorted(kind.__name__ for kind in _RUN)}")
             run(self, effect)
-        if stores:
-            self._start_stores(stores)
 
     def _flush(self, effect: FlushStores) -> None:
         self.wait(effect.job_ids, what="flush of stores")
@@ -133,45 +124,21 @@ class TransferRunner:
         if not self._closed:
             self._lower.drop(effect)
 
-    def _start_stores(self, stores: list[StartStore]) -> None:
-        """A step's stores, started together: vLLM queues one per request per
-        step, and on host memory the backend merges their copies into one
-        (each copy costs a few calls however small it is)."""
-        submit_many = getattr(self._backend, "submit_many", None)  # `CpuBackend`'s; raises only before any copy
-        if submit_many is None or len(stores) == 1 or len({e.job_id for e in stores}) < len(stores):
-            for effect in stores:  # one by one; a repeated id is then refused as already in flight
-                self._start(effect)
-            return
-        started = [e for e in stores if self._problem(e) is None]
-        copies = [_copy_job(e) for e in started]
-        try:
-            submit_many(copies)
-        except Exception as exc:
-            for effect in started:
-                self._reject(effect, f"the copy backend refused the job: {exc!r}")
-            return
-        now = self._clock()
-        for effect, copy in zip(started, copies):
-            self._jobs[effect.job_id] = _Job(effect, copy, None, frozenset(), now)
-
-    def _problem(self, effect: StartStore | StartLoad) -> str | None:
-        """Why the job must not start (it is rejected: a failure event), or None."""
+    def _start(self, effect: StartStore | StartLoad) -> None:
         if self._closed:
-            problem: str | None = "the runner was shut down"
-        elif self._suspended:
-            problem = _ASLEEP
-        elif effect.job_id in self._jobs or effect.job_id in self._lower:
+            self._reject(effect, "the runner was shut down")
+            return
+        if self._suspended:
+            self._reject(effect, _ASLEEP)
+            return
+        if effect.job_id in self._jobs or effect.job_id in self._lower:
             # The running job keeps going and reports too: two events for one id
             # let the engine see its own protocol error rather than lose a job.
-            problem = f"job {effect.job_id} is already in flight"
-        else:
-            problem = precondition_error(effect, self._limits)
+            self._reject(effect, f"job {effect.job_id} is already in flight")
+            return
+        problem = precondition_error(effect, self._limits)
         if problem is not None:
             self._reject(effect, problem)
-        return problem
-
-    def _start(self, effect: StartStore | StartLoad) -> None:
-        if self._problem(effect) is not None:
             return
         if isinstance(effect, StartLoad) and effect.promote_tiers:
             failed = self._lower.promote(effect)
@@ -182,9 +149,12 @@ class TransferRunner:
 
     def _copy(self, effect: StartStore | StartLoad, failed: set[Position]) -> None:
         """Start the device copy of every position but the `failed` ones."""
+        if isinstance(effect, StartStore):
+            direction, blocks, slots = Direction.STORE, effect.source_block_ids, effect.target_slot_ids
+        else:
+            direction, blocks, slots = Direction.LOAD, effect.target_block_ids, effect.source_slot_ids
         # A promoted key with no host slot (-1) is always among `failed`: `without` drops it.
-        copy = _copy_job(effect)
-        direction = copy.direction
+        copy = CopyJob(job_id=effect.job_id, direction=direction, block_ids=blocks, slot_ids=slots)
         kept = None
         if failed:
             copy, kept = copy.without(failed)
@@ -364,15 +334,6 @@ def _in_own_positions(job: _Job, outcome: JobOutcome) -> JobOutcome:
 _ASLEEP = "vLLM's KV cache is unmapped (asleep): unregister_kv_caches came before this job"
 
 # Every worker effect (the worker phases of `engine.effects.ROUTES`) and what carries it out.
-def _copy_job(effect: StartStore | StartLoad) -> CopyJob:
-    """The device copy an effect asks for, whole."""
-    if isinstance(effect, StartStore):
-        return CopyJob(job_id=effect.job_id, direction=Direction.STORE, block_ids=effect.source_block_ids,
-                       slot_ids=effect.target_slot_ids)
-    return CopyJob(job_id=effect.job_id, direction=Direction.LOAD, block_ids=effect.target_block_ids,
-                   slot_ids=effect.source_slot_ids)
-
-
 _RUN = {StartStore: TransferRunner._start, StartLoad: TransferRunner._start, FlushStores: TransferRunner._flush,
         StartSpill: TransferRunner._spill, DropTierKeys: TransferRunner._drop}
 assert set(_RUN) == {kind for kind, phase in ROUTES.items() if phase in WORKER_PHASES}, \

@@ -286,38 +286,6 @@ def test_an_inline_cpu_backend_has_copied_by_the_time_submit_returns() -> None:
         assert torch.equal(raw.flatten()[mask], before.flatten()[mask])
 
 
-def test_an_inline_cpu_backend_copies_a_steps_stores_as_one_and_each_job_reports() -> None:
-    from kvledger.transfers.cpu_backend import CpuBackend
-
-    class Counting(CpuBackend):
-        def _execute_many(self, batch):
-            merged.append([job.job_id for job in batch])
-            super()._execute_many(batch)
-
-    merged: list[list[int]] = []
-    rig = make_rig(layouts.cpu_attention(), backend_cls=Counting, inline=True)
-    original = rig.snapshot()
-    bad = store(2, [[10**6]], [[5]])  # fails its precondition: rejected, the others still copy
-    rig.runner.submit([store(1, [[1, 2]], [[0, 1]]), bad, store(3, [[3]], [[2]]), store(4, [[4]], [[3]])])
-    assert merged == [[1, 3, 4]]
-    events = rig.runner.poll()
-    assert sorted(events, key=lambda e: e.job_id) == [
-        StoreCompleted(job_id=1, worker_index=3), StoreFailed(job_id=2, worker_index=3, keys=bad.keys[0]),
-        StoreCompleted(job_id=3, worker_index=3), StoreCompleted(job_id=4, worker_index=3)]
-    assert rig.runner.in_flight == frozenset()
-    rig.scramble(seed=4)
-    rig.runner.submit([load(5, [[0, 1, 2, 3]], [[1, 2, 3, 4]])])
-    assert rig.runner.poll() == [LoadCompleted(job_id=5, worker_index=3)]
-    for raw, mask, before in zip(rig.case.raws, rig.block_mask({0: [1, 2, 3, 4]}), original):
-        assert torch.equal(raw.flatten()[mask], before.flatten()[mask])
-    # A repeated id in one step is refused as already in flight, as one by one.
-    rig.runner.submit([store(6, [[5]], [[6]]), store(6, [[6]], [[7]])])
-    assert rig.runner.poll() == [StoreFailed(job_id=6, worker_index=3, keys=(b"k6-0-0",)),
-                                 StoreCompleted(job_id=6, worker_index=3)]
-    assert merged == [[1, 3, 4]]
-    rig.runner.shutdown()
-
-
 def test_an_inline_cpu_backend_starts_no_copy_thread_and_shuts_down_clean() -> None:
     from kvledger.transfers.cpu_backend import CpuBackend
 
