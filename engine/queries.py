@@ -116,6 +116,18 @@ def stats(state: State) -> dict[str, int]:
     return state.core.stats.as_dict()
 
 
+def totals(state: State) -> tuple[int, ...]:
+    """The running totals as one tuple, in `STATS_FIELDS` order: a caller asking
+    every step compares it whole."""
+    return state.core.stats.as_tuple()
+
+
+def tier_gauges(state: State) -> tuple[int, int, int]:
+    """(used slots, capacity in slots, jobs in flight)."""
+    core = state.core
+    return core.num_used_slots(), core.config.num_tier_slots, len(core.jobs)
+
+
 def tier_usage(state: State) -> TierUsage:
     core = state.core
     return TierUsage(core.num_used_slots(), core.config.num_tier_slots, len(core.slot_of_key),

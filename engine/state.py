@@ -263,7 +263,7 @@ class Job:
                 for tier, key, slot, block in zip(tiers, keys, slots, blocks) if tier]
 
 
-_STATS_FIELDS = (
+STATS_FIELDS = (
     "hit_tokens", "loads", "keys_loaded", "stores", "keys_stored", "store_rejections",
     "store_failures", "load_failures", "keys_failed", "flushes", "jobs_flushed",
     "evictions", "preemptions", "finished", "aborted",
@@ -273,7 +273,7 @@ _STATS_FIELDS = (
 class Stats:
     """Running totals for reports; part of the state, so replay reproduces them."""
 
-    __slots__ = _STATS_FIELDS
+    __slots__ = STATS_FIELDS
     hit_tokens: int
     loads: int
     keys_loaded: int
@@ -291,17 +291,22 @@ class Stats:
     aborted: int
 
     def __init__(self) -> None:
-        for name in _STATS_FIELDS:
+        for name in STATS_FIELDS:
             setattr(self, name, 0)
 
     def clone(self) -> Stats:
         other = Stats()
-        for name in _STATS_FIELDS:
+        for name in STATS_FIELDS:
             setattr(other, name, getattr(self, name))
         return other
 
     def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in _STATS_FIELDS}
+        return {name: getattr(self, name) for name in STATS_FIELDS}
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return (self.hit_tokens, self.loads, self.keys_loaded, self.stores, self.keys_stored, self.store_rejections,
+                self.store_failures, self.load_failures, self.keys_failed, self.flushes, self.jobs_flushed,
+                self.evictions, self.preemptions, self.finished, self.aborted)
 
 
 class LowerTier:

@@ -191,6 +191,8 @@ class TransferRunner:
 
     def poll(self) -> list[TransferEvent]:
         """Completion events since the last poll, in the order jobs finished."""
+        if not (self._jobs or self._ready or self._abandoned or self._lower.active):
+            return []  # vLLM asks every step; most steps have no job in flight
         spilled, promoted = self._lower.poll()
         self._ready.extend(spilled)
         for effect, failed in promoted:

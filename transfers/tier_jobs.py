@@ -66,6 +66,11 @@ class LowerTierJobs:
     def in_flight(self) -> frozenset[int]:
         return frozenset(self._spills) | frozenset(self._promotions)
 
+    @property
+    def active(self) -> bool:
+        """Whether a poll can find anything: a tier's I/O reports on its own clock."""
+        return bool(self._tiers)
+
     def __contains__(self, job_id: int) -> bool:
         return job_id in self._spills or job_id in self._promotions
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvledger.engine.planner import Admission, StepInputs, plan_step
+from kvledger.engine.planner import Admission, plan_step
 from kvledger.engine.reducer import reduce, reduce_step
 from kvledger.engine.state import State, initial_state
 from kvledger.events import types as ev
@@ -89,10 +89,10 @@ class FakeVllm:
     def plan(self, scheduled: dict[str, int] | None = None, *, admitted: tuple[Admission, ...] = (),
              preempted: tuple[str, ...] = (), near_eviction: tuple[int, ...] = ()) -> list[ev.Event]:
         scheduled = scheduled or {}
-        events = plan_step(self.state, StepInputs(
-            step_index=self.step_index + 1, preempted=preempted, scheduled=scheduled, admissions=admitted,
-            requests=self.requests, tables=self.tables, near_eviction=near_eviction,
-            cached=self.cached(scheduled) if self.say_counts else None, sessions=self.sessions))
+        events = plan_step(
+            self.state, step_index=self.step_index + 1, preempted=preempted, scheduled=scheduled,
+            admissions=admitted, requests=self.requests, tables=self.tables, near_eviction=near_eviction,
+            cached=self.cached(scheduled) if self.say_counts else None, sessions=self.sessions)
         self.given.clear()
         self.ran.update(scheduled)
         if scheduled:

@@ -35,8 +35,8 @@ from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMeta
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.lookup import LookupResult, lookup
-from kvledger.engine.planner import Admission, StepInputs, new_hashes, plan_step
-from kvledger.engine.state import RequestStatus
+from kvledger.engine.planner import Admission, new_hashes, plan_step
+from kvledger.engine.state import STATS_FIELDS, RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, EngineConfig, StoreMode
 from kvledger.events.keys import hex_keys
@@ -52,10 +52,11 @@ _log = structlog.get_logger("kvledger.adapters.vllm.scheduler")
 _FAILURES = frozenset((ev.StoreFailed, ev.LoadFailed))
 
 # Engine totals reported as counters: the stats carry their change since the last report.
-_COUNTED = (("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORES),
-            ("store_rejections", m.ALLOCATION_FAILURE), ("load_failures", m.LOAD_FAILURES),
-            ("store_failures", m.STORE_FAILURES), ("keys_failed", m.FAILED_BLOCKS),
-            ("evictions", m.EVICTIONS), ("flushes", m.FLUSHES), ("jobs_flushed", m.FLUSHED_JOBS))
+_COUNTED = tuple((STATS_FIELDS.index(field), metric) for field, metric in (
+    ("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORES),
+    ("store_rejections", m.ALLOCATION_FAILURE), ("load_failures", m.LOAD_FAILURES),
+    ("store_failures", m.STORE_FAILURES), ("keys_failed", m.FAILED_BLOCKS),
+    ("evictions", m.EVICTIONS), ("flushes", m.FLUSHES), ("jobs_flushed", m.FLUSHED_JOBS)))
 
 
 _TIER_COUNTED = (("keys_read", m.TIER_KEYS_READ), ("keys_written", m.TIER_KEYS_WRITTEN),
@@ -81,7 +82,7 @@ class LedgerScheduler:
         self.log_path = str(self.host.writer.path) if self.host.writer is not None else None
         if self.log_path is not None:
             _log.info("event_log_opened", path=self.log_path)
-        self._managers: tuple = ()  # vLLM's per-group managers, in group order
+        self._tables: tuple = ()  # each group's `req_to_blocks`, which vLLM's managers keep for their life
         self._pool: BlockPoolView | None = None
         self._requests: dict[str, Request] = {}
         # Streaming sessions (vLLM's resumable requests): the planner compares their
@@ -96,7 +97,7 @@ class LedgerScheduler:
         self._epoch = 0
         self.tier_events = tier_events
         self._violations = 0
-        self._reported: dict[str, int] = {}  # engine totals at the last stats report
+        self._reported = (0,) * len(STATS_FIELDS)  # engine totals at the last stats report
         self._gauges: tuple[int, ...] = ()  # the host tier's gauges as last reported
         self._tier_reported: dict[tuple[str, str], int] = {}  # each lower tier's, likewise
         self._log_failure_reported = False
@@ -166,7 +167,7 @@ class LedgerScheduler:
     # vLLM's scheduler-side calls.
 
     def bind(self, manager: KVCacheManager) -> None:
-        self._managers = tuple(manager.coordinator.single_type_managers)
+        self._tables = tuple(group.req_to_blocks for group in manager.coordinator.single_type_managers)
         self._pool = BlockPoolView(manager.block_pool)
 
     @property
@@ -225,15 +226,13 @@ class LedgerScheduler:
                 self._promised += self._pending_promotions.pop(rid, 0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLedgerMetadata:
-        assert self._managers, "bind_kv_cache_manager was not called"
+        assert self._tables, "bind_kv_cache_manager was not called"
         scheduled = scheduler_output.num_scheduled_tokens
-        step = StepInputs(
-            step_index=self._step + 1, preempted=tuple(scheduler_output.preempted_req_ids or ()),
-            scheduled=scheduled, admissions=self._admitted, requests=self._requests,
-            tables=tuple(manager.req_to_blocks for manager in self._managers),
+        events = plan_step(
+            self.host.state, step_index=self._step + 1, preempted=scheduler_output.preempted_req_ids or (),
+            scheduled=scheduled, admissions=self._admitted, requests=self._requests, tables=self._tables,
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
             keys_of=self._keys_of, cached=scheduler_output.scheduled_cached_reqs, sessions=self._sessions)
-        events = plan_step(self.host.state, step)
         self._admitted = []
         self._promised = 0
         self._pending_promotions.clear()
@@ -265,16 +264,21 @@ class LedgerScheduler:
             self._tiers.forget(rid)
         return False, None  # blocks are freed now; the engine flushes stores that still read them
 
-    def take_stats(self) -> m.KVLedgerStats:
+    def take_stats(self) -> m.KVLedgerStats | None:
         """What the engine counted since the last report, and the host tier's
-        gauges when one moved (a gauge keeps its last value)."""
-        stats = m.KVLedgerStats()
+        gauges when one moved (a gauge keeps its last value); None when
+        nothing moved, as on most steps (vLLM asks every step)."""
         state = self.host.state
-        totals = queries.stats(state)
-        reported = self._reported
-        if totals != reported:  # vLLM asks every step: most steps move no count
-            for field, metric in _COUNTED:
-                change = totals[field] - reported.get(field, 0)
+        totals = queries.totals(state)
+        gauges = queries.tier_gauges(state)
+        quiet = (totals == self._reported and gauges == self._gauges and not self._violations
+                 and not self._lookup_seconds and self._tiers is None and not state.core.lower)
+        if quiet and (self.host.log_failure is None or self._log_failure_reported):
+            return None
+        stats = m.KVLedgerStats()
+        if totals != self._reported:
+            for index, metric in _COUNTED:
+                change = totals[index] - self._reported[index]
                 if change:
                     stats.add(metric, change)
             self._reported = totals
@@ -287,8 +291,6 @@ class LedgerScheduler:
         for seconds in self._lookup_seconds:
             stats.add(m.LOOKUP_DELAY, seconds)
         self._lookup_seconds.clear()
-        tier = queries.tier_usage(state)
-        gauges = (tier.used_slots, tier.capacity_slots, queries.num_jobs_in_flight(state))
         if gauges != self._gauges:
             for metric, value in zip((m.TIER_USED, m.TIER_CAPACITY, m.JOBS_IN_FLIGHT), gauges):
                 stats.add(metric, value)

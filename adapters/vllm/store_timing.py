@@ -74,6 +74,8 @@ class StoreQueue:
 
     def after_forward(self, runner: TransferRunner, effects: Sequence[Effect]) -> None:
         """`wait_for_save`: the step's stores, whose blocks the forward wrote."""
+        if not effects:  # most steps fill no block
+            return
         if self.timing is StoreTiming.DEFERRED:
             self._deferred.extend(effects)
             return

@@ -135,11 +135,13 @@ class LedgerWorker:
             _log.debug("stores_flushed", effects=meta.before_step)
 
     def start_loads(self, meta: KVLedgerMetadata) -> None:
-        for load in meta.loads:
-            assert isinstance(load, StartLoad), load
-            self._load_requests[load.job_id] = load.request_id
-        self._store_queue.before_step(self._runner)  # a step whose runner skipped handle_preemptions
-        self._runner.submit(meta.loads)
+        runner = self._runner
+        self._store_queue.before_step(runner)  # a step whose runner skipped handle_preemptions
+        if meta.loads:
+            for load in meta.loads:
+                assert isinstance(load, StartLoad), load
+                self._load_requests[load.job_id] = load.request_id
+            runner.submit(meta.loads)
 
     def start_stores(self, meta: KVLedgerMetadata) -> None:
         self._store_queue.after_forward(self._runner, meta.after_forward)

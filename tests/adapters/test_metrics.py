@@ -141,7 +141,7 @@ def test_a_step_that_changed_nothing_reports_nothing_and_the_next_change_reports
         first = scheduler.take_stats().data
         assert first[m.GAUGE] == {m.TIER_USED.name: 0, m.TIER_CAPACITY.name: config.num_tier_slots,
                                   m.JOBS_IN_FLIGHT.name: 0}
-        assert scheduler.take_stats().is_empty()
+        assert scheduler.take_stats() is None
         block = config.groups[0].block_size
         scheduler.host.apply(ev.RequestAdded(request_id="r", num_prompt_tokens=2 * block, block_hashes=chain(2)))
         scheduler.host.apply(ev.BlocksAllocated(request_id="r", block_ids=((1, 2),)))
@@ -151,6 +151,6 @@ def test_a_step_that_changed_nothing_reports_nothing_and_the_next_change_reports
         assert moved[m.COUNTER] == {m.STORES.name: 1}
         assert moved[m.GAUGE] == {m.TIER_USED.name: 2, m.TIER_CAPACITY.name: config.num_tier_slots,
                                   m.JOBS_IN_FLIGHT.name: 1}
-        assert scheduler.take_stats().is_empty()
+        assert scheduler.take_stats() is None
     finally:
         scheduler.shutdown()
