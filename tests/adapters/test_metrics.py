@@ -154,3 +154,27 @@ def test_a_step_that_changed_nothing_reports_nothing_and_the_next_change_reports
         assert scheduler.take_stats() is None
     finally:
         scheduler.shutdown()
+
+
+def test_a_lookup_alone_is_reported_though_no_count_moved():
+    """The quiet-step shortcut must not swallow what moves no total: a lookup's delay."""
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from tests.engine.builders import FULL, chain, make_config
+
+    config = make_config(groups=(FULL,))
+    scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
+    try:
+        assert scheduler.take_stats() is not None  # the gauges' first values
+        block = config.groups[0].block_size
+        request = SimpleNamespace(request_id="r", block_hashes=list(chain(2)), num_prompt_tokens=2 * block,
+                                  num_tokens=2 * block)
+        scheduler.on_new_request(request)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # a miss: nothing stored
+        reported = scheduler.take_stats()
+        assert reported is not None
+        assert len(reported.data[m.HISTOGRAM][m.LOOKUP_DELAY.name]) == 1
+        assert not reported.data[m.COUNTER] and not reported.data[m.GAUGE]
+        assert scheduler.take_stats() is None
+    finally:
+        scheduler.shutdown()
