@@ -558,13 +558,8 @@ def _step_scheduled(core: Core, event: ev.StepScheduled, out: list[fx.Effect]) -
     cand_groups: list[int] = []
     cand_blocks: list[int] = []
     cand_keys: list[bytes] = []
-    if core.config.store_mode is _LAZY:  # only note the keys, for when their blocks near eviction
-        for request, horizon in crossed:
-            _find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
-        lazy_keys = core.lazy_keys
-        for block, key in zip(cand_blocks, cand_keys):
-            lazy_keys[block] = key
-    elif core.config.store_jobs is _BY_REQUEST:
+    lazy = core.config.store_mode is _LAZY
+    if not lazy and core.config.store_jobs is _BY_REQUEST:
         for request, horizon in crossed:
             _find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
             if cand_keys:
@@ -572,15 +567,19 @@ def _step_scheduled(core: Core, event: ev.StepScheduled, out: list[fx.Effect]) -
                 cand_groups.clear()  # the job holds tuples of its own
                 cand_blocks.clear()
                 cand_keys.clear()
-    else:  # one job for the whole step
-        for request, horizon in crossed:
-            _find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
-        if cand_keys:
-            if len(set(cand_keys)) < len(cand_keys):
-                _drop_repeats(cand_groups, cand_blocks, cand_keys)
-            # In request order: when the tier cannot take them all, the first
-            # requests' blocks are stored, each with its every group.
-            _admit_store(core, "", cand_groups, cand_blocks, cand_keys, out)
+        return
+    for request, horizon in crossed:
+        _find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
+    if lazy:  # only note the keys, for when their blocks near eviction
+        lazy_keys = core.lazy_keys
+        for block, key in zip(cand_blocks, cand_keys):
+            lazy_keys[block] = key
+    elif cand_keys:  # one job for the whole step
+        if len(set(cand_keys)) < len(cand_keys):
+            _drop_repeats(cand_groups, cand_blocks, cand_keys)
+        # In request order: when the tier cannot take them all, the first
+        # requests' blocks are stored, each with its every group.
+        _admit_store(core, "", cand_groups, cand_blocks, cand_keys, out)
 
 
 def _drop_repeats(cand_groups: list[int], cand_blocks: list[int], cand_keys: list[bytes]) -> None:

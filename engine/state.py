@@ -303,11 +303,6 @@ class Stats:
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in STATS_FIELDS}
 
-    def as_tuple(self) -> tuple[int, ...]:
-        return (self.hit_tokens, self.loads, self.keys_loaded, self.stores, self.keys_stored, self.store_rejections,
-                self.store_failures, self.load_failures, self.keys_failed, self.flushes, self.jobs_flushed,
-                self.evictions, self.preemptions, self.finished, self.aborted)
-
 
 class LowerTier:
     """What the engine knows of a tier below host memory, which it never reads

@@ -177,8 +177,7 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if connector_output.kv_connector_worker_meta is not None:  # None: no worker had an outcome to report
-            self.scheduler.update_connector_output(connector_output)
+        self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, (block_ids,))

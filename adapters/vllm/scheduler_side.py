@@ -270,7 +270,8 @@ class LedgerScheduler:
         nothing moved, as on most steps (vLLM asks every step)."""
         state = self.host.state
         totals = queries.totals(state)
-        gauges = queries.tier_gauges(state)
+        tier = queries.tier_usage(state)
+        gauges = (tier.used_slots, tier.capacity_slots, queries.num_jobs_in_flight(state))
         quiet = (totals == self._reported and gauges == self._gauges and not self._violations
                  and not self._lookup_seconds and self._tiers is None and not state.core.lower)
         if quiet and (self.host.log_failure is None or self._log_failure_reported):
