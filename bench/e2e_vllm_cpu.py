@@ -6,7 +6,8 @@
    anew, side by side (one process each), and they take turns batch by
    batch (target >= 0.97x). Reported as the ratio of the medians over all
    batches, and paired (each round's median of the batch-by-batch ratios,
-   then their median).
+   then their median); the do-nothing connector's ratio to none likewise,
+   since kvledger pays vLLM's connector plumbing as well as its own time.
 2. Time to first token of a 2k-token prompt restored from the tier against
    the same prompt recomputed (target <= 0.3x), on a model whose prefill
    costs real time on a CPU.
@@ -172,6 +173,7 @@ def throughput(model: Path, rounds: int, batches: int, prompts: int, prompt_word
     own_ms: list[float] = []  # kvledger's own time per step, per timed batch
     own_share: list[float] = []  # and as a share of that batch's wall time
     per_round: list[float] = []  # each round's median of none / kvledger, batch by batch
+    noop_per_round: list[float] = []  # and of none / do-nothing: what vLLM's connector plumbing costs alone
     turn = 0
     for _round in range(rounds):
         engines = Engines(model, prompt_words + out_tokens + 32)
@@ -179,7 +181,7 @@ def throughput(model: Path, rounds: int, batches: int, prompts: int, prompt_word
             warmup = [words(rng, prompt_words) for _p in range(prompts)]
             for name in names:
                 engines.run(name, warmup, out_tokens)
-            ratios = []
+            ratios, noop_ratios = [], []
             for _batch in range(batches):
                 batch = [words(rng, prompt_words) for _p in range(prompts)]  # fresh: no hits
                 order = names[turn % len(names):] + names[:turn % len(names)]
@@ -194,7 +196,9 @@ def throughput(model: Path, rounds: int, batches: int, prompts: int, prompt_word
                         for method, seconds in done["by_method"].items():
                             by_method[method] = by_method.get(method, 0.0) + seconds
                 ratios.append(times["none"][-1] / times["kvledger"][-1])
+                noop_ratios.append(times["none"][-1] / times["noop"][-1])
             per_round.append(statistics.median(ratios))
+            noop_per_round.append(statistics.median(noop_ratios))
         finally:
             engines.close()
     tokens = prompts * (prompt_words + out_tokens)
@@ -204,6 +208,7 @@ def throughput(model: Path, rounds: int, batches: int, prompts: int, prompt_word
         "rounds": rounds, "batches_per_round": batches, "seconds": times, "tokens_per_s": rate,
         "ratio": rate["kvledger"] / rate["none"], "ratio_to_noop": rate["kvledger"] / rate["noop"],
         "noop_to_none": rate["noop"] / rate["none"],
+        "noop_per_round": noop_per_round, "noop_paired": statistics.median(noop_per_round),
         "ratio_per_round": per_round, "ratio_paired": statistics.median(per_round),
         "kvledger_own_ms_per_step": statistics.median(own_ms), "kvledger_own_share": statistics.median(own_share),
         "outputs_equal": outputs["none"] == outputs["kvledger"] == outputs["noop"],
@@ -270,6 +275,9 @@ def main() -> None:
               f"({', '.join(f'{r:.3f}' for r in t['ratio_per_round'])}); "
               f"kvledger's own time {t['kvledger_own_ms_per_step']:.3f} ms "
               f"per step ({t['kvledger_own_share']:.1%} of wall); outputs equal: {t['outputs_equal']}")
+        print(f"            the do-nothing connector alone: {t['noop_to_none']:.3f}x of no connector, paired "
+              f"{t['noop_paired']:.3f}x ({', '.join(f'{r:.3f}' for r in t['noop_per_round'])}): "
+              f"vLLM's connector plumbing, which kvledger pays too")
     f = result["ttft"]
     print(f"ttft        2048-token prompt restored {statistics.median(f['restored_s']) * 1000:.0f} ms vs "
           f"recomputed {statistics.median(f['recomputed_s']) * 1000:.0f} ms: {f['ratio']:.3f}x (target <= 0.3); "
