@@ -313,4 +313,3 @@ def plan_step(
         events.append(new.step_scheduled(step_index, tuple(scheduled), cast(tuple[int, ...], tuple(computed)),
                                          tuple(scheduled.values())))
     return events
-

@@ -272,12 +272,14 @@ class LedgerScheduler:
         totals = queries.totals(state)
         tier = queries.tier_usage(state)
         gauges = (tier.used_slots, tier.capacity_slots, queries.num_jobs_in_flight(state))
-        quiet = (totals == self._reported and gauges == self._gauges and not self._violations
-                 and not self._lookup_seconds and self._tiers is None and not state.core.lower)
-        if quiet and (self.host.log_failure is None or self._log_failure_reported):
+        counted = totals != self._reported
+        gauged = gauges != self._gauges
+        log_failed = self.host.log_failure is not None and not self._log_failure_reported
+        if not (counted or gauged or log_failed or self._violations or self._lookup_seconds
+                or self._tiers is not None or state.core.lower):
             return None
         stats = m.KVLedgerStats()
-        if totals != self._reported:
+        if counted:
             for index, metric in _COUNTED:
                 change = totals[index] - self._reported[index]
                 if change:
@@ -285,14 +287,14 @@ class LedgerScheduler:
             self._reported = totals
         if self._violations:
             stats.add(m.VIOLATIONS, self._violations)
-        if self.host.log_failure is not None and not self._log_failure_reported:
+        if log_failed:
             stats.add(m.LOG_FAILURES, 1)
             self._log_failure_reported = True
         self._violations = 0
         for seconds in self._lookup_seconds:
             stats.add(m.LOOKUP_DELAY, seconds)
         self._lookup_seconds.clear()
-        if gauges != self._gauges:
+        if gauged:
             for metric, value in zip((m.TIER_USED, m.TIER_CAPACITY, m.JOBS_IN_FLIGHT), gauges):
                 stats.add(metric, value)
             self._gauges = gauges
