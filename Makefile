@@ -4,9 +4,9 @@
 # The venvs' interpreter: Debian's python3.11 where the machine has it with its
 # venv module and headers. Debian builds it with profile-guided optimisation and
 # LTO, linked statically; pyenv's default build (the `python3` on PATH here) is
-# neither, and folded the engine's replay trace 1.14-1.20x slower with the same
-# compiled engine (bench/RESULTS.md, "The interpreter build"). Any other:
-# `make venv PYTHON=python3.12`.
+# neither, and folded engine_step.py's trace 1.09-1.23x slower with the same
+# compiled engine (bench/RESULTS.md, "Issue 16, 2026-11-27 (seventh session)").
+# Any other: `make venv PYTHON=python3`.
 ifeq ($(origin PYTHON),undefined)
 PYTHON := $(shell /usr/bin/python3.11 -c 'import ensurepip, os, sys, sysconfig; \
 	sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
