@@ -69,6 +69,7 @@ class ConnectorSettings:
     faults: FaultSettings = FaultSettings()
     secondary_tiers: tuple[TierSettings, ...] = ()  # below host memory, in order
     weights_version: str | None = None  # names the weights in the tiers' namespace (lower tiers)
+    key_generations: str = "private"  # or "counted": see `_FIELDS`
 
 
 _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -91,6 +92,9 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "secondary_tiers": ((list, tuple), "tiers below host memory, in order: a dict each, with a 'type'"),
     "weights_version": (str, "names the model's weights, for tiers that outlive the process: change it when "
                              "the weights under the same model name change"),
+    "key_generations": (str, "'private' (each cache reset starts block keys no other process shares) or "
+                             "'counted' (every replica's Nth reset shares keys: only for a fleet that loads the "
+                             "same new weights through one reset each)"),
 }
 
 _FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -183,6 +187,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     weights_version = extra.get("weights_version")
     if weights_version is not None and not weights_version:
         raise ConfigError("weights_version must be a non-empty string (leave it out for none)")
+    generations = extra.get("key_generations", "private")
+    if generations not in ("private", "counted"):
+        raise ConfigError(f"key_generations must be 'private' or 'counted', got {generations!r}")
 
     return ConnectorSettings(
         capacity_bytes=capacity,
@@ -201,6 +208,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         faults=_parse_faults(extra.get("fault_injection", {})),
         secondary_tiers=parse_tiers(extra.get("secondary_tiers", ())),
         weights_version=weights_version,
+        key_generations=generations,
     )
 
 

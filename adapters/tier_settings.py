@@ -11,7 +11,10 @@ process does, finds the same answers.
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
+import stat
 import tempfile
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -21,20 +24,49 @@ import attrs
 import structlog
 
 from kvledger.events.config import ConfigError
+from kvledger.transfers.block_file import PROBE_PREFIX, make_dir
 from kvledger.transfers.block_file import SUFFIX as BLOCK_FILE_SUFFIX
+from kvledger.transfers.block_seal import SECRET_BYTES_MIN, BlockSeal
+from kvledger.transfers.block_value import KEY_PREFIX
 from kvledger.transfers.valkey_store import StoreDown, ValkeyServer, ValkeyStore
 
 _log = structlog.get_logger("kvledger.adapters.tier_settings")
 
 
 @attrs.frozen(kw_only=True)
+class TierSecret:
+    """A tier's deployment secret (`secret_env`), read from the environment,
+    never from the config, and kept out of every repr and log."""
+
+    current: bytes | None = attrs.field(default=None, repr=False)
+    previous: bytes | None = attrs.field(default=None, repr=False)  # accepted for reads during a rotation
+    encrypt: bool = False
+
+    def seal(self) -> BlockSeal | None:
+        if self.current is None:
+            return None
+        return BlockSeal(self.current, previous=self.previous, encrypt=self.encrypt)
+
+    @property
+    def naming(self) -> bytes | None:
+        """The secret that names blocks: the previous one while a rotation lasts,
+        so replicas not yet given the new secret still find what others write."""
+        return self.previous if self.previous is not None else self.current
+
+
+@attrs.frozen(kw_only=True)
 class FsTierSettings:
-    """A tier of block files in a directory (local disk, NFS, a parallel file system)."""
+    """A tier of block files in a directory (local disk, NFS, a parallel file system).
+    Its files are the user's alone (0o600, directories 0o700), or with `gid` (the
+    `group` setting) a service group's too (0o660, directories 0o2770 of that group),
+    never every local user's: KV is the prompts' content."""
 
     path: str  # absolute, normalised
     capacity_bytes: int
     threads: int = 16  # I/O threads per worker (bench/fs_tier_io.py: reads 10% faster than 8, 32 no faster)
     shared: bool = True  # other processes may write this directory: look up keys this process does not know
+    gid: int | None = None  # the `group` setting's id: replicas running as other users of that group share the tier
+    secret: TierSecret = TierSecret()
     kind: ClassVar[str] = "fs"
 
 
@@ -51,14 +83,45 @@ def parse_tiers(raw: list | tuple) -> tuple[TierSettings, ...]:
         if kind not in _TIER_TYPES:
             raise ConfigError(f"{where}.type {kind!r} is not supported; supported types: {supported}")
         keys, parse = _TIER_TYPES[kind]
-        unknown = sorted(set(entry) - set(keys) - {"type"})
+        unknown = sorted(set(entry) - set(keys) - set(SECRET_KEYS) - {"type"})
         if unknown:
             raise ConfigError(
                 f"unknown {where} key(s) {', '.join(map(repr, unknown))}; a {kind!r} tier knows: "
-                f"{', '.join(sorted({'type', *keys}))}")
-        tiers.append(parse(where, entry))
+                f"{', '.join(sorted({'type', *keys, *SECRET_KEYS}))}")
+        secret = _parse_secret(where, entry)
+        tier = parse(where, {k: v for k, v in entry.items() if k not in SECRET_KEYS})
+        tiers.append(attrs.evolve(tier, secret=secret))
     _check_distinct_dirs(tiers)
     return tuple(tiers)
+
+
+SECRET_KEYS = ("secret_env", "previous_secret_env", "encrypt")
+"""Every tier type takes these: the secret is named by an environment variable, never written in the config."""
+
+
+def _parse_secret(where: str, entry: Mapping[str, Any]) -> TierSecret:
+    values = {}
+    for name in ("secret_env", "previous_secret_env"):
+        if name not in entry:
+            continue
+        variable = entry[name]
+        if not isinstance(variable, str) or not variable:
+            raise ConfigError(f"{where}.{name} must name an environment variable, got {variable!r}")
+        value = os.environ.get(variable)
+        if value is None:
+            raise ConfigError(f"{where}.{name} names {variable!r}, which is not set in this process's environment")
+        if len(value.encode()) < SECRET_BYTES_MIN:
+            raise ConfigError(f"{where}.{name}: ${variable} holds {len(value.encode())} bytes; a tier secret needs "
+                              f"at least {SECRET_BYTES_MIN} (for example `openssl rand -hex 32`)")
+        values[name] = value.encode()
+    if "previous_secret_env" in values and "secret_env" not in values:
+        raise ConfigError(f"{where}.previous_secret_env is for a rotation: it needs secret_env, the new secret")
+    encrypt = entry.get("encrypt", False)
+    if not isinstance(encrypt, bool):
+        raise ConfigError(f"{where}.encrypt must be a bool, got {encrypt!r}")
+    if encrypt and "secret_env" not in values:
+        raise ConfigError(f"{where}.encrypt needs secret_env: the key is derived from the tier's secret")
+    return TierSecret(current=values.get("secret_env"), previous=values.get("previous_secret_env"), encrypt=encrypt)
 
 
 def _positive_int(where: str, value: Any) -> int:
@@ -88,15 +151,31 @@ def _parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
     shared = entry.get("shared", True)
     if not isinstance(shared, bool):
         raise ConfigError(f"{where}.shared must be a bool, got {shared!r}")
+    gid = _group_id(f"{where}.group", entry["group"]) if "group" in entry else None
 
-    _make_writable_dir(f"{where}.path", path)
+    _make_writable_dir(f"{where}.path", path, gid)
     free = _free_bytes(path)
     reusable = block_file_bytes(path)
     if capacity > free + reusable:
         raise ConfigError(
             f"{where}.capacity_bytes {capacity} does not fit in {path!r}: the file system has {free} bytes "
             f"free, and block files already there take {reusable}")
-    return FsTierSettings(path=path, capacity_bytes=capacity, threads=threads, shared=shared)
+    return FsTierSettings(path=path, capacity_bytes=capacity, threads=threads, shared=shared, gid=gid)
+
+
+def _group_id(where: str, value: Any) -> int:
+    """A group's id from its name or number; a name this host does not know is
+    refused now, not at the first directory made."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where} must be a group's name or id, got {value!r}")
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise ConfigError(f"{where} {value!r} is not a group on this host (`getent group {value}` finds none)") from None
 
 
 VALKEY_SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}  # scheme -> TLS
@@ -113,6 +192,8 @@ class ValkeyTierSettings:
     # threads hide the waits: a 2k-token restore took 290-370 ms with 4, 180-285 with 8 (bench/tier_ttft.py).
     connections: int = 8
     on_unreachable: str = "error"  # or "warn": start with the tier down
+    key_prefix: bytes = KEY_PREFIX  # every key starts with it: what an ACL binds to
+    secret: TierSecret = TierSecret()
     shared: ClassVar[bool] = True  # always: other instances write the same keys
     kind: ClassVar[str] = "valkey"
 
@@ -121,23 +202,32 @@ TierSettings = FsTierSettings | ValkeyTierSettings
 
 
 def _parse_url(where: str, url: Any) -> tuple[str, int, bool, int, str | None, str | None]:
+    """A URL's parts. Messages never quote the URL past its scheme: a password
+    with `#`, `/` or `?` in it splits into the parts they would name."""
     if not isinstance(url, str) or not url:
-        raise ConfigError(f"{where} must be a non-empty str such as 'redis://HOST:6379', got {url!r}")
+        shown = "a non-str" if not isinstance(url, str) else "''"
+        raise ConfigError(f"{where} must be a non-empty str such as 'redis://HOST:6379', got {shown}")
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in VALKEY_SCHEMES:
-        raise ConfigError(f"{where} scheme {parts.scheme!r} is not supported; use one of "
+        raise ConfigError(f"{where} scheme {parts.scheme[:16]!r} is not supported; use one of "
                           f"{', '.join(s + '://' for s in VALKEY_SCHEMES)}")
+    secret_hint = (" (a password with '#', '/' or '?' splits the URL there: give it in password_env)"
+                   if "@" not in parts.netloc and "@" in url else "")
     try:
         port = parts.port or 6379
-    except ValueError as exc:
-        raise ConfigError(f"{where} has a bad port: {exc}") from None
+    except ValueError:
+        raise ConfigError(f"{where} has a bad port{secret_hint}") from None
     if not parts.hostname:
-        raise ConfigError(f"{where} names no host")
+        raise ConfigError(f"{where} names no host{secret_hint}")
     db_text = parts.path.strip("/")
     if db_text and not db_text.isdigit():
-        raise ConfigError(f"{where} path must be a database number, got {parts.path!r}")
+        raise ConfigError(f"{where} path must be a database number{secret_hint}")
     if parts.query or parts.fragment:
-        raise ConfigError(f"{where} takes no query or fragment; set timeouts with timeout_s")
+        raise ConfigError(f"{where} takes no query or fragment; set timeouts with timeout_s{secret_hint}")
+    if parts.password:
+        _log.warning("tier_password_in_url", where=where,
+                     advice="vLLM logs its arguments and other users can read a command line: "
+                            "set password_env to the name of an environment variable holding the password")
     unquote = urllib.parse.unquote
     return (parts.hostname, port, VALKEY_SCHEMES[parts.scheme], int(db_text or 0),
             unquote(parts.username) if parts.username else None, unquote(parts.password) if parts.password else None)
@@ -193,16 +283,38 @@ def _parse_valkey_tier(where: str, entry: Mapping[str, Any]) -> ValkeyTierSettin
         raise ConfigError(f"{where}.on_unreachable must be 'error' or 'warn', got {on_unreachable!r}")
     server = ValkeyServer(nodes=tuple((p[0], p[1]) for p in parsed), cluster=cluster, tls=tls, db=db,
                           username=username, password=password, timeout_s=float(timeout), tls_ca_file=ca_file)
+    prefix = entry.get("key_prefix", KEY_PREFIX.decode())
+    if not isinstance(prefix, str) or not 0 < len(prefix) <= 64 or not all(c.isprintable() and not c.isspace()
+                                                                          for c in prefix):
+        raise ConfigError(f"{where}.key_prefix must be 1-64 printable characters without spaces, such as "
+                          f"'kvledger:tenant-a:', got {prefix!r}")
+    if any(c in prefix for c in "*?[]\\"):
+        raise ConfigError(f"{where}.key_prefix {prefix!r} holds a glob character (* ? [ ] \\), which an ACL "
+                          f"pattern or SCAN MATCH would read as a wildcard")
     tier = ValkeyTierSettings(server=server, capacity_bytes=capacity, connections=connections,
-                              on_unreachable=on_unreachable)
+                              on_unreachable=on_unreachable, key_prefix=prefix.encode())
     _check_reachable(where, tier)
     return tier
 
 
 def _check_reachable(where: str, tier: ValkeyTierSettings) -> None:
+    """The server answers, and is what the settings say it is. A certificate
+    that does not verify, or a cluster node named as one server, stops start
+    even with on_unreachable: 'warn': the settings are wrong (or someone is in
+    the way), and waiting for the server would not mend them."""
+    from kvledger.transfers.valkey_store import BadCertificate
+
     store = ValkeyStore(tier.server)
     try:
         store.ping()
+        if not tier.server.cluster and store.cluster_enabled():
+            raise ConfigError(f"{where}: {tier.server.where} is a node of a cluster, which answers most keys "
+                              f"with MOVED: set cluster: true (and name the cluster's nodes in 'urls')")
+    except BadCertificate as exc:
+        hosts = ", ".join(dict.fromkeys(host for host, _ in tier.server.nodes))
+        raise ConfigError(f"{where}: the Valkey server at {tier.server.where} cannot be reached safely: its TLS "
+                          f"certificate does not verify for host {hosts} (issued for another name, or by a CA "
+                          f"that tls_ca_file does not name): {exc}") from None
     except StoreDown as exc:
         if tier.on_unreachable == "error":
             raise ConfigError(f"{where}: the Valkey server at {tier.server.where} cannot be reached: {exc} "
@@ -214,26 +326,73 @@ def _check_reachable(where: str, tier: ValkeyTierSettings) -> None:
 
 # A tier type: the keys its dict takes (besides 'type'), and its parser.
 _TIER_TYPES: dict[str, tuple[tuple[str, ...], Callable[[str, Mapping[str, Any]], TierSettings]]] = {
-    FsTierSettings.kind: (("path", "root_dir", "capacity_bytes", "threads", "shared"), _parse_fs_tier),
+    FsTierSettings.kind: (("path", "root_dir", "capacity_bytes", "threads", "shared", "group"), _parse_fs_tier),
     ValkeyTierSettings.kind: (("url", "urls", "cluster", "password_env", "capacity_bytes", "timeout_s",
-                               "connections", "on_unreachable", "tls_ca_file"), _parse_valkey_tier),
+                               "connections", "on_unreachable", "tls_ca_file", "key_prefix"), _parse_valkey_tier),
 }
 
 
-def _make_writable_dir(where: str, path: str) -> None:
-    """Make `path` (and its parents) if missing; prove a file can be made in it."""
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{where} {path!r} is not a directory")
+def _make_writable_dir(where: str, path: str, gid: int | None = None) -> None:
+    """Make `path` if missing (its parents as the umask has them, itself with the
+    tier's mode and group); refuse one that others could read through, plant
+    blocks in or point elsewhere; prove a file can be made in it."""
+    if not os.path.lexists(path):
+        try:
+            try:
+                make_dir(path, gid)  # leaves one another process made first: checked below
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                make_dir(path, gid)
+        except OSError as error:
+            raise ConfigError(f"{where} {path!r} cannot be created: {error}") from error
+    _check_tier_dir(where, path, gid)
     try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"{where} {path!r} cannot be created: {error}") from error
-    try:
-        handle, probe = tempfile.mkstemp(dir=path, prefix=".kvledger-probe-")
+        handle, probe = tempfile.mkstemp(dir=path, prefix=PROBE_PREFIX)
         os.close(handle)
         os.unlink(probe)
     except OSError as error:
         raise ConfigError(f"{where} {path!r} is not writable: {error}") from error
+
+
+def _check_tier_dir(where: str, path: str, gid: int | None) -> None:
+    """Whoever owns or can write the tier's directory can read every block and
+    plant blocks every replica serves: only this user, or the tier's group."""
+    try:
+        info = os.lstat(path)
+    except OSError as error:
+        raise ConfigError(f"{where} {path!r} cannot be examined: {error}") from error
+    if stat.S_ISLNK(info.st_mode):
+        raise ConfigError(f"{where} {path!r} is a symbolic link (to {os.readlink(path)!r}): whoever can replace it "
+                          f"can point the tier elsewhere; name the directory itself")
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{where} {path!r} is not a directory")
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != os.geteuid() and (gid is None or info.st_gid != gid):
+        raise ConfigError(
+            f"{where} {path!r} is owned by {_user(info.st_uid)}, not by this process's user {_user(os.geteuid())}: "
+            f"that user could read and replace its blocks. Use a directory of this user's (or `chown` this one), "
+            f"or, to share it with replicas that run as other users, give the tier 'group': the directory's group "
+            f"({_group(info.st_gid)}), set on it with mode 2770")
+    if mode & stat.S_IWOTH:
+        raise ConfigError(f"{where} {path!r} is writable by every user (mode {mode:#o}): anyone could plant or remove "
+                          f"blocks; `chmod o-w` it (kvledger makes its directories 0o700, or 0o2770 with 'group')")
+    if gid is not None and info.st_gid != gid:
+        raise ConfigError(f"{where} {path!r} belongs to group {_group(info.st_gid)}, not the tier's 'group' "
+                          f"{_group(gid)}: `chgrp {gid} {path} && chmod 2770 {path}`, or leave 'group' out")
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    try:
+        return f"gid {gid} ({grp.getgrgid(gid).gr_name})"
+    except KeyError:
+        return f"gid {gid}"
 
 
 def _free_bytes(path: str) -> int:
@@ -242,8 +401,10 @@ def _free_bytes(path: str) -> int:
 
 
 def block_file_bytes(root: str) -> int:
-    """Bytes of kvledger block files (`*.kvb`) anywhere under `root`. Files
-    that vanish while it looks (another process evicting) are not counted."""
+    """Disk space kvledger block files (`*.kvb`, regular files) take anywhere
+    under `root`: allocated bytes, not sizes, so a sparse file of any size
+    frees no room. Files that vanish while it looks (another process evicting)
+    are not counted."""
     total = 0
     pending = [root]
     while pending:
@@ -257,7 +418,7 @@ def block_file_bytes(root: str) -> int:
                     if entry.is_dir(follow_symlinks=False):
                         pending.append(entry.path)
                     elif entry.name.endswith(BLOCK_FILE_SUFFIX) and entry.is_file(follow_symlinks=False):
-                        total += entry.stat(follow_symlinks=False).st_size
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512
                 except FileNotFoundError:
                     continue
     return total

@@ -5,8 +5,11 @@ A value is `block_file`'s header without its padding (about 100 bytes, not
 overwrite any key, so a value is checked the way a file is: one that was
 cut short, flipped, or written by another model or layout under the same
 key is told apart from a good one, and the caller fails the load (recomputed).
-Keys are readable (`kvledger:<namespace hex>:<key hex>`), so an operator can
-find a deployment's blocks with `SCAN MATCH kvledger:<namespace hex>:*`.
+Keys are `<key_prefix><namespace hex>:<key hex>` (`kvledger:` unless the tier
+sets `key_prefix`), so an operator can find a deployment's blocks with
+`SCAN MATCH kvledger:<namespace hex>:*` and bind an ACL to the prefix. With a
+tier secret the block keys are keyed hashes (`chain_keys`): their names tell
+nothing about the prompts, and values are sealed (`block_seal`).
 """
 
 from __future__ import annotations
@@ -18,48 +21,57 @@ from kvledger.transfers.block_file import (
     BlockFileError,
     check_header,
     compact_header_bytes,
-    encode_header,
     payload_checksum,
+    seal_block,
 )
+from kvledger.transfers.block_seal import BlockSeal
 
 KEY_PREFIX = b"kvledger:"
 
 
-def store_key(namespace: bytes, key: bytes) -> bytes:
-    return b"%s%s:%s" % (KEY_PREFIX, namespace.hex().encode(), key.hex().encode())
+def store_key(namespace: bytes, key: bytes, prefix: bytes = KEY_PREFIX) -> bytes:
+    return b"%s%s:%s" % (prefix, namespace.hex().encode(), key.hex().encode())
 
 
-def value_header(namespace: bytes, key: bytes, payload: memoryview) -> bytes:
-    """What goes before the payload in the value."""
-    return encode_header(namespace, key, payload, compact_header_bytes(key))
+def value_header(namespace: bytes, key: bytes, payload: memoryview, seal: BlockSeal | None = None,
+                 out: memoryview | None = None) -> tuple[bytes, memoryview]:
+    """What goes before the payload in the value, and the payload to store
+    after it (its ciphertext, in `out` or a new buffer, when `seal` encrypts)."""
+    return seal_block(namespace, key, payload, seal, compact_header_bytes(key, seal is not None), out)
 
 
-def encode_value(namespace: bytes, key: bytes, payload: object) -> bytes:
+def encode_value(namespace: bytes, key: bytes, payload: object, seal: BlockSeal | None = None) -> bytes:
     """Header and payload as one value: what the tier's two-part write stores
     (`value_header`, then the payload from its row), in one piece."""
     data = memoryview(payload).cast("B")  # type: ignore[arg-type]
-    return b"".join((value_header(namespace, key, data), data))
+    return b"".join(value_header(namespace, key, data, seal))
 
 
-def check_in_place(head: bytes, namespace: bytes, key: bytes, payload: object) -> None:
+def check_in_place(head: bytes, namespace: bytes, key: bytes, payload: object, seal: BlockSeal | None = None,
+                   source: str | None = None) -> None:
     """A value read in two parts, its head and (already in place) its payload:
     raise `BlockFileError` unless they make a good block of this key."""
-    source = store_key(namespace, key).decode()
+    source = source or store_key(namespace, key).decode()
     data = memoryview(payload).cast("B")  # type: ignore[arg-type]
-    check_header(source, head, namespace, key, data.nbytes, compact_header_bytes(key))
+    fields = check_header(source, head, namespace, key, data.nbytes, compact_header_bytes(key, seal is not None),
+                          sealed=seal is not None)
     if xxhash.xxh3_64_intdigest(data) != payload_checksum(head):
         raise BlockFileError("corrupt", source, "payload checksum mismatch")
+    if seal is not None:
+        assert fields is not None
+        seal.open(source, namespace, key, fields, data)
 
 
-def decode_value_into(value: bytes | None, namespace: bytes, key: bytes, out: object) -> None:
+def decode_value_into(value: bytes | None, namespace: bytes, key: bytes, out: object, seal: BlockSeal | None = None,
+                      source: str | None = None) -> None:
     """Fill `out` (a writable buffer of the block's size) from `value`, or raise
     `BlockFileError` naming why the value cannot be served (None: "missing")."""
-    source = store_key(namespace, key).decode()
+    source = source or store_key(namespace, key).decode()
     if value is None:
         raise BlockFileError("missing", source, "no such key (evicted, expired, or never written)")
     target = memoryview(out).cast("B")  # type: ignore[arg-type]
-    size = compact_header_bytes(key)
-    check_header(source, value[:size], namespace, key, target.nbytes, size)
+    size = compact_header_bytes(key, seal is not None)
+    fields = check_header(source, value[:size], namespace, key, target.nbytes, size, sealed=seal is not None)
     payload = memoryview(value)[size:]
     if payload.nbytes != target.nbytes:
         what = "truncated" if payload.nbytes < target.nbytes else "corrupt"
@@ -68,3 +80,6 @@ def decode_value_into(value: bytes | None, namespace: bytes, key: bytes, out: ob
         raise BlockFileError("corrupt", source, "payload checksum mismatch")
     # numpy's copy releases the GIL (a memoryview's does not): other I/O threads read the socket meanwhile.
     np.frombuffer(target, np.uint8)[:] = np.frombuffer(payload, np.uint8)
+    if seal is not None:
+        assert fields is not None
+        seal.open(source, namespace, key, fields, target)

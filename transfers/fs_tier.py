@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import mmap
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -43,26 +43,34 @@ import torch
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
 from kvledger.transfers.block_file import (
+    ASIDE_SUFFIX,
     HEADER_BYTES,
     NAMESPACE_BYTES,
+    PROBE_PREFIX,
     SUFFIX,
     BlockFileError,
+    aside_path,
     block_path,
-    encode_header,
+    create_aside,
     read_block_into,
+    seal_block,
     write_block,
 )
+from kvledger.transfers.block_seal import BlockSeal
 from kvledger.transfers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
 
 DIRECT_ALIGN = 4096
 """Address, offset and length alignment that O_DIRECT accepts on any common device."""
+LEFTOVER_GRACE_S = 600.0
+"""How long an aside or probe file is left to its writer: one on another host
+sharing the directory may still be writing it (a write takes milliseconds)."""
 
 _log = structlog.get_logger("kvledger.transfers.fs_tier")
-_names = itertools.count()
 _KEY_FILE = re.compile(r"(?:[0-9a-f]{2})+" + re.escape(SUFFIX))
 
 
-__all__ = ["FsTierIO", "IdsByGroup", "KeysByGroup", "TierIoOutcome", "files_present", "scan_keys"]
+__all__ = ["FsTierIO", "IdsByGroup", "KeysByGroup", "TierIoOutcome", "files_present", "remove_leftovers",
+           "scan_keys"]
 
 
 
@@ -82,12 +90,15 @@ class FsTierIO(ThreadedTierIO):
     what = "the file-system tier"
 
     def __init__(self, *, root: str, namespace: bytes, rows: torch.Tensor, payload_bytes: tuple[int, ...],
-                 threads: int = 16, direct_writes: bool = True) -> None:
+                 threads: int = 16, direct_writes: bool = True, seal: BlockSeal | None = None,
+                 gid: int | None = None) -> None:
         if len(namespace) != NAMESPACE_BYTES:
             raise ValueError(f"a namespace is {NAMESPACE_BYTES} bytes, not {len(namespace)}")
         self.root = os.fspath(root)
         self.namespace = namespace
         self.direct_writes = direct_writes
+        self.seal = seal
+        self.gid = gid  # the tier's group (`block_file.file_mode`), None: this user's alone
         self._bounce_bytes = _round_up(HEADER_BYTES + max(payload_bytes, default=0), DIRECT_ALIGN)
         # Removals not yet carried out, per key. A write of a key first carries out the removals
         # queued before it, so a removal that a slower thread reaches later never deletes the new
@@ -135,7 +146,7 @@ class FsTierIO(ThreadedTierIO):
         try:
             payload = self._array[slot, : self.payload_bytes[g]]
             if job.kind == "read":
-                read_block_into(path, self.namespace, key, payload)
+                read_block_into(path, self.namespace, key, payload, self.seal)
             else:
                 self._remove_before_write(key, path)
                 self._write(path, key, payload, bounce)
@@ -152,14 +163,19 @@ class FsTierIO(ThreadedTierIO):
             if not bounce:
                 bounce.append(mmap.mmap(-1, self._bounce_bytes))
             try:
-                _write_direct(path, self.namespace, key, memoryview(payload).cast("B"), bounce[0])
+                _write_direct(path, self.namespace, key, memoryview(payload).cast("B"), bounce[0], self.seal,
+                              gid=self.gid)
                 return
             except _DirectUnsupported as exc:
                 with self._cond:
                     was, self.direct_writes = self.direct_writes, False
                 if was:
                     _log.info("tier_direct_io_off", root=self.root, error=str(exc))
-        write_block(path, self.namespace, key, payload)
+        write_block(path, self.namespace, key, payload, self.seal, gid=self.gid)
+
+    def remove_leftovers(self, grace_s: float = LEFTOVER_GRACE_S) -> int:
+        """`remove_leftovers` in this tier's namespace: for the worker opening it."""
+        return remove_leftovers(self.root, self.namespace, grace_s=grace_s)
 
     def _delete(self, key: bytes) -> None:
         with self._removing:
@@ -198,20 +214,22 @@ class FsTierIO(ThreadedTierIO):
         job.finished(outcome)
 
 
-def _write_direct(path: Path, namespace: bytes, key: bytes, payload: memoryview, bounce: mmap.mmap) -> None:
-    """`block_file.write_block`'s file (written aside, renamed into place), with
-    O_DIRECT from the page-aligned `bounce`."""
+def _write_direct(path: Path, namespace: bytes, key: bytes, payload: memoryview, bounce: mmap.mmap,
+                  seal: BlockSeal | None = None, *, gid: int | None = None) -> None:
+    """`block_file.write_block`'s file (written aside under an unpredictable
+    name, renamed into place), with O_DIRECT from the page-aligned `bounce`."""
     total = HEADER_BYTES + payload.nbytes
     padded = _round_up(total, DIRECT_ALIGN)
     staged = memoryview(bounce)
-    staged[:HEADER_BYTES] = encode_header(namespace, key, payload)
-    staged[HEADER_BYTES:total] = payload
+    header, stored = seal_block(namespace, key, payload, seal, out=staged[HEADER_BYTES:total])
+    staged[:HEADER_BYTES] = header
+    if seal is None or not seal.encrypt:  # else the seal wrote its ciphertext there
+        staged[HEADER_BYTES:total] = stored
     staged[total:padded] = bytes(padded - total)
-    aside = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_names)}.tmp")
+    aside = aside_path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+            fd = create_aside(aside, gid, os.O_DIRECT)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # ramfs, some FUSE: and ramfs creates the file first
                 raise _DirectUnsupported(f"open: {exc}") from exc
@@ -238,6 +256,47 @@ def _write_direct(path: Path, namespace: bytes, key: bytes, payload: memoryview,
         raise
 
 
+def remove_leftovers(root: str, namespace: bytes, *, grace_s: float = LEFTOVER_GRACE_S) -> int:
+    """Remove what crashed writers left, unchanged for over `grace_s`: aside files
+    (`.*.tmp`) in the namespace's directory and its fan-out directories, and
+    write probes in `root`. Nothing else is touched; the number removed. Else
+    they would stay forever, taking room no capacity counts."""
+    cutoff = time.time() - grace_s
+    root = os.fspath(root)
+    top = os.path.join(root, namespace.hex())
+    folders = [(root, _is_probe), (top, _is_aside)]
+    with contextlib.suppress(OSError):  # no namespace directory yet: nothing left there
+        folders += [(entry.path, _is_aside) for entry in os.scandir(top) if entry.is_dir(follow_symlinks=False)]
+    removed = 0
+    for folder, wanted in folders:
+        try:
+            entries = [entry for entry in os.scandir(folder) if wanted(entry.name)]
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode) or info.st_mtime >= cutoff:
+                    continue
+                os.unlink(entry.path)  # a link is removed, never followed
+            except FileNotFoundError:  # another process removed or renamed it meanwhile
+                continue
+            except OSError as exc:
+                _log.warning("tier_leftover_not_removed", path=entry.path, error=repr(exc))
+                continue
+            removed += 1
+    _log.info("tier_leftovers_removed", root=root, namespace=namespace.hex(), removed=removed, grace_s=grace_s)
+    return removed
+
+
+def _is_aside(name: str) -> bool:
+    return name.startswith(".") and name.endswith(ASIDE_SUFFIX)
+
+
+def _is_probe(name: str) -> bool:
+    return name.startswith(PROBE_PREFIX)
+
+
 # -- the scheduler's side ----------------------------------------------------------------------------
 
 
@@ -261,13 +320,13 @@ def scan_keys(root: str, namespace: bytes) -> list[bytes]:
             if not _KEY_FILE.fullmatch(name) or name[:2] != subdir.name:
                 continue
             try:
-                if not entry.is_file(follow_symlinks=False):
+                if not entry.is_file(follow_symlinks=False):  # a link, a FIFO, a directory: no block
                     continue
-                stat = entry.stat(follow_symlinks=False)
+                info = entry.stat(follow_symlinks=False)
             except OSError:  # removed since the listing
                 continue
-            if stat.st_size >= HEADER_BYTES:
-                found.append((stat.st_mtime_ns, bytes.fromhex(name[: -len(SUFFIX)])))
+            if info.st_size >= HEADER_BYTES:
+                found.append((info.st_mtime_ns, bytes.fromhex(name[: -len(SUFFIX)])))
     found.sort()
     return [key for _, key in found]
 
@@ -278,7 +337,10 @@ def files_present(root: str, namespaces: tuple[bytes, ...], keys: tuple[bytes, .
 
 
 def _present(root: str, namespace: bytes, key: bytes) -> bool:
+    """A regular file long enough to hold a block: a link or a FIFO is no block
+    (a read of it fails), so finding one would offer a load that cannot happen."""
     try:
-        return os.stat(block_path(root, namespace, key)).st_size >= HEADER_BYTES
+        info = os.lstat(block_path(root, namespace, key))
     except Exception:  # missing, unreadable, a bad key: absent
         return False
+    return stat.S_ISREG(info.st_mode) and info.st_size >= HEADER_BYTES

@@ -17,13 +17,19 @@ _log = structlog.get_logger("kvledger.transfers.key_lookups")
 Find = Callable[[tuple[bytes, ...]], tuple[bytes, ...]]
 """Given keys, those the tier holds; it may raise (a store that is down): nothing found."""
 
+QUEUED_MAX = 256
+"""Asks waiting behind a slow or hung one: past this, the oldest is answered "nothing found" at
+once (its request computes), so a hung store costs a bounded queue, not every request's wait."""
+
 
 class KeyLookups:
     """Answers `submit(token, keys)` asks with `find`, one at a time, on a thread of its own."""
 
-    def __init__(self, find: Find, name: str) -> None:
+    def __init__(self, find: Find, name: str, queued_max: int = QUEUED_MAX) -> None:
         self.find = find
         self.name = name
+        self.queued_max = queued_max
+        self.dropped = 0  # asks answered "nothing found" because the queue was full
         self._asks: collections.deque[tuple[Hashable, tuple[bytes, ...]] | None] = collections.deque()
         self._cond = threading.Condition()
         self._answers: list[tuple[Hashable, tuple[bytes, ...]]] = []
@@ -35,8 +41,20 @@ class KeyLookups:
         with self._cond:
             if self._closed:
                 raise BackendClosed("the key lookups were closed")
+            if len(self._asks) >= self.queued_max:
+                oldest = self._asks.popleft()
+                assert oldest is not None
+                self._answers.append((oldest[0], ()))
+                self.dropped += 1
             self._asks.append((token, tuple(keys)))
             self._cond.notify()
+
+    def cancel(self, token: Hashable) -> None:
+        """Drop a queued ask whose request no longer waits (finished, or timed out):
+        a store's time goes to requests that still need an answer."""
+        with self._cond:
+            if any(ask is not None and ask[0] == token for ask in self._asks):
+                self._asks = collections.deque(a for a in self._asks if a is None or a[0] != token)
 
     def poll(self) -> list[tuple[Hashable, tuple[bytes, ...]]]:
         with self._cond:

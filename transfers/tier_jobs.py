@@ -43,6 +43,7 @@ class TierStat:
     seconds: float
     ok: bool
     unreachable: int = 0  # blocks failed because the tier's store was down or too slow
+    forged: int = 0  # blocks a tier with a secret refused: not sealed with it
 
 
 @attrs.define
@@ -134,7 +135,7 @@ class LowerTierJobs:
         for tier, io in self._tiers.items():
             for outcome in io.poll():
                 self._stats.append(TierStat(tier, outcome.kind, outcome.nbytes, outcome.seconds, outcome.ok,
-                                           outcome.reasons.count("unreachable")))
+                                           outcome.reasons.count("unreachable"), outcome.reasons.count("forged")))
                 if outcome.kind == "write":
                     effect = self._spills.pop(outcome.job_id, None)
                     if effect is None:

@@ -1,11 +1,20 @@
 """Commands on a Valkey (or Redis) server or cluster, as the Valkey tier needs
-them: pipelined SET, GET and EXISTS, with bounded timeouts and no retries of
-the client's own, so a dead or paused server costs one timeout and then
-counts as down (`StoreDown`) for its caller to handle.
+them: pipelined SET, GET and EXISTS, with no retries of the client's own and
+`timeout_s` bounding a whole batch, so a dead, paused or trickling server
+costs one timeout and then counts as down (`StoreDown`) for its caller to
+handle.
+
+The server is shared, so its replies are not trusted: on one server they are
+read here (`_Replies`), and only the lengths a command can answer are taken
+(a value of the size asked for, or close to it; a status or a number on a
+short line). A reply that claims more, or is not one a command gives, fails
+the batch as the server being down and drops the connection: whatever the
+server sends, memory stays bounded by the blocks asked for.
 
 The client is valkey-py with libvalkey's parser (bench/valkey_clients.py
-compares it with valkey-glide and redis-py; bench/RESULTS.md has the numbers).
-A `ValkeyStore` is one thread's: each I/O thread holds its own connection.
+compares it with valkey-glide and redis-py; bench/RESULTS.md has the numbers):
+it connects, authenticates and serves a cluster. A `ValkeyStore` is one
+thread's: each I/O thread holds its own connection.
 """
 
 from __future__ import annotations
@@ -13,8 +22,11 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import ssl
 import struct
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import attrs
 import valkey
@@ -22,6 +34,15 @@ from valkey.backoff import NoBackoff
 from valkey.cluster import ClusterNode, ValkeyCluster
 from valkey.exceptions import ResponseError, ValkeyError
 from valkey.retry import Retry
+
+LINE_MAX = 4096
+"""The longest reply line taken (a status, an error, a length): the commands here answer in a few bytes."""
+SLACK_BYTES = 4096
+"""How much longer than asked for a value may be and still be read, to fail its own key's check."""
+INFO_MAX = 1 << 16
+"""The longest `INFO cluster` reply taken (a few hundred bytes)."""
+REFRESH_S = 0.002
+"""How long a socket timeout set to a batch's time left is kept (`_Wire`)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -34,7 +55,7 @@ class ValkeyServer:
     db: int = 0
     username: str | None = None
     password: str | None = attrs.field(default=None, repr=False)  # never logged
-    timeout_s: float = 1.0  # per command; a server slower than this counts as down
+    timeout_s: float = 1.0  # per batch, sent and answered; a server slower than this counts as down
     tls_ca_file: str | None = None  # a private CA's certificate (else the system's trusted ones)
 
     @property
@@ -45,7 +66,16 @@ class ValkeyServer:
 
 
 class StoreDown(Exception):
-    """The server could not be reached, or did not answer within the timeout."""
+    """The server could not be reached, did not answer within the timeout, or
+    answered what the commands do not (a connection to it is not to be trusted)."""
+
+
+class BadCertificate(StoreDown):
+    """The server's TLS certificate did not verify (issued for another name, or
+    by a CA not trusted): a wrong setting or an attack, not an outage."""
+
+
+_T = TypeVar("_T")
 
 
 class ValkeyStore:
@@ -54,9 +84,14 @@ class ValkeyStore:
         self._client: valkey.Valkey | ValkeyCluster | None = None
 
     def _connect(self) -> valkey.Valkey | ValkeyCluster:
+        """The client, connected. TLS checks the certificate and its host name
+        and takes nothing older than TLS 1.2. valkey-py's cluster client
+        passes on only some TLS options: its nodes' host names go unchecked."""
         if self._client is None:
             tier = self.server
             common = dict(username=tier.username, password=tier.password, ssl=tier.tls, ssl_ca_certs=tier.tls_ca_file,
+                          ssl_cert_reqs="required", ssl_check_hostname=True,
+                          ssl_min_version=ssl.TLSVersion.TLSv1_2,
                           socket_timeout=tier.timeout_s, socket_connect_timeout=tier.timeout_s,
                           retry=Retry(NoBackoff(), 0), client_name="kvledger")
             try:
@@ -71,52 +106,54 @@ class ValkeyStore:
                     self._client = valkey.Valkey(host=host, port=port, db=tier.db, single_connection_client=True,
                                                  **common)
             except (ValkeyError, OSError) as exc:
-                raise StoreDown(_describe(exc)) from None
+                raise _down(exc) from None
         return self._client
 
     def ping(self) -> None:
-        try:
-            self._connect().ping()
-        except (ValkeyError, OSError) as exc:
+        if self.server.cluster:
+            try:
+                self._connect().ping()
+            except (ValkeyError, OSError) as exc:
+                self._reset()
+                raise _down(exc) from None
+            return
+        refused = self._exchange([b"*1\r\n$4\r\nPING\r\n"], lambda replies: replies.status(b"+PONG"))
+        if refused is not None:
             self._reset()
-            raise StoreDown(_describe(exc)) from None
+            raise StoreDown(refused)
+
+    def cluster_enabled(self) -> bool:
+        """Whether one server (`cluster` false) is a cluster node, which would
+        answer most keys with MOVED (`INFO cluster`; a server that will not
+        say counts as no node)."""
+        info = self._exchange([b"*2\r\n$4\r\nINFO\r\n$7\r\ncluster\r\n"], lambda replies: replies.bulk(INFO_MAX))
+        return info is not None and b"cluster_enabled:1" in info
 
     def set_many(self, items: Sequence[tuple[bytes, bytes, memoryview]]) -> list[str | None]:
         """SET each key to its header and payload; per item None, or why the
         server refused it (a full server: OOM).
 
         On one server the commands are framed here and the payload sent from
-        its own memory, as the socket's `sendall` takes it: valkey-py's packer
+        its own memory, as the socket's `send` takes it: valkey-py's packer
         (libvalkey's) copies every value into one buffer per command, and
         joining header and payload would copy it once more, which on a busy
         host costs the tier a third of its write speed (bench/valkey_tier_io.py).
-        A cluster routes each key to its node: values are joined there."""
+        A cluster routes each key to its node: values are joined there, and
+        valkey-py reads the replies."""
         if not items:
             return []
         if self.server.cluster:
             joined = [(key, b"".join((header, payload))) for key, header, payload in items]
             return [None if ok is True else _describe(ok) for ok in self._pipeline("set", joined)]
         chunks: list[bytes | memoryview] = []
+        after = b""  # the previous payload's CRLF, sent with the next command's head
         for key, header, payload in items:
-            chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
-                len(key), key, len(header) + payload.nbytes, header))
+            chunks.append(b"%s*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
+                after, len(key), key, len(header) + payload.nbytes, header))
             chunks.append(payload)
-            chunks.append(b"\r\n")
-        try:
-            connection = self._fresh_connection()
-            with _whole_blocks(connection, self.server.timeout_s):
-                connection.send_packed_command(chunks)
-            refused: list[str | None] = []
-            for _ in items:
-                try:
-                    connection.read_response()
-                    refused.append(None)
-                except ResponseError as exc:
-                    refused.append(_describe(exc))
-        except (ValkeyError, OSError) as exc:
-            self._reset()
-            raise StoreDown(_describe(exc)) from None
-        return refused
+            after = b"\r\n"
+        chunks.append(after)
+        return self._exchange(chunks, lambda replies: [replies.status(b"+OK") for _ in items])
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None | Exception]:
         return self._pipeline("get", [(k,) for k in keys])
@@ -126,25 +163,46 @@ class ValkeyStore:
         """GET each key; a value of `heads[n]` + `len(targets[n])` bytes lands in
         place: its first `heads[n]` bytes are returned (`Landed`), the rest read
         from the socket straight into `targets[n]`, unchecked (the caller checks
-        it). Any other value is returned whole, a missing key as None.
+        it). A value of another length, up to `SLACK_BYTES` longer, is returned
+        whole (its check fails it), a missing key as None, an error reply (a key
+        of another type) as its `ResponseError`; a longer value fails the batch.
 
         On one server only, as `set_many` frames its commands: a reply read into
         its block costs no allocation and no copy, where valkey-py's reader
         makes a bytes object of every value (bench/valkey_tier_io.py)."""
         if self.server.cluster:
             return self.get_many(keys)
-        try:
-            connection = self._fresh_connection()
-            with _whole_blocks(connection, self.server.timeout_s):
-                connection.send_packed_command([b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys])
-                replies = _Replies(connection._sock)
-                return [replies.value(head, target) for head, target in zip(heads, targets)]
-        except (ValkeyError, OSError, _ProtocolError) as exc:
-            self._reset()
-            raise StoreDown(_describe(exc)) from None
+        if not keys:
+            return []
+        command = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
+        return self._exchange([command], lambda replies: [replies.value(head, target)
+                                                          for head, target in zip(heads, targets)])
 
     def exists_each(self, keys: Sequence[bytes]) -> list[bool]:
-        return [answer == 1 for answer in self._pipeline("exists", [(k,) for k in keys])]
+        """Whether each key has a value; an error reply counts as none. A cluster's
+        replies are read by valkey-py, one server's by `_Replies`."""
+        if not keys:
+            return []
+        if self.server.cluster:
+            return [answer == 1 for answer in self._pipeline("exists", [(k,) for k in keys])]
+        command = b"".join(b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
+        return self._exchange([command], lambda replies: [replies.exists() for _ in keys])
+
+    def _exchange(self, chunks: Sequence[bytes | memoryview], read: Callable[[_Replies], _T]) -> _T:
+        """On one server: send `chunks`, then `read` the replies, all within `timeout_s`.
+        Any failure, a reply the commands do not give among them, drops the connection."""
+        deadline = time.monotonic() + self.server.timeout_s
+        try:
+            connection = self._fresh_connection()
+            with _whole_blocks(connection, deadline) as wire:
+                wire.send_all(chunks)
+                replies = _Replies(wire)
+                answers = read(replies)
+                replies.finish()
+                return answers
+        except (ValkeyError, OSError, _ProtocolError) as exc:
+            self._reset()
+            raise _down(exc) from None
 
     def _pipeline(self, command: str, args: Sequence[tuple]) -> list:
         if not args:
@@ -157,7 +215,7 @@ class ValkeyStore:
             answers = pipe.execute(raise_on_error=False)
         except (ValkeyError, OSError) as exc:
             self._reset()
-            raise StoreDown(_describe(exc)) from None
+            raise _down(exc) from None
         down = [a for a in answers if isinstance(a, Exception) and not isinstance(a, ResponseError)]
         if down:  # a cluster node lost mid-pipeline: the rest of the answers are not to be trusted either
             self._reset()
@@ -190,27 +248,97 @@ def _describe(exc: object) -> str:
     return f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else str(exc)
 
 
+def _down(exc: BaseException) -> StoreDown:
+    """`StoreDown`, or `BadCertificate` where a certificate check failed
+    (valkey-py raises its own error while handling the one from `ssl`)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return BadCertificate(_describe(exc))
+        seen = seen.__cause__ or seen.__context__
+    return StoreDown(_describe(exc))
+
+
 @contextlib.contextmanager
-def _whole_blocks(connection, timeout_s: float) -> Iterator[None]:
-    """The socket blocking, with the timeout kept by the kernel (SO_RCVTIMEO,
-    SO_SNDTIMEO): a block then moves in one system call, not one per chunk
-    the socket buffer holds. With Python's own timeout every chunk is a poll
-    and a recv, each taking the GIL back, which in a process whose engine
-    thread is busy (vLLM's) waits up to a switch interval: a 32-block batch
-    took 450-900 ms that way, against 20-50 ms in one call per block."""
+def _whole_blocks(connection, deadline: float) -> Iterator[_Wire]:
+    """The connection's socket, blocking, each call bounded by the time left
+    until `deadline` (`_Wire`); valkey-py's own timeout restored after."""
     if connection._sock is None:
         connection.connect()
     sock = connection._sock
-    whole = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
     previous = sock.gettimeout()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, whole)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, whole)
     sock.settimeout(None)
     try:
-        yield
+        yield _Wire(sock, deadline)
     finally:
         if connection._sock is sock:  # not dropped by a failure meanwhile
             sock.settimeout(previous)
+
+
+class _Wire:
+    """A socket whose every call ends by a deadline: a batch's.
+
+    On a plain socket the timeout is kept by the kernel (SO_RCVTIMEO,
+    SO_SNDTIMEO, set to the time left): a block then moves in one system
+    call, not one per chunk the socket buffer holds, and one such call ends
+    by its timeout however the bytes trickle in. With Python's own timeout
+    every chunk is a poll and a recv, each taking the GIL back, which in a
+    process whose engine thread is busy (vLLM's) waits up to a switch
+    interval: a 32-block batch took 450-900 ms that way, against 20-50 ms in
+    one call per block. A TLS socket reads a record per call either way, and
+    may read the socket many times per record, each given the kernel's whole
+    timeout: it keeps Python's, which bounds a call whole.
+
+    Setting a timeout is a system call of its own: one set less than
+    `REFRESH_S` ago is kept, so a call may end that much past the deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self._set_at: dict[int, float] = {}  # per option (TLS: one), when its timeout was last set
+
+    def _bound(self, option: int) -> None:
+        now = time.monotonic()
+        left = self.deadline - now
+        if left <= 0:
+            raise TimeoutError("the batch took longer than timeout_s")
+        option = -1 if self.tls else option
+        if now - self._set_at.get(option, -REFRESH_S) < REFRESH_S:
+            return
+        self._set_at[option] = now
+        if self.tls:
+            self.sock.settimeout(left)
+        else:
+            micros = max(1, int(left * 1e6))  # a zero timeval would mean no timeout at all
+            self.sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", micros // 1_000_000, micros % 1_000_000))
+
+    def send_all(self, chunks: Sequence[bytes | memoryview]) -> None:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            while view.nbytes:
+                self._bound(socket.SO_SNDTIMEO)
+                view = view[self.sock.send(view):]
+
+    def recv(self, size: int) -> bytes:
+        self._bound(socket.SO_RCVTIMEO)
+        chunk = self.sock.recv(size)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        return chunk
+
+    def recv_into(self, target: memoryview) -> None:
+        """Fill `target` whole."""
+        got = 0
+        while got < target.nbytes:
+            self._bound(socket.SO_RCVTIMEO)
+            if self.tls:
+                count = self.sock.recv_into(target[got:])
+            else:
+                count = self.sock.recv_into(target[got:], 0, socket.MSG_WAITALL)
+            if not count:
+                raise ConnectionError("the server closed the connection")
+            got += count
 
 
 class Landed(bytes):
@@ -218,61 +346,107 @@ class Landed(bytes):
 
 
 class _ProtocolError(Exception):
-    """A reply that is not what a GET answers."""
+    """A reply that is not what the command sent answers."""
 
 
 class _Replies:
-    """RESP replies to GETs, read from a socket with a small buffer for the lines
-    and `recv_into` for payloads that land in place."""
+    """RESP replies to the commands sent, read with a small buffer for the
+    lines and `recv_into` for values, which land in place or in a buffer of
+    their own size; the buffer holds at most a line and one read's bytes."""
 
-    def __init__(self, sock) -> None:
-        self.sock = sock
+    def __init__(self, wire: _Wire) -> None:
+        self.wire = wire
         self.buffer = bytearray()
 
-    def _fill(self) -> None:
-        chunk = self.sock.recv(1 << 16)
-        if not chunk:
-            raise ConnectionError("the server closed the connection")
-        self.buffer += chunk
-
     def _line(self) -> bytes:
-        while (end := self.buffer.find(b"\r\n")) < 0:
-            self._fill()
+        scanned = 0
+        while (end := self.buffer.find(b"\r\n", scanned, LINE_MAX + 2)) < 0:
+            if len(self.buffer) >= LINE_MAX + 2:
+                raise _ProtocolError(f"a reply line longer than {LINE_MAX} bytes")
+            scanned = max(0, len(self.buffer) - 1)  # a CR at the end may begin the CRLF
+            self.buffer += self.wire.recv(1 << 16)
         line = bytes(self.buffer[:end])
         del self.buffer[:end + 2]
         return line
-
-    def _exact(self, size: int) -> bytes:
-        while len(self.buffer) < size:
-            self._fill()
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
 
     def _into(self, target: memoryview) -> None:
         got = min(len(self.buffer), target.nbytes)
         target[:got] = self.buffer[:got]
         del self.buffer[:got]
-        while got < target.nbytes:
-            count = self.sock.recv_into(target[got:], 0, socket.MSG_WAITALL)
-            if not count:
-                raise ConnectionError("the server closed the connection")
-            got += count
+        if got < target.nbytes:
+            self.wire.recv_into(target[got:])
+
+    def _exact(self, size: int) -> bytes:
+        """`size` bytes, which the caller has bounded."""
+        if len(self.buffer) >= size:
+            data = bytes(self.buffer[:size])
+            del self.buffer[:size]
+            return data
+        data = bytearray(size)
+        self._into(memoryview(data))
+        return bytes(data)
+
+    def _end(self) -> None:
+        if self._exact(2) != b"\r\n":
+            raise _ProtocolError("a bulk reply without its CRLF")
+
+    def _length(self, line: bytes) -> int:
+        """A bulk reply's length: -1 (none), or a count of bytes."""
+        digits = line[1:]
+        if line[:1] != b"$" or not (digits == b"-1" or digits.isdigit() and len(digits) <= 18):
+            raise _ProtocolError(f"a bulk reply expected, got {line[:40]!r}")
+        return int(digits)
 
     def value(self, head: int, target: memoryview) -> bytes | None | Exception | Landed:
+        """A GET's reply (see `ValkeyStore.get_into`)."""
         line = self._line()
         if line[:1] == b"-":
             return ResponseError(line[1:].decode(errors="replace"))
-        if line[:1] != b"$":
-            raise _ProtocolError(f"a GET answered {line[:40]!r}")
-        size = int(line[1:])
+        size = self._length(line)
         if size < 0:
             return None
-        if size != head + target.nbytes:
+        expected = head + target.nbytes
+        if size == expected:
+            value: bytes = Landed(self._exact(head))
+            self._into(target)
+        elif size <= expected + SLACK_BYTES:
             value = self._exact(size)
         else:
-            value = Landed(self._exact(head))
-            self._into(target)
-        if self._exact(2) != b"\r\n":
-            raise _ProtocolError("a bulk reply without its CRLF")
+            raise _ProtocolError(f"a GET answered a {size}-byte value where {expected} bytes were asked for")
+        self._end()
         return value
+
+    def status(self, ok: bytes) -> str | None:
+        """A reply of `ok` (None), or an error reply: why."""
+        line = self._line()
+        if line == ok:
+            return None
+        if line[:1] == b"-":
+            return _describe(ResponseError(line[1:].decode(errors="replace")))
+        raise _ProtocolError(f"{ok!r} or an error expected, got {line[:40]!r}")
+
+    def exists(self) -> bool:
+        """An EXISTS of one key's reply; an error reply counts as no value."""
+        line = self._line()
+        if line in (b":0", b":1") or line[:1] == b"-":
+            return line == b":1"
+        raise _ProtocolError(f"an EXISTS answered {line[:40]!r}")
+
+    def bulk(self, most: int) -> bytes | None:
+        """A bulk reply of up to `most` bytes; None for none, or an error reply."""
+        line = self._line()
+        if line[:1] == b"-":
+            return None
+        size = self._length(line)
+        if size < 0:
+            return None
+        if size > most:
+            raise _ProtocolError(f"a {size}-byte reply where at most {most} bytes were expected")
+        value = self._exact(size)
+        self._end()
+        return value
+
+    def finish(self) -> None:
+        """After the last reply: nothing more may have come."""
+        if self.buffer:
+            raise _ProtocolError(f"{len(self.buffer)} bytes beyond the replies to the commands sent")

@@ -23,7 +23,14 @@ import structlog
 import torch
 
 from kvledger.transfers.block_file import BlockFileError, compact_header_bytes
-from kvledger.transfers.block_value import check_in_place, decode_value_into, store_key, value_header
+from kvledger.transfers.block_seal import BlockSeal
+from kvledger.transfers.block_value import (
+    KEY_PREFIX,
+    check_in_place,
+    decode_value_into,
+    store_key,
+    value_header,
+)
 from kvledger.transfers.tier_io import Block, ThreadedTierIO, TierJob
 from kvledger.transfers.valkey_store import Landed, StoreDown, ValkeyServer, ValkeyStore
 
@@ -72,9 +79,12 @@ class ValkeyTierIO(ThreadedTierIO):
     what = "the Valkey tier"
 
     def __init__(self, *, server: ValkeyServer, name: str, namespace: bytes, rows: torch.Tensor,
-                 payload_bytes: tuple[int, ...], connections: int = 8) -> None:
+                 payload_bytes: tuple[int, ...], connections: int = 8, seal: BlockSeal | None = None,
+                 key_prefix: bytes = KEY_PREFIX) -> None:
         self.server = server
         self.namespace = namespace
+        self.seal = seal
+        self.key_prefix = key_prefix
         self.health = Health(name, server.where)
         self.connections = connections
         super().__init__(rows=rows, payload_bytes=payload_bytes, threads=connections, name="valkey")
@@ -137,11 +147,15 @@ class ValkeyTierIO(ThreadedTierIO):
                           for g, i, key, _ in blocks]
         self._settle(job, failed, len(blocks) - len(failed), nbytes, (started, time.perf_counter()))
 
+    def _key(self, key: bytes) -> bytes:
+        return store_key(self.namespace, key, self.key_prefix)
+
     def _write(self, store: ValkeyStore, blocks: Sequence[Block]) -> tuple[int, list]:
         items = []
         for g, _, key, slot in blocks:
             payload = memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B")
-            items.append((store_key(self.namespace, key), value_header(self.namespace, key, payload), payload))
+            header, stored = value_header(self.namespace, key, payload, self.seal)
+            items.append((self._key(key), header, stored))
         refused = store.set_many(items)
         failed = [(g, i, key, "unwritable") for (g, i, key, _), why in zip(blocks, refused) if why is not None]
         if failed:
@@ -151,18 +165,19 @@ class ValkeyTierIO(ThreadedTierIO):
 
     def _read(self, store: ValkeyStore, blocks: Sequence[Block]) -> tuple[int, list]:
         targets = [memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B") for g, _, _, slot in blocks]
-        values = store.get_into([store_key(self.namespace, key) for _, _, key, _ in blocks],
-                                [compact_header_bytes(key) for _, _, key, _ in blocks], targets)
+        sealed = self.seal is not None
+        names = [self._key(key) for _, _, key, _ in blocks]
+        values = store.get_into(names, [compact_header_bytes(key, sealed) for _, _, key, _ in blocks], targets)
         failed = []
         nbytes = 0
-        for (g, i, key, _), value, target in zip(blocks, values, targets):
+        for (g, i, key, _), name, value, target in zip(blocks, names, values, targets):
             try:
                 if isinstance(value, Exception):
-                    raise BlockFileError("unreadable", store_key(self.namespace, key).decode(), str(value))
+                    raise BlockFileError("unreadable", name.decode(), str(value))
                 if isinstance(value, Landed):
-                    check_in_place(value, self.namespace, key, target)
+                    check_in_place(value, self.namespace, key, target, self.seal, name.decode())
                 else:
-                    decode_value_into(value, self.namespace, key, target)
+                    decode_value_into(value, self.namespace, key, target, self.seal, name.decode())
                 nbytes += self.payload_bytes[g]
             except BlockFileError as error:
                 failed.append((g, i, key, error.reason))
@@ -170,7 +185,7 @@ class ValkeyTierIO(ThreadedTierIO):
 
     def _settle(self, job: TierJob, failed: list[tuple[int, int, bytes, str]], done: int, nbytes: int,
                 span: tuple[float, float] | None) -> None:
-        where = [(g, i, reason, store_key(self.namespace, key).decode()) for g, i, key, reason in failed]
+        where = [(g, i, reason, self._key(key).decode()) for g, i, key, reason in failed]
         with self._cond:
             outcome = job.settle(where, done, nbytes, span)
             if not self._settled(job, outcome):
@@ -179,13 +194,13 @@ class ValkeyTierIO(ThreadedTierIO):
 
 
 def keys_present(store: ValkeyStore, health: Health, namespaces: tuple[bytes, ...],
-                 keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
+                 keys: tuple[bytes, ...], key_prefix: bytes = KEY_PREFIX) -> tuple[bytes, ...]:
     """The keys with a value in every namespace (one per tensor-parallel rank);
     while the server is down, none, at once."""
     if not health.usable():
         return ()
     try:
-        here = store.exists_each([store_key(space, key) for key in keys for space in namespaces])
+        here = store.exists_each([store_key(space, key, key_prefix) for key in keys for space in namespaces])
     except StoreDown as exc:
         health.failed(str(exc))
         return ()

@@ -1,7 +1,8 @@
 """Real Valkey servers on loopback ports, for tests and benchmarks: one server,
 or a cluster of three masters with a replica each, made with the server's
 own cluster tool. Faults are real: `kill` (SIGKILL), `pause` (SIGSTOP),
-`restart` (empty: no persistence), and a small `maxmemory`.
+`restart` (empty: no persistence), and a small `maxmemory`. `LyingServer`
+stands in front of one to answer what a real server would not.
 
 `valkey-server` comes from Debian (`make valkey`); a Redis server binary is
 used when no Valkey one is installed.
@@ -9,13 +10,16 @@ used when no Valkey one is installed.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
@@ -35,11 +39,17 @@ def cli_binary() -> str:
     return _binary("cli")
 
 
-def self_signed(folder: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, made with openssl; the certificate is its own CA."""
+def self_signed(folder: Path, name: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A certificate for `name` (an IP address or a DNS name) and its key, made
+    with openssl; the certificate is its own CA."""
     cert, key = folder / "server.crt", folder / "server.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+    try:
+        ipaddress.ip_address(name)
+        alt = f"IP:{name}"
+    except ValueError:
+        alt = f"DNS:{name}"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+                    "-addext", f"subjectAltName={alt}", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
     return cert, key
 
@@ -70,13 +80,15 @@ class ServerProcess:
     """One `valkey-server` process. `url` is what a tier's settings name."""
 
     def __init__(self, *, maxmemory: str = "256mb", policy: str = "allkeys-lru", cluster: bool = False,
-                 port: int | None = None, folder: Path | None = None, tls: bool = False) -> None:
+                 port: int | None = None, folder: Path | None = None, tls: bool = False,
+                 tls_name: str = "127.0.0.1") -> None:
         self.port = port or free_port(cluster)
         self.folder = folder or Path(tempfile.mkdtemp(prefix=f"kvledger-valkey-{self.port}-"))
         self.maxmemory = maxmemory
         self.policy = policy
         self.cluster = cluster
-        self.tls = self_signed(self.folder) if tls else None  # (certificate, key): TLS only, on `port`
+        # (certificate, key): TLS only, on `port`; a `tls_name` other than the address is a wrong certificate
+        self.tls = self_signed(self.folder, tls_name) if tls else None
         self.process: subprocess.Popen | None = None
         self.start()
 
@@ -221,3 +233,129 @@ class ClusterProcesses:
     def close(self) -> None:
         for server in self.servers:
             server.close()
+
+
+Lie = Callable[[list[bytes]], "bytes | Iterable[bytes] | None"]
+
+
+class LyingServer:
+    """A loopback server in front of a real one (`upstream`, a port) that
+    passes each command on and relays the reply, unless `lie` answers the
+    command itself: with a reply no real server sends (a length it does not
+    mean, a line with no end), or a true one trickled. `lie(args)` gives None
+    (relay), bytes, or chunks sent as they come (a generator may sleep between
+    them). With `read_pause_s` the client's bytes are read 16 KiB at a time,
+    that long apart: a server too slow to take a batch. `closed` counts the
+    client connections that ended (the client dropped it, or its sends failed)."""
+
+    def __init__(self, upstream: int, lie: Lie | None = None, read_pause_s: float = 0.0) -> None:
+        self.upstream = upstream
+        self.lie: Lie = lie or (lambda args: None)
+        self.read_pause_s = read_pause_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.changed = threading.Condition()
+        self.accepted = 0
+        self.closed = 0
+        self.stopped = False
+        threading.Thread(target=self._accept, name=f"lying-server-{self.port}", daemon=True).start()
+
+    def wait_closed(self, count: int, timeout_s: float = 5.0) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: self.closed >= count, timeout_s)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            with self.changed:
+                self.accepted += 1
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            with client, socket.create_connection(("127.0.0.1", self.upstream)) as upstream:
+                commands = _Reader(self, client, 16 << 10 if self.read_pause_s else 1 << 16, self.read_pause_s)
+                replies = _Reader(self, upstream, 1 << 16, 0.0)
+                while (args := _command(commands)) is not None:
+                    told = self.lie(args)
+                    if told is None:
+                        upstream.sendall(b"*%d\r\n" % len(args) + b"".join(
+                            b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in args))
+                        client.sendall(_reply(replies))
+                    else:
+                        for chunk in [told] if isinstance(told, bytes) else told:
+                            client.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            with self.changed:
+                self.closed += 1
+                self.changed.notify_all()
+
+    def close(self) -> None:
+        """Stop taking connections; those open end at their next read."""
+        self.stopped = True
+        self.listener.close()
+
+
+class _Reader:
+    """A socket's bytes by line or by count, read `size` at a time, `pause_s` apart."""
+
+    def __init__(self, server: LyingServer, sock: socket.socket, size: int, pause_s: float) -> None:
+        self.server, self.sock, self.size, self.pause_s = server, sock, size, pause_s
+        self.buffer = bytearray()
+
+    def _more(self) -> bool:
+        if self.pause_s:
+            time.sleep(self.pause_s)
+        if self.server.stopped:
+            return False
+        chunk = self.sock.recv(self.size)
+        self.buffer += chunk
+        return bool(chunk)
+
+    def line(self) -> bytes | None:
+        while (end := self.buffer.find(b"\r\n")) < 0:
+            if not self._more():
+                return None
+        line = bytes(self.buffer[:end + 2])
+        del self.buffer[:end + 2]
+        return line
+
+    def exact(self, count: int) -> bytes | None:
+        while len(self.buffer) < count:
+            if not self._more():
+                return None
+        data = bytes(self.buffer[:count])
+        del self.buffer[:count]
+        return data
+
+
+def _command(reader: _Reader) -> list[bytes] | None:
+    """A client's command (an array of bulk strings), or None at its end."""
+    head = reader.line()
+    if head is None:
+        return None
+    args = []
+    for _ in range(int(head[1:])):
+        size = reader.line()
+        data = reader.exact(int(size[1:]) + 2) if size is not None else None
+        if data is None:
+            return None
+        args.append(data[:-2])
+    return args
+
+
+def _reply(reader: _Reader) -> bytes:
+    """One whole reply from the real server, as it came."""
+    line = reader.line()
+    if line is None:
+        raise ConnectionError("the server closed the connection")
+    if line[:1] == b"$" and int(line[1:]) >= 0:
+        return line + (reader.exact(int(line[1:]) + 2) or b"")
+    if line[:1] == b"*" and int(line[1:]) > 0:
+        return line + b"".join(_reply(reader) for _ in range(int(line[1:])))
+    return line

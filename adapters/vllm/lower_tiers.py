@@ -30,10 +30,12 @@ from typing import Any
 import structlog
 
 from kvledger.adapters.settings import ConnectorSettings, FsTierSettings, TierSettings, ValkeyTierSettings
+from kvledger.adapters.vllm.chain_keys import CRYPTOGRAPHIC, FAST, KEYED
 from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, tp_replicas, write_identity
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, LowerTierSpec
 from kvledger.transfers.block_file import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
+from kvledger.transfers.block_seal import derive
 from kvledger.transfers.fs_tier import FsTierIO, files_present, scan_keys
 from kvledger.transfers.key_lookups import Find, KeyLookups
 from kvledger.transfers.replica_tier import ReplicaTierIO
@@ -52,13 +54,35 @@ TOMBSTONES_MAX = 1 << 16
 """Keys this process removed, remembered so a lookup that raced the removal cannot bring them back."""
 
 
+def chain_secret(tiers: Sequence[TierSettings]) -> bytes | None:
+    """The key the block-key chain is hashed with when any tier has a secret:
+    then key names (file names, store keys) tell nothing about prompts to
+    whoever lacks the secrets, and replicas with other secrets share no key."""
+    named = [tier.secret.naming for tier in tiers if tier.secret.naming is not None]
+    if not named:
+        return None
+    return derive(b"".join(len(n).to_bytes(4, "little") + n for n in named), "names")
+
+
+def block_keys(vllm_config: Any, secret: bytes | None) -> str:
+    """How block keys are hashed: keyed with the tiers' secret; else as strong
+    as vLLM's own prefix-cache hash (`prefix_caching_hash_algo`): a collision
+    of xxh3 can be searched for, one of BLAKE2b cannot."""
+    if secret is not None:
+        return KEYED
+    algorithm = str(getattr(getattr(vllm_config, "cache_config", None), "prefix_caching_hash_algo", "") or "")
+    return FAST if algorithm.startswith("xxhash") else CRYPTOGRAPHIC
+
+
 def tier_name(index: int, tier: TierSettings) -> str:
     return f"{index}:{tier.kind}"
 
 
 def _header_bytes(tier: TierSettings) -> int:
     """What a block costs a tier besides its bytes: a file's header, a value's (at most)."""
-    return HEADER_BYTES if isinstance(tier, FsTierSettings) else compact_header_bytes(bytes(KEY_BYTES_MAX))
+    if isinstance(tier, FsTierSettings):
+        return HEADER_BYTES
+    return compact_header_bytes(bytes(KEY_BYTES_MAX), sealed=tier.secret.current is not None)
 
 
 def tier_copies(vllm_config: Any, kv_cache_config: Any, world_size: int) -> int:
@@ -88,10 +112,14 @@ class SchedulerTiers:
                  world_size: int) -> None:
         self.tiers = settings.secondary_tiers
         weights = settings.weights_version
-        base = identity(vllm_config, kv_cache_config, rank=0, world_size=world_size, weights_version=weights)
+        self.chain_secret = chain_secret(self.tiers)
+        self.block_keys = block_keys(vllm_config, self.chain_secret)
+        base = identity(vllm_config, kv_cache_config, rank=0, world_size=world_size, weights_version=weights,
+                        block_keys=self.block_keys)
         self.key_root = key_root(base)
         self.namespaces = tuple(dict.fromkeys(  # one per distinct shard, in rank order
-            namespace(identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size, weights_version=weights))
+            namespace(identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size, weights_version=weights,
+                               block_keys=self.block_keys))
             for rank in range(world_size)))
         self.health: dict[int, Health] = {}  # per Valkey tier, as the scheduler's lookups see the server
         self._stores: list[ValkeyStore] = []
@@ -115,7 +143,8 @@ class SchedulerTiers:
         store = ValkeyStore(tier.server)  # used by the lookups' thread alone
         self._stores.append(store)
         self.health[index] = Health(tier_name(index, tier), tier.server.where)
-        return functools.partial(keys_present, store, self.health[index], self.namespaces)
+        return functools.partial(keys_present, store, self.health[index], self.namespaces,
+                                 key_prefix=tier.key_prefix)
 
     def startup_events(self) -> list[ev.TierKeysFound]:
         """What each tier holds now: blocks every rank has, oldest first."""
@@ -161,6 +190,8 @@ class SchedulerTiers:
             for counts in self.counts.values():
                 counts["lookup_timeouts"] += 1
             self._done(request_id)
+            for lookups in self._lookups.values():
+                lookups.cancel(request_id)
         return request_id in self._asked
 
     def removed(self, tier: int, keys: Sequence[bytes]) -> None:
@@ -194,7 +225,9 @@ class SchedulerTiers:
         return found
 
     def forget(self, request_id: str) -> None:
-        self._asked.pop(request_id, None)
+        if self._asked.pop(request_id, None) is not None:
+            for lookups in self._lookups.values():
+                lookups.cancel(request_id)
         self._answered.discard(request_id)
 
     def new_generation(self) -> None:
@@ -217,7 +250,8 @@ def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_co
     """This worker's I/O on each tier, in its own shard's namespace: read-only
     where another rank writes the same bytes."""
     ident = identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size,
-                     weights_version=settings.weights_version)
+                     weights_version=settings.weights_version,
+                     block_keys=block_keys(vllm_config, chain_secret(settings.secondary_tiers)))
     space = namespace(ident)
     writes = rank % tp_replicas(vllm_config, kv_cache_config, world_size) == 0
     ios: dict[int, TierIO] = {}
@@ -226,13 +260,17 @@ def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_co
         io: FsTierIO | ValkeyTierIO
         if isinstance(tier, ValkeyTierSettings):
             io = ValkeyTierIO(server=tier.server, name=name, namespace=space, rows=rows,
-                              payload_bytes=payload_bytes, connections=tier.connections)
+                              payload_bytes=payload_bytes, connections=tier.connections, seal=tier.secret.seal(),
+                              key_prefix=tier.key_prefix)
             where = {"server": tier.server.where}
         else:
-            write_identity(tier.path, space, ident)
+            write_identity(tier.path, space, ident, gid=tier.gid)
             io = FsTierIO(root=tier.path, namespace=space, rows=rows, payload_bytes=payload_bytes,
-                          threads=tier.threads)
+                          threads=tier.threads, seal=tier.secret.seal(), gid=tier.gid)
+            if writes:  # the namespace's writer clears what its crashed predecessors left
+                io.remove_leftovers()
             where = {"path": tier.path}
         ios[index] = io if writes else ReplicaTierIO(io)
-        _log.info("tier_opened", tier=name, **where, namespace=space.hex(), rank=rank, writes=writes)
+        _log.info("tier_opened", tier=name, **where, namespace=space.hex(), rank=rank, writes=writes,
+                  sealed=tier.secret.current is not None, encrypted=tier.secret.encrypt)
     return ios

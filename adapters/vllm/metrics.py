@@ -102,6 +102,9 @@ TIER_FOUND = Metric("vllm:kvledger_tiering_found_blocks", COUNTER,
 TIER_UNREACHABLE = Metric("vllm:kvledger_tiering_unreachable_blocks", COUNTER,
                           "Blocks a tier job failed because the tier's server was down or slower than its timeout.",
                           tiered=True)
+TIER_FORGED = Metric("vllm:kvledger_tiering_forged_blocks", COUNTER,
+                     "Blocks a tier with a secret refused to load: not sealed with its secret (written by someone "
+                     "without it). Recomputed, never served.", tiered=True)
 TIER_LOOKUP_KEYS = Metric("vllm:kvledger_tiering_lookup_blocks", COUNTER,
                           "Blocks looked up in a shared tier (found ones: vllm:kvledger_tiering_found_blocks).",
                           tiered=True)
@@ -115,7 +118,7 @@ METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE
            EVICTIONS, FLUSHES, FLUSHED_JOBS, VIOLATIONS, LOG_FAILURES, TIER_USED, TIER_CAPACITY, JOBS_IN_FLIGHT,
            TIER_READ_BYTES, TIER_READ_TIME, TIER_WRITE_BYTES, TIER_WRITE_TIME, TIER_PROMOTION_FAILURES,
            TIER_CASCADE_FAILURES, TIER_PROMOTION_LATENCY, TIER_HELD, TIER_BLOCKS_CAPACITY, TIER_KEYS_READ,
-           TIER_KEYS_WRITTEN, TIER_EVICTIONS, TIER_FOUND, TIER_UNREACHABLE, TIER_LOOKUP_KEYS, TIER_LOOKUP_TIMEOUTS,
+           TIER_KEYS_WRITTEN, TIER_EVICTIONS, TIER_FOUND, TIER_UNREACHABLE, TIER_FORGED, TIER_LOOKUP_KEYS, TIER_LOOKUP_TIMEOUTS,
            TIER_UP)
 _BY_NAME = {m.name: m for m in METRICS}
 

@@ -19,6 +19,7 @@ equal in every process), not vLLM's per-process block hashes.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -104,7 +105,7 @@ class LedgerScheduler:
         self._lookup_seconds: list[float] = []
         self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
         self._tiers = tiers
-        self._chain = ChainKeys(tiers.key_root, config.hash_block_size) if tiers is not None else None
+        self._chain = self._chain_keys(tiers.key_root) if tiers is not None else None
         self._keys_of = self._chain.keys if self._chain is not None else None
         if tiers is not None:
             self._apply(list(tiers.startup_events()))
@@ -344,11 +345,19 @@ class LedgerScheduler:
         tiers = self._tiers
         rekeyed = tiers is not None
         if tiers is not None:
-            self._chain = ChainKeys(generation_root(tiers.key_root, self._epoch), self.config.hash_block_size)
+            # Private generations are salted at random: another replica's reset, whatever weights it
+            # loaded, never lands on these keys (adapters may draw randomness; the keys enter the log).
+            salt = os.urandom(16) if self.settings.key_generations == "private" else b""
+            self._chain = self._chain_keys(generation_root(tiers.key_root, self._epoch, salt))
             self._keys_of = self._chain.keys
             tiers.new_generation()
         self._apply([ev.CacheReset(epoch=self._epoch, rekeyed=rekeyed)])
         return True
+
+    def _chain_keys(self, root: bytes) -> ChainKeys:
+        tiers = self._tiers
+        assert tiers is not None
+        return ChainKeys(root, self.config.hash_block_size, tiers.block_keys, tiers.chain_secret)
 
     def shutdown(self) -> None:
         if self._tiers is not None:

@@ -26,16 +26,18 @@ of one too many is a cold tier after a change, not wrong output.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
-import itertools
 import json
 import os
+import stat
 from collections.abc import Mapping
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
-from kvledger.transfers.block_file import FORMAT_VERSION, NAMESPACE_BYTES
+from kvledger.transfers.block_file import FORMAT_VERSION, NAMESPACE_BYTES, aside_path, create_file, make_dir
 
 IDENTITY_FILE = "NAMESPACE.json"
 
@@ -53,9 +55,9 @@ _PARALLEL_FIELDS = (
     "tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
     "prefill_context_parallel_size", "dcp_kv_cache_interleave_size", "cp_kv_cache_interleave_size",
 )
+_HF_SET_AT_LOAD = frozenset(("torch_dtype", "dtype", "transformers_version"))
 _RANK = "rank"
 _MISSING = object()
-_names = itertools.count()
 
 
 def _read(obj: Any, name: str) -> Any:
@@ -108,10 +110,12 @@ def _spec(spec: Any, where: str) -> dict[str, Any]:
 
 
 def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: int,
-             weights_version: str | None = None) -> dict[str, Any]:
+             weights_version: str | None = None, block_keys: str | None = None) -> dict[str, Any]:
     """Everything that makes this worker's block bytes meaningful, as a JSON-able dict.
     `weights_version` is the operator's name for the weights (the setting of that
-    name): vLLM's configs cannot tell new weights under the same model path."""
+    name): vLLM's configs cannot tell new weights under the same model path.
+    `block_keys` names the keys' hash (`chain_keys`): blocks keyed another way
+    live in another directory, not as files no key ever finds."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     parallel_config = _read(vllm_config, "parallel_config")
@@ -122,6 +126,9 @@ def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: i
             model[name] = str(value)
     if weights_version is not None:
         model["weights_version"] = weights_version
+    hf = _hf_config_digest(model_config)
+    if hf is not None:
+        model["hf_config"] = hf
 
     out: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -148,11 +155,37 @@ def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: i
     device = _read(_read(vllm_config, "device_config"), "device_type")
     if device is not _MISSING:
         out["device_type"] = str(device)
+    if block_keys is not None:
+        out["block_keys"] = block_keys
     out["parallel"] = {"world_size": int(world_size), **_fields(parallel_config, _PARALLEL_FIELDS, "parallel")}
     replicas = tp_replicas(vllm_config, kv_cache_config, world_size)
     first = rank - rank % replicas
     out[_RANK] = int(rank) if replicas == 1 else f"{first}-{first + replicas - 1}"  # the ranks sharing these bytes
     return out
+
+
+def _hf_config_digest(model_config: Any) -> str | None:
+    """A digest of the model's Hugging Face config as vLLM loaded it, overrides
+    applied (`hf_overrides`, rope scaling, ...): a changed config under the same
+    path changes what the KV means. None where this config cannot say."""
+    config = _read(model_config, "hf_config")
+    to_json = getattr(config, "to_json_string", None)
+    if to_json is None:
+        return None
+    try:
+        fields = json.loads(to_json(use_diff=False))
+    except (TypeError, ValueError):  # a value json cannot write: left out, as a field this vLLM lacks
+        return None
+    # Private fields (`_attn_implementation_autoset`, ...) are set while a worker loads the model, after
+    # the scheduler has taken its copy; the dtype is in the identity on its own.
+    text = canonical_json({k: v for k, v in fields.items() if not k.startswith("_") and k not in _HF_SET_AT_LOAD}).decode()
+    overrides = _read(model_config, "hf_overrides")
+    if overrides is not _MISSING and overrides:
+        # A callable is named by where it lives; its effect is in the config already.
+        shown = (f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
+                 if callable(overrides) else json.dumps(overrides, sort_keys=True, default=str))
+        text += "\n" + shown
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def tp_replicas(vllm_config: Any, kv_cache_config: Any, world_size: int) -> int:
@@ -191,30 +224,44 @@ def key_root(identity: Mapping[str, Any]) -> bytes:
     return _digest({k: v for k, v in identity.items() if k != _RANK})
 
 
-def write_identity(root: str | os.PathLike, namespace: bytes, identity: Mapping[str, Any]) -> None:
+def write_identity(root: str | os.PathLike, namespace: bytes, identity: Mapping[str, Any], *,
+                   gid: int | None = None) -> None:
     """`root/<namespace hex>/NAMESPACE.json`: the identity, for operators. Written
-    aside and renamed into place; left alone where it already says the same."""
+    aside and renamed into place; left alone where it already says the same.
+    The directory and the file get the tier's modes (`gid`: its group, as
+    `FsTierSettings.gid`). The aside name is unpredictable and made with
+    O_EXCL|O_NOFOLLOW, and the file is read without following a link: whoever
+    can write the directory cannot plant a link that this process writes or reads through."""
     if namespace != _digest(identity):
         raise ValueError(f"namespace {namespace.hex()} is not the digest of this identity "
                          f"({_digest(identity).hex()})")
-    directory = os.path.join(os.fspath(root), namespace.hex())
-    path = os.path.join(directory, IDENTITY_FILE)
+    directory = Path(root) / namespace.hex()
+    path = directory / IDENTITY_FILE
     text = json.dumps(identity, sort_keys=True, indent=2, allow_nan=False) + "\n"
+    data = text.encode()
+    if _existing_bytes(path, len(data)) == data:
+        return
+    make_dir(directory, gid)
+    aside = aside_path(path)
     try:
-        with open(path, encoding="utf-8") as existing:
-            if existing.read() == text:
-                return
-    except (FileNotFoundError, UnicodeDecodeError):
-        pass
-    os.makedirs(directory, exist_ok=True)
-    aside = f"{path}.{os.getpid()}.{next(_names)}.tmp"
-    try:
-        with open(aside, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(create_file(aside, gid), "wb") as out:
+            out.write(data)
         os.replace(aside, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(aside)
-        except FileNotFoundError:
-            pass
         raise
+
+
+def _existing_bytes(path: Path, limit: int) -> bytes | None:
+    """The file's bytes if it is a regular file of at most `limit` bytes, read
+    never through a link nor waiting on a FIFO; None for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:  # missing, a link, unreadable: written anew
+        return None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = file.read(limit + 1)
+    return data if len(data) <= limit else None

@@ -204,6 +204,7 @@ class LedgerWorker:
                 stats.add(m.TIER_PROMOTION_LATENCY, job.seconds, tier)
                 stats.add(m.TIER_PROMOTION_FAILURES, 0 if job.ok else 1, tier)
                 stats.add(m.TIER_UNREACHABLE, job.unreachable, tier)
+                stats.add(m.TIER_FORGED, job.forged, tier)
             else:
                 stats.add(m.TIER_WRITE_BYTES, job.nbytes, tier)
                 stats.add(m.TIER_WRITE_TIME, job.seconds, tier)

@@ -301,3 +301,43 @@ def test_a_streaming_session_whose_last_token_is_replaced_is_keyed_again_from_th
     new_tokens = TOKENS[:47] + [7, 8, 9]
     assert list(chain_keys.keys(session)) == keys_of(new_tokens)
     assert keys_of(new_tokens)[2] != keys_of(TOKENS[:48])[2]
+
+
+def test_a_private_generation_is_salted_and_a_counted_one_is_not() -> None:
+    """Two replicas reset once each: counted, they share generation 1; private, never."""
+    assert ck.generation_root(ROOT_KEY, 1) == ck.generation_root(ROOT_KEY, 1, b"")
+    a = keys_of(TOKENS, root=ck.generation_root(ROOT_KEY, 1, os.urandom(16)))
+    b = keys_of(TOKENS, root=ck.generation_root(ROOT_KEY, 1, os.urandom(16)))
+    assert all(x != y for x, y in zip(a, b))
+
+
+def test_keyed_and_cryptographic_chains_differ_from_the_fast_one_and_by_secret() -> None:
+    req = request(TOKENS)
+    fast = list(ChainKeys(ROOT_KEY, H).keys(req))
+    strong = list(ChainKeys(ROOT_KEY, H, ck.CRYPTOGRAPHIC).keys(request(TOKENS)))
+    keyed = list(ChainKeys(ROOT_KEY, H, ck.KEYED, b"k" * 32).keys(request(TOKENS)))
+    other = list(ChainKeys(ROOT_KEY, H, ck.KEYED, b"j" * 32).keys(request(TOKENS)))
+    assert len({len(fast), len(strong), len(keyed), len(other)}) == 1 and len(fast) == 6
+    for one, two in ((fast, strong), (fast, keyed), (strong, keyed), (keyed, other)):
+        assert all(x != y for x, y in zip(one, two))
+    # Whoever lacks the secret cannot confirm a guessed prompt from a key name.
+    assert list(ChainKeys(ROOT_KEY, H, ck.KEYED, b"k" * 32).keys(request(TOKENS, rid="again"))) == keyed
+    with pytest.raises(ValueError, match="without a secret"):
+        ChainKeys(ROOT_KEY, H, ck.KEYED)
+
+
+def test_a_lora_adapter_is_keyed_by_its_files_not_its_path(tmp_path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    for folder in (one, two):
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text('{"r": 8}')
+        (folder / "adapter_model.safetensors").write_bytes(b"weights-v1")
+    at_one = keys_of(TOKENS, lora_request=LoRARequest("sql", 1, str(one)))
+    # The same files under another path: the same keys.
+    assert keys_of(TOKENS, lora_request=LoRARequest("sql", 1, str(two))) == at_one
+    # New weights under the same path: new keys (vLLM keys by name and path alone).
+    (one / "adapter_model.safetensors").write_bytes(b"weights-v2")
+    os.utime(one / "adapter_model.safetensors", ns=(1, 1))
+    assert all(x != y for x, y in zip(keys_of(TOKENS, lora_request=LoRARequest("sql", 1, str(one))), at_one))
+    # Not a local directory (a hub name): keyed by name and path, as vLLM does.
+    assert ck.adapter_digest(str(tmp_path / "missing")) is None

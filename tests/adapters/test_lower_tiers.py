@@ -4,6 +4,9 @@ and ranks with identical KV keeping one copy of a block."""
 
 from __future__ import annotations
 
+import grp
+import os
+import stat
 import time
 
 import pytest
@@ -135,3 +138,28 @@ def test_ranks_with_identical_kv_keep_one_copy_of_a_block(tmp_path) -> None:
     finally:
         for io in ios:
             io.shutdown()
+
+
+def test_a_worker_opens_its_tier_with_the_tiers_group_and_clears_old_leftovers(tmp_path) -> None:
+    """A crashed writer's aside files are removed when the next worker of its namespace opens the tier."""
+    root = tmp_path / "tier"
+    settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [
+        {"type": "fs", "path": str(root), "capacity_bytes": 1 << 20, "group": "users"}]})
+    rows = torch.zeros((4, 64), dtype=torch.int8)
+
+    def open_and_close() -> FsTierIO:
+        io = open_worker_tiers(settings, vllm_config(), kv_cache_config(), rank=0, world_size=1, rows=rows,
+                               payload_bytes=(64,))[1]
+        io.shutdown()
+        assert isinstance(io, FsTierIO)
+        return io
+
+    space = open_and_close().namespace
+    identity = (root / space.hex() / "NAMESPACE.json").stat()
+    assert (stat.S_IMODE(identity.st_mode), identity.st_gid) == (0o660, grp.getgrnam("users").gr_gid)
+    leftover = block_path(root, space, bytes(32)).with_name(f".{bytes(32).hex()}.kvb.0123456789abcdef.tmp")
+    leftover.parent.mkdir()
+    leftover.write_bytes(b"x")
+    os.utime(leftover, (time.time() - 3600,) * 2)
+    open_and_close()
+    assert not leftover.exists()

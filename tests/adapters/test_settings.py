@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import grp
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -153,8 +155,9 @@ def problem(extra: dict) -> str:
 
 @pytest.fixture
 def mounted(mount):
-    """Mounts a real tmpfs with the given options."""
-    return lambda options: mount("tmpfs", options)
+    """Mounts a real tmpfs with the given options, its root this user's alone
+    (a tmpfs's is 1777 by default, which a tier refuses)."""
+    return lambda options: mount("tmpfs", f"mode=0700,{options}")
 
 
 def test_no_secondary_tiers_by_default():
@@ -203,8 +206,8 @@ def test_parsing_twice_as_the_worker_does_gives_the_same_settings(tmp_path):
     ([{"path": "/tmp/x", "capacity_bytes": 1}], "secondary_tiers[0] needs a 'type': one of 'fs'"),
     ([{"type": "nfs"}], "secondary_tiers[0].type 'nfs' is not supported; supported types: 'fs'"),
     ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "size": 2}],
-     "unknown secondary_tiers[0] key(s) 'size'; a 'fs' tier knows: capacity_bytes, path, root_dir, shared, "
-     "threads, type"),
+     "unknown secondary_tiers[0] key(s) 'size'; a 'fs' tier knows: capacity_bytes, encrypt, group, path, "
+     "previous_secret_env, root_dir, secret_env, shared, threads, type"),
     ([{"type": "fs", "capacity_bytes": 1}], "secondary_tiers[0] needs 'path'"),
     ([{"type": "fs", "path": ""}], "secondary_tiers[0].path must be a non-empty str, got ''"),
     ([{"type": "fs", "root_dir": 7}], "secondary_tiers[0].root_dir must be a non-empty str, got 7"),
@@ -280,22 +283,108 @@ def test_block_files_already_in_the_tier_count_as_room(mounted):
 
 def test_block_file_bytes_walks_the_tree_and_counts_only_block_files(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
-    (tmp_path / "a" / "b" / "k.kvb").write_bytes(bytes(100))
-    (tmp_path / "a" / "j.kvb").write_bytes(bytes(10))
+    (tmp_path / "a" / "b" / "k.kvb").write_bytes(os.urandom(8192))
+    (tmp_path / "a" / "j.kvb").write_bytes(os.urandom(4096))
+    os.mkfifo(tmp_path / "a" / "fifo.kvb")
     (tmp_path / "a" / "j.kvb.tmp").write_bytes(bytes(1000))  # a write in flight
     (tmp_path / "NAMESPACE.json").write_bytes(bytes(1000))
     outside = tmp_path.parent / f"{tmp_path.name}-outside"
     outside.mkdir()
     (outside / "far.kvb").write_bytes(bytes(5000))
     (tmp_path / "link").symlink_to(outside)  # not followed
-    assert block_file_bytes(str(tmp_path)) == 110
+    (tmp_path / "a" / "far.kvb").symlink_to(outside / "far.kvb")  # nor this one
+    allocated = sum(os.stat(tmp_path / "a" / name).st_blocks * 512 for name in ("b/k.kvb", "j.kvb"))
+    assert allocated >= 12288 and block_file_bytes(str(tmp_path)) == allocated
     assert block_file_bytes(str(tmp_path / "missing")) == 0
 
 
-@pytest.mark.parametrize("second", ["{0}/tier", "{0}/tier/", "{0}/alias"])
+def test_a_sparse_block_file_makes_no_room(mounted):
+    """An 8 TiB sparse file let a 4 TiB capacity pass on a disk with far less free."""
+    small = mounted("size=1m")
+    (small / "ns").mkdir()
+    with open(small / "ns" / "big.kvb", "wb") as sparse:
+        sparse.truncate(8 << 40)
+    assert block_file_bytes(str(small)) == 0
+    assert problem(with_tiers(fs(small, capacity_bytes=4 << 40))) == (
+        f"secondary_tiers[0].capacity_bytes {4 << 40} does not fit in {str(small)!r}: the file system has "
+        f"{1 << 20} bytes free, and block files already there take 0")
+
+
+USERS_GID = grp.getgrnam("users").gr_gid  # real groups other than root's
+NOGROUP_GID = grp.getgrnam("nogroup").gr_gid
+
+
+def mode_and_group(path: Path) -> tuple[int, int]:
+    info = os.lstat(path)
+    return stat.S_IMODE(info.st_mode), info.st_gid
+
+
+def test_a_tier_directory_kvledger_makes_is_the_users_alone_or_the_tiers_groups(tmp_path):
+    """Its blocks are the prompts' KV: under 0755 every local user could read them."""
+    tier, = parse_settings(with_tiers(fs(tmp_path / "a" / "own"))).secondary_tiers
+    assert tier.gid is None and mode_and_group(tmp_path / "a" / "own")[0] == 0o700
+    old = os.umask(0o077)  # a narrow umask must not take the group's access away
+    try:
+        tier, = parse_settings(with_tiers(fs(tmp_path / "shared", group="users"))).secondary_tiers
+    finally:
+        os.umask(old)
+    assert tier.gid == USERS_GID and mode_and_group(tmp_path / "shared") == (0o2770, USERS_GID)
+    for same in (USERS_GID, str(USERS_GID)):  # by id too; and the directory made is accepted again
+        assert parse_settings(with_tiers(fs(tmp_path / "shared", group=same))).secondary_tiers == (tier,)
+
+
+@pytest.mark.parametrize("group, words", [
+    ("kvledger-no-such-group", "secondary_tiers[0].group 'kvledger-no-such-group' is not a group on this host"),
+    ("", "secondary_tiers[0].group must be a group's name or id, got ''"),
+    (True, "secondary_tiers[0].group must be a group's name or id, got True"),
+    (-1, "secondary_tiers[0].group must be a group's name or id, got -1"),
+    (1.5, "secondary_tiers[0].group must be a group's name or id, got 1.5"),
+])
+def test_a_bad_group_is_named(tmp_path, group, words):
+    assert words in problem(with_tiers(fs(tmp_path / "tier", group=group)))
+    assert not (tmp_path / "tier").exists()
+
+
+def test_a_tier_directory_another_user_owns_is_refused_unless_it_is_the_tiers_groups(tmp_path):
+    """Its owner could read every block, and plant blocks that every replica serves."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chmod(theirs, 0o2770)
+    os.chown(theirs, 65534, NOGROUP_GID)
+    words = problem(with_tiers(fs(theirs)))
+    assert words.startswith(f"secondary_tiers[0].path {str(theirs)!r} is owned by uid 65534")
+    assert "not by this process's user uid 0" in words and f"'group': the directory's group (gid {NOGROUP_GID}" in words
+    assert "is owned by uid 65534" in problem(with_tiers(fs(theirs, group="users")))
+    tier, = parse_settings(with_tiers(fs(theirs, group="nogroup"))).secondary_tiers  # a service group's directory
+    assert tier.gid == NOGROUP_GID
+    mine = tmp_path / "mine"  # this user's, another group's: the tier's group could not use it
+    mine.mkdir()
+    assert problem(with_tiers(fs(mine, group="users"))).startswith(
+        f"secondary_tiers[0].path {str(mine)!r} belongs to group gid 0 (root), not the tier's 'group' "
+        f"gid {USERS_GID} (users)")
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o2772])
+def test_a_tier_directory_every_user_can_write_is_refused(tmp_path, mode):
+    """Anyone could plant blocks in it that every replica serves, or remove them."""
+    path = tmp_path / "open"
+    path.mkdir()
+    os.chmod(path, mode)
+    assert problem(with_tiers(fs(path))).startswith(
+        f"secondary_tiers[0].path {str(path)!r} is writable by every user (mode {mode:#o}): ")
+
+
+def test_a_tier_directory_that_is_a_link_is_refused(tmp_path):
+    """Whoever can replace the link can point the tier at another directory."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert problem(with_tiers(fs(tmp_path / "link"))).startswith(
+        f"secondary_tiers[0].path {str(tmp_path / 'link')!r} is a symbolic link (to {str(tmp_path / 'real')!r})")
+
+
+@pytest.mark.parametrize("second", ["{0}/tier", "{0}/tier/"])  # an alias by a link is refused as a link
 def test_two_tiers_in_one_directory_are_refused(tmp_path, second):
     (tmp_path / "tier").mkdir()
-    (tmp_path / "alias").symlink_to(tmp_path / "tier")
     words = problem(with_tiers(fs(tmp_path / "tier"), fs(second.format(tmp_path))))
     assert words.startswith("secondary_tiers[1].path") and words.endswith("is also secondary_tiers[0].path")
 
@@ -391,3 +480,68 @@ def test_a_tls_server_with_a_private_ca(valkey_server):
     assert "cannot be reached" in plain
     assert "tls_ca_file is for TLS" in problem(with_tiers(valkey("redis://127.0.0.1:1", tls_ca_file=cert)))
     assert "is not a readable file" in problem(with_tiers(valkey(server.url, tls_ca_file="/nonexistent.crt")))
+
+
+# A tier's secret, its key prefix, and URLs with passwords.
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def test_a_secret_comes_from_the_environment_and_is_never_shown(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)
+    monkeypatch.setenv("KVLEDGER_TEST_OLD", "f" * 32)
+    tier, = parse_settings(with_tiers(fs(tmp_path, secret_env="KVLEDGER_TEST_SECRET",
+                                         previous_secret_env="KVLEDGER_TEST_OLD", encrypt=True))).secondary_tiers
+    assert tier.secret.current == SECRET.encode() and tier.secret.previous == b"f" * 32 and tier.secret.encrypt
+    assert tier.secret.naming == b"f" * 32  # names stay the fleet's until the rotation ends
+    assert SECRET not in repr(tier) and "ffff" not in repr(tier)
+    seal = tier.secret.seal()
+    assert seal is not None and seal.encrypt
+    plain, = parse_settings(with_tiers(fs(tmp_path))).secondary_tiers
+    assert plain.secret.seal() is None and plain.secret.naming is None
+
+
+@pytest.mark.parametrize("keys, words", [
+    ({"secret_env": "KVLEDGER_SURELY_UNSET"}, "secret_env names 'KVLEDGER_SURELY_UNSET', which is not set"),
+    ({"secret_env": "KVLEDGER_TEST_SHORT"}, "holds 5 bytes; a tier secret needs at least 16"),
+    ({"secret_env": ""}, "secret_env must name an environment variable"),
+    ({"previous_secret_env": "KVLEDGER_TEST_SECRET"}, "previous_secret_env is for a rotation: it needs secret_env"),
+    ({"encrypt": True}, "encrypt needs secret_env"),
+    ({"encrypt": "yes", "secret_env": "KVLEDGER_TEST_SECRET"}, "encrypt must be a bool"),
+])
+def test_bad_secret_settings_name_the_problem(tmp_path, monkeypatch, keys, words):
+    monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)
+    monkeypatch.setenv("KVLEDGER_TEST_SHORT", "short")
+    assert words in problem(with_tiers(fs(tmp_path, **keys)))
+
+
+def test_a_key_prefix_for_acls(valkey_server):
+    server = valkey_server()
+    tier, = parse_settings(with_tiers(valkey(server.url, key_prefix="kvledger:tenant-a:"))).secondary_tiers
+    assert tier.key_prefix == b"kvledger:tenant-a:"
+    for bad, words in (("", "key_prefix must be 1-64 printable"), ("a b", "without spaces"),
+                       ("tenant*", "holds a glob character")):
+        assert words in problem(with_tiers(valkey(server.url, key_prefix=bad)))
+
+
+@pytest.mark.parametrize("url", ["redis://:pa#ss@127.0.0.1:6379", "redis://:pa/ss@127.0.0.1:6379",
+                                 "redis://:pa?ss@127.0.0.1:6379", "redis://user:p@ss:99999x@127.0.0.1:1"])
+def test_a_url_error_never_quotes_the_password(url):
+    words = problem(with_tiers(valkey(url)))
+    assert "pa" not in words.replace("password", "").replace("path", "") and "ss@" not in words
+
+
+def test_a_password_in_the_url_draws_a_warning(valkey_server):
+    server = valkey_server()
+    server.cli("CONFIG", "SET", "requirepass", "word")
+    with capture_logs() as logs:
+        parse_settings(with_tiers(valkey(f"redis://:word@127.0.0.1:{server.port}")))
+    warned = [entry for entry in logs if entry["event"] == "tier_password_in_url"]
+    assert warned and "password_env" in warned[0]["advice"] and "word@" not in repr(warned)
+
+
+def test_key_generations_default_to_private():
+    base = {"capacity_bytes": 1 << 20}
+    assert parse_settings(base).key_generations == "private"
+    assert parse_settings({**base, "key_generations": "counted"}).key_generations == "counted"
+    assert "key_generations must be 'private' or 'counted'" in problem({**base, "key_generations": "shared"})

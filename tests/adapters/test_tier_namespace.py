@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -271,3 +274,60 @@ def test_an_identity_is_never_written_under_another_namespace(tmp_path):
     with pytest.raises(ValueError, match="is not the digest of this identity"):
         tn.write_identity(tmp_path, tn.namespace(ident(rank=1, world_size=2)), ident())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_identity_is_the_users_alone_or_the_tiers_groups(tmp_path):
+    """It sits among the blocks: its directory and it get the tier's modes, whatever the umask."""
+    identity = ident()
+    space = tn.namespace(identity)
+    users = grp.getgrnam("users").gr_gid
+    for root, gid, modes in ((tmp_path / "own", None, (0o600, 0o700)), (tmp_path / "shared", users, (0o660, 0o2770))):
+        root.mkdir()
+        old = os.umask(0o077)
+        try:
+            tn.write_identity(root, space, identity, gid=gid)
+        finally:
+            os.umask(old)
+        path = root / space.hex() / "NAMESPACE.json"
+        assert (stat.S_IMODE(path.stat().st_mode), stat.S_IMODE(path.parent.stat().st_mode)) == modes
+        assert gid is None or path.stat().st_gid == path.parent.stat().st_gid == gid
+
+
+def test_links_planted_at_the_identitys_aside_names_are_not_followed(tmp_path):
+    """The aside name was the pid and a counter: links planted at the names to come made this
+    process write the identity into any file it could write."""
+    identity = ident()
+    space = tn.namespace(identity)
+    directory = tmp_path / space.hex()
+    directory.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    for number in range(256):  # every name the counter gives this process's first 256 writes
+        (directory / f"NAMESPACE.json.{os.getpid()}.{number}.tmp").symlink_to(victim)
+    tn.write_identity(tmp_path, space, identity)
+    assert victim.read_text() == "keep"
+    assert json.loads((directory / "NAMESPACE.json").read_text()) == identity
+
+
+def test_a_link_or_a_fifo_at_the_identity_is_replaced_not_read_through(tmp_path):
+    """A link to a file saying the same was kept (read through, found equal); a FIFO hung the start."""
+    identity = ident()
+    space = tn.namespace(identity)
+    path = tmp_path / space.hex() / "NAMESPACE.json"
+    path.parent.mkdir()
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps(identity, sort_keys=True, indent=2) + "\n")
+    path.symlink_to(same)
+    tn.write_identity(tmp_path, space, identity)
+    assert not path.is_symlink() and json.loads(path.read_text()) == identity
+    path.unlink()
+    os.mkfifo(path)
+    writer = threading.Thread(target=tn.write_identity, args=(tmp_path, space, identity), daemon=True)
+    writer.start()
+    writer.join(1.0)
+    try:
+        assert not writer.is_alive(), "the identity's read waits on the FIFO"
+    finally:
+        if writer.is_alive():
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert stat.S_ISREG(path.lstat().st_mode) and json.loads(path.read_text()) == identity

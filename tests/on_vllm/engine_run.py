@@ -17,7 +17,11 @@ in two engines, one after the other, on one tier directory), and may add:
   ignores sleep, and 0.32 calls neither hook: they are called here, in 0.33's order);
 - `update_unannounced`: the same weights changed with no reset: a negative
   control, after which a tier serves KV of the old weights;
-- `recomputed`: `first` again after the tier is emptied.
+- `recomputed`: `first` again after the tier is emptied;
+- `reset`: `reset_prefix_cache(reset_connector=True)` alone, the weights kept;
+- `tamper`: every block the tier holds (files under `tamper_dir`, or values
+  on the Valkey server at `tamper_url`) rewritten by someone without the
+  tier's secret: scrambled KV in kvledger's own format, checksums right.
 
 With `engine.tensor_parallel_size` > 1, vLLM runs one worker process per
 rank (the scheduler stays in this process), each bound to one core.
@@ -149,7 +153,7 @@ def main() -> None:
     if spec.get("mutant_one_generation"):  # negative control: a reset keeps the key generation
         from kvledger.adapters.vllm import scheduler_side
 
-        scheduler_side.generation_root = lambda root, generation: root
+        scheduler_side.generation_root = lambda root, generation, salt=b"": root
     if spec.get("mutant_no_flush"):  # negative control, in-process only: the worker never flushes
         from kvledger.adapters.vllm.connector import KVLedgerConnector
 
@@ -188,6 +192,12 @@ def main() -> None:
             if announced:
                 llm.wake_up()
             continue
+        if phase == "reset":
+            llm.reset_prefix_cache(reset_connector=True)
+            continue
+        if phase == "tamper":
+            result["tampered"] = _tamper(spec)
+            continue
         if phase in ("reference", "recomputed"):
             llm.reset_prefix_cache(reset_connector=True)
         result[phase] = run(shifted if phase in ("shifted", "reference") else first)
@@ -200,6 +210,39 @@ def main() -> None:
     if kv_events is not None:
         result["kv_events"] = kv_events
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _tamper(spec: dict) -> int:
+    """Rewrite every stored block the way a writer without the secret can: the
+    payload scrambled, the header's seal fields kept and its checksums made
+    right again. Returns how many blocks were rewritten."""
+    from pathlib import Path
+
+    from kvledger.transfers import block_file as bf
+
+    def forged(raw: bytes, head: int, namespace: bytes, key: bytes) -> bytes:
+        fields = bf.check_header("x", raw[:head], namespace, key, len(raw) - head, head, sealed=sealed)
+        body = bytes(b ^ 0x5A for b in raw[head:])
+        return bf.encode_header(namespace, key, memoryview(body), head, fields) + body
+
+    sealed = spec.get("tamper_sealed", True)  # False: the blocks of a tier without a secret
+    count = 0
+    if spec.get("tamper_dir"):
+        for path in Path(spec["tamper_dir"]).rglob("*.kvb"):
+            namespace, key = bytes.fromhex(path.parent.parent.name), bytes.fromhex(path.stem)
+            path.write_bytes(forged(path.read_bytes(), bf.HEADER_BYTES, namespace, key))
+            count += 1
+    if spec.get("tamper_url"):
+        import valkey
+
+        client = valkey.Valkey.from_url(spec["tamper_url"])
+        for name in client.scan_iter(match=b"kvledger:*"):
+            _, space, key_hex = name.split(b":")
+            namespace, key = bytes.fromhex(space.decode()), bytes.fromhex(key_hex.decode())
+            client.set(name, forged(client.get(name), bf.compact_header_bytes(key, sealed), namespace, key))
+            count += 1
+        client.close()
+    return count
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def test_two_engines_at_once_on_one_directory(models, tmp_path):
 def test_a_full_disk_fails_writes_and_the_outputs_stay_right(models, tmp_path, mount):
     """A real tmpfs, nearly full: most writes fail (ENOSPC), a log line each, no crash or hang,
     and what is restored is still right."""
-    tier = mount("tmpfs", "size=4m")
+    tier = mount("tmpfs", "size=4m,mode=0700")  # a tmpfs's root is 1777 by default, which a tier refuses
     # A large file the capacity check counts as the tier's own (a .kvb outside any
     # namespace), so the configured 3 MiB passes, while almost nothing is left to write.
     (tier / "filler.kvb").write_bytes(b"\0" * ((4 << 20) - (96 << 10)))

@@ -3,8 +3,12 @@ never served; writers never tear a file, even on a full disk."""
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import multiprocessing
 import os
+import stat
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +186,86 @@ def test_a_full_disk_fails_the_write_and_leaves_nothing_torn(small_tmpfs):
         assert np.array_equal(out, data)
     leftovers = [p for p in small_tmpfs.rglob("*") if p.is_file() and p.suffix == ".tmp"]
     assert leftovers == []
+
+
+@pytest.fixture
+def umask():
+    """Sets the process's umask for a test, and puts the old one back."""
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+USERS_GID = grp.getgrnam("users").gr_gid  # a real group other than root's
+
+
+def mode_and_group(path: Path) -> tuple[int, int]:
+    info = os.lstat(path)
+    return stat.S_IMODE(info.st_mode) | (info.st_mode & stat.S_ISGID), info.st_gid
+
+
+def test_files_and_directories_are_the_users_alone(tmp_path, umask):
+    """Block files are KV, the prompts' content: no other local user may read them (0644 and 0755 did)."""
+    path = block_path(tmp_path / "tier", NS, KEY)
+    write_block(path, NS, KEY, payload())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for folder in (path.parent, path.parent.parent, tmp_path / "tier"):  # fan-out, namespace, the tier's own
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+
+
+def test_with_a_group_files_and_directories_are_the_groups_whatever_the_umask(tmp_path, umask):
+    """Replicas running as other users of a service group share the tier: directories are setgid, so
+    every file made in them is the group's, and a narrow umask does not take the group's access away."""
+    umask(0o077)
+    path = block_path(tmp_path, NS, KEY)
+    write_block(path, NS, KEY, payload(), gid=USERS_GID)
+    assert mode_and_group(path) == (0o660, USERS_GID)
+    assert mode_and_group(path.parent) == mode_and_group(path.parent.parent) == (0o2770, USERS_GID)
+
+
+def test_a_link_at_a_blocks_path_is_never_followed(tmp_path):
+    """Whoever can write the directory could point a block's name at any file this user can read,
+    or write."""
+    elsewhere, data = written(tmp_path / "elsewhere")  # a good block of this very key
+    path = block_path(tmp_path / "tier", NS, KEY)
+    path.parent.mkdir(parents=True)
+    path.symlink_to(elsewhere)
+    with pytest.raises(BlockFileError) as raised:
+        read(path)
+    assert raised.value.reason == "unreadable" and "symbolic link" in raised.value.detail
+    before = elsewhere.read_bytes()
+    write_block(path, NS, KEY, payload(seed=1))
+    assert not path.is_symlink() and stat.S_ISREG(path.lstat().st_mode)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert elsewhere.read_bytes() == before and np.array_equal(read(path), payload(seed=1))
+
+
+def test_a_fifo_device_or_directory_at_a_blocks_path_fails_its_read_at_once(tmp_path):
+    """A FIFO hung the reading thread in open() forever; each names what it is."""
+    path = block_path(tmp_path, NS, KEY)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+
+    def reader() -> None:
+        with contextlib.suppress(BlockFileError):
+            read(path)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    thread.join(1.0)
+    try:
+        assert not thread.is_alive(), "the read of a FIFO waits for a writer"
+    finally:
+        if thread.is_alive():
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    with pytest.raises(BlockFileError, match="a FIFO, not a regular file") as raised:
+        read(path)
+    assert raised.value.reason == "unreadable"
+    path.unlink()
+    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))  # /dev/null's: reads as an empty file
+    with pytest.raises(BlockFileError, match="a character device, not a regular file"):
+        read(path)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(BlockFileError, match="a directory, not a regular file"):
+        read(path)

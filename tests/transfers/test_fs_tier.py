@@ -1,16 +1,22 @@
 """The file-system tier's I/O on real file systems: bytes round-trip exactly,
 every bad file fails only its own position with its reason, a full disk or a
 vanished directory fails blocks and never the tier, and queued work can be
-cancelled. Blocked jobs are made with FIFOs at a block's path: the reader's
-open() waits for a writer, a real hang and no mock."""
+cancelled. Blocked jobs read into host rows whose memory is not there yet
+(userfaultfd): the copy into them waits in the kernel, a real hang and no mock."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
+import ctypes
+import fcntl
 import functools
+import grp
+import mmap
 import os
+import platform
 import shutil
+import stat
+import struct
 import time
 from pathlib import Path
 
@@ -21,7 +27,7 @@ from structlog.testing import capture_logs
 
 from kvledger.transfers.backend import BackendClosed, TransferTimeout
 from kvledger.transfers.block_file import HEADER_BYTES, block_path, write_block
-from kvledger.transfers.fs_tier import FsTierIO, TierIoOutcome, files_present, scan_keys
+from kvledger.transfers.fs_tier import FsTierIO, TierIoOutcome, files_present, remove_leftovers, scan_keys
 from kvledger.transfers.key_lookups import KeyLookups
 from kvledger.transfers.replica_tier import ReplicaTierIO
 
@@ -45,9 +51,9 @@ def tiers():
     """Makes tiers and shuts each down after the test, so no thread outlives it."""
     made: list[FsTierIO] = []
 
-    def make(root, *, rows=None, sizes=SIZES, threads=4, direct_writes=True) -> FsTierIO:
+    def make(root, *, rows=None, sizes=SIZES, threads=4, direct_writes=True, gid=None) -> FsTierIO:
         io = FsTierIO(root=str(root), namespace=NS, rows=random_rows(16) if rows is None else rows,
-                      payload_bytes=sizes, threads=threads, direct_writes=direct_writes)
+                      payload_bytes=sizes, threads=threads, direct_writes=direct_writes, gid=gid)
         made.append(io)
         return io
 
@@ -211,61 +217,84 @@ def test_delete_removes_files_ignores_missing_ones_and_logs_other_errors(tmp_pat
     assert [e for e in logs if e["event"] == "tier_io_failed"] == []
 
 
-def blocking_key(root: Path, number: int) -> bytes:
-    """A FIFO at the key's path: a read of it waits in open() until `release`."""
-    path = block_path(root, NS, key(number))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.mkfifo(path)
+_SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}
+_UFFDIO_API, _UFFDIO_REGISTER, _UFFD_API, _UFFDIO_REGISTER_MODE_MISSING = 0xC018AA3F, 0xC020AA00, 0xAA, 1
+
+
+class StuckRows:
+    """Host rows whose slot 0 has no memory yet, registered with a userfaultfd
+    that never answers: a read of a block into slot 0 waits in the kernel's
+    copy until `release` closes it (then the page is made as usual)."""
+
+    def __init__(self, num_slots: int = 16, row_bytes: int = ROW_BYTES) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        self.fd: int | None = libc.syscall(_SYS_USERFAULTFD[platform.machine()], os.O_CLOEXEC | os.O_NONBLOCK)
+        assert self.fd is not None and self.fd >= 0, f"userfaultfd: {os.strerror(ctypes.get_errno())}"
+        fcntl.ioctl(self.fd, _UFFDIO_API, bytearray(struct.pack("QQQ", _UFFD_API, 0, 0)))
+        self._memory = mmap.mmap(-1, num_slots * row_bytes)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
+        fcntl.ioctl(self.fd, _UFFDIO_REGISTER,
+                    bytearray(struct.pack("QQQQ", start, row_bytes, _UFFDIO_REGISTER_MODE_MISSING, 0)))
+        self.rows = torch.frombuffer(self._memory, dtype=torch.int8).view(num_slots, row_bytes)
+        self.rows[1:] = random_rows(num_slots - 1, row_bytes)  # never slot 0: this thread would wait
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@pytest.fixture
+def stuck_rows():
+    """Makes `StuckRows`, each released after the test (before `tiers` shuts its tier down)."""
+    made: list[StuckRows] = []
+    yield lambda: made.append(StuckRows()) or made[-1]
+    for rows in made:
+        rows.release()
+
+
+def stuck_key(root: Path, number: int, size: int = ROW_BYTES) -> bytes:
+    """A good block of `size` bytes: its read into a `StuckRows`' slot 0 waits there."""
+    write_block(block_path(root, NS, key(number)), NS, key(number), np.zeros(size, dtype=np.uint8))
     return key(number)
 
 
 def started(io: FsTierIO, timeout_s: float = 10.0) -> None:
-    """Until the threads took every queued block (with one thread: it sits in the FIFO's open)."""
+    """Until the threads took every queued block (with one thread: it sits in the stuck read)."""
     deadline = time.monotonic() + timeout_s
     while io._queue:
         assert time.monotonic() < deadline, "the tier's threads never took the queued work"
         time.sleep(0.005)
 
 
-def release(root: Path, number: int, timeout_s: float = 10.0) -> None:
-    """Open the FIFO's writing end once the reader waits, and close it: the reader sees an empty file."""
-    path = block_path(root, NS, key(number))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-            return
-        except OSError as exc:
-            if exc.errno != errno.ENXIO or time.monotonic() > deadline:  # ENXIO: no reader yet
-                raise
-            time.sleep(0.01)
-
-
 @pytest.mark.fast
-def test_wait_times_out_on_a_blocked_job_and_other_jobs_go_on(tmp_path, tiers):
-    io = tiers(tmp_path, sizes=(ROW_BYTES,), threads=2)
-    io.read(1, ((blocking_key(tmp_path, 0),),), ((0,),))
+def test_wait_times_out_on_a_blocked_job_and_other_jobs_go_on(tmp_path, tiers, stuck_rows):
+    stuck = stuck_rows()
+    io = tiers(tmp_path, rows=stuck.rows, sizes=(ROW_BYTES,), threads=2)
+    io.read(1, ((stuck_key(tmp_path, 0),),), ((0,),))
     assert run(io, "write", 2, ((key(1),),), ((1,),)).ok  # the other thread serves it
     started = time.monotonic()
     with pytest.raises(TransferTimeout, match="job 1"):
         io.wait([1], 0.2)
     assert time.monotonic() - started >= 0.2
     io.wait([2, 99], 0.01)  # finished and unknown ids do not wait
-    release(tmp_path, 0)
+    stuck.release()
     io.wait([1], 10)
     [outcome] = io.poll()
-    assert outcome.job_id == 1 and outcome.reasons == ("truncated",)
+    assert outcome.job_id == 1 and outcome.ok
 
 
 @pytest.mark.fast
-def test_shutdown_without_drain_cancels_queued_jobs(tmp_path, tiers):
-    io = tiers(tmp_path, sizes=(ROW_BYTES,), threads=1)
-    io.read(1, ((blocking_key(tmp_path, 0),),), ((0,),))
+def test_shutdown_without_drain_cancels_queued_jobs(tmp_path, tiers, stuck_rows):
+    stuck = stuck_rows()
+    io = tiers(tmp_path, rows=stuck.rows, sizes=(ROW_BYTES,), threads=1)
+    io.read(1, ((stuck_key(tmp_path, 0),),), ((0,),))
     started(io)
     io.write(2, ((key(1), key(2)),), ((1, 2),))
     io.read(3, ((key(3),),), ((3,),))
     io.delete([key(4)])
-    with pytest.raises(TransferTimeout):  # the thread is still inside job 1's open()
+    with pytest.raises(TransferTimeout):  # the thread is still inside job 1's read
         io.shutdown(drain=False, timeout_s=0.2)
     outcomes = {o.job_id: o for o in io.poll()}
     assert set(outcomes) == {2, 3}
@@ -274,9 +303,9 @@ def test_shutdown_without_drain_cancels_queued_jobs(tmp_path, tiers):
     assert not block_path(tmp_path, NS, key(1)).exists()
     with pytest.raises(BackendClosed):
         io.write(4, ((key(5),),), ((5,),))
-    release(tmp_path, 0)
+    stuck.release()
     io.wait([1], 10)
-    assert [(o.job_id, o.reasons) for o in io.poll()] == [(1, ("truncated",))]
+    assert [(o.job_id, o.reasons) for o in io.poll()] == [(1, ())]
     io._threads[0].join(10)
     assert not io._threads[0].is_alive()
 
@@ -293,8 +322,9 @@ def test_shutdown_with_drain_finishes_queued_jobs(tmp_path, tiers):
 
 
 @pytest.mark.fast
-def test_malformed_jobs_are_refused_at_submit_and_empty_ones_finish_at_once(tmp_path, tiers):
-    io = tiers(tmp_path, sizes=(ROW_BYTES, 5000))
+def test_malformed_jobs_are_refused_at_submit_and_empty_ones_finish_at_once(tmp_path, tiers, stuck_rows):
+    stuck = stuck_rows()
+    io = tiers(tmp_path, rows=stuck.rows, sizes=(ROW_BYTES, 5000))
     with pytest.raises(ValueError, match="groups"):
         io.write(1, ((key(0),),), ((0,),))
     with pytest.raises(ValueError, match="keys for"):
@@ -303,12 +333,12 @@ def test_malformed_jobs_are_refused_at_submit_and_empty_ones_finish_at_once(tmp_
         io.read(1, ((key(0),), ()), ((16,), ()))
     with pytest.raises(ValueError, match="key is"):
         io.read(1, ((b"",), ()), ((0,), ()))
-    io.read(1, ((blocking_key(tmp_path, 0),), ()), ((0,), ()))
+    io.read(1, ((stuck_key(tmp_path, 0),), ()), ((0,), ()))
     with pytest.raises(ValueError, match="already in flight"):
         io.read(1, ((key(1),), ()), ((1,), ()))
     io.write(2, ((), ()), ((), ()))
     assert io.poll() == [TierIoOutcome(2, "write", (), (), 0.0, 0)]
-    release(tmp_path, 0)
+    stuck.release()
 
 
 def touch(root: Path, number: int, mtime_s: int, namespace: bytes = NS) -> Path:
@@ -340,6 +370,8 @@ def test_scan_keys_oldest_first_skipping_what_is_not_a_block_file(tmp_path):
     misplaced.parent.mkdir()
     misplaced.write_bytes(bytes(HEADER_BYTES + 100))
     (folder / (key(10).hex() + ".kvb")).mkdir()  # a directory with a key's name
+    (folder / (key(11).hex() + ".kvb")).symlink_to(block_path(tmp_path, NS, key(3)))  # a link to a good block
+    os.mkfifo(folder / (key(12).hex() + ".kvb"))
     (tmp_path / NS.hex() / "NAMESPACE.json").write_text("{}")
     assert scan_keys(str(tmp_path), NS) == [key(3), key(7), key(9), key(5)]
     assert scan_keys(str(tmp_path), OTHER_NS) == [key(1)]
@@ -438,3 +470,92 @@ def test_a_replica_reads_the_writers_files_and_writes_or_removes_none(tmp_path, 
     replica.delete([key(1)])
     replica.shutdown()
     assert block_path(tmp_path, NS, key(1)).exists()
+
+
+USERS_GID = grp.getgrnam("users").gr_gid  # a real group other than root's
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("direct_writes", [True, False])
+@pytest.mark.parametrize("gid", [None, USERS_GID])
+def test_blocks_are_readable_by_the_user_or_the_tiers_group_alone(tmp_path, tiers, direct_writes, gid):
+    """KV is the prompts' content: 0644 files in 0755 directories let every local user read it."""
+    io = tiers(tmp_path, direct_writes=direct_writes, gid=gid)
+    assert run(io, "write", 1, ((key(1),), (key(2, 1),), ()), ((0,), (1,), ())).ok
+    path = block_path(tmp_path, NS, key(1))
+    file_mode, dir_mode = (0o600, 0o700) if gid is None else (0o660, 0o2770)
+    for made, mode in ((path, file_mode), (path.parent, dir_mode), (path.parent.parent, dir_mode)):
+        info = made.lstat()
+        assert stat.S_IMODE(info.st_mode) == mode, made
+        assert gid is None or info.st_gid == gid
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("direct_writes", [True, False])
+def test_a_link_at_a_blocks_path_is_replaced_never_written_through(tmp_path, tiers, direct_writes):
+    io = tiers(tmp_path / "tier", direct_writes=direct_writes)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    path = block_path(tmp_path / "tier", NS, key(1))
+    path.parent.mkdir(parents=True)
+    path.symlink_to(victim)
+    assert run(io, "write", 1, ((key(1),), (), ()), ((0,), (), ())).ok
+    assert victim.read_bytes() == b"keep"
+    assert stat.S_ISREG(path.lstat().st_mode) and stat.S_IMODE(path.lstat().st_mode) == 0o600
+
+
+@pytest.mark.fast
+def test_a_link_or_a_fifo_at_a_blocks_path_is_neither_found_nor_read(tmp_path, tiers):
+    """A link would serve whatever it points at; a FIFO hung a tier thread in open() for good."""
+    io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, ((key(1),),), ((0,),)).ok
+    elsewhere = block_path(tmp_path / "elsewhere", NS, key(2))
+    write_block(elsewhere, NS, key(2), np.zeros(ROW_BYTES, dtype=np.uint8))  # a good block of key 2
+    block_path(tmp_path / "tier", NS, key(2)).symlink_to(elsewhere)
+    os.mkfifo(block_path(tmp_path / "tier", NS, key(3)))
+    root = str(tmp_path / "tier")
+    assert files_present(root, (NS,), (key(1), key(2), key(3))) == (key(1),)
+    assert scan_keys(root, NS) == [key(1)]
+    io.read(2, ((key(2), key(3)),), ((1, 2),))
+    io.wait([2], 2)
+    [outcome] = io.poll()
+    assert outcome.failed == ((0, 0), (0, 1)) and outcome.reasons == ("unreadable", "unreadable")
+
+
+def aged(path: Path, seconds_ago: float) -> Path:
+    when = time.time() - seconds_ago
+    os.utime(path, (when, when), follow_symlinks=False)
+    return path
+
+
+@pytest.mark.fast
+def test_leftovers_of_crashed_writers_are_removed_at_start_once_past_the_grace_period(tmp_path, tiers):
+    """A writer that dies mid-write leaves its aside file for good, taking room no capacity counts.
+    One younger than the grace period may be a live writer's, on another host."""
+    io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, ((key(1),),), ((0,),)).ok
+    root, fan_out = tmp_path / "tier", block_path(tmp_path / "tier", NS, key(1)).parent
+    old = [fan_out / f".{key(2).hex()}.kvb.0123456789abcdef.tmp", fan_out / f".{key(3).hex()}.kvb.1.2.3.tmp",
+           root / NS.hex() / ".NAMESPACE.json.0123456789abcdef.tmp", root / ".kvledger-probe-k3j2h1"]
+    fresh = [fan_out / f".{key(4).hex()}.kvb.fedcba9876543210.tmp", root / ".kvledger-probe-a1b2c3"]
+    kept = [block_path(root, NS, key(1)), root / NS.hex() / "NAMESPACE.json", fan_out / ".notes",
+            block_path(root, OTHER_NS, key(5)).parent / ".another-namespace.tmp"]
+    for path in old + fresh + kept[1:]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    (fan_out / ".a-directory.tmp").mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (fan_out / ".planted.tmp").symlink_to(victim)
+    for path in [*old, *kept, fan_out / ".a-directory.tmp", fan_out / ".planted.tmp"]:
+        aged(path, 3600)
+    with capture_logs() as logs:
+        assert io.remove_leftovers() == len(old) + 1
+    assert not any(p.exists() or p.is_symlink() for p in [*old, fan_out / ".planted.tmp"])
+    assert all(p.exists() for p in [*fresh, *kept, fan_out / ".a-directory.tmp", victim])
+    [event] = [e for e in logs if e["event"] == "tier_leftovers_removed"]
+    assert event["removed"] == len(old) + 1 and event["root"] == str(root)
+    for path in fresh:
+        aged(path, 601)
+    assert remove_leftovers(str(root), NS) == len(fresh)
+    assert remove_leftovers(str(tmp_path / "nowhere"), NS) == 0

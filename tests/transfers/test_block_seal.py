@@ -1,0 +1,128 @@
+"""Blocks sealed with a tier's secret, as files and as values: a block is
+served only when a holder of the secret wrote it. Whoever can write the
+directory or the store, and even uses kvledger's own writer, cannot make a
+replica with the secret load KV of their choosing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvledger.transfers import block_file as bf
+from kvledger.transfers import block_value as bv
+from kvledger.transfers.block_seal import BlockSeal
+
+NS = bytes(range(16))
+KEY = bytes(range(100, 116))
+SECRET = b"a-tier-secret-of-32-bytes-length"
+OTHER = b"another-secret-of-32-bytes-long!"
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(params=[False, True], ids=["mac", "encrypted"])
+def seal(request) -> BlockSeal:
+    return BlockSeal(SECRET, encrypt=request.param)
+
+
+def payload(size: int = 300_000) -> np.ndarray:
+    return np.random.default_rng(size).integers(-128, 127, size, dtype=np.int8)
+
+
+def read_file(path, seal: BlockSeal | None, size: int = 300_000) -> np.ndarray:
+    out = np.empty(size, np.int8)
+    bf.read_block_into(path, NS, KEY, out, seal)
+    return out
+
+
+def reason_reading(path, seal: BlockSeal | None) -> str:
+    with pytest.raises(bf.BlockFileError) as caught:
+        read_file(path, seal)
+    return caught.value.reason
+
+
+def forge(raw: bytes, header_bytes: int, *, flip: int) -> bytes:
+    """What a writer without the secret can do with a sealed block: change the
+    payload and make the header's checksums agree again (seal fields kept)."""
+    fields = bf.check_header("x", raw[:header_bytes], NS, KEY, len(raw) - header_bytes, header_bytes, sealed=True)
+    body = bytearray(raw[header_bytes:])
+    body[flip] ^= 0x5A
+    return bf.encode_header(NS, KEY, memoryview(body), header_bytes, fields) + bytes(body)
+
+
+def test_a_sealed_file_round_trips_and_only_its_secret_reads_it(tmp_path, seal) -> None:
+    data = payload()
+    path = tmp_path / "b.kvb"
+    bf.write_block(path, NS, KEY, data, seal)
+    assert np.array_equal(read_file(path, seal), data)
+    on_disk = path.read_bytes()[bf.HEADER_BYTES:]
+    assert (on_disk == data.tobytes()) is not seal.encrypt  # encrypted at rest, or plain with a MAC
+    assert reason_reading(path, BlockSeal(OTHER)) == "foreign"  # another deployment's: not an attack
+    assert reason_reading(path, None) == "foreign"
+
+
+def test_a_block_written_without_the_secret_is_forged_though_its_checksums_hold(tmp_path, seal) -> None:
+    path = tmp_path / "b.kvb"
+    bf.write_block(path, NS, KEY, payload(), None)  # kvledger's own writer, no secret
+    assert reason_reading(path, seal) == "forged"
+
+
+@pytest.mark.parametrize("flip", [0, 150_000, 299_999])
+def test_a_sealed_file_changed_and_checksummed_again_is_forged(tmp_path, seal, flip) -> None:
+    path = tmp_path / "b.kvb"
+    bf.write_block(path, NS, KEY, payload(), seal)
+    path.write_bytes(forge(path.read_bytes(), bf.HEADER_BYTES, flip=flip))
+    assert reason_reading(path, seal) == "forged"
+
+
+def test_a_bit_flipped_without_fixing_checksums_is_corruption_not_forgery(tmp_path, seal) -> None:
+    path = tmp_path / "b.kvb"
+    bf.write_block(path, NS, KEY, payload(), seal)
+    raw = bytearray(path.read_bytes())
+    raw[bf.HEADER_BYTES + 7] ^= 1
+    path.write_bytes(bytes(raw))
+    assert reason_reading(path, seal) == "corrupt"
+
+
+def test_a_rotation_reads_blocks_of_the_previous_secret_and_writes_with_the_new(tmp_path) -> None:
+    data = payload()
+    old, new = tmp_path / "old.kvb", tmp_path / "new.kvb"
+    bf.write_block(old, NS, KEY, data, BlockSeal(OTHER))
+    rotating = BlockSeal(SECRET, previous=OTHER)
+    assert np.array_equal(read_file(old, rotating), data)
+    bf.write_block(new, NS, KEY, data, rotating)
+    assert np.array_equal(read_file(new, BlockSeal(SECRET)), data)
+    assert reason_reading(new, BlockSeal(OTHER)) == "foreign"  # a replica not yet given the new secret
+
+
+def test_a_sealed_value_round_trips_and_a_forged_one_is_refused(seal) -> None:
+    data = payload()
+    value = bv.encode_value(NS, KEY, data, seal)
+    head = bf.compact_header_bytes(KEY, sealed=True)
+    assert len(value) == head + data.nbytes
+    out = np.empty_like(data)
+    bv.decode_value_into(value, NS, KEY, out, seal)
+    assert np.array_equal(out, data)
+    # In place, as the tier reads it: the head apart, the payload already in its row.
+    row = np.frombuffer(bytearray(value[head:]), np.int8)
+    bv.check_in_place(value[:head], NS, KEY, row, seal)
+    assert np.array_equal(row, data)
+    for bad, why in ((forge(value, head, flip=3), "forged"), (bv.encode_value(NS, KEY, data), "forged")):
+        with pytest.raises(bf.BlockFileError) as caught:
+            bv.decode_value_into(bad, NS, KEY, out, seal)
+        assert caught.value.reason == why
+
+
+def test_a_key_length_that_points_past_the_header_is_corruption_not_a_crash() -> None:
+    value = bytearray(bv.encode_value(NS, KEY, payload(1000)))
+    # the key length field: the last two bytes of the fixed part
+    fixed = bf._FIXED.size
+    value[fixed - 2:fixed] = (200).to_bytes(2, "little")
+    with pytest.raises(bf.BlockFileError) as caught:
+        bv.decode_value_into(bytes(value), NS, KEY, np.empty(1000, np.int8))
+    assert caught.value.reason == "corrupt"
+
+
+def test_a_short_secret_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 16"):
+        BlockSeal(b"short")

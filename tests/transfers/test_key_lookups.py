@@ -1,0 +1,75 @@
+"""Lookups behind a hung store: the queue is bounded (the oldest asks are
+answered "nothing found" at once, so their requests compute), and asks whose
+request no longer waits are dropped before the store spends time on them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvledger.transfers.key_lookups import KeyLookups
+
+pytestmark = pytest.mark.fast
+
+
+def answers(lookups: KeyLookups, count: int, timeout_s: float = 10.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got += lookups.poll()
+        time.sleep(0.002)
+    return got
+
+
+class HungStore:
+    """A `find` that blocks until released, recording what it was asked."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.asked: list[tuple[bytes, ...]] = []
+
+    def __call__(self, keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
+        self.asked.append(keys)
+        self.release.wait(30)
+        return keys
+
+
+def test_asks_queued_behind_a_hung_one_are_bounded_and_the_oldest_answered_empty() -> None:
+    store = HungStore()
+    lookups = KeyLookups(store, "2:valkey", queued_max=8)
+    try:
+        lookups.submit("hung", (b"k0",))
+        deadline = time.monotonic() + 5
+        while not store.asked and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for n in range(2000):
+            lookups.submit(n, (b"k%d" % n,))
+        assert len(lookups._asks) == 8 and lookups.dropped == 1992
+        early = lookups.poll()
+        assert [token for token, _ in early] == list(range(1992)) and all(found == () for _, found in early)
+        store.release.set()
+        late = answers(lookups, 9)
+        assert [token for token, _ in late] == ["hung", *range(1992, 2000)]
+        assert all(found == (b"k%d" % token if token != "hung" else b"k0",) for token, found in late)
+    finally:
+        store.release.set()
+        lookups.close()
+
+
+def test_a_cancelled_ask_never_reaches_the_store() -> None:
+    store = HungStore()
+    lookups = KeyLookups(store, "1:fs")
+    try:
+        lookups.submit("hung", (b"a",))
+        lookups.submit("gone", (b"b",))
+        lookups.submit("kept", (b"c",))
+        lookups.cancel("gone")
+        lookups.cancel("never-asked")
+        store.release.set()
+        assert [token for token, _ in answers(lookups, 2)] == ["hung", "kept"]
+        assert store.asked == [(b"a",), (b"c",)]
+    finally:
+        store.release.set()
+        lookups.close()
