@@ -99,7 +99,7 @@ def main() -> None:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from kvledger.adapters.vllm.chain_keys import ChainKeys
+    from kvledger.adapters.vllm.chain_keys import CRYPTOGRAPHIC, FAST, KEYED, ChainKeys
 
     size, rounds = args.block, args.rounds
     tokens = [random.Random(0).randrange(150_000) for _ in range(args.tokens)]
@@ -130,6 +130,18 @@ def main() -> None:
             return chain_keys.keys(request)
 
         rows.append((f"ChainKeys, whole request{label}", best_us(at_once, blocks, rounds)))
+
+    # The three ways a chain hashes (lower_tiers.block_keys picks): xxh3 (vLLM on xxhash),
+    # BLAKE2b (vLLM on sha256, its default), BLAKE2b keyed with the tiers' secret.
+    request = Request("r", tokens, params, None, block_hasher=hasher)
+    for name, secret in ((FAST, None), (CRYPTOGRAPHIC, None), (KEYED, b"k" * 32)):
+        chain_keys = ChainKeys(b"root", size, name, secret)
+
+        def hashed(request=request, chain_keys=chain_keys):
+            chain_keys.forget("r")
+            return chain_keys.keys(request)
+
+        rows.append((f"ChainKeys, whole request, {name}", best_us(hashed, blocks, rounds)))
 
     # One block per call, as decoding grows a request: time `keys` alone.
     best = float("inf")

@@ -12,7 +12,9 @@ for waits that run out of time, because then the caller cannot go on
 safely (a forward would read blocks still being written). A load that is
 polled rather than waited for and outlives `load_timeout_s` fails (its
 request is recomputed); device work queued later is ordered after its
-copy, so a late copy cannot overwrite the recomputed blocks.
+copy, so a late copy cannot overwrite the recomputed blocks. So does a
+promotion whose tier reads outlive it; the host slots such a read may still
+write fail every job until it ends (`LowerTierJobs.quarantined`).
 """
 
 from __future__ import annotations
@@ -76,9 +78,10 @@ class TransferRunner:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`timeout_s` bounds waits; `load_timeout_s` (0: none) bounds a
-        polled load's device copy."""
+        polled load's tier reads, and its device copy."""
         self._backend = backend
-        self._lower = LowerTierJobs(lower_tiers or {}, num_slots, worker_index)
+        self._lower = LowerTierJobs(lower_tiers or {}, num_slots, worker_index, read_timeout_s=load_timeout_s,
+                                    clock=clock)
         self._limits = Limits(num_groups=num_groups, num_device_blocks=num_device_blocks, num_slots=num_slots)
         self.worker_index = worker_index
         self.timeout_s = timeout_s
@@ -136,7 +139,7 @@ class TransferRunner:
             # let the engine see its own protocol error rather than lose a job.
             self._reject(effect, f"job {effect.job_id} is already in flight")
             return
-        problem = precondition_error(effect, self._limits)
+        problem = precondition_error(effect, self._limits) or self._quarantine_problem(effect)
         if problem is not None:
             self._reject(effect, problem)
             return
@@ -146,6 +149,18 @@ class TransferRunner:
                 self._copy(effect, failed)
             return
         self._copy(effect, set())
+
+    def _quarantine_problem(self, effect: StartStore | StartLoad) -> str | None:
+        """A job on a host slot that a timed-out tier read may still write fails:
+        its bytes could change under it."""
+        held = self._lower.quarantined
+        if not held:
+            return None
+        slots = effect.target_slot_ids if isinstance(effect, StartStore) else effect.source_slot_ids
+        stray = sorted({s for group in slots for s in group} & held)
+        if not stray:
+            return None
+        return f"host slot(s) {stray[:8]} may still be written by a tier read that timed out"
 
     def _copy(self, effect: StartStore | StartLoad, failed: set[Position]) -> None:
         """Start the device copy of every position but the `failed` ones."""

@@ -10,7 +10,8 @@ read, so that the runner copies only the others to the device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import attrs
@@ -52,15 +53,25 @@ class _Promotion:
     waiting: set[int]  # tiers still reading
     positions: dict[int, list[Position]]  # tier -> the load's positions, in the order submitted
     failed: set[Position]
+    started_s: float = 0.0
 
 
 class LowerTierJobs:
-    def __init__(self, tiers: Mapping[int, TierIO], num_slots: int, worker_index: int) -> None:
+    """`read_timeout_s` (0: none) bounds a promotion's reads: one that has not
+    ended by then fails (recomputed), and the host slots it reads into stay out
+    of use (`quarantined`) until its thread lets them go, however late: a read
+    stuck in the kernel (a hung network file system) may still write them."""
+
+    def __init__(self, tiers: Mapping[int, TierIO], num_slots: int, worker_index: int, *,
+                 read_timeout_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._tiers = dict(tiers)
         self._num_slots = num_slots
         self.worker_index = worker_index
+        self.read_timeout_s = read_timeout_s
+        self._clock = clock
         self._spills: dict[int, StartSpill] = {}
         self._promotions: dict[int, _Promotion] = {}
+        self._stray: dict[tuple[int, int], list[int]] = {}  # (tier, job) -> slots a timed-out read may write
         self._stats: list[TierStat] = []
 
     @property
@@ -74,6 +85,11 @@ class LowerTierJobs:
 
     def __contains__(self, job_id: int) -> bool:
         return job_id in self._spills or job_id in self._promotions
+
+    @property
+    def quarantined(self) -> frozenset[int]:
+        """Host slots a timed-out read may still write: no job may use them."""
+        return frozenset(slot for slots in self._stray.values() for slot in slots)
 
     def spill(self, effect: StartSpill) -> StoreFailed | None:
         """Start writing; a spill that cannot start fails whole, at once."""
@@ -119,7 +135,7 @@ class LowerTierJobs:
                     by_tier.setdefault(tier, []).append((g, i))
         if not by_tier:
             return failed
-        self._promotions[effect.job_id] = _Promotion(effect, set(by_tier), by_tier, failed)
+        self._promotions[effect.job_id] = _Promotion(effect, set(by_tier), by_tier, failed, self._clock())
         groups = len(effect.keys)
         for tier, positions in by_tier.items():
             keys = tuple(tuple(effect.keys[g][i] for g, i in positions if g == group) for group in range(groups))
@@ -147,6 +163,10 @@ class LowerTierJobs:
                         keys = tuple(effect.keys[g][i] for g, i in outcome.failed)
                         spilled.append(StoreFailed(job_id=outcome.job_id, worker_index=self.worker_index, keys=keys))
                     continue
+                if self._stray.pop((tier, outcome.job_id), None) is not None:
+                    _log.info("timed_out_tier_read_ended", tier=tier, job_id=outcome.job_id, ok=outcome.ok,
+                              effect="its host slots are in use again")
+                    continue
                 promotion = self._promotions.get(outcome.job_id)
                 if promotion is None or tier not in promotion.waiting:
                     _log.warning("unknown_tier_outcome", tier=tier, job_id=outcome.job_id, kind=outcome.kind)
@@ -157,7 +177,29 @@ class LowerTierJobs:
                 if not promotion.waiting:
                     del self._promotions[outcome.job_id]
                     promoted.append((promotion.effect, promotion.failed))
+        promoted.extend(self._time_out_reads())
         return spilled, promoted
+
+    def _time_out_reads(self) -> list[tuple[StartLoad, set[Position]]]:
+        if not self.read_timeout_s or not self._promotions:
+            return []
+        now = self._clock()
+        late = [p for p in self._promotions.values() if now - p.started_s > self.read_timeout_s]
+        ended = []
+        for promotion in late:
+            effect = promotion.effect
+            del self._promotions[effect.job_id]
+            for tier in promotion.waiting:
+                positions = promotion.positions[tier]
+                promotion.failed.update(positions)
+                self._stray[(tier, effect.job_id)] = [effect.source_slot_ids[g][i] for g, i in positions]
+            self._stats.append(TierStat(min(promotion.waiting), "read", 0, now - promotion.started_s, False))
+            _log.error("tier_read_timed_out", job_id=effect.job_id, request_id=effect.request_id,
+                       tiers=sorted(promotion.waiting), timeout_s=self.read_timeout_s,
+                       keys=hex_keys(k for group in effect.keys for k in group),
+                       effect="the request is recomputed; the read's host slots wait until it ends")
+            ended.append((effect, promotion.failed))
+        return ended
 
     def take_stats(self) -> list[TierStat]:
         stats, self._stats = self._stats, []

@@ -138,3 +138,22 @@ def test_a_valkey_tier_with_a_secret_refuses_values_set_by_anyone_else(made, val
     other = valkey_tier(made, process, rows, BlockSeal(OTHER))
     outcome = run(other, 4, "read", KEYS, READ_SLOTS)
     assert len(outcome.failed) == 6 and set(outcome.reasons) == {"foreign", "forged"}
+
+
+def test_a_key_prefix_lets_an_acl_confine_a_deployment_to_its_keys(made, valkey_server, rows) -> None:
+    """The README's ACL line, on a real server: the tier works under it, and only under its prefix."""
+    process = valkey_server()
+    process.cli("ACL", "SETUSER", "tenant-a", "on", ">word", "~kvledger:tenant-a:*", "+get", "+set", "+exists",
+                "+ping", "+info", "+client|setname", "+client|setinfo")
+    server = ValkeyServer(nodes=(("127.0.0.1", process.port),), username="tenant-a", password="word", timeout_s=1.0)
+    confined = ValkeyTierIO(server=server, name="1:valkey", namespace=NS, rows=rows, payload_bytes=SIZES,
+                            connections=2, seal=BlockSeal(SECRET), key_prefix=b"kvledger:tenant-a:")
+    made.append(confined)
+    assert run(confined, 1, "write", KEYS, WRITE_SLOTS).ok
+    assert run(confined, 2, "read", KEYS, READ_SLOTS).ok and same_rows(rows)
+    assert int(process.cli("EXISTS", store_key(NS, key(1), b"kvledger:tenant-a:").decode())) == 1
+    outside = ValkeyTierIO(server=server, name="1:valkey", namespace=NS, rows=rows, payload_bytes=SIZES,
+                           connections=2, seal=BlockSeal(SECRET))
+    made.append(outside)
+    outcome = run(outside, 3, "write", KEYS, WRITE_SLOTS)
+    assert len(outcome.failed) == 6 and set(outcome.reasons) == {"unwritable"}

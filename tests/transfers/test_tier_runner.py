@@ -146,3 +146,50 @@ def test_a_promotion_that_ends_while_vllm_sleeps_fails_without_touching_the_devi
     assert _poll_until(runner, 1) == [LoadCompleted(job_id=4, worker_index=1)]
     assert not all(bool((raw == -3).all()) for raw in case.raws)
     runner.shutdown()
+
+
+def test_a_tier_read_stuck_past_the_load_timeout_fails_and_its_slot_waits_until_it_ends(tmp_path) -> None:
+    """A read stuck in the kernel (here: host memory that faults until released,
+    as a hung network file system would hold it) fails its load at the timeout;
+    until the read lets go, no job may use the host slot it may still write."""
+    from kvledger.transfers.runner import TransferRunner
+    from tests.transfers.test_fs_tier import StuckRows
+
+    case = layouts.cpu_attention(packing="layer")
+    layout = canonicalize(case.kv_caches, case.config)
+    tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=False)
+    stuck = StuckRows(num_slots=16, row_bytes=4096)  # a page per row: userfaultfd registers pages
+    io = FsTierIO(root=str(tmp_path), namespace=NAMESPACE, rows=stuck.rows,
+                  payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)), threads=2)
+    now = [0.0]
+    runner = TransferRunner(CpuBackend(layout, tier), num_groups=layout.num_groups, num_device_blocks=layout.num_blocks,
+                            num_slots=tier.num_slots, worker_index=1, load_timeout_s=5.0, lower_tiers={1: io},
+                            clock=lambda: now[0])
+    try:
+        blocks = ((1, 2),)
+        keys = keys_for(1, blocks)
+        io.write(1, keys, ((1, 2),))  # both blocks on disk, written from readable slots
+        io.wait([1], 10)
+        assert [o.ok for o in io.poll()] == [True]
+        runner.submit([StartLoad(job_id=3, request_id="r", keys=keys, source_slot_ids=((0, 3),),
+                                 target_block_ids=blocks, promote_tiers=((1, 1),))])
+        time.sleep(0.3)
+        assert runner.poll() == []  # slot 0's read is stuck; the load waits
+        now[0] = 6.0
+        assert runner.poll() == [LoadFailed(job_id=3, worker_index=1, block_ids=(1, 2), keys=keys[0])]
+        # Slot 0 (and 3, read by the same job) may still be written: a store into it fails at once.
+        runner.submit([store(4, ((5,),), ((0,),))])
+        assert runner.poll() == [StoreFailed(job_id=4, worker_index=1, keys=keys_for(4, ((5,),))[0])]
+        runner.submit([store(5, ((4,),), ((7,),))])  # another slot is fine
+        assert _poll_until(runner, 1) == [StoreCompleted(job_id=5, worker_index=1)]
+        stuck.release()
+        deadline = time.monotonic() + 10
+        while runner._lower.quarantined and time.monotonic() < deadline:
+            runner.poll()
+            time.sleep(0.01)
+        assert not runner._lower.quarantined
+        runner.submit([store(6, ((5,),), ((0,),))])
+        assert _poll_until(runner, 1) == [StoreCompleted(job_id=6, worker_index=1)]
+    finally:
+        stuck.release()
+        runner.shutdown(drain=False, timeout_s=10)
