@@ -7,9 +7,9 @@ MAC kvledger uses), HMAC-SHA-256, keyed BLAKE2b, and AES-256-GCM.
 Then for each block size, N blocks (about `--total-mib` in all) of a
 host-tier-like int8 tensor, per tier, in alternating rounds:
 
-  fs write      `FsTierIO.write` of the N blocks as `--jobs` jobs, then `os.sync()`
+  fs write      `FsTierIO.write` of the N blocks as `--jobs` jobs, then `os.sync()` (fs_tier_io.py's)
   fs read       `FsTierIO.read` of them into their rows, from a dropped page cache
-  valkey write  `ValkeyTierIO.write`, on a local valkey-server
+  valkey write  `ValkeyTierIO.write`, on a local valkey-server (valkey_tier_io.py's)
   valkey read   `ValkeyTierIO.read`
 
 each with no secret ("plain"), a MAC ("mac") and encryption ("encrypted"). The
@@ -36,7 +36,8 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from fs_block_io import drop_caches  # the sibling script (bench/ is on sys.path when run)
-from fs_tier_io import file_system, others_busy
+from fs_tier_io import file_system, others_busy, tier_job
+from valkey_tier_io import tier as valkey_job
 
 from kvledger.adapters.testing.valkey_servers import ServerProcess
 from kvledger.transfers.block_seal import BlockSeal
@@ -72,22 +73,6 @@ def candidates(size: int, rounds: int) -> dict[str, float]:
     return out
 
 
-def job(io, kind: str, count: int, jobs: int, first_job: int, sync: bool) -> float:
-    keys = [n.to_bytes(32, "big") for n in range(count)]
-    bounds = [count * j // jobs for j in range(jobs + 1)]
-    started = time.perf_counter()
-    for j in range(jobs):
-        ids = range(bounds[j], bounds[j + 1])
-        getattr(io, kind)(first_job + j, (tuple(keys[i] for i in ids),), (tuple(ids),))
-    io.wait(range(first_job, first_job + jobs), 600)
-    if sync:
-        os.sync()
-    seconds = time.perf_counter() - started
-    failed = [o for o in io.poll() if not o.ok]
-    assert not failed, f"{kind} failed: {failed[0].reasons[:3]}"
-    return seconds
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
@@ -121,22 +106,21 @@ def main() -> None:
                     shutil.rmtree(root, ignore_errors=True)
                     fs = FsTierIO(root=root, namespace=NAMESPACE, rows=rows, payload_bytes=(size,), threads=16,
                                   seal=seal)
-                    times.setdefault(f"fs write {mode}", []).append(job(fs, "write", count, args.jobs, first_job,
-                                                                        True))
+                    times.setdefault(f"fs write {mode}", []).append(tier_job(fs, "write", count, args.jobs, first_job))
                     rows.zero_()
                     drop_caches()
-                    times.setdefault(f"fs read {mode}", []).append(job(fs, "read", count, args.jobs,
-                                                                       first_job + args.jobs, False))
+                    times.setdefault(f"fs read {mode}", []).append(tier_job(fs, "read", count, args.jobs,
+                                                                            first_job + args.jobs))
                     fs.shutdown()
                     assert torch.equal(rows, original), f"fs {mode}: other bytes came back"
                     server.cli("FLUSHALL")
                     store = ValkeyTierIO(server=valkey, name="1:valkey", namespace=NAMESPACE, rows=rows,
                                          payload_bytes=(size,), connections=8, seal=seal)
                     times.setdefault(f"valkey write {mode}", []).append(
-                        job(store, "write", count, args.jobs, first_job + 2 * args.jobs, False))
+                        valkey_job(store, "write", count, args.jobs, first_job + 2 * args.jobs))
                     rows.zero_()
                     times.setdefault(f"valkey read {mode}", []).append(
-                        job(store, "read", count, args.jobs, first_job + 3 * args.jobs, False))
+                        valkey_job(store, "read", count, args.jobs, first_job + 3 * args.jobs))
                     store.shutdown()
                     assert torch.equal(rows, original), f"valkey {mode}: other bytes came back"
                     first_job += 4 * args.jobs

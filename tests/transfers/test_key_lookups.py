@@ -10,17 +10,9 @@ import time
 import pytest
 
 from kvledger.transfers.key_lookups import KeyLookups
+from tests.transfers.test_fs_tier import answers
 
 pytestmark = pytest.mark.fast
-
-
-def answers(lookups: KeyLookups, count: int, timeout_s: float = 10.0) -> list:
-    got: list = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < count and time.monotonic() < deadline:
-        got += lookups.poll()
-        time.sleep(0.002)
-    return got
 
 
 class HungStore:
