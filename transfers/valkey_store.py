@@ -30,9 +30,10 @@ from typing import TypeVar
 
 import attrs
 import valkey
+import valkey.cluster
 from valkey.backoff import NoBackoff
 from valkey.cluster import ClusterNode, ValkeyCluster
-from valkey.exceptions import ResponseError, ValkeyError
+from valkey.exceptions import ResponseError, ValkeyClusterException, ValkeyError
 from valkey.retry import Retry
 
 LINE_MAX = 4096
@@ -65,6 +66,15 @@ class ValkeyServer:
         return ",".join(f"{scheme}://{host}:{port}" for host, port in self.nodes)
 
 
+# valkey-py's cluster client hands each node's connection only the options on its
+# list (`valkey.cluster.VALKEY_ALLOWED_KEYS`), which leaves out the host-name check
+# and the lowest TLS version: a node would accept a certificate for any name. Both
+# options are the node client's own (`valkey.Valkey` takes them); they join the list.
+_CLUSTER_TLS_KEYS = ("ssl_check_hostname", "ssl_min_version")
+_FAILURES = (ValkeyError, ValkeyClusterException, OSError)  # a cluster client that cannot start raises the second
+valkey.cluster.VALKEY_ALLOWED_KEYS = tuple(dict.fromkeys((*valkey.cluster.VALKEY_ALLOWED_KEYS, *_CLUSTER_TLS_KEYS)))
+
+
 class StoreDown(Exception):
     """The server could not be reached, did not answer within the timeout, or
     answered what the commands do not (a connection to it is not to be trusted)."""
@@ -85,8 +95,8 @@ class ValkeyStore:
 
     def _connect(self) -> valkey.Valkey | ValkeyCluster:
         """The client, connected. TLS checks the certificate and its host name
-        and takes nothing older than TLS 1.2. valkey-py's cluster client
-        passes on only some TLS options: its nodes' host names go unchecked."""
+        and takes nothing older than TLS 1.2, on one server and on every node
+        of a cluster (`_CLUSTER_TLS_KEYS`)."""
         if self._client is None:
             tier = self.server
             common = dict(username=tier.username, password=tier.password, ssl=tier.tls, ssl_ca_certs=tier.tls_ca_file,
@@ -105,7 +115,7 @@ class ValkeyStore:
                     host, port = tier.nodes[0]
                     self._client = valkey.Valkey(host=host, port=port, db=tier.db, single_connection_client=True,
                                                  **common)
-            except (ValkeyError, OSError) as exc:
+            except _FAILURES as exc:
                 raise _down(exc) from None
         return self._client
 
@@ -113,7 +123,7 @@ class ValkeyStore:
         if self.server.cluster:
             try:
                 self._connect().ping()
-            except (ValkeyError, OSError) as exc:
+            except _FAILURES as exc:
                 self._reset()
                 raise _down(exc) from None
             return
@@ -200,7 +210,7 @@ class ValkeyStore:
                 answers = read(replies)
                 replies.finish()
                 return answers
-        except (ValkeyError, OSError, _ProtocolError) as exc:
+        except (*_FAILURES, _ProtocolError) as exc:
             self._reset()
             raise _down(exc) from None
 
@@ -213,7 +223,7 @@ class ValkeyStore:
             for arg in args:
                 call(*arg)
             answers = pipe.execute(raise_on_error=False)
-        except (ValkeyError, OSError) as exc:
+        except _FAILURES as exc:
             self._reset()
             raise _down(exc) from None
         down = [a for a in answers if isinstance(a, Exception) and not isinstance(a, ResponseError)]

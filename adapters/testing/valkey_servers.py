@@ -81,14 +81,15 @@ class ServerProcess:
 
     def __init__(self, *, maxmemory: str = "256mb", policy: str = "allkeys-lru", cluster: bool = False,
                  port: int | None = None, folder: Path | None = None, tls: bool = False,
-                 tls_name: str = "127.0.0.1") -> None:
+                 tls_name: str = "127.0.0.1", certificate: tuple[Path, Path] | None = None) -> None:
         self.port = port or free_port(cluster)
         self.folder = folder or Path(tempfile.mkdtemp(prefix=f"kvledger-valkey-{self.port}-"))
         self.maxmemory = maxmemory
         self.policy = policy
         self.cluster = cluster
         # (certificate, key): TLS only, on `port`; a `tls_name` other than the address is a wrong certificate
-        self.tls = self_signed(self.folder, tls_name) if tls else None
+        # `certificate`: one shared by a cluster's nodes, which check each other's with it.
+        self.tls = (certificate or self_signed(self.folder, tls_name)) if tls else None
         self.process: subprocess.Popen | None = None
         self.start()
 
@@ -111,6 +112,8 @@ class ServerProcess:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.folder / "nodes.conf"),
                      "--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0",
                      "--repl-diskless-sync-delay", "0"]
+            if self.tls:
+                args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.wait_ready()
 
@@ -161,13 +164,22 @@ class ServerProcess:
 
 
 class ClusterProcesses:
-    """Three masters and a replica each (six servers), joined by `valkey-cli --cluster create`."""
+    """Three masters and a replica each (six servers), joined by `valkey-cli --cluster create`.
+    With `tls`, every node serves TLS with one certificate for `tls_name`, also
+    on the cluster bus and for replication."""
 
-    def __init__(self, *, masters: int = 3, maxmemory: str = "128mb") -> None:
-        self.servers = [ServerProcess(cluster=True, maxmemory=maxmemory) for _ in range(masters * 2)]
+    def __init__(self, *, masters: int = 3, maxmemory: str = "128mb", tls: bool = False,
+                 tls_name: str = "127.0.0.1") -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="kvledger-valkey-cluster-"))
+        self.certificate = self_signed(self.folder, tls_name) if tls else None
+        self.servers: list[ServerProcess] = []
         try:
+            for _ in range(masters * 2):
+                self.servers.append(ServerProcess(cluster=True, maxmemory=maxmemory, tls=tls,
+                                                  certificate=self.certificate))
             nodes = [f"127.0.0.1:{s.port}" for s in self.servers]
-            done = subprocess.run([cli_binary(), "--cluster", "create", *nodes, "--cluster-replicas", "1",
+            secure = ["--tls", "--cacert", str(self.certificate[0])] if self.certificate else []
+            done = subprocess.run([cli_binary(), *secure, "--cluster", "create", *nodes, "--cluster-replicas", "1",
                                    "--cluster-yes"], capture_output=True, text=True, timeout=60)
             if done.returncode != 0:
                 raise RuntimeError(f"cluster create failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -233,6 +245,7 @@ class ClusterProcesses:
     def close(self) -> None:
         for server in self.servers:
             server.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 Lie = Callable[[list[bytes]], "bytes | Iterable[bytes] | None"]

@@ -260,3 +260,37 @@ def test_a_job_failed_only_as_unreachable_logs_below_warning() -> None:
             job.finished(outcome)
     levels = {e["job_id"]: e["log_level"] for e in logs if e["event"] == "tier_io_failed"}
     assert levels.get(1, "debug") == "debug" and levels[2] == "warning"
+
+
+@pytest.mark.parametrize("name, works", [("127.0.0.1", True), ("other.example", False)])
+def test_a_tls_cluster_checks_every_node_s_host_name(name, works) -> None:
+    """valkey-py's cluster client drops the host-name check from its nodes' options
+    unless kvledger puts it back: a certificate for another name must not serve."""
+    from kvledger.adapters.testing.valkey_servers import ClusterProcesses
+
+    cluster = ClusterProcesses(tls=True, tls_name=name)
+    try:
+        ca_file = str(cluster.certificate[0])
+        server = ValkeyServer(nodes=tuple(("127.0.0.1", s.port) for s in cluster.servers[:3]), cluster=True,
+                              tls=True, tls_ca_file=ca_file, timeout_s=2.0)
+        store = ValkeyStore(server)
+        try:
+            if works:
+                keys = [b"kvledger:k%d" % n for n in range(20)]  # spread over the three masters
+                assert store.set_many([(k, b"h", memoryview(b"v")) for k in keys]) == [None] * 20
+                assert store.exists_each(keys) == [True] * 20
+                nodes = store._connect().get_nodes()
+                assert len(nodes) >= 3 and all(
+                    n.valkey_connection.connection_pool.connection_kwargs.get("ssl_check_hostname") for n in nodes)
+            else:
+                with pytest.raises(StoreDown, match="(?i)certificate|mismatch|hostname"):
+                    store.ping()
+        finally:
+            store.close()
+        if not works:
+            entry = {"type": "valkey", "urls": [f"rediss://127.0.0.1:{s.port}" for s in cluster.servers[:3]],
+                     "capacity_bytes": 1 << 20, "tls_ca_file": ca_file, "on_unreachable": "warn"}
+            with pytest.raises(ConfigError, match="127.0.0.1"):
+                parse_tiers([entry])
+    finally:
+        cluster.close()
