@@ -191,7 +191,9 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         problem = data["first_problem"]
         if tear is not None:
             print(f"log end     cut: {tear}; checked up to there")
-        if problem is None:
+        if problem is None and tear is not None:
+            print("result      TORN: every segment up to the cut replays into the state the log recorded")
+        elif problem is None:
             print("result      ok: every segment replays into the state the log recorded")
         else:
             event = (f" ({problem['event_kind']}" + (f", request {problem['request_id']}" if problem["request_id"]

@@ -34,6 +34,12 @@ from kvledger.events.log_records import EventRecord, LogError, LogHeader, Record
 from . import report, report_series
 
 EXIT_OK, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
+KEY_PREFIX_DIGITS_MIN = 4
+_GROUP_SUFFIX_BYTES = 4  # `engine.hma.group_suffix`: after the block's hash in each group's key
+
+
+class BadArgument(Exception):
+    """An argument the log cannot answer (a key or request it never names): exit 2, one line."""
 
 
 class Prefix:
@@ -83,16 +89,25 @@ def _report_tear(records: Prefix) -> int:
     return EXIT_BAD_INPUT
 
 
-def _parse_key(text: str) -> bytes:
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        raise SystemExit(f"kvledger: --key must be hex, got {text!r}") from None
+def _parse_key(text: str) -> str:
+    """A key, or a prefix of one as the timelines print them, in lower-case hex."""
+    digits = text.lower()
+    if len(digits) < KEY_PREFIX_DIGITS_MIN or any(c not in "0123456789abcdef" for c in digits):
+        raise BadArgument(f"--key takes a key or a prefix of at least {KEY_PREFIX_DIGITS_MIN} hex digits, "
+                          f"got {text!r}")
+    return digits
+
+
+def _keys_of(event: ev.Event, effects: tuple[fx.Effect, ...]) -> Iterator[bytes]:
+    for effect in effects:
+        for group in getattr(effect, "keys", ()):
+            yield from (group if isinstance(group, tuple) else (group,))
+    yield from getattr(event, "keys", ())
 
 
 def _mentions(event: ev.Event, effects: tuple[fx.Effect, ...], request_id: str | None,
-              key: bytes | None) -> list[str]:
-    """Lines worth printing for a request or key timeline."""
+              key: frozenset[bytes] | None) -> list[str]:
+    """Lines worth printing for a request or key timeline (`key`: one block's keys, a key per KV group)."""
     lines = []
     if request_id is not None:
         if getattr(event, "request_id", None) == request_id or (
@@ -105,9 +120,9 @@ def _mentions(event: ev.Event, effects: tuple[fx.Effect, ...], request_id: str |
         for effect in effects:
             keys = getattr(effect, "keys", ())
             flat = [k for group in keys for k in (group if isinstance(group, tuple) else (group,))]
-            if key in flat:
+            if not key.isdisjoint(flat):
                 lines.append(f"{event.kind}: -> {_describe_effect(effect)}")
-        if key in getattr(event, "keys", ()):
+        if not key.isdisjoint(getattr(event, "keys", ())):
             lines.append(_describe(event, None))
     return lines
 
@@ -176,6 +191,10 @@ def summary(header: LogHeader, result: ReplayResult) -> dict:
 def _print_summary(data: dict) -> None:
     stats = data["stats"]
     tier = data["tier"]
+    if "replayed_from_seq" in data:
+        start = data["replayed_from_seq"]
+        print(f"from        the snapshot at seq {start}: every count below starts there" if data["from_snapshot"]
+              else "from        the beginning: the log has no snapshot at or before the seq asked for")
     print(f"events      {data['events']} in {data['steps']} steps (last seq {data['last_seq']})")
     for kind, count in data["events_by_kind"].items():
         print(f"  {kind:<22} {count}")
@@ -194,6 +213,9 @@ def _print_summary(data: dict) -> None:
               f"{lower['keys_written']} written ({lower['write_failures']} failed), {lower['keys_read']} promoted "
               f"({lower['read_failures']} failed), {lower['keys_found']} found, {lower['evictions']} evicted")
     print(f"digests     {data['digests_checked']} checked")
+    if "checked" in data:
+        print(f"checks      every invariant after each of {data['checked']['invariants_after_events']} events, "
+              f"and {data['checked']['digests']} recorded digests")
     if "replayed_by" in data:
         print(f"versions    recorded by kvledger {data['engine_version']}, replayed by {data['replayed_by']}: "
               f"a violation or digest mismatch may come from a change in the engine, not the run")
@@ -206,7 +228,11 @@ def _print_summary(data: dict) -> None:
               f"{reached}; at its end {data['requests_live']} requests were live and "
               f"{data['jobs_in_flight']} jobs in flight")
     problem = data["first_problem"]
-    if problem is None:
+    if "tear" in data:
+        print(f"result      TORN after seq {data['tear']['last_good_seq']}: {data['tear']['error']} "
+              f"(the good prefix" + (f" has a problem at seq {problem['seq']}: {problem['detail']})" if problem
+                                     else " replays cleanly)"))
+    elif problem is None:
         print("result      ok")
     else:
         print(f"result      FIRST PROBLEM at seq {problem['seq']} ({problem['kind']}): {problem['detail']}")
@@ -215,30 +241,59 @@ def _print_summary(data: dict) -> None:
 def replay_args(log: str, **options: object) -> argparse.Namespace:
     """`kvledger replay LOG` with these options, for callers other than the command line."""
     defaults: dict[str, object] = dict(check=False, until=None, request=None, key=None, json=False, report=None,
-                                       start=None)
+                                       start=None, force=False)
     return argparse.Namespace(log=log, **{**defaults, **options})
 
 
+def _resolve_key(args: argparse.Namespace, prefix: str) -> frozenset[bytes]:
+    """The keys of the one block that start with `prefix`, found by a first pass:
+    a block has a key per KV group, its chain hash and the group's 4-byte
+    suffix (`engine.hma.group_suffix`), so a prefix of the hash names them all."""
+    header, records = _load(args.log)
+    found: set[bytes] = set()
+
+    def collect(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
+        found.update(k for k in _keys_of(event, effects) if k.hex().startswith(prefix))
+
+    replay(header.config, records, until_seq=args.until, observe=collect)
+    if not found:
+        raise BadArgument(f"no key in {args.log} starts with {prefix}")
+    blocks = {k[:-_GROUP_SUFFIX_BYTES] for k in found} if len(prefix) <= 2 * (
+        len(next(iter(found))) - _GROUP_SUFFIX_BYTES) else {k for k in found}
+    if len(blocks) > 1:
+        shown = ", ".join(sorted(b.hex() for b in blocks)[:5])
+        raise BadArgument(f"--key {prefix} is ambiguous: {len(blocks)} blocks have keys starting with it ({shown}"
+                          f"{', ...' if len(blocks) > 5 else ''}); give more digits")
+    return frozenset(found)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.start is not None and args.until is not None and args.start > args.until:
+        raise BadArgument(f"--from {args.start} is after --until {args.until}")
     if args.report is not None:
         try:
-            report.check_report_path(args.report)
+            report.check_report_path(args.report, source=args.log, force=args.force)
         except report.ReportError as exc:
-            print(f"kvledger: {exc}", file=sys.stderr)
+            print(f"kvledger replay: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
+    key = _resolve_key(args, _parse_key(args.key)) if args.key else None
     if args.start is None:
         header, records, state, started = *_load(args.log), None, 0
     else:
         header, records, state, started = _load_at(args.log, args.start)
-    key = _parse_key(args.key) if args.key else None
+    base_stats = queries.stats(state) if state is not None else None  # counts then start from the snapshot
     timeline: list[str] = []
     fold = report_series.SeriesFold(header.config) if args.report is not None else None
     watching = args.request is not None or key is not None
+    request_seen = False
 
     def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
+        nonlocal request_seen
         if watching:
             for line in _mentions(event, effects, args.request, key):
                 timeline.append(f"{seq:>8}  {line}")
+            if args.request is not None and not request_seen and getattr(event, "request_id", None) == args.request:
+                request_seen = True
         if fold is not None:
             fold.observe(seq, event, state, effects)
 
@@ -252,8 +307,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     check_invariants=args.check, until_seq=args.until,
                     observe=observe if watching or fold is not None else None, state=state)
     data = summary(header, result)
+    if args.request is not None and not request_seen:
+        raise BadArgument(f"no event of {args.log} names request {args.request!r}"
+                          f"{' in the part replayed' if args.start is not None or args.until is not None else ''} "
+                          f"(`kvledger requests {args.log}` lists them)")
     if args.start is not None:
-        data["replayed_from_seq"] = started  # the events, steps and kinds above count from here
+        data["replayed_from_seq"] = started  # every count below starts here: events, kinds, stats
+        data["from_snapshot"] = state is not None
+        if base_stats is not None:
+            data["stats"] = {name: value - base_stats.get(name, 0) for name, value in data["stats"].items()}
+    if args.check:
+        data["checked"] = {"invariants_after_events": result.events, "digests": result.digests_checked}
     if records.tear is not None:
         data["tear"] = {"error": str(records.tear), "last_good_seq": records.last_seq}
     elif args.until is None and header.schema_version >= 2:  # schema 1 had no end mark
@@ -262,9 +326,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         data["replayed_by"] = __version__  # another version's engine may decide some steps differently
     if fold is not None:
         try:
-            size = report.write_report(args.report, fold.finish(result), source=args.log)
+            size = report.write_report(args.report, fold.finish(result), source=args.log, force=args.force)
         except report.ReportError as exc:
-            print(f"kvledger: {exc}", file=sys.stderr)
+            print(f"kvledger replay: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
         data["report"] = {"path": args.report, "bytes": size}
     if args.json:
@@ -281,6 +345,42 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if records.tear is not None:
         return _report_tear(records)
     return EXIT_OK if result.ok else EXIT_PROBLEM
+
+
+def cmd_requests(args: argparse.Namespace) -> int:
+    """Every request the log names, in order of arrival: what `replay --request` takes."""
+    header, records = _load(args.log)
+    rows: dict[str, dict] = {}
+
+    def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
+        rid = getattr(event, "request_id", None)
+        if rid is None:
+            return
+        row = rows.get(rid)
+        if row is None or isinstance(event, ev.RequestAdded):  # an id may come back after it finished
+            row = rows[rid] = {"request_id": rid, "first_seq": seq, "prompt_tokens": None, "preemptions": 0,
+                               "ended": None}
+        if isinstance(event, ev.RequestAdded):
+            row["prompt_tokens"] = event.num_prompt_tokens
+        elif isinstance(event, ev.RequestPreempted):
+            row["preemptions"] += 1
+        elif isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
+            row["ended"] = f"{event.kind} at seq {seq}"
+        row["last_seq"] = seq
+
+    replay(header.config, records, until_seq=args.until, observe=observe)
+    if args.json:
+        print(json.dumps(list(rows.values()), indent=2))
+    else:
+        print(f"{'request':<24} {'first seq':>9} {'last seq':>9} {'prompt':>7} {'preempted':>9}  ended")
+        for row in rows.values():
+            print(f"{row['request_id']:<24} {row['first_seq']:>9} {row['last_seq']:>9} "
+                  f"{row['prompt_tokens'] if row['prompt_tokens'] is not None else '?':>7} "
+                  f"{row['preemptions']:>9}  {row['ended'] or 'live at the end'}")
+        print(f"{len(rows)} requests")
+    if records.tear is not None:
+        return _report_tear(records)
+    return EXIT_OK
 
 
 def state_view(state: State) -> dict:

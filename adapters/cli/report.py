@@ -12,6 +12,7 @@ import html
 import json
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 
@@ -45,12 +46,23 @@ class ReportError(Exception):
     """The report cannot be written where asked."""
 
 
-def check_report_path(path: str) -> None:
-    """Fail before a long replay, not after it, when the page could not be written."""
+def check_report_path(path: str, *, source: str | None = None, force: bool = False) -> None:
+    """Fail before a long replay, not after it, when the page could not be
+    written, or would replace what it must not: the log it is made from, a
+    device, FIFO, link or directory, or (without `force`) any existing file."""
     if not path:
         raise ReportError("the report needs a file name")
-    if os.path.isdir(path):
-        raise ReportError(f"{path} is a directory; name the report file")
+    if os.path.lexists(path):
+        if source is not None and os.path.exists(source) and os.path.exists(path) and os.path.samefile(path, source):
+            raise ReportError(f"{path} is the log being replayed; name a new file for the report")
+        mode = os.lstat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise ReportError(f"{path} is a directory; name the report file")
+        if not stat.S_ISREG(mode):
+            raise ReportError(f"{path} exists and is not a regular file (a link, device or FIFO); "
+                              f"name a new file for the report")
+        if not force:
+            raise ReportError(f"{path} exists; --force replaces it")
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         raise ReportError(f"cannot write {path}: no such directory {folder}")
@@ -58,16 +70,15 @@ def check_report_path(path: str) -> None:
         raise ReportError(f"cannot write {path}: directory {folder} is not writable")
 
 
-def write_report(path: str, series: dict, *, source: str, max_points: int = MAX_POINTS) -> int:
+def write_report(path: str, series: dict, *, source: str, max_points: int = MAX_POINTS, force: bool = False) -> int:
     """Write the page and return its size in bytes.
 
-    An existing file at `path` is replaced: the report is an output the user
-    named, like a compiler's, and rerunning the command should refresh it
-    (event logs, the input, are the ones never overwritten). The page is
-    written to a temporary file and renamed, so a failed write never leaves
-    half a page behind.
+    An existing regular file at `path` is replaced only with `force`; never the
+    log it is made from, and never a device, FIFO or link (`check_report_path`).
+    The page is written to a temporary file and renamed, so a failed write never
+    leaves half a page behind.
     """
-    check_report_path(path)
+    check_report_path(path, source=source, force=force)
     page = render_html(series, source=source, max_points=max_points).encode()
     folder = os.path.dirname(path) or "."
     try:

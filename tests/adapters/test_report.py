@@ -274,16 +274,18 @@ def test_request_ids_cannot_break_out_of_the_page(tmp_path: Path, capsys: pytest
 
 def test_cli_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "report.html"
-    out.write_text("an older report")  # the named output is replaced, like a compiler's
+    out.write_text("an older report")  # replaced with --force only
     log = str(LOGS["hybrid_failures_reset"])
-    assert main(["replay", log, "--check", "--report", str(out)]) == 0
+    assert main(["replay", log, "--check", "--report", str(out)]) == 2
+    assert out.read_text() == "an older report" and "exists; --force replaces it" in capsys.readouterr().err
+    assert main(["replay", log, "--check", "--report", str(out), "--force"]) == 0
     printed = capsys.readouterr().out
     assert "result      ok" in printed and f"report      {out} (" in printed
     page = out.read_text()
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]  # no temporary file left behind
 
-    assert main(["replay", log, "--json", "--report", str(out)]) == 0
+    assert main(["replay", log, "--json", "--report", str(out), "--force"]) == 0
     data = json.loads(capsys.readouterr().out)  # the JSON output stays JSON
     assert data["report"] == {"path": str(out), "bytes": out.stat().st_size}
     _parse(out.read_text())
@@ -304,7 +306,7 @@ def test_cli_bad_report_path_exits_2(tmp_path: Path, where: str, capsys: pytest.
     path = {"missing_folder": str(tmp_path / "nope" / "report.html"), "folder": str(tmp_path), "empty": ""}[where]
     assert main(["replay", str(LOGS["full_flush"]), "--report", path]) == 2
     captured = capsys.readouterr()
-    assert captured.err.startswith("kvledger: ") and "Traceback" not in captured.err
+    assert captured.err.startswith("kvledger replay: ") and "Traceback" not in captured.err
     assert captured.out == ""  # refused before the replay
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
