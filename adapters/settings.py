@@ -9,6 +9,8 @@ the scheduler and the worker agree on the tier size and the fault plan.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,6 +118,9 @@ def _typed(name: str, value: Any, expected: type | tuple[type, ...]) -> Any:
         ok = isinstance(value, types)
     if not ok:
         names = " or ".join(t.__name__ for t in types)
+        if int in types and isinstance(value, float) and value.is_integer():
+            raise ConfigError(f"kv_connector_extra_config[{name!r}] must be an integer, got {value!r}: "
+                              f"write {int(value)} (JSON reads 64e9 as a float)")
         raise ConfigError(f"kv_connector_extra_config[{name!r}] must be {names}, got {value!r}")
     return value
 
@@ -166,8 +171,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     if target <= 0:
         raise ConfigError(f"lazy_target_blocks must be positive, got {target}")
     load_timeout = extra.get("load_timeout_s", 30.0)
-    if load_timeout < 0:
-        raise ConfigError(f"load_timeout_s must be >= 0 (0: no timeout), got {load_timeout}")
+    if not math.isfinite(load_timeout) or load_timeout < 0:
+        raise ConfigError(f"load_timeout_s must be a finite number of seconds >= 0 (0: no timeout), "
+                          f"got {load_timeout}")
     fmt = extra.get("event_log_format", "binary")
     if fmt not in LOG_FORMATS:
         raise ConfigError(f"event_log_format must be 'binary' or 'jsonl', got {fmt!r}")
@@ -184,6 +190,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     if snapshots < 0:
         raise ConfigError(f"snapshot_interval_events must be >= 0 (0: no snapshots), got {snapshots}")
     event_log = extra.get("event_log") or None
+    if event_log is not None and os.path.isdir(event_log):
+        raise ConfigError(f"event_log {event_log!r} is a directory: name the log file in it, such as "
+                          f"{os.path.join(event_log, 'kvledger-events.log')!r}")
     weights_version = extra.get("weights_version")
     if weights_version is not None and not weights_version:
         raise ConfigError("weights_version must be a non-empty string (leave it out for none)")

@@ -545,3 +545,30 @@ def test_key_generations_default_to_private():
     assert parse_settings(base).key_generations == "private"
     assert parse_settings({**base, "key_generations": "counted"}).key_generations == "counted"
     assert "key_generations must be 'private' or 'counted'" in problem({**base, "key_generations": "shared"})
+
+
+# The README and the parser agree, and values are refused with what to write instead.
+
+
+def test_the_readme_table_names_every_key_the_parser_takes():
+    from kvledger.adapters import settings
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = text.split("### `kv_connector_extra_config`", 1)[1].split("\n\n", 2)[1]
+    documented = {row.split("`")[1] for row in table.splitlines() if row.startswith("| `")}
+    assert documented == set(settings._FIELDS) - {"cpu_bytes_to_use"}  # the alias, in capacity_bytes' row
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"capacity_bytes": 64e9}, "must be an integer, got 64000000000.0: write 64000000000"),
+    ({"capacity_bytes": 1 << 20, "load_timeout_s": float("nan")}, "load_timeout_s must be a finite number"),
+    ({"capacity_bytes": 1 << 20, "load_timeout_s": float("inf")}, "load_timeout_s must be a finite number"),
+])
+def test_a_float_for_an_integer_or_a_nan_timeout_is_refused_by_name(extra, words):
+    assert words in problem(extra)
+
+
+def test_an_event_log_that_is_a_directory_is_refused(tmp_path):
+    words = problem({"capacity_bytes": 1 << 20, "event_log": str(tmp_path)})
+    assert "is a directory: name the log file in it" in words
+    assert not list(tmp_path.iterdir()) and not (tmp_path.parent / f"{tmp_path.name}.1").exists()
