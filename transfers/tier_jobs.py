@@ -72,6 +72,7 @@ class LowerTierJobs:
         self._spills: dict[int, StartSpill] = {}
         self._promotions: dict[int, _Promotion] = {}
         self._stray: dict[tuple[int, int], list[int]] = {}  # (tier, job) -> slots a timed-out read may write
+        self._quarantined: frozenset[int] = frozenset()  # their union, kept as they change: read per job
         self._stats: list[TierStat] = []
 
     @property
@@ -89,7 +90,10 @@ class LowerTierJobs:
     @property
     def quarantined(self) -> frozenset[int]:
         """Host slots a timed-out read may still write: no job may use them."""
-        return frozenset(slot for slots in self._stray.values() for slot in slots)
+        return self._quarantined
+
+    def _stray_changed(self) -> None:
+        self._quarantined = frozenset(slot for slots in self._stray.values() for slot in slots)
 
     def spill(self, effect: StartSpill) -> StoreFailed | None:
         """Start writing; a spill that cannot start fails whole, at once."""
@@ -164,6 +168,7 @@ class LowerTierJobs:
                         spilled.append(StoreFailed(job_id=outcome.job_id, worker_index=self.worker_index, keys=keys))
                     continue
                 if self._stray.pop((tier, outcome.job_id), None) is not None:
+                    self._stray_changed()
                     _log.info("timed_out_tier_read_ended", tier=tier, job_id=outcome.job_id, ok=outcome.ok,
                               effect="its host slots are in use again")
                     continue
@@ -199,6 +204,8 @@ class LowerTierJobs:
                        keys=hex_keys(k for group in effect.keys for k in group),
                        effect="the request is recomputed; the read's host slots wait until it ends")
             ended.append((effect, promotion.failed))
+        if late:
+            self._stray_changed()
         return ended
 
     def take_stats(self) -> list[TierStat]:
