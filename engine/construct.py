@@ -52,7 +52,7 @@ _STEP: Final = _setters(ev.StepScheduled, "step_index", "request_ids", "num_comp
 _STORE: Final = _setters(fx.StartStore, "job_id", "request_id", "keys", "source_block_ids", "target_slot_ids")
 _LOAD: Final = _setters(fx.StartLoad, "job_id", "request_id", "keys", "source_slot_ids", "target_block_ids",
                         "promote_tiers")
-_EVICTED: Final = _setters(fx.KeysEvicted, "keys")
+_EVICTED: Final = _setters(fx.KeysEvicted, "keys", "reason")
 
 
 def _build(cls: type[_E], setters: tuple[_Setter, ...], *values: object) -> _E:
@@ -96,5 +96,5 @@ def start_load(job_id: int, request_id: str, keys: fx.KeysByGroup, source_slot_i
     return _build(_StartLoad, _LOAD, job_id, request_id, keys, source_slot_ids, target_block_ids, promote_tiers)
 
 
-def keys_evicted(keys: tuple[bytes, ...]) -> fx.KeysEvicted:
-    return _build(_KeysEvicted, _EVICTED, keys)
+def keys_evicted(keys: tuple[bytes, ...], reason: fx.Reason) -> fx.KeysEvicted:
+    return _build(_KeysEvicted, _EVICTED, keys, reason)

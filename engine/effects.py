@@ -64,12 +64,21 @@ class StartSpill:
     source_slot_ids: IdsByGroup
 
 
+class Reason(enum.Enum):
+    """Why keys left a tier (`KeysEvicted`, `DropTierKeys`): metrics count each apart."""
+
+    EVICTED = "evicted"  # to make room for other keys
+    FAILED = "failed"  # a transfer of theirs failed
+    RESET = "reset"  # a cache reset dropped them (or, in a lower tier, the spill a reset made stale)
+
+
 @attrs.frozen(kw_only=True)
 class DropTierKeys:
-    """Remove these keys from a lower tier (evicted, failed, or reset)."""
+    """Remove these keys from a lower tier, for `reason`."""
 
     tier: int
     keys: tuple[bytes, ...]
+    reason: Reason
 
 
 @attrs.frozen(kw_only=True)
@@ -96,9 +105,10 @@ class UnpinDeviceBlocks:
 
 @attrs.frozen(kw_only=True)
 class KeysEvicted:
-    """Notification: these keys left the tier and can no longer be loaded."""
+    """Notification: these keys left the tier and can no longer be loaded, for `reason`."""
 
     keys: tuple[bytes, ...]
+    reason: Reason
 
 
 @attrs.frozen(kw_only=True)

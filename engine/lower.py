@@ -81,7 +81,7 @@ def _make_room(core: Core, index: int, wanted: int, out: list[fx.Effect]) -> int
     if wanted > room:
         victims = _evict(tier, wanted - room)
         if victims:
-            out.append(fx.DropTierKeys(tier=index, keys=tuple(victims)))
+            out.append(fx.DropTierKeys(tier=index, keys=tuple(victims), reason=fx.Reason.EVICTED))
         room += len(victims)
     return room
 
@@ -145,7 +145,8 @@ def spill_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
                 tier.counts["keys_written"] += 1
     tier.counts["write_failures"] += len(failed)
     if drop:
-        out.append(fx.DropTierKeys(tier=job.tier, keys=tuple(drop)))
+        out.append(fx.DropTierKeys(tier=job.tier, keys=tuple(drop),
+                                    reason=fx.Reason.RESET if job.stale else fx.Reason.FAILED))
 
 
 def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]], out: list[fx.Effect]) -> list[int]:
@@ -159,7 +160,7 @@ def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]], out: 
         core.stats.evictions += len(evicted)
         free += len(evicted)
         if evicted:
-            out.append(fx.KeysEvicted(keys=tuple(evicted)))
+            out.append(fx.KeysEvicted(keys=tuple(evicted), reason=fx.Reason.EVICTED))
     taken = promoted[:free]
     # A key another load in this step is promoting already has a slot: this load
     # reads the block again into a slot of its own, left out of the index.
@@ -204,7 +205,7 @@ def promotions_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     if kept_keys:
         slots.store_ended(core, _Part((tuple(kept_keys),), (tuple(kept_slots),), failed, job.stale))
     for tier_index, keys in drops.items():
-        out.append(fx.DropTierKeys(tier=tier_index, keys=tuple(keys)))
+        out.append(fx.DropTierKeys(tier=tier_index, keys=tuple(keys), reason=fx.Reason.FAILED))
 
 
 def host_part(job: Job) -> _Part | None:
@@ -238,6 +239,6 @@ def drop_all(core: Core, out: list[fx.Effect]) -> int:
         tier.counts["evictions"] += len(keys)
         dropped += len(keys)
         if keys:
-            out.append(fx.DropTierKeys(tier=index, keys=keys))
+            out.append(fx.DropTierKeys(tier=index, keys=keys, reason=fx.Reason.RESET))
     return dropped
 

@@ -709,7 +709,7 @@ def _admit_store(core: Core, request_id: str, cand_groups: list[int], cand_block
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:
-        out.append(new.keys_evicted(tuple(evicted)))
+        out.append(new.keys_evicted(tuple(evicted), fx.Reason.EVICTED))
     if core.config.protection is _PIN:
         pinned = tuple(job.flat_blocks())
         pins = core.block_pins
@@ -856,7 +856,7 @@ def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
         core.stats.load_failures += 1
         core.stats.keys_failed += len(job.failed_keys)
         if dropped:  # a failed key already gone, or stored again since, is not reported
-            out.append(new.keys_evicted(tuple(sorted(dropped))))
+            out.append(new.keys_evicted(tuple(sorted(dropped)), fx.Reason.FAILED))
     request = core.requests.get(job.request_id)
     if request is None or request.load_job_id != job.job_id:
         return
@@ -900,9 +900,9 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None
         core.lazy_keys.clear()
         core.block_key = [None] * len(core.block_key)
     core.epoch = event.epoch
-    core.stats.evictions += len(dropped)
+    core.stats.evictions += len(dropped)  # the engine's total counts both; metrics tell them apart by reason
     if dropped:
-        out.append(fx.KeysEvicted(keys=dropped))
+        out.append(fx.KeysEvicted(keys=dropped, reason=fx.Reason.RESET))
     if core.lower:
         lower.drop_all(core, out)
 

@@ -87,3 +87,23 @@ def test_every_vllm_scenario_has_a_regression_log() -> None:
         assert {f"restore_{model}", f"small_pool_{model}", f"load_failures_{model}"} <= names
     assert {"multiprocess_tiny-gemma3", "slow_stores_flushed_tiny-gemma3", "pin_mode_tiny-gemma3",
             "lazy_roomy_tiny-gemma3", "lazy_pressure_tiny-gemma3"} <= names
+
+
+def test_the_reasons_keys_leave_host_memory_split_the_engines_evictions_total() -> None:
+    """Metrics count evictions and a reset's drops apart, from each notification's reason;
+    an old log replays with the same total, which counts both."""
+    from kvledger.engine import effects as fx
+    from kvledger.engine import queries
+
+    header, records = open_log(GOLDEN / "hybrid_failures_reset.jsonl")
+    left: dict[fx.Reason, int] = dict.fromkeys(fx.Reason, 0)
+
+    def observe(seq: int, event: object, state: object, effects: tuple) -> None:
+        for effect in effects:
+            if isinstance(effect, fx.KeysEvicted):
+                left[effect.reason] += len(effect.keys)
+
+    result = replay(header.config, records, check_invariants=True, observe=observe)
+    assert result.first_problem is None
+    assert left[fx.Reason.EVICTED] > 0 and left[fx.Reason.RESET] > 0 and left[fx.Reason.FAILED] > 0
+    assert left[fx.Reason.EVICTED] + left[fx.Reason.RESET] == queries.stats(result.state)["evictions"] == 70

@@ -195,15 +195,16 @@ class ValkeyTierIO(ThreadedTierIO):
 
 def keys_present(store: ValkeyStore, health: Health, namespaces: tuple[bytes, ...],
                  keys: tuple[bytes, ...], key_prefix: bytes = KEY_PREFIX) -> tuple[bytes, ...]:
-    """The keys with a value in every namespace (one per tensor-parallel rank);
-    while the server is down, none, at once."""
+    """The keys with a value in every namespace (one per tensor-parallel rank).
+    While the server is down it raises `StoreDown`, at once: the lookup finds
+    nothing, and counts as no query answered (`KeyLookups`)."""
     if not health.usable():
-        return ()
+        raise StoreDown(f"{health.where} is down; tried again after {RETRY_S} s")
     try:
         here = store.exists_each([store_key(space, key, key_prefix) for key in keys for space in namespaces])
     except StoreDown as exc:
         health.failed(str(exc))
-        return ()
+        raise
     health.worked()
     width = len(namespaces)
     return tuple(key for n, key in enumerate(keys) if all(here[n * width:(n + 1) * width]))

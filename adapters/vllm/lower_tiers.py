@@ -194,6 +194,10 @@ class SchedulerTiers:
                 lookups.cancel(request_id)
         return request_id in self._asked
 
+    def answered(self) -> dict[int, tuple[int, int]]:
+        """Per shared tier: (keys asked, keys found) over the lookups it answered."""
+        return {index: lookups.answered() for index, lookups in self._lookups.items()}
+
     def removed(self, tier: int, keys: Sequence[bytes]) -> None:
         """The engine dropped these keys from a tier (`DropTierKeys`): lookups must not find them."""
         tombstones = self._tombstones.get(tier)

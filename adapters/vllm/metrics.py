@@ -59,7 +59,12 @@ LOAD_FAILURES = Metric("vllm:kvledger_load_failures", COUNTER, "Load jobs that f
 STORE_FAILURES = Metric("vllm:kvledger_store_failures", COUNTER, "Store jobs that failed, in whole or in part.")
 FAILED_BLOCKS = Metric("vllm:kvledger_failed_blocks", COUNTER,
                        "Blocks dropped from the tier because a transfer of theirs failed.")
-EVICTIONS = Metric("vllm:kvledger_evictions", COUNTER, "Blocks evicted from the tier to make room.")
+EVICTIONS = Metric("vllm:kvledger_evictions", COUNTER,
+                   "Blocks evicted from host memory to make room (not those a cache reset dropped: "
+                   "vllm:kvledger_reset_dropped_blocks).")
+RESET_DROPPED = Metric("vllm:kvledger_reset_dropped_blocks", COUNTER,
+                       "Blocks host memory held that a cache reset dropped (reset_prefix_cache, the reset "
+                       "before a sleep, or one for new weights).")
 FLUSHES = Metric("vllm:kvledger_flushes", COUNTER,
                  "Steps that waited for stores before reusing their source blocks.")
 FLUSHED_JOBS = Metric("vllm:kvledger_flushed_jobs", COUNTER, "Store jobs a step waited for.")
@@ -70,6 +75,17 @@ LOG_FAILURES = Metric("vllm:kvledger_event_log_failures", COUNTER,
 TIER_USED = Metric("vllm:kvledger_tier_used_blocks", GAUGE, "Tier slots holding or receiving a block.")
 TIER_CAPACITY = Metric("vllm:kvledger_tier_capacity_blocks", GAUGE, "Tier slots in all.")
 JOBS_IN_FLIGHT = Metric("vllm:kvledger_jobs_in_flight", GAUGE, "Store and load jobs not yet completed.")
+# vLLM 0.33's CPU tier gauges (vllm/v1/kv_offload/cpu/spec.py): the share of host slots a transfer
+# holds, not of slots holding blocks (vllm:kvledger_tier_used_blocks counts those).
+CPU_USAGE = Metric("vllm:kv_offload_cpu_cache_usage_perc", GAUGE,
+                   "Fraction of CPU KV-cache space currently pinned by active transfers (0.0 = idle, "
+                   "1.0 = saturated): host slots being stored into or read from.")
+CPU_WRITE_USAGE = Metric("vllm:kv_offload_cpu_cache_write_usage_perc", GAUGE,
+                         "Fraction of CPU KV-cache space currently pinned by in-flight stores that have not "
+                         "yet completed (0.0 = idle, 1.0 = saturated); promotions from a lower tier included.")
+CPU_READ_USAGE = Metric("vllm:kv_offload_cpu_cache_read_usage_perc", GAUGE,
+                        "Fraction of CPU KV-cache space currently pinned by in-flight loads that have not "
+                        "yet completed (0.0 = idle, 1.0 = saturated); reads for writes to a lower tier included.")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TIER_READ_BYTES = Metric("vllm:kv_offload_tiering_read_bytes", COUNTER,
@@ -95,7 +111,11 @@ TIER_KEYS_READ = Metric("vllm:kvledger_tiering_promoted_blocks", COUNTER,
 TIER_KEYS_WRITTEN = Metric("vllm:kvledger_tiering_written_blocks", COUNTER,
                            "Blocks written to a secondary tier.", tiered=True)
 TIER_EVICTIONS = Metric("vllm:kvledger_tiering_evictions", COUNTER,
-                        "Blocks removed from a secondary tier to make room (or by a reset).", tiered=True)
+                        "Blocks removed from a secondary tier to make room (not those a cache reset dropped: "
+                        "vllm:kvledger_tiering_reset_dropped_blocks).", tiered=True)
+TIER_RESET_DROPPED = Metric("vllm:kvledger_tiering_reset_dropped_blocks", COUNTER,
+                            "Blocks a cache reset removed from a secondary tier: those it held, and those a "
+                            "write in flight at the reset put there.", tiered=True)
 TIER_FOUND = Metric("vllm:kvledger_tiering_found_blocks", COUNTER,
                     "Blocks found in a secondary tier at start or by a lookup (written by another process).",
                     tiered=True)
@@ -112,14 +132,24 @@ TIER_LOOKUP_TIMEOUTS = Metric("vllm:kvledger_tiering_lookup_timeouts", COUNTER,
                               "Lookups in a shared tier not answered in time (the request computed).", tiered=True)
 TIER_UP = Metric("vllm:kvledger_tiering_up", GAUGE,
                  "1 while a shared tier's server answers the scheduler's lookups, 0 while it is down.", tiered=True)
+# vLLM 0.33's (vllm/v1/kv_offload/tiering/spec.py). kvledger sends lookups only to shared tiers, and only
+# for blocks no tier is known to hold: it knows what host memory and its own writes hold.
+TIER_CHUNK_QUERIES = Metric("vllm:kv_offload_tiering_chunk_queries", COUNTER,
+                            "Number of chunk lookup queries sent to a tier, labeled by tier: blocks a shared "
+                            "tier answered a lookup about (asks it could not answer are not counted).",
+                            tiered=True)
+TIER_CHUNK_HITS = Metric("vllm:kv_offload_tiering_chunk_hits", COUNTER,
+                         "Number of chunk lookup hits in a tier, labeled by tier: blocks a shared tier's "
+                         "answer said it holds.", tiered=True)
 
 METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE, ALLOCATION_FAILURE,
            LOOKUP_DELAY, HIT_TOKENS, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
-           EVICTIONS, FLUSHES, FLUSHED_JOBS, VIOLATIONS, LOG_FAILURES, TIER_USED, TIER_CAPACITY, JOBS_IN_FLIGHT,
+           EVICTIONS, RESET_DROPPED, FLUSHES, FLUSHED_JOBS, VIOLATIONS, LOG_FAILURES, TIER_USED, TIER_CAPACITY,
+           JOBS_IN_FLIGHT, CPU_USAGE, CPU_WRITE_USAGE, CPU_READ_USAGE,
            TIER_READ_BYTES, TIER_READ_TIME, TIER_WRITE_BYTES, TIER_WRITE_TIME, TIER_PROMOTION_FAILURES,
            TIER_CASCADE_FAILURES, TIER_PROMOTION_LATENCY, TIER_HELD, TIER_BLOCKS_CAPACITY, TIER_KEYS_READ,
-           TIER_KEYS_WRITTEN, TIER_EVICTIONS, TIER_FOUND, TIER_UNREACHABLE, TIER_FORGED, TIER_LOOKUP_KEYS, TIER_LOOKUP_TIMEOUTS,
-           TIER_UP)
+           TIER_KEYS_WRITTEN, TIER_EVICTIONS, TIER_RESET_DROPPED, TIER_FOUND, TIER_UNREACHABLE, TIER_FORGED,
+           TIER_LOOKUP_KEYS, TIER_LOOKUP_TIMEOUTS, TIER_UP, TIER_CHUNK_QUERIES, TIER_CHUNK_HITS)
 _BY_NAME = {m.name: m for m in METRICS}
 
 

@@ -57,11 +57,16 @@ _COUNTED = tuple((STATS_FIELDS.index(field), metric) for field, metric in (
     ("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORES),
     ("store_rejections", m.ALLOCATION_FAILURE), ("load_failures", m.LOAD_FAILURES),
     ("store_failures", m.STORE_FAILURES), ("keys_failed", m.FAILED_BLOCKS),
-    ("evictions", m.EVICTIONS), ("flushes", m.FLUSHES), ("jobs_flushed", m.FLUSHED_JOBS)))
+    ("flushes", m.FLUSHES), ("jobs_flushed", m.FLUSHED_JOBS)))
 
 
 _TIER_COUNTED = (("keys_read", m.TIER_KEYS_READ), ("keys_written", m.TIER_KEYS_WRITTEN),
-                 ("evictions", m.TIER_EVICTIONS), ("keys_found", m.TIER_FOUND))
+                 ("keys_found", m.TIER_FOUND))
+
+# Keys leaving a tier, counted from the engine's notifications by their reason: its totals
+# (`evictions`) count an eviction and a reset's drop alike. Failed keys have counters of their own.
+_HOST_DROPS = {fx.Reason.EVICTED: m.EVICTIONS, fx.Reason.RESET: m.RESET_DROPPED}
+_TIER_DROPS = {fx.Reason.EVICTED: m.TIER_EVICTIONS, fx.Reason.RESET: m.TIER_RESET_DROPPED}
 
 
 class LedgerScheduler:
@@ -101,6 +106,8 @@ class LedgerScheduler:
         self._reported = (0,) * len(STATS_FIELDS)  # engine totals at the last stats report
         self._gauges: tuple[int, ...] = ()  # the host tier's gauges as last reported
         self._tier_reported: dict[tuple[str, str], int] = {}  # each lower tier's, likewise
+        self._dropped: dict[tuple[m.Metric, str], int] = {}  # keys evicted or reset away since the last report
+        self._tier_names = tuple(tier.name for tier in config.lower_tiers)
         self._log_failure_reported = False
         self._lookup_seconds: list[float] = []
         self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
@@ -129,10 +136,13 @@ class LedgerScheduler:
         effects = self.host.apply_step(events)
         if effects:
             self._carry_out(effects, jobs)
-            if self._tiers is not None:
-                for effect in effects:
-                    if type(effect) is fx.DropTierKeys:
+            for effect in effects:
+                if isinstance(effect, fx.KeysEvicted):
+                    self._count_drop(_HOST_DROPS.get(effect.reason), "", effect.keys)
+                elif isinstance(effect, fx.DropTierKeys):
+                    if self._tiers is not None:
                         self._tiers.removed(effect.tier, effect.keys)
+                    self._count_drop(_TIER_DROPS.get(effect.reason), self._tier_names[effect.tier - 1], effect.keys)
         for event in events:
             if failures and type(event) in _FAILURES:
                 job = jobs.get(event.job_id)  # type: ignore[union-attr]
@@ -144,6 +154,11 @@ class LedgerScheduler:
             self.tier_events.observe(events, [k for job in jobs.values() for k in job.keys], effects,
                                      self.host.state)
         return effects
+
+    def _count_drop(self, metric: m.Metric | None, tier: str, keys: tuple[bytes, ...]) -> None:
+        if metric is not None and keys:
+            mark = (metric, tier)
+            self._dropped[mark] = self._dropped.get(mark, 0) + len(keys)
 
     def _carry_out(self, effects: tuple[fx.Effect, ...], jobs: dict[int, queries.JobView]) -> None:
         """The scheduler's own effects and the notifications; the workers' wait for the
@@ -272,11 +287,14 @@ class LedgerScheduler:
         state = self.host.state
         totals = queries.totals(state)
         tier = queries.tier_usage(state)
-        gauges = (tier.used_slots, tier.capacity_slots, queries.num_jobs_in_flight(state))
+        # Slots a transfer holds (vLLM 0.33's "pinned"): every used one but the evictable,
+        # of them those being read; the rest are being stored into.
+        gauges = (tier.used_slots, tier.capacity_slots, queries.num_jobs_in_flight(state),
+                  tier.used_slots - tier.evictable_keys, tier.loading_slots)
         counted = totals != self._reported
         gauged = gauges != self._gauges
         log_failed = self.host.log_failure is not None and not self._log_failure_reported
-        if not (counted or gauged or log_failed or self._violations or self._lookup_seconds
+        if not (counted or gauged or log_failed or self._violations or self._lookup_seconds or self._dropped
                 or self._tiers is not None or state.core.lower):
             return None
         stats = m.KVLedgerStats()
@@ -286,6 +304,9 @@ class LedgerScheduler:
                 if change:
                     stats.add(metric, change)
             self._reported = totals
+        for (metric, tier_label), count in self._dropped.items():
+            stats.add(metric, count, tier_label)
+        self._dropped.clear()
         if self._violations:
             stats.add(m.VIOLATIONS, self._violations)
         if log_failed:
@@ -296,7 +317,10 @@ class LedgerScheduler:
             stats.add(m.LOOKUP_DELAY, seconds)
         self._lookup_seconds.clear()
         if gauged:
-            for metric, value in zip((m.TIER_USED, m.TIER_CAPACITY, m.JOBS_IN_FLIGHT), gauges):
+            used, capacity, jobs, pinned, reading = gauges
+            for metric, value in ((m.TIER_USED, used), (m.TIER_CAPACITY, capacity), (m.JOBS_IN_FLIGHT, jobs),
+                                  (m.CPU_USAGE, pinned / capacity), (m.CPU_WRITE_USAGE, (pinned - reading) / capacity),
+                                  (m.CPU_READ_USAGE, reading / capacity)):
                 stats.add(metric, value)
             self._gauges = gauges
         for usage in queries.lower_tier_usage(state):
@@ -318,6 +342,13 @@ class LedgerScheduler:
                 mark = (name, field)
                 stats.add(metric, counts[field] - self._tier_reported.get(mark, 0), name)
                 self._tier_reported[mark] = counts[field]
+        for index, (asked, found) in self._tiers.answered().items():
+            name = tier_name(index, self._tiers.tiers[index - 1])
+            for field, metric, total in (("chunk_queries", m.TIER_CHUNK_QUERIES, asked),
+                                         ("chunk_hits", m.TIER_CHUNK_HITS, found)):
+                mark = (name, field)
+                stats.add(metric, total - self._tier_reported.get(mark, 0), name)
+                self._tier_reported[mark] = total
         for index, health in self._tiers.health.items():
             stats.add(m.TIER_UP, 1 if health.up else 0, tier_name(index, self._tiers.tiers[index - 1]))
 

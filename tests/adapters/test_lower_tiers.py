@@ -89,12 +89,14 @@ def test_a_valkey_tier_is_looked_up_not_scanned_and_counts_for_metrics(valkey_se
         (answer,) = _ask_until_answered(tiers, "r1", [b"a" * 20, b"c" * 20, b"b" * 20])
         assert answer.tier == 1 and answer.keys == (b"a" * 20, b"b" * 20)
         assert tiers.counts[1] == {"lookup_keys": 3, "lookup_timeouts": 0}
+        assert tiers.answered() == {1: (3, 2)}  # vLLM 0.33's chunk queries and hits
         assert tiers.health[1].up
         tiers.removed(1, [b"a" * 20])  # nothing is deleted from a shared store: still found
         assert _ask_until_answered(tiers, "r2", [b"a" * 20])[0].keys == (b"a" * 20,)
         server.kill()
         assert _ask_until_answered(tiers, "r3", [b"a" * 20]) == []  # down: found nothing, in bounded time
         assert not tiers.health[1].up
+        assert tiers.answered() == {1: (4, 3)}  # an ask the server never answered is no query
     finally:
         tiers.close()
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
 import pickle
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.connector import KVLedgerConnector
+from kvledger.engine import queries
 
 pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
 
@@ -140,7 +144,8 @@ def test_a_step_that_changed_nothing_reports_nothing_and_the_next_change_reports
     try:
         first = scheduler.take_stats().data
         assert first[m.GAUGE] == {m.TIER_USED.name: 0, m.TIER_CAPACITY.name: config.num_tier_slots,
-                                  m.JOBS_IN_FLIGHT.name: 0}
+                                  m.JOBS_IN_FLIGHT.name: 0, m.CPU_USAGE.name: 0.0, m.CPU_WRITE_USAGE.name: 0.0,
+                                  m.CPU_READ_USAGE.name: 0.0}
         assert scheduler.take_stats() is None
         block = config.groups[0].block_size
         scheduler.host.apply(ev.RequestAdded(request_id="r", num_prompt_tokens=2 * block, block_hashes=chain(2)))
@@ -149,8 +154,10 @@ def test_a_step_that_changed_nothing_reports_nothing_and_the_next_change_reports
                                               num_scheduled_tokens=(2 * block,)))
         moved = scheduler.take_stats().data
         assert moved[m.COUNTER] == {m.STORES.name: 1}
+        storing = 2 / config.num_tier_slots  # both slots are being stored into
         assert moved[m.GAUGE] == {m.TIER_USED.name: 2, m.TIER_CAPACITY.name: config.num_tier_slots,
-                                  m.JOBS_IN_FLIGHT.name: 1}
+                                  m.JOBS_IN_FLIGHT.name: 1, m.CPU_USAGE.name: storing,
+                                  m.CPU_WRITE_USAGE.name: storing, m.CPU_READ_USAGE.name: 0.0}
         assert scheduler.take_stats() is None
     finally:
         scheduler.shutdown()
@@ -178,3 +185,241 @@ def test_a_lookup_alone_is_reported_though_no_count_moved():
         assert scheduler.take_stats() is None
     finally:
         scheduler.shutdown()
+
+
+def _stored_request(scheduler, rid: str, blocks: tuple[int, ...], step: int) -> None:
+    """Request `rid` computes one block per id in `blocks` and stores them all."""
+    from kvledger.events import types as ev
+    from tests.engine.builders import chain
+
+    block = scheduler.config.groups[0].block_size
+    tokens = len(blocks) * block
+    scheduler._apply([ev.RequestAdded(request_id=rid, num_prompt_tokens=tokens, block_hashes=chain(len(blocks), rid)),
+                      ev.BlocksAllocated(request_id=rid, block_ids=(blocks,)),
+                      ev.StepScheduled(step_index=step, request_ids=(rid,), num_computed_tokens=(0,),
+                                       num_scheduled_tokens=(tokens,))])
+    (job_id,) = queries.job_ids(scheduler.host.state)  # the step's one store job
+    scheduler._apply([ev.StoreCompleted(job_id=job_id), ev.RequestFinished(request_id=rid, block_ids=(blocks,))])
+
+
+def _registry_and_prom():
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = KVLedgerConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, list(LABELS),
+                                                {0: list(LABELS.values())})
+    return registry, prom
+
+
+def test_blocks_a_reset_drops_are_not_counted_as_evictions():
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from tests.engine.builders import FULL, make_config
+
+    config = make_config(groups=(FULL,), num_tier_slots=4)
+    scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
+    registry, prom = _registry_and_prom()
+    try:
+        _stored_request(scheduler, "a", (1, 2, 3, 4), step=1)  # the tier is full
+        first = scheduler.take_stats()
+        assert m.EVICTIONS.name not in first.data[m.COUNTER] and m.RESET_DROPPED.name not in first.data[m.COUNTER]
+        prom.observe(first.data)
+        _stored_request(scheduler, "b", (5, 6), step=2)  # two of a's blocks make room
+        second = scheduler.take_stats()
+        assert second.data[m.COUNTER][m.EVICTIONS.name] == 2
+        assert m.RESET_DROPPED.name not in second.data[m.COUNTER]
+        prom.observe(second.data)
+        assert scheduler.reset_cache()  # drops the four blocks stored now
+        third = scheduler.take_stats()
+        assert third.data[m.COUNTER][m.RESET_DROPPED.name] == 4
+        assert m.EVICTIONS.name not in third.data[m.COUNTER]
+        prom.observe(third.data)
+        # The engine's own total counts both; the counters split it by reason.
+        assert queries.stats(scheduler.host.state)["evictions"] == 6
+        assert registry.get_sample_value("vllm:kvledger_evictions_total", LABELS) == 2
+        assert registry.get_sample_value("vllm:kvledger_reset_dropped_blocks_total", LABELS) == 4
+        assert scheduler.take_stats() is None  # reported once
+    finally:
+        scheduler.shutdown()
+
+
+def test_blocks_a_reset_drops_from_a_lower_tier_are_not_counted_as_its_evictions():
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from kvledger.events import types as ev
+    from tests.engine.builders import FULL, chain, make_config
+
+    config = make_config(groups=(FULL,), lower_tiers=({"name": "1:fs", "num_blocks": 2},))
+    scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
+    registry, prom = _registry_and_prom()
+    try:
+        scheduler._apply([ev.TierKeysFound(tier=1, keys=chain(3))])  # one more than fits: the oldest goes
+        found = scheduler.take_stats().data[m.COUNTER]
+        assert found[f"{m.TIER_EVICTIONS.name}|1:fs"] == 1
+        assert f"{m.TIER_RESET_DROPPED.name}|1:fs" not in found
+        prom.observe({m.COUNTER: found})
+        scheduler.reset_cache()
+        reset = scheduler.take_stats().data[m.COUNTER]
+        assert reset[f"{m.TIER_RESET_DROPPED.name}|1:fs"] == 2
+        assert f"{m.TIER_EVICTIONS.name}|1:fs" not in reset
+        prom.observe({m.COUNTER: reset})
+        tier = {**LABELS, "tier": "1:fs"}
+        assert registry.get_sample_value("vllm:kvledger_tiering_evictions_total", tier) == 1
+        assert registry.get_sample_value("vllm:kvledger_tiering_reset_dropped_blocks_total", tier) == 2
+    finally:
+        scheduler.shutdown()
+
+
+def test_host_usage_gauges_count_slots_held_by_transfers_as_vllm_does():
+    """vLLM 0.33's cpu_cache_usage_perc is the share of slots a transfer pins, not of slots
+    holding blocks: a stored, idle block is not counted; one being read is."""
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from kvledger.events import types as ev
+    from tests.engine.builders import FULL, chain, make_config
+
+    config = make_config(groups=(FULL,), num_tier_slots=8)
+    scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
+    try:
+        _stored_request(scheduler, "a", (1, 2, 3, 4), step=1)
+        idle = scheduler.take_stats().data[m.GAUGE]
+        assert idle[m.TIER_USED.name] == 4
+        assert (idle[m.CPU_USAGE.name], idle[m.CPU_WRITE_USAGE.name], idle[m.CPU_READ_USAGE.name]) == (0, 0, 0)
+        block = config.groups[0].block_size
+        # b hits a's first three blocks (its last block is computed) and loads them.
+        scheduler._apply([ev.RequestAdded(request_id="b", num_prompt_tokens=4 * block, block_hashes=chain(4, "a")),
+                          ev.BlocksAllocated(request_id="b", block_ids=((9, 10, 11, 12),),
+                                             num_external_tokens=3 * block)])
+        loading = scheduler.take_stats().data[m.GAUGE]
+        assert loading[m.CPU_READ_USAGE.name] == loading[m.CPU_USAGE.name] == 3 / 8
+        assert loading[m.CPU_WRITE_USAGE.name] == 0
+    finally:
+        scheduler.shutdown()
+
+
+def test_chunk_queries_and_hits_count_the_blocks_a_shared_tier_answered_for(tmp_path):
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from tests.adapters.test_lower_tiers import _ask_until_answered, _store
+    from tests.adapters.test_tier_namespace import kv_cache_config, vllm_config
+    from tests.engine.builders import FULL, make_config
+
+    settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [
+        {"type": "fs", "path": str(tmp_path), "capacity_bytes": 1 << 20, "shared": True}]})
+    tiers = SchedulerTiers(settings, vllm_config(), kv_cache_config(), world_size=1)
+    config = make_config(groups=(FULL,), lower_tiers=({"name": "1:fs", "num_blocks": 8},))
+    scheduler = LedgerScheduler(config, settings, tiers=tiers)
+    registry, prom = _registry_and_prom()
+    try:
+        prom.observe(scheduler.take_stats().data)
+        _store(tiers, tmp_path, b"b" * 20)  # another process wrote it
+        assert len(_ask_until_answered(tiers, "r1", [b"a" * 20, b"b" * 20, b"c" * 20])) == 1
+        counted = scheduler.take_stats().data[m.COUNTER]
+        assert counted[f"{m.TIER_CHUNK_QUERIES.name}|1:fs"] == 3
+        assert counted[f"{m.TIER_CHUNK_HITS.name}|1:fs"] == 1
+        prom.observe({m.COUNTER: counted})
+        assert not scheduler.take_stats().data[m.COUNTER]  # the change, once
+        tier = {**LABELS, "tier": "1:fs"}
+        assert registry.get_sample_value("vllm:kv_offload_tiering_chunk_queries_total", tier) == 3
+        assert registry.get_sample_value("vllm:kv_offload_tiering_chunk_hits_total", tier) == 1
+    finally:
+        scheduler.shutdown()
+
+
+# vLLM 0.33.0's definitions of the `vllm:kv_offload_*` names kvledger exports: kind, and the labels
+# after vLLM's own per-engine ones (model_name, engine). Paths are under vllm/ in vLLM 0.33.0:
+# C = distributed/kv_transfer/kv_connector/v1/offloading/metrics.py (get_connector_metric_definitions),
+# P = v1/kv_offload/cpu/spec.py (CPUOffloadingSpec.build_metric_definitions; names in cpu/common.py:13-17),
+# T = v1/kv_offload/tiering/spec.py (TieringOffloadingSpec.build_metric_definitions; names in
+# tiering/base.py:46-68, the "tier" label at tiering/base.py:40).
+VLLM_033 = {
+    "vllm:kv_offload_load_bytes": (m.COUNTER, ()),  # C:82
+    "vllm:kv_offload_load_time": (m.COUNTER, ()),  # C:85
+    "vllm:kv_offload_load_size": (m.HISTOGRAM, ()),  # C:88
+    "vllm:kv_offload_store_bytes": (m.COUNTER, ()),  # C:92
+    "vllm:kv_offload_store_time": (m.COUNTER, ()),  # C:95
+    "vllm:kv_offload_store_size": (m.HISTOGRAM, ()),  # C:98
+    "vllm:kv_offload_lookup_sync_delay_seconds": (m.HISTOGRAM, ()),  # C:102
+    "vllm:kv_offload_allocation_failure": (m.COUNTER, ()),  # C:141
+    "vllm:kv_offload_cpu_cache_usage_perc": (m.GAUGE, ()),  # P:55
+    "vllm:kv_offload_cpu_cache_write_usage_perc": (m.GAUGE, ()),  # P:63
+    "vllm:kv_offload_cpu_cache_read_usage_perc": (m.GAUGE, ()),  # P:70
+    "vllm:kv_offload_tiering_read_bytes": (m.COUNTER, ("tier",)),  # T:152
+    "vllm:kv_offload_tiering_read_time": (m.COUNTER, ("tier",)),  # T:159
+    "vllm:kv_offload_tiering_write_bytes": (m.COUNTER, ("tier",)),  # T:169
+    "vllm:kv_offload_tiering_write_time": (m.COUNTER, ("tier",)),  # T:176
+    "vllm:kv_offload_tiering_promotion_job_failures": (m.COUNTER, ("tier",)),  # T:184
+    "vllm:kv_offload_tiering_cascade_job_failures": (m.COUNTER, ("tier",)),  # T:192
+    "vllm:kv_offload_tiering_chunk_queries": (m.COUNTER, ("tier",)),  # T:200
+    "vllm:kv_offload_tiering_chunk_hits": (m.COUNTER, ("tier",)),  # T:206
+    "vllm:kv_offload_tiering_promotion_latency_seconds": (m.HISTOGRAM, ("tier", "result")),  # T:250
+}
+
+# Exported under vLLM's name with a label set of its own (kvledger observes I/O time per tier, with no
+# "result" label); kept so dashboards that sum over the labels still see it.
+DIVERGENT_LABELS = {"vllm:kv_offload_tiering_promotion_latency_seconds": ("tier",)}
+
+# Run here, or by another Python with vLLM: the definitions vLLM's offloading connector registers.
+_READ_DEFINITIONS = """
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import get_connector_metric_definitions
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+
+def definitions():
+    found = {**get_connector_metric_definitions(), **CPUOffloadingSpec.build_metric_definitions({}),
+             **TieringOffloadingSpec.build_metric_definitions({})}
+    return {name: ("counter" if isinstance(d, OffloadingCounterMetadata) else
+                   "gauge" if isinstance(d, OffloadingGaugeMetadata) else "histogram", tuple(d.labelnames))
+            for name, d in found.items()}
+"""
+
+
+def test_each_vllm_name_is_registered_with_the_kind_and_labels_vllm_033_gives_it():
+    registry, prom = _registry_and_prom()
+    families = {name: family for name, family in prom._families.items() if name.startswith("vllm:kv_offload_")}
+    assert {m.CPU_USAGE.name, m.CPU_WRITE_USAGE.name, m.CPU_READ_USAGE.name, m.TIER_CHUNK_QUERIES.name,
+            m.TIER_CHUNK_HITS.name} <= set(families)
+    # 0.33 counts stores its reuse threshold (store_threshold >= 2) turned away; kvledger has none.
+    assert "vllm:kv_offload_stores_skipped" not in families
+    for name, family in families.items():
+        kind, labels = VLLM_033[name]
+        assert family._type == kind, name
+        assert family._labelnames == (*LABELS, *DIVERGENT_LABELS.get(name, labels)), name
+    for name, labels in DIVERGENT_LABELS.items():
+        assert VLLM_033[name][1] != labels  # still divergent: if not, drop it from DIVERGENT_LABELS
+
+
+def test_the_vllm_033_table_agrees_with_the_installed_vllm():
+    """The installed vLLM defines each name of the table it has as the table says: on
+    the CPU test machine that is 0.32, which defines all but the promotion latency."""
+    import vllm
+
+    scope: dict = {}
+    try:
+        exec(_READ_DEFINITIONS, scope)
+    except ImportError as exc:
+        pytest.skip(f"this vLLM has no offloading metric definitions: {exc}")
+    found = scope["definitions"]()
+    missing = {name for name in VLLM_033 if name not in found}
+    if vllm.__version__.startswith("0.33"):
+        assert not missing
+    assert not missing & {m.CPU_USAGE.name, m.CPU_WRITE_USAGE.name, m.CPU_READ_USAGE.name,
+                          m.TIER_CHUNK_QUERIES.name, m.TIER_CHUNK_HITS.name}
+    for name, definition in VLLM_033.items():
+        if name not in missing:
+            assert found[name] == definition, name
+
+
+@pytest.mark.skipif(not os.environ.get("KVLEDGER_VLLM033_PYTHON"),
+                    reason="KVLEDGER_VLLM033_PYTHON names no Python with vLLM 0.33 installed")
+def test_the_vllm_033_table_agrees_with_vllm_033_itself():
+    script = _READ_DEFINITIONS + "\nimport json, vllm\nprint(json.dumps([vllm.__version__, definitions()]))\n"
+    run = subprocess.run([os.environ["KVLEDGER_VLLM033_PYTHON"], "-c", script], capture_output=True, text=True,
+                         timeout=300, cwd="/")
+    assert run.returncode == 0, run.stderr[-2000:]
+    version, found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert version.startswith("0.33"), version
+    for name, (kind, labels) in VLLM_033.items():
+        assert found.get(name) == [kind, list(labels)], name

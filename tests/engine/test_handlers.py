@@ -455,7 +455,7 @@ def test_abort_during_a_failing_load_also_ends_the_request():
     loading_b(e)
     e.abort("b")
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=()))
-    assert effects == (fx.KeysEvicted(keys=(KA0[1],)),)
+    assert effects == (fx.KeysEvicted(keys=(KA0[1],), reason=fx.Reason.FAILED),)
     assert "b" not in e.core.requests
     assert all(e.core.block_refs[b] == 0 for b in range(64))
     check(e.state)
@@ -662,7 +662,7 @@ def test_load_failed_with_several_groups_drops_the_keys_and_starts_the_request_o
     slot = tier_keys(e)
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(), keys=(KA0[1],)))
-    assert effects == (fx.KeysEvicted(keys=(KA0[1],)),)
+    assert effects == (fx.KeysEvicted(keys=(KA0[1],), reason=fx.Reason.FAILED),)
     c = e.core
     assert KA0[1] not in c.slot_of_key
     assert c.slot_state[slot[KA0[1]]] == SlotState.FREE
@@ -686,7 +686,7 @@ def test_load_failed_with_one_group_runs_the_request_and_stores_the_block_again(
     e = donor_stored(full_only_config())
     e.add("b", 129, A)
     e.alloc("b", (9, 10, 11, 12, 13), ext=128)
-    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.KeysEvicted(keys=(KA0[1],)),)
+    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.KeysEvicted(keys=(KA0[1],), reason=fx.Reason.FAILED),)
     r = e.core.requests["b"]
     assert r.status is RequestStatus.RUNNING and r.load_job_id == -1
     assert r.table == [[9, 10, 11, 12, 13]] and r.next_store == [0]
@@ -702,7 +702,7 @@ def test_load_failed_block_drops_its_key_too():
     e = donor_stored()
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(14,), keys=()))
-    assert effects == (fx.KeysEvicted(keys=(KA1[2],)),)
+    assert effects == (fx.KeysEvicted(keys=(KA1[2],), reason=fx.Reason.FAILED),)
     assert KA1[2] not in e.core.slot_of_key
     assert e.core.jobs == {}
     e.add("c", 129, A)
@@ -730,7 +730,7 @@ def test_cache_reset_evicts_everything_and_ignores_older_jobs():
     e.alloc("s", (20, 21), (22, 23))
     e.step(("s", 0, 64))  # store job 3 in flight
     effects = e.apply(ev.CacheReset(epoch=1))
-    assert effects == (fx.KeysEvicted(keys=KA0 + KA1),)
+    assert effects == (fx.KeysEvicted(keys=KA0 + KA1, reason=fx.Reason.RESET),)
     c = e.core
     assert c.epoch == 1 and c.slot_of_key == {} and len(c.policy) == 0
     assert c.stats.evictions == 8
@@ -855,7 +855,7 @@ def test_two_workers_a_load_ends_after_both_and_keeps_either_failure():
     assert e.apply(ev.LoadFailed(job_id=2, worker_index=1, block_ids=(11,), keys=())) == ()
     assert e.core.requests["b"].status is RequestStatus.LOADING
     assert e.reject(ev.LoadCompleted(job_id=2, worker_index=1)) == "duplicate_completion"
-    assert e.load_done(2, worker=0) == (fx.KeysEvicted(keys=(KA0[2],)),)
+    assert e.load_done(2, worker=0) == (fx.KeysEvicted(keys=(KA0[2],), reason=fx.Reason.FAILED),)
     assert e.core.requests["b"].status is RequestStatus.WAITING
     assert KA0[2] not in e.core.slot_of_key
     check(e.state)
@@ -894,7 +894,7 @@ def test_store_admission_never_evicts_a_key_under_a_load():
     effects = e.step(("b", 0, 128))
     kb0 = key(chain(1, "b")[0], 0)
     assert effects == (
-        fx.KeysEvicted(keys=(KA0[3],)),
+        fx.KeysEvicted(keys=(KA0[3],), reason=fx.Reason.EVICTED),
         fx.StartStore(job_id=3, request_id="", keys=((kb0,),), source_block_ids=((9,),),
                       target_slot_ids=((3,),)),
     )
@@ -913,7 +913,7 @@ def test_eviction_is_least_recently_stored_or_loaded_first():
     e.add("b", 64, tag="b")
     e.alloc("b", (9, 10))
     effects = e.step(("b", 0, 64))
-    assert effects[0] == fx.KeysEvicted(keys=(KA0[1], KA0[2]))
+    assert effects[0] == fx.KeysEvicted(keys=(KA0[1], KA0[2]), reason=fx.Reason.EVICTED)
     assert effects[1].target_slot_ids == ((2, 1),)  # freed slots are reused, last freed first
     assert e.core.stats.evictions == 2
     assert policy_order(e) == (KA0[3], KA0[0])
@@ -1013,7 +1013,7 @@ def test_two_failed_loads_of_one_key_report_its_eviction_once():
     e.alloc("b", (9, 10, 11, 12, 13), ext=128)  # job 2
     e.add("c", 129, A)
     e.alloc("c", (20, 21, 22, 23, 24), ext=128)  # job 3 reads the same slots
-    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.KeysEvicted(keys=(KA0[1],)),)
+    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.KeysEvicted(keys=(KA0[1],), reason=fx.Reason.FAILED),)
     (store,) = e.step(("b", 32, 97))  # b recomputes block 1 and stores it again
     e.store_done(store.job_id)
     assert KA0[1] in e.core.slot_of_key

@@ -58,7 +58,7 @@ def test_a_failed_write_keeps_the_host_copy_and_removes_any_partial_file() -> No
     (spill,) = only(e.store_done(store.job_id), fx.StartSpill)
     bad = spill.keys[0][0]
     effects = e.apply(ev.StoreFailed(job_id=spill.job_id, keys=(bad,)))
-    assert only(effects, fx.DropTierKeys) == [fx.DropTierKeys(tier=1, keys=(bad,))]
+    assert only(effects, fx.DropTierKeys) == [fx.DropTierKeys(tier=1, keys=(bad,), reason=fx.Reason.FAILED)]
     assert disk(e) == [spill.keys[0][1]]
     assert queries.is_loadable(e.state, bad)  # still in host memory
     assert e.core.lower[0].counts["write_failures"] == 1
@@ -90,7 +90,7 @@ def test_ranks_sharing_one_copy_a_block_is_held_by_the_writers_report(writer_ok:
         assert all(queries.tier_holds(e.state, 1, k) for k in keys)
     else:
         effects = e.apply(ev.StoreFailed(job_id=spill.job_id, worker_index=0, keys=(keys[0],)))
-        assert only(effects, fx.DropTierKeys) == [fx.DropTierKeys(tier=1, keys=(keys[0],))]
+        assert only(effects, fx.DropTierKeys) == [fx.DropTierKeys(tier=1, keys=(keys[0],), reason=fx.Reason.FAILED)]
         assert [queries.tier_holds(e.state, 1, k) for k in keys] == [False, True]
     assert all(queries.is_loadable(e.state, k) for k in keys)  # each rank's host copy either way
     check(e.state)
@@ -130,7 +130,7 @@ def test_a_damaged_promotion_fails_drops_the_key_and_removes_the_file() -> None:
     (load,) = only(e.alloc("b", (20, 21, 22, 23), ext=96), fx.StartLoad)
     bad = load.keys[0][1]
     effects = e.apply(ev.LoadFailed(job_id=load.job_id, block_ids=(21,), keys=(bad,)))
-    assert fx.DropTierKeys(tier=1, keys=(bad,)) in effects
+    assert fx.DropTierKeys(tier=1, keys=(bad,), reason=fx.Reason.FAILED) in effects
     assert bad not in e.core.lower[0].held and bad not in e.core.slot_of_key
     assert queries.is_loadable(e.state, load.keys[0][0])  # the first block was read fine
     assert e.core.lower[0].counts["read_failures"] == 1
@@ -194,11 +194,11 @@ def test_keys_found_join_the_tier_and_a_reset_removes_everything() -> None:
     found = tuple(key(h, 0) for h in chain(4, "other"))
     effects = e.apply(ev.TierKeysFound(tier=1, keys=found))
     assert disk(e) == list(found[1:])  # oldest first: over capacity, the oldest goes
-    assert effects == (fx.DropTierKeys(tier=1, keys=(found[0],)),)
+    assert effects == (fx.DropTierKeys(tier=1, keys=(found[0],), reason=fx.Reason.EVICTED),)
     e.add("b", 100, hashes=chain(3, "other"))
     assert lookup(e.state, "b", 0).num_hit_tokens == 0  # the first block is gone: no prefix
     effects = e.apply(ev.CacheReset(epoch=1))
-    assert fx.DropTierKeys(tier=1, keys=found[1:]) in effects and not disk(e)
+    assert fx.DropTierKeys(tier=1, keys=found[1:], reason=fx.Reason.RESET) in effects and not disk(e)
     with pytest.raises(Exception, match="unknown_tier"):
         e.apply(ev.TierKeysFound(tier=2, keys=found))
     check(e.state)

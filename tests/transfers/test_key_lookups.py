@@ -45,6 +45,7 @@ def test_asks_queued_behind_a_hung_one_are_bounded_and_the_oldest_answered_empty
         late = answers(lookups, 9)
         assert [token for token, _ in late] == ["hung", *range(1992, 2000)]
         assert all(found == (b"k%d" % token if token != "hung" else b"k0",) for token, found in late)
+        assert lookups.answered() == (9, 9)  # the asks dropped unasked count in neither
     finally:
         store.release.set()
         lookups.close()
@@ -64,4 +65,20 @@ def test_a_cancelled_ask_never_reaches_the_store() -> None:
         assert store.asked == [(b"a",), (b"c",)]
     finally:
         store.release.set()
+        lookups.close()
+
+
+def test_an_ask_the_store_failed_is_answered_empty_and_counts_as_no_query() -> None:
+    def find(keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
+        if keys == (b"down",):
+            raise ConnectionError("the store is down")
+        return keys[:1]
+
+    lookups = KeyLookups(find, "2:valkey")
+    try:
+        lookups.submit("failed", (b"down",))
+        lookups.submit("asked", (b"a", b"b"))
+        assert answers(lookups, 2) == [("failed", ()), ("asked", (b"a",))]
+        assert lookups.answered() == (2, 1)
+    finally:
         lookups.close()

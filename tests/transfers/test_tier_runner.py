@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kvledger.engine.effects import DropTierKeys, FlushStores, StartLoad, StartSpill
+from kvledger.engine.effects import DropTierKeys, FlushStores, Reason, StartLoad, StartSpill
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
 from kvledger.transfers.assemble import make_runner
 from kvledger.transfers.block_file import block_path
@@ -118,7 +118,7 @@ def _spilled(tmp_path, case):
 
 def test_drops_remove_files_and_a_spill_to_an_unknown_tier_fails(tmp_path) -> None:
     runner, blocks, slots, keys = _spilled(tmp_path, layouts.cpu_attention(packing="layer"))
-    runner.submit([DropTierKeys(tier=1, keys=keys[0])])
+    runner.submit([DropTierKeys(tier=1, keys=keys[0], reason=Reason.EVICTED)])
     deadline = time.monotonic() + 5
     while any(block_path(tmp_path, NAMESPACE, k).exists() for k in keys[0]) and time.monotonic() < deadline:
         time.sleep(0.01)
