@@ -20,6 +20,24 @@ from collections.abc import Callable
 # steps: a browser draws a few tens of thousands of points per figure well.
 MAX_POINTS = 20_000
 
+# "Blocks moved" and the tiers' panels draw at most this many bars in all, each summing a
+# round number of steps (`bar_bin`): about 4 px a bar, gap included, on a 1400 px page.
+MAX_BARS = 300
+# Figure layout, in pixels from the top: the title's band, then the legend's, then the plot.
+TITLE_TOP = 12
+LEGEND_TOP = 42
+PLOT_TOP = 92
+# Margins in pixels, the same on every figure so that their step axes line up one under
+# another: wide enough for the incidents' row names and a tier's right-hand axis.
+MARGIN_LEFT = 110
+MARGIN_RIGHT = 70
+HEIGHT = 400
+INCIDENTS_HEIGHT = 330
+# Cache resets: a dashed line each on every step plot; labels at least 1/RESET_LABELS of the
+# axis apart, so that they never pile up.
+RESET_COLOR = "#8c564b"
+RESET_LABELS = 12
+
 # Request states in the timeline, in legend order: the engine's statuses.
 STATUS_LABELS = {
     "waiting": "waiting",
@@ -129,15 +147,84 @@ def _cumulative(values: list[int]) -> list[int]:
     return out
 
 
+def bar_bin(steps: list[int], series: int, max_bars: int = MAX_BARS) -> int:
+    """How many steps one bar sums: the smallest of 1, 2, 5, 10, 20, 50, ... that draws the
+    steps from the first to the last in at most `max_bars` bars, `series` bars a bin."""
+    span = (steps[-1] - steps[0] + 1 if steps else 1) * series
+    scale = 1
+    while True:
+        for multiple in (1, 2, 5):
+            if span <= multiple * scale * max_bars:
+                return multiple * scale
+        scale *= 10
+
+
+def binned(steps: list[int], width: int, columns: dict[str, list[int]]) -> tuple[list[float], list[list[int]], dict]:
+    """The columns summed over bins of `width` steps from the first step: each bin's centre on
+    the step axis, the first and last step it holds, and its sums (a bin with no step sums to 0)."""
+    if not steps:
+        return [], [], {name: [] for name in columns}
+    first, last = steps[0], steps[-1]
+    count = (last - first) // width + 1
+    sums = {name: [0] * count for name in columns}
+    for index, step in enumerate(steps):
+        slot = (step - first) // width
+        for name, values in columns.items():
+            sums[name][slot] += values[index]
+    centres = [first + slot * width + (width - 1) / 2 for slot in range(count)]
+    spans = [[first + slot * width, min(first + (slot + 1) * width - 1, last)] for slot in range(count)]
+    return centres, spans, sums
+
+
+def _layout(title: str, height: int, **more: object) -> dict:
+    """A figure's layout: the title in the top band, the legend in its own band under it (both
+    placed in pixels from the top, so no legend covers a title at any figure height), the plot
+    below them."""
+    return {**dict(
+        template="plotly_white", height=height, hovermode="x unified", showlegend=True,
+        title=dict(text=title, x=0, xref="paper", xanchor="left", y=1, yref="container", yanchor="top",
+                   pad=dict(t=TITLE_TOP)),
+        legend=dict(orientation="h", x=0, xanchor="left", yref="container", y=1 - LEGEND_TOP / height,
+                    yanchor="top"),
+        margin=dict(l=MARGIN_LEFT, r=MARGIN_RIGHT, t=PLOT_TOP, b=50)), **more}
+
+
+def _mark_resets(figure: object, resets: list[tuple[float, int]], x_range: list[float], *,
+                 legend: bool = True) -> None:
+    """A dashed line at each cache reset (it drops every block the tier holds), one legend entry
+    for them all (from plotly 6.8, whose plotly.js hides a legend group's shapes together,
+    clicking it hides them all), and a label at each one far enough from the last labelled one
+    to be read."""
+    lines, labels = [], []
+    last_label, spacing = -math.inf, (x_range[1] - x_range[0]) / RESET_LABELS
+    for index, (x, step) in enumerate(resets):
+        lines.append(dict(
+            type="line", x0=x, x1=x, xref="x", y0=0, y1=1, yref="paper", layer="above",
+            line=dict(color=RESET_COLOR, width=1.5, dash="dash"), name=f"cache resets ({len(resets)})",
+            legendgroup="cache resets", showlegend=legend and index == 0))
+        if x - last_label >= spacing:
+            last_label = x
+            labels.append(dict(
+                x=x, y=1, xref="x", yref="paper", text=f"reset, step {step}", showarrow=False, xanchor="left",
+                yanchor="top", xshift=3, font=dict(size=11, color=RESET_COLOR), bgcolor="rgba(255,255,255,0.8)"))
+    figure.update_layout(shapes=lines, annotations=labels)  # type: ignore[attr-defined]
+
+
 def _figures(full: dict, series: dict, k: int) -> dict[str, object]:
-    """The five figures: step plots from `series` (bucketed by k), request timelines from `full`."""
+    """The figures: step plots from `series` (bucketed by k), bars and request timelines from `full`.
+
+    Every step plot spans the whole run, first step to last, so the panels line up
+    one under another, and marks the cache resets."""
     import plotly.graph_objects as go
 
     steps = series["steps"]
     step_word = "step" if k == 1 else f"{k} steps"
     x_title = "scheduler step" if k == 1 else f"scheduler step (summed over buckets of {k} steps)"
-    common = dict(template="plotly_white", hovermode="x unified", height=360,
-                  margin=dict(l=70, r=30, t=50, b=50), legend=dict(orientation="h", y=1.12))
+    x_range = _step_range(full["steps"])
+    position = _positions(full)
+    resets = [(position(step, seq), step) for step, seq in full.get("resets", ())]
+    width = bar_bin(full["steps"], len(TRANSFER_BARS))
+    bar_word = "step" if width == 1 else f"{width} steps"
     figures: dict[str, object] = {}
 
     capacity = series["capacity_slots"]
@@ -146,11 +233,11 @@ def _figures(full: dict, series: dict, k: int) -> dict[str, object]:
         x=steps, y=series["used_slots"], name="used slots", mode="lines", line=dict(shape="hv"),
         fill="tozeroy", customdata=[round(100 * u / capacity, 1) for u in series["used_slots"]],
         hovertemplate="%{y} used (%{customdata}%)<extra></extra>"))
-    figure.add_trace(go.Scatter(x=[steps[0], steps[-1]] if steps else [], y=[capacity, capacity] if steps else [],
+    figure.add_trace(go.Scatter(x=x_range if steps else [], y=[capacity, capacity] if steps else [],
                                 name=f"capacity ({capacity} slots)", mode="lines",
                                 line=dict(dash="dash", color="#555555"), hoverinfo="skip"))
-    figure.update_layout(title="Tier occupancy at the end of each step", xaxis_title=x_title,
-                         yaxis_title="tier slots", yaxis_rangemode="tozero", **common)
+    figure.update_layout(xaxis_title=x_title, yaxis_title="tier slots", yaxis_rangemode="tozero",
+                         **_layout("Tier occupancy at the end of each step", HEIGHT))
     figures["occupancy"] = figure
 
     figure = go.Figure()
@@ -162,19 +249,24 @@ def _figures(full: dict, series: dict, k: int) -> dict[str, object]:
             x=steps, y=_cumulative(series[name]), customdata=series[name], name=label, mode="lines",
             line=dict(color=color, dash=dash),
             hovertemplate=f"%{{y}} so far (+%{{customdata}} this {step_word})<extra></extra>"))
-    figure.update_layout(title="Hits and misses (cumulative)", xaxis_title=x_title, yaxis_title="tokens",
-                         **common)
+    figure.update_layout(xaxis_title=x_title, yaxis_title="tokens",
+                         **_layout("Hits and misses (cumulative)", HEIGHT))
     figures["hits"] = figure
 
+    # One bar per step of a long run is under a pixel wide: a reader of a long run needs to see
+    # where the traffic and the failures were and how much, which sums over bins of a round
+    # number of steps show at any length (the hover names each bar's steps; the embedded series
+    # keeps every step).
+    centres, spans, sums = binned(full["steps"], width, {name: full[name] for name, _, _ in TRANSFER_BARS})
+    what = "%{y} blocks" if width == 1 else "%{y} blocks in steps %{customdata[0]} to %{customdata[1]}"
     figure = go.Figure()
-    figure.add_trace(go.Bar(x=steps, y=series["store_blocks"], name="stored (device to tier, started)",
-                            marker_color="#1f77b4"))
-    figure.add_trace(go.Bar(x=steps, y=series["load_blocks"], name="loaded (tier to device, started)",
-                            marker_color="#2ca02c"))
-    figure.add_trace(go.Bar(x=steps, y=series["keys_failed"], name="failed keys (stores and loads)",
-                            marker_color="#d62728"))
-    figure.update_layout(title="Blocks moved per step", barmode="group", bargap=0.1, xaxis_title=x_title,
-                         yaxis_title=f"KV blocks per {step_word} (the log holds no byte sizes)", **common)
+    for name, label, color in TRANSFER_BARS:
+        figure.add_trace(go.Bar(x=centres, y=sums[name], customdata=spans, name=label, marker_color=color,
+                                hovertemplate=f"{what}<extra></extra>"))
+    title = "Blocks moved per step" if width == 1 else f"Blocks moved per {width} steps"
+    figure.update_layout(barmode="group", bargap=0.15, xaxis_title=_bar_axis(width),
+                         yaxis_title=f"KV blocks per {bar_word}<br>(the log holds no byte sizes)",
+                         **_layout(title, HEIGHT))
     figures["transfers"] = figure
 
     figure = go.Figure()
@@ -186,13 +278,14 @@ def _figures(full: dict, series: dict, k: int) -> dict[str, object]:
             marker=dict(color=color, symbol="line-ns-open" if name == "flushes" else "circle",
                         size=[min(24, 7 + 3 * math.sqrt(c)) for _, c in points], line=dict(width=2)),
             hovertemplate=f"%{{customdata}} {label}<extra>step %{{x}}</extra>"))
-    figure.update_layout(title="Flushes and failures", xaxis_title=x_title,
-                         **{**common, "height": 300, "hovermode": "closest"})
-    figure.update_yaxes(categoryorder="array", categoryarray=[label for _, label, _ in reversed(INCIDENTS)])
+    figure.update_layout(xaxis_title=x_title,
+                         **_layout("Flushes and failures", INCIDENTS_HEIGHT, hovermode="closest"))
+    # Every row, and the whole run, even where a log has one mark (or none).
+    figure.update_yaxes(categoryorder="array", categoryarray=[label for _, label, _ in reversed(INCIDENTS)],
+                        range=[-0.5, len(INCIDENTS) - 0.5])
     figures["incidents"] = figure
 
     timelines = full["requests"]["timelines"]
-    position = _positions(full)
     figure = go.Figure()
     for status, label in STATUS_LABELS.items():
         bars = [(t["request_id"], s, position(s["start"], s["start_seq"]), position(s["end"], s["end_seq"]))
@@ -210,17 +303,32 @@ def _figures(full: dict, series: dict, k: int) -> dict[str, object]:
             marker=dict(symbol=symbol, color=color, size=9, line=dict(width=2)),
             hovertemplate=f"%{{y}}: {end} at step %{{customdata}}<extra></extra>"))
     figure.update_layout(
-        title="Requests over steps", barmode="overlay", xaxis_title="scheduler step", hovermode="closest",
-        template="plotly_white", height=max(300, 140 + 14 * len(timelines)),
-        margin=dict(l=140, r=30, t=50, b=50), legend=dict(orientation="h", y=1.02, yanchor="bottom"))
-    figure.update_yaxes(autorange="reversed", type="category", automargin=True, categoryorder="array",
-                        categoryarray=[t["request_id"] for t in timelines])
+        barmode="overlay", xaxis_title="scheduler step",
+        **_layout("Requests over steps", max(300, PLOT_TOP + 60 + 14 * len(timelines)), hovermode="closest"))
+    # The first request at the top, and no padding above or below the rows.
+    figure.update_yaxes(type="category", automargin=True, categoryorder="array",
+                        categoryarray=[t["request_id"] for t in timelines], range=[len(timelines) - 0.5, -0.5])
+    requests_range = x_range
+    if full["requests"]["total"] > len(timelines) and timelines:
+        # Only the first requests are drawn: the panel ends where they do, or their bars
+        # would be slivers at the start of a long run.
+        drawn_end = max(position(s["end"], s["end_seq"]) for t in timelines for s in t["segments"])
+        requests_range = [x_range[0], min(x_range[1], drawn_end + 0.5)]
     figures["requests"] = figure
     for index, tier in enumerate(series.get("lower_tiers", ()), start=1):
-        figures[f"tier-{index}"] = _tier_figure(tier, steps, x_title, step_word, common)
+        full_tier = full["lower_tiers"][index - 1]
+        figures[f"tier-{index}"] = _tier_figure(tier, full_tier, steps, full["steps"])
+    for name, figure in figures.items():
+        shown = requests_range if name == "requests" else x_range
+        figure.update_xaxes(range=shown)  # type: ignore[attr-defined]
+        _mark_resets(figure, [(x, step) for x, step in resets if shown[0] <= x <= shown[1]], shown,
+                     legend=name != "incidents")  # that one has its own row of resets
     return figures
 
 
+TRANSFER_BARS = (("store_blocks", "stored (device to tier, started)", "#1f77b4"),
+                 ("load_blocks", "loaded (tier to device, started)", "#2ca02c"),
+                 ("keys_failed", "failed keys (stores and loads)", "#d62728"))
 TIER_BARS = (("keys_written", "written (write-through)", "#1f77b4"),
              ("keys_read", "promoted towards the device", "#2ca02c"),
              ("keys_found", "found (at start, or written by another process)", "#9467bd"),
@@ -229,38 +337,52 @@ TIER_BARS = (("keys_written", "written (write-through)", "#1f77b4"),
              ("write_failures", "failed writes", "#8c564b"))
 
 
-def _tier_figure(tier: dict, steps: list[int], x_title: str, step_word: str, common: dict) -> object:
-    """One tier below host memory: blocks held (line), and what moved per step (bars)."""
+def _tier_figure(tier: dict, full_tier: dict, steps: list[int], all_steps: list[int]) -> object:
+    """One tier below host memory: blocks held (line), and what moved (bars, summed over bins of steps)."""
     import plotly.graph_objects as go
 
+    width = bar_bin(all_steps, len(TIER_BARS))
+    bar_word = "step" if width == 1 else f"{width} steps"
+    centres, spans, sums = binned(all_steps, width, {name: full_tier[name] for name, _, _ in TIER_BARS})
+    what = "%{y}" if width == 1 else "%{y} in steps %{customdata[0]} to %{customdata[1]}"
     figure = go.Figure()
     for name, label, color in TIER_BARS:
-        figure.add_trace(go.Bar(x=steps, y=tier[name], name=f"{label} ({sum(tier[name])})", marker_color=color,
-                                yaxis="y2"))
+        figure.add_trace(go.Bar(x=centres, y=sums[name], customdata=spans, name=f"{label} ({sum(tier[name])})",
+                                marker_color=color, yaxis="y2", hovertemplate=f"{what}<extra></extra>"))
     figure.add_trace(go.Scatter(x=steps, y=tier["held"], name=f"blocks held (capacity {tier['capacity_blocks']})",
                                 mode="lines", line=dict(shape="hv", color="#333333")))
-    figure.update_layout(title=f"Tier {tier['name']}: blocks held, and blocks moved per {step_word}",
-                         xaxis_title=x_title, yaxis=dict(title="blocks held", rangemode="tozero"),
-                         yaxis2=dict(title=f"blocks per {step_word}", overlaying="y", side="right",
+    figure.update_layout(xaxis_title=_bar_axis(width), yaxis=dict(title="blocks held", rangemode="tozero"),
+                         yaxis2=dict(title=f"blocks per {bar_word}", overlaying="y", side="right",
                                      rangemode="tozero"),
-                         barmode="group", bargap=0.1, **common)
+                         barmode="group", bargap=0.15,
+                         **_layout(f"Tier {tier['name']}: blocks held, and blocks moved per {bar_word}", HEIGHT))
     return figure
 
 
+def _bar_axis(width: int) -> str:
+    return "scheduler step" if width == 1 else f"scheduler step (each bar sums {width} steps)"
+
+
+def _step_range(steps: list[int]) -> list[float]:
+    """The step axis of every step plot: the first step's column to the last's."""
+    return [steps[0] - 0.5, steps[-1] + 0.5] if steps else [-0.5, 0.5]
+
+
 def _positions(series: dict) -> Callable[[int, int | None], float]:
-    """Where an event sits on the step axis: step + its place among the step's events.
+    """Where an event sits on the step axis: in its step's column (step - 0.5 to step + 0.5,
+    where the step plots draw that step), at its place among the step's events.
 
     Several transitions can happen in one step (a load admitted and failed
     at once); spreading them over the step keeps each one visible.
     """
     columns = dict(zip(series["steps"], series["seq_ranges"]))
-    end = (series["steps"][-1] + 1) if series["steps"] else 0
+    end = (series["steps"][-1] + 0.5) if series["steps"] else 0.5
 
     def position(step: int, seq: int | None) -> float:
         if seq is None:
-            return float(end)
+            return end
         first, last = columns[step]
-        return step + (seq - first) / (last - first + 1)
+        return step - 0.5 + (seq - first) / (last - first + 1)
 
     return position
 
@@ -295,6 +417,7 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
 
     shown, k = bucketed(series, max_points)
     figures = _figures(series, shown, k)
+    width = bar_bin(series["steps"], len(TRANSFER_BARS))
     totals, config, outcome = series["totals"], series["config"], series["replay"]
     requests = series["requests"]
     problem = outcome["first_problem"]
@@ -332,7 +455,7 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
                    f'{e(problem["detail"])}. The plots stop where the replay stopped.</p>')
     if requests["total"] > len(requests["timelines"]):
         drawn = (f"Showing the first {len(requests['timelines'])} of {requests['total']} requests, in arrival "
-                 f"order (at most {requests['max_drawn']} are drawn).")
+                 f"order (at most {requests['max_drawn']} are drawn); the panel ends where they do.")
     else:
         drawn = f"All {requests['total']} requests, in arrival order."
     notes = {
@@ -342,13 +465,18 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
                 "prompt tokens are prompt positions the forward pass computed, recomputation after a "
                 "preemption included. Hover for the per-step numbers.",
         "transfers": "Counted in KV blocks (one block of one KV group each): the event log records no byte "
-                     "sizes. Stores are counted when started, loads when admitted.",
+                     "sizes. Stores are counted when started, loads when admitted." + (
+                         f" Each bar sums {width} steps (at most {MAX_BARS} bars a figure, so that a long run "
+                         f"stays readable); hover for its steps." if width > 1 else ""),
         "incidents": "One mark per step with at least one; its size grows with the count (hover for it).",
         "requests": "Each bar is a request's state in the engine; transitions within one step are spread "
                     "over it in event order. " + drawn,
     }
     bucket_note = (f'<p class="note">This log has {len(series["steps"])} steps: the step plots sum them in '
                    f'buckets of {k} steps. The embedded series keep every step.</p>' if k > 1 else "")
+    resets = len(series.get("resets", ()))
+    reset_note = (f'<p class="note">Dashed lines on the step plots mark the {resets} cache '
+                  f'reset{"s" if resets > 1 else ""}: each drops every block the tier holds.</p>' if resets else "")
     for index in range(1, len(series.get("lower_tiers", ())) + 1):
         notes[f"tier-{index}"] = (
             "A tier below host memory. Blocks are written through when their host store succeeds, and "
@@ -378,6 +506,7 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
 {table}
 </table>
 {bucket_note}
+{reset_note}
 {body}
 <script type="application/json" id="kvledger-series">{_script_json(json.dumps(series, separators=(",", ":")))}</script>
 <script>{_DRAW}</script>

@@ -44,6 +44,7 @@ class SeriesFold:
         self._store_blocks: list[int] = []
         self._violations: list[int] = []
         self._cache_resets: list[int] = []
+        self._resets: list[list[int]] = []  # [step, seq] of each cache reset, for the lines marking them
         self._timelines: dict[str, dict] = {}
         self._status: dict[str, str] = {}
         self._load_owner: dict[int, str] = {}
@@ -86,6 +87,7 @@ class SeriesFold:
             self._step_tokens(event, state)
         elif isinstance(event, ev.CacheReset) and not _rejected(effects):
             self._cache_resets[-1] += 1
+            self._resets.append([self.steps[-1], seq])
         self._follow_request(seq, event, state, effects)
 
     def _step_tokens(self, event: ev.StepScheduled, state: State) -> None:
@@ -169,6 +171,7 @@ class SeriesFold:
             "flushes": per_step["flushes"],
             "violations": list(self._violations),
             "cache_resets": list(self._cache_resets),
+            "resets": [list(r) for r in self._resets],
             "requests": {"total": self.num_requests, "max_drawn": self.max_requests, "timelines": timelines},
             "totals": queries.stats(result.state),
             "config": self.config.to_dict(),

@@ -337,3 +337,157 @@ def test_a_tier_below_host_memory_gets_its_row_and_panel(tmp_path: Path) -> None
     figure = _figure(parser, "tier-1")
     assert _trace(figure, "promoted")["y"] and "Tier 1:fs" in figure["layout"]["title"]["text"]
     assert any(f"{expected['keys_read']} promoted" in text for text in parser.texts)
+
+
+def _with_a_reset(tmp_path: Path) -> Path:
+    """A short simulated run (the hybrid scenario) with a cache reset half-way: 80 steps, like a demo's."""
+    import random
+
+    from kvledger.adapters.cli.log_commands import SCENARIOS
+    from kvledger.adapters.engine_host import EngineHost
+    from kvledger.adapters.testing.simulator import Simulator, run_random
+    from kvledger.events.config import EngineConfig
+
+    config = EngineConfig.from_dict({"store_jobs": "step", **SCENARIOS["hybrid"]})
+    path, rng = tmp_path / "reset.jsonl", random.Random(5)
+    with EngineHost(config, log_path=path, fmt="jsonl", strict=True) as host:
+        sim = Simulator(config, host=host)
+        run_random(sim, rng, steps=40, arrivals=0.9, max_tokens=30, completion_rate=0.3, fail_rate=0.0)
+        sim.reset()
+        run_random(sim, rng, steps=40, arrivals=0.9, max_tokens=30, completion_rate=0.3, fail_rate=0.0)
+    return path
+
+
+def _step_figures(parser: _Page) -> dict[str, dict]:
+    """Every figure drawn over the steps, by name."""
+    return {a["id"].removeprefix("figure-"): json.loads(t) for a, t in parser.scripts
+            if a.get("class") == "kvledger-figure"}
+
+
+def _reset_lines(figure: dict) -> list[dict]:
+    return [s for s in figure["layout"].get("shapes", ()) if s.get("legendgroup") == "cache resets"]
+
+
+@pytest.mark.parametrize("name", ["reset", "vllm_load_failures", "hybrid_failures_reset"])
+def test_resets_are_marked_on_every_step_plot(tmp_path: Path, name: str) -> None:
+    path = _with_a_reset(tmp_path) if name == "reset" else LOGS[name]
+    series, plain, records = _replayed(path)
+    resets = [(r.step_index, r.seq) for r in records
+              if isinstance(r, EventRecord) and r.event.kind == "cache_reset"]
+    assert resets and series["resets"] == [list(r) for r in resets]
+    assert len(series["resets"]) == sum(series["cache_resets"]) == plain["events_by_kind"]["cache_reset"]
+    parser = _parse(report.render_html(series, source="log"))
+    figures = _step_figures(parser)
+    assert set(FIGURES) <= set(figures)
+    for figure_name, figure in figures.items():
+        lines = _reset_lines(figure)
+        assert len(lines) == len(resets), figure_name
+        for line, (step, _) in zip(lines, resets):  # in its step's column, top to bottom of the plot
+            assert line["type"] == "line" and line["x0"] == line["x1"], figure_name
+            assert step - 0.5 <= line["x0"] < step + 0.5, figure_name
+            assert (line["yref"], line["y0"], line["y1"]) == ("paper", 0, 1)
+        assert sum(line.get("showlegend", False) for line in lines) == (figure_name != "incidents")
+        labels = [a["text"] for a in figure["layout"].get("annotations", ())]
+        assert f"reset, step {resets[0][0]}" in labels, figure_name
+    count = len(resets)
+    assert f"mark the {count} cache reset{'s' if count > 1 else ''}" in " ".join(parser.texts)
+
+
+def test_no_reset_no_lines() -> None:
+    series, _, _ = _replayed(LOGS["full_flush"])
+    assert series["resets"] == []
+    parser = _parse(report.render_html(series, source="log"))
+    assert all(not _reset_lines(figure) for figure in _step_figures(parser).values())
+    assert "cache reset" not in " ".join(parser.texts)
+
+
+@pytest.mark.parametrize("name", ["reset", "vllm_load_failures", "hybrid_failures_reset", "full_flush"])
+def test_every_step_plot_spans_the_whole_run(tmp_path: Path, name: str) -> None:
+    path = _with_a_reset(tmp_path) if name == "reset" else LOGS[name]
+    series, _, _ = _replayed(path)
+    parser = _parse(report.render_html(series, source="log"))
+    whole = [series["steps"][0] - 0.5, series["steps"][-1] + 0.5]
+    for figure_name, figure in _step_figures(parser).items():  # the requests' too: all are drawn
+        assert figure["layout"]["xaxis"]["range"] == whole, figure_name
+    incidents = _figure(parser, "incidents")
+    assert incidents["layout"]["yaxis"]["range"] == [-0.5, len(report.INCIDENTS) - 0.5]  # every row
+    if name == "reset":  # every mark at the reset's step: the panel still spans the run
+        assert {x for trace in incidents["data"] for x in trace["x"]} == {series["resets"][0][0]}
+
+
+def test_capped_request_timelines_end_where_the_drawn_requests_do() -> None:
+    header, records = open_log(LOGS["vllm_lazy_pressure"])
+    _, series = report_series.collect(header.config, records, max_requests=5)
+    requests = _figure(_parse(report.render_html(series, source="log")), "requests")
+    low, high = requests["layout"]["xaxis"]["range"]
+    ends = [b + x for trace in requests["data"] if trace["type"] == "bar" for b, x in zip(trace["base"], trace["x"])]
+    assert low == series["steps"][0] - 0.5 and max(ends) <= high < series["steps"][-1]
+    assert requests["layout"]["yaxis"]["range"] == [4.5, -0.5]  # the first request on top, no padding
+
+
+def _stretched(series: dict, steps: int) -> dict:
+    """The series' per-step columns repeated over `steps` steps (a long run, for drawing only)."""
+    n, last_seq = len(series["steps"]), series["seq_ranges"][-1][1]
+    assert series["steps"] == list(range(n))
+    out = dict(series, steps=list(range(steps)), resets=[[4003, last_seq + 1 + 10 * (4003 - n)]])
+    out["seq_ranges"] = series["seq_ranges"] + [[last_seq + 1 + 10 * i, last_seq + 10 + 10 * i]
+                                                for i in range(steps - n)]
+    for name in ("used_slots", "hit_tokens", "prompt_tokens_computed", "tokens_computed", "store_blocks",
+                 "load_blocks", "keys_failed", *(name for name, _, _ in report.INCIDENTS)):
+        out[name] = [series[name][i % n] for i in range(steps)]
+    return out
+
+
+def test_blocks_moved_stays_readable_at_any_length() -> None:
+    series, _, _ = _replayed(LOGS["hybrid_failures_reset"])
+    assert len(series["steps"]) == 60
+    short = _figure(_parse(report.render_html(series, source="log")), "transfers")
+    for trace in short["data"]:  # a short run: one bar a step
+        assert trace["x"] == series["steps"] and trace["y"] == series[
+            {"stored": "store_blocks", "loaded": "load_blocks", "failed": "keys_failed"}[trace["name"].split()[0]]]
+    assert short["layout"]["title"]["text"] == "Blocks moved per step"
+
+    long = _stretched(series, 5000)
+    parser = _parse(report.render_html(long, source="log"))
+    transfers = _figure(parser, "transfers")
+    assert transfers["layout"]["title"]["text"] == "Blocks moved per 50 steps"
+    bars = [t for t in transfers["data"] if t["type"] == "bar"]
+    assert len(bars) == 3 and sum(len(t["x"]) for t in bars) <= report.MAX_BARS
+    plot_px = 1400 - transfers["layout"]["margin"]["l"] - transfers["layout"]["margin"]["r"]
+    assert plot_px / sum(len(t["x"]) for t in bars) >= 3.5  # pixels a bar, gaps included: no hairlines
+    for trace in bars:
+        assert trace["x"][0] == 24.5 and all(b - a == 50 for a, b in zip(trace["x"], trace["x"][1:]))
+        assert all(last - first == 49 for first, last in trace["customdata"])  # each bar covers 50 steps
+        assert trace["customdata"][0] == [0, 49] and trace["customdata"][-1] == [4950, 4999]
+    assert sum(_trace(transfers, "stored")["y"]) == sum(long["store_blocks"])
+    assert sum(_trace(transfers, "failed")["y"]) == sum(long["keys_failed"])
+    assert "each bar sums 50 steps" in transfers["layout"]["xaxis"]["title"]["text"]
+    assert "Each bar sums 50 steps" in " ".join(parser.texts)
+    for figure_name, figure in _step_figures(parser).items():
+        if figure_name != "requests":  # those draw the first requests only
+            assert figure["layout"]["xaxis"]["range"] == [-0.5, 4999.5], figure_name
+            assert [line["x0"] for line in _reset_lines(figure)] == [4003 - 0.5], figure_name
+
+
+def test_bar_bins_are_round_and_few() -> None:
+    for steps, series, width in ((60, 3, 1), (100, 3, 1), (101, 3, 2), (144, 3, 2), (5000, 3, 50),
+                                 (5001, 3, 100), (100, 6, 2), (5000, 6, 100), (1_000_000, 3, 10_000)):
+        assert report.bar_bin(list(range(steps)), series) == width, (steps, series)
+        assert steps * series / width <= report.MAX_BARS
+    centres, spans, sums = report.binned([3, 4, 5, 9, 12], 5, {"a": [1, 2, 3, 4, 5]})
+    assert centres == [5.0, 10.0] and spans == [[3, 7], [8, 12]] and sums == {"a": [6, 9]}
+
+
+def test_legends_sit_under_the_titles_and_above_the_plots() -> None:
+    series, _, _ = _replayed(LOGS["hybrid_failures_reset"])
+    for name, page_series in (("short", series), ("long", _stretched(series, 5000))):
+        for figure_name, figure in _step_figures(_parse(report.render_html(page_series, source="log"))).items():
+            layout, where = figure["layout"], f"{name} {figure_name}"
+            height, title, legend = layout["height"], layout["title"], layout["legend"]
+            assert (title["yref"], title["y"], title["yanchor"]) == ("container", 1, "top"), where
+            title_bottom = title["pad"]["t"] + 22  # the template's 17 px title font, and its line
+            assert (legend["yref"], legend["yanchor"], legend["orientation"]) == ("container", "top", "h"), where
+            legend_top = round((1 - legend["y"]) * height)
+            assert title_bottom <= legend_top, where  # the legend starts under the title...
+            assert legend_top + 40 <= layout["margin"]["t"], where  # ...with room for two rows above the plot
+            assert layout["showlegend"] is True, where
