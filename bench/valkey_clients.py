@@ -24,7 +24,8 @@ case in turn, so that every client sees the same phases of a shared machine.
 For context it also runs valkey-benchmark (SET/GET, 50 clients, pipeline 16)
 at 256 KiB and 2 MiB.
 
-Needs valkey-server and valkey-benchmark on PATH (`make valkey`), and the
+Needs valkey-server and valkey-benchmark on PATH (a system package such as Debian's valkey-tools;
+`make valkey` alone may put only a server into the venv), and the
 clients: valkey-py and libvalkey are kvledger's (the Valkey tier's client,
 chosen on these numbers); the others are not among its dependencies:
 

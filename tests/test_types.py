@@ -11,7 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+pytestmark = pytest.mark.slow  # mypy runs in a subprocess: seconds each
 
 
 def _mypy(tmp_path: Path, *paths: str) -> subprocess.CompletedProcess:

@@ -73,15 +73,16 @@ class TierJob:
             seconds=self.ended - self.started if self.ended >= self.started else 0.0, nbytes=self.nbytes)
 
     def finished(self, outcome: TierIoOutcome) -> None:
-        """After the outcome is handed over, outside the lock: wake waiters, log failures.
-        A job that failed only as unreachable logs at debug: the tier logs going
-        down and coming back once, where every job while down would log again."""
-        self.done.set()
+        """After the outcome is handed over, outside the lock: log failures, then wake
+        waiters (so a waiter finds the job's line already logged). A job that failed
+        only as unreachable logs at debug: the tier logs going down and coming back
+        once, where every job while down would log again."""
         if self.failed:
             log = _log.debug if all(reason == "unreachable" for reason in outcome.reasons) else _log.warning
             log("tier_io_failed", job_id=self.job_id, kind=self.kind, blocks=self.total,
                 failed=len(self.failed), reasons=dict(collections.Counter(outcome.reasons)),
                 first_failed=self.failed[0][3])
+        self.done.set()
 
 
 Block = tuple[int, int, bytes, int]  # group, index, key, slot

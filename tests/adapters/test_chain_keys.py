@@ -79,11 +79,13 @@ def test_keys_are_the_same_in_processes_with_different_hash_seeds() -> None:
     import json
 
     outputs = []
-    for seed in ("0", "4242"):
-        done = subprocess.run([sys.executable, "-c", _IN_A_PROCESS], env={**os.environ, "PYTHONHASHSEED": seed},
-                              capture_output=True, text=True, timeout=300, cwd=ROOT)
-        assert done.returncode == 0, done.stderr
-        outputs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    running = [subprocess.Popen([sys.executable, "-c", _IN_A_PROCESS], env={**os.environ, "PYTHONHASHSEED": seed},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+               for seed in ("0", "4242")]  # side by side: each spends its time importing vLLM
+    for process in running:
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+        outputs.append(json.loads(stdout.strip().splitlines()[-1]))
     first, second = outputs
     assert first["keys"] == second["keys"]
     assert all(len(keys) == 6 for keys in first["keys"].values())

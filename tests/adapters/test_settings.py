@@ -463,6 +463,7 @@ def test_an_unreachable_server_stops_start_or_with_warn_starts_the_tier_down(val
     assert [e["event"] for e in logs] == ["tier_unreachable_at_start"]
 
 
+@pytest.mark.slow  # the session's six-server cluster, started for it if no slow test did
 def test_a_cluster_from_its_seed_nodes(valkey_cluster):
     urls = valkey_cluster.urls
     tier, = parse_settings(with_tiers({"type": "valkey", "urls": urls, "capacity_bytes": 1 << 20})).secondary_tiers
@@ -557,6 +558,21 @@ def test_the_readme_table_names_every_key_the_parser_takes():
     table = text.split("### `kv_connector_extra_config`", 1)[1].split("\n\n", 2)[1]
     documented = {row.split("`")[1] for row in table.splitlines() if row.startswith("| `")}
     assert documented == set(settings._FIELDS) - {"cpu_bytes_to_use"}  # the alias, in capacity_bytes' row
+
+
+def _readme_table_after(heading: str) -> set[str]:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = text.split(heading, 1)[1].split("\n| key", 1)[1].split("\n\n", 1)[0]
+    return {row.split("`")[1] for row in rows.splitlines() if row.startswith("| `")}
+
+
+def test_the_readme_tables_name_every_key_of_each_tier_type_and_of_fault_injection():
+    from kvledger.adapters import settings, tier_settings
+
+    assert _readme_table_after("#### `fault_injection`") == set(settings._FAULT_FIELDS)
+    for kind, heading in (("fs", "### A disk tier below host memory"), ("valkey", "### A shared tier on Valkey")):
+        keys, _ = tier_settings._TIER_TYPES[kind]
+        assert _readme_table_after(heading) == {*keys, *tier_settings.SECRET_KEYS}, kind
 
 
 @pytest.mark.parametrize("extra, words", [

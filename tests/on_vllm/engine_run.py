@@ -1,7 +1,8 @@
 """One real vLLM engine with kvledger, run in its own process by the e2e tests.
 
-Usage: python engine_run.py SPEC_JSON. Prints one JSON line, prefixed
-`RESULT `, with each phase's greedy token ids and cached-token counts.
+Usage: python engine_run.py SPEC_JSON, or `main(spec)` in a process forked
+from `engine_zygote.py`. Prints one JSON line, prefixed `RESULT `, with each
+phase's greedy token ids and cached-token counts.
 
 Phases, in order, over the same engine:
 - `first`: the workload, computed and stored;
@@ -133,13 +134,12 @@ def _remove_tree(path: str) -> None:
     raise RuntimeError(f"{path} kept gaining files")
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def main(spec: dict) -> None:
     if not spec.get("multiprocess", False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     tp = spec.get("engine", {}).get("tensor_parallel_size", 1)
     if tp > 1:  # vLLM-CPU's own binding wants a NUMA node per worker and refuses to start: a core each
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % os.cpu_count()) for r in range(tp)))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % os.cpu_count()) for r in range(tp))
     if spec.get("file_size_limit"):  # the kernel fails writes past this size (EFBIG): a write error
         import resource
         import signal
@@ -246,4 +246,4 @@ def _tamper(spec: dict) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    main(json.loads(sys.argv[1]))

@@ -21,7 +21,7 @@ from kvledger.adapters.cli.log_commands import Prefix
 from kvledger.adapters.log_files import open_log
 from kvledger.events.log_records import LogError
 
-from .conftest import HERE, REPO
+from .conftest import REPO, zygote
 
 pytestmark = pytest.mark.vllm
 
@@ -53,40 +53,39 @@ def _children(pid: int) -> list[int]:
 
 def _kill_when(spec: dict, ready: Callable[[Seen], bool], *, only_engine_core: bool = False,
                timeout: float = 300) -> tuple[Path, Seen]:
-    """Run `engine_run.py` and SIGKILL it once the log shows `ready`: the whole
+    """Run `engine_run.py` (forked from the zygote) and SIGKILL it once the log shows `ready`: the whole
     process group, or (multiprocess) the engine core process alone, leaving
     vLLM's front end to notice. The log's path, and what it held at the kill."""
     log = Path(spec["log"])
-    with open(log.parent / "engine.out", "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)], cwd=REPO,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                seen = _seen(log) if log.exists() else Counter()
-                if ready(seen):
-                    break
-                assert proc.poll() is None, f"vLLM ended before the kill point:\n{_tail(log.parent)}"
-                assert time.monotonic() < deadline, f"kill point never reached; the log held {dict(seen)}"
-                time.sleep(0.05)
-            if only_engine_core:
-                cores = [c for pid in _children(proc.pid) for c in [pid, *_children(pid)]
-                         if b"EngineCore" in Path(f"/proc/{c}/cmdline").read_bytes()
-                         or b"EngineCore" in Path(f"/proc/{c}/comm").read_bytes()]
-                assert cores, "no engine core process to kill"
-                for pid in cores:
-                    os.kill(pid, signal.SIGKILL)
-                # vLLM's front end notices and cleans up, but its generate call may
-                # wait on; it holds no part of the log, so the test ends it.
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=20)
-            else:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    engine = zygote()
+    pid = engine.start(spec, log.parent / "engine.out")
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            seen = _seen(log) if log.exists() else Counter()
+            if ready(seen):
+                break
+            assert engine.poll() is None, f"vLLM ended before the kill point:\n{_tail(log.parent)}"
+            assert time.monotonic() < deadline, f"kill point never reached; the log held {dict(seen)}"
+            time.sleep(0.05)
+        if only_engine_core:
+            cores = [c for child in _children(pid) for c in [child, *_children(child)]
+                     if b"EngineCore" in Path(f"/proc/{c}/cmdline").read_bytes()
+                     or b"EngineCore" in Path(f"/proc/{c}/comm").read_bytes()]
+            assert cores, "no engine core process to kill"
+            for core in cores:
+                os.kill(core, signal.SIGKILL)
+            # vLLM's front end notices and cleans up, but its generate call may
+            # wait on; it holds no part of the log, so the test ends it.
+            with contextlib.suppress(TimeoutError):
+                engine.wait(timeout=20)
+        else:
+            os.killpg(pid, signal.SIGKILL)
+            engine.wait(timeout=30)
+    finally:
+        if engine.poll() is None:
+            os.killpg(pid, signal.SIGKILL)
+            engine.wait(timeout=60)
     return log, seen
 
 

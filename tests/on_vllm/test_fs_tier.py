@@ -51,7 +51,9 @@ def test_a_new_process_restores_what_an_earlier_one_stored(models, tmp_path, mod
     second, two = _engine(models, model, tmp_path / "two.log", tier, hash_seed="4242")
     assert second["first"]["tokens"] == first["first"]["tokens"]
     assert all(c > 0 for c in second["first"]["cached"])
-    assert first["first"]["cached"][:3] == [0, 0, 0]
+    # The first process began on an empty tier: each of the three shared prefixes was computed once
+    # (whichever of its requests vLLM took first: lookups answer on a thread, so not always the first).
+    assert first["first"]["cached"].count(0) >= 3 and one["lower_tiers"][0]["keys_found"] == 0
     lower = two["lower_tiers"][0]
     assert lower["keys_found"] == len(files)
     assert lower["keys_read"] > 0 and lower["read_failures"] == 0
@@ -118,7 +120,7 @@ def test_corrupted_block_files_are_recomputed(models, tmp_path, model):
             path.write_bytes(bytes(data))
         else:
             path.write_bytes(bytes(data[: len(data) // 2]))
-    second, two = _engine(models, model, tmp_path / "two.log", tier, hash_seed="7")
+    second, two = _engine(models, model, tmp_path / "two.log", tier, hash_seed="4242")
     assert second["first"]["tokens"] == first["first"]["tokens"]
     lower = two["lower_tiers"][0]
     assert lower["read_failures"] > 0 and lower["keys_read"] == 0
@@ -129,32 +131,24 @@ def test_two_engines_at_once_on_one_directory(models, tmp_path):
     """Two processes write the same blocks to one directory at the same time
     (write aside, then rename: never a torn file); a third restores them."""
     import json
-    import subprocess
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
 
-    from .conftest import HERE, REPO
+    from .conftest import zygote
 
     tier = tmp_path / "tier"
     extra = {**_fs(tier), "capacity_bytes": 32 << 20}
-
-    def spec(name: str) -> str:
-        return json.dumps({"model": str(models["tiny-llama"]), "log": str(tmp_path / f"{name}.log"),
-                           "phases": ["first"], "extra": extra})
-
-    def launch(name: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(HERE / "engine_run.py"), spec(name)], capture_output=True,
-                              text=True, timeout=300, cwd=REPO)
-
-    with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(launch, ["a", "b"]))
+    # Forked from two zygotes (two hash seeds), so that both run at once.
+    engines = [zygote(seed) for seed in (None, "4242")]
+    for name, engine in zip("ab", engines):
+        engine.start({"model": str(models["tiny-llama"]), "log": str(tmp_path / f"{name}.log"), "phases": ["first"],
+                      "extra": extra}, tmp_path / f"{name}.out", tmp_path / f"{name}.err")
     tokens = []
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
-        tokens.append(json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])["first"])
+    for name, engine in zip("ab", engines):
+        assert engine.wait(300) == 0, (tmp_path / f"{name}.err").read_text()[-2000:]
+        out = (tmp_path / f"{name}.out").read_text()
+        tokens.append(json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])["first"])
     assert tokens[0]["tokens"] == tokens[1]["tokens"]
     assert not list(tier.rglob("*.tmp"))
-    third, summary = _engine(models, "tiny-llama", tmp_path / "c.log", tier, hash_seed="99")
+    third, summary = _engine(models, "tiny-llama", tmp_path / "c.log", tier, hash_seed="4242")
     assert third["first"]["tokens"] == tokens[0]["tokens"]
     assert all(c > 0 for c in third["first"]["cached"])
     assert summary["lower_tiers"][0]["read_failures"] == 0

@@ -181,6 +181,7 @@ print(sorted(os.sched_getaffinity(0)), [sorted(os.sched_getaffinity(t.native_id)
 """
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs 2 cores")
 def test_helpers_leave_the_core_an_openmp_binding_pins_the_caller_to() -> None:

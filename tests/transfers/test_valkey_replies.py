@@ -262,8 +262,9 @@ def test_a_job_failed_only_as_unreachable_logs_below_warning() -> None:
     assert levels.get(1, "debug") == "debug" and levels[2] == "warning"
 
 
+@pytest.mark.slow  # six TLS servers joined into a cluster, per case
 @pytest.mark.parametrize("name, works", [("127.0.0.1", True), ("other.example", False)])
-def test_a_tls_cluster_checks_every_node_s_host_name(name, works) -> None:
+def test_a_tls_cluster_checks_every_node_s_host_name(name, works, needs_tls) -> None:
     """valkey-py's cluster client drops the host-name check from its nodes' options
     unless kvledger puts it back: a certificate for another name must not serve."""
     from kvledger.adapters.testing.valkey_servers import ClusterProcesses

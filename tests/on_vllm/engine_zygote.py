@@ -1,0 +1,91 @@
+"""A process that has imported vLLM once and forks a fresh engine process per
+run: each run still starts from a process no other run touched, without
+paying the seconds of importing torch and vLLM again.
+
+Protocol, one JSON line each way per run, on stdin and stdout:
+  in:  {"spec": {...}, "env": {...}, "stdout": PATH, "stderr": PATH or null (into stdout's)}
+  out: {"pid": N}, once forked; then {"status": S}, its exit status (0 ok,
+       negative: killed by that signal).
+The run gets the test's environment as it is at the run (a test may have set a
+variable since the zygote started; PYTHONHASHSEED is the zygote's, which is why
+there is one per seed), and its output goes to the two files. The zygote is single-threaded
+when it forks (it says so on start, or exits), which is what makes fork safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import traceback
+
+
+def preload() -> None:
+    """torch, vLLM and what an engine's start imports lazily (the CPU worker and
+    its model runner), and the connector module vLLM loads by path."""
+    import torch  # noqa: F401
+    import vllm  # noqa: F401
+    import vllm.model_executor.layers.quantization.online.base  # noqa: F401
+    import vllm.v1.sample.ops.penalties  # noqa: F401
+    import vllm.v1.worker.cpu_model_runner  # noqa: F401
+    import vllm.v1.worker.gpu_worker  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    import kvledger.adapters.vllm  # noqa: F401
+
+
+def run_child(request: dict) -> None:
+    """In the forked process: output to the run's files, then the run. Never returns."""
+    status = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            if path is None:  # stderr into stdout's file
+                os.dup2(1, fd)
+                continue
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(target, fd)
+            os.close(target)
+        os.setpgid(0, 0)  # its own group: a timed-out run is killed with every process it started
+        os.environ.clear()
+        os.environ.update(request["env"])
+        import engine_run
+
+        engine_run.main(request["spec"])
+        status = 0
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def main() -> None:
+    preload()
+    if threading.active_count() != 1:
+        names = ", ".join(t.name for t in threading.enumerate())
+        print(json.dumps({"error": f"threads after preload ({names}): forking would not be safe"}), flush=True)
+        sys.exit(1)
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            run_child(request)
+        with contextlib.suppress(OSError):  # (a child that already ended)
+            os.setpgid(pid, pid)  # as the child does: whichever runs first, the group exists once pid is sent
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        print(json.dumps({"status": code}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
