@@ -92,8 +92,9 @@ def run_demo(out_dir: str | Path, *, model: str = "small-llama", docs: int = 3, 
     print(f"  outputs            {'equal' if equal else 'DIFFERENT'} to full recompute ({docs} greedy answers)")
     print(f"  event log          {log_path}")
     print()
-    _say(f"replaying the event log: kvledger replay {log_path} --check", started)
-    status = cmd_replay(replay_args(str(log_path), check=True))
+    report = out / "demo-report.html"
+    _say(f"replaying the event log: kvledger replay {log_path} --check --report {report} --force", started)
+    status = cmd_replay(replay_args(str(log_path), check=True, report=str(report), force=True))
     return 0 if equal and status == 0 else 1
 
 
