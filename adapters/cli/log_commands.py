@@ -205,7 +205,10 @@ def _print_summary(data: dict) -> None:
     print(f"failures    {stats['store_failures']} stores, {stats['load_failures']} loads, "
           f"{stats['keys_failed']} keys dropped")
     print(f"flushes     {stats['flushes']} ({stats['jobs_flushed']} jobs waited for)")
-    print(f"evictions   {stats['evictions']}; preemptions {stats['preemptions']}")
+    resets = data["events_by_kind"].get("cache_reset", 0)
+    # The engine's total counts the blocks a reset drops as well (the metrics count them apart).
+    dropped = f", to make room or in {resets} cache reset{'s' if resets > 1 else ''}" if resets else ""
+    print(f"evictions   {stats['evictions']}{dropped}; preemptions {stats['preemptions']}")
     print(f"tier        {tier['used_slots']}/{tier['capacity_slots']} slots used, "
           f"{tier['offered_keys']} keys offered")
     for lower in data.get("lower_tiers", ()):

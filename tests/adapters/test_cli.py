@@ -31,6 +31,18 @@ def test_replay_check_passes_and_summarizes(hybrid_log: Path, capsys: pytest.Cap
     assert data["stats"]["keys_stored"] > 0
 
 
+def test_the_evictions_line_says_when_a_reset_dropped_blocks_too(hybrid_log: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """The engine's eviction total includes a reset's drops: the summary says so where the log has one."""
+    assert main(["replay", str(hybrid_log)]) == 0
+    plain = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("evictions"))
+    assert "cache reset" not in plain
+    golden = ROOT / "tests" / "golden" / "hybrid_failures_reset.jsonl"
+    assert main(["replay", str(golden)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("evictions"))
+    assert ", to make room or in 3 cache resets;" in line, line
+
+
 def test_replay_until_stops_there(hybrid_log: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["replay", str(hybrid_log), "--until", "99", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
