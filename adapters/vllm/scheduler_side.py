@@ -136,13 +136,13 @@ class LedgerScheduler:
         effects = self.host.apply_step(events)
         if effects:
             self._carry_out(effects, jobs)
-            for effect in effects:
-                if isinstance(effect, fx.KeysEvicted):
-                    self._count_drop(_HOST_DROPS.get(effect.reason), "", effect.keys)
-                elif isinstance(effect, fx.DropTierKeys):
-                    if self._tiers is not None:
-                        self._tiers.removed(effect.tier, effect.keys)
-                    self._count_drop(_TIER_DROPS.get(effect.reason), self._tier_names[effect.tier - 1], effect.keys)
+            if self._tier_names:  # only tiers below host memory drop their keys
+                for effect in effects:
+                    if type(effect) is fx.DropTierKeys:
+                        if self._tiers is not None:
+                            self._tiers.removed(effect.tier, effect.keys)
+                        self._count_drop(_TIER_DROPS.get(effect.reason), self._tier_names[effect.tier - 1],
+                                         effect.keys)
         for event in events:
             if failures and type(event) in _FAILURES:
                 job = jobs.get(event.job_id)  # type: ignore[union-attr]
@@ -173,7 +173,9 @@ class LedgerScheduler:
                 assert isinstance(effect, fx.UnpinDeviceBlocks), effect
                 self._block_pool.free_blocks(effect.block_ids)
         for effect in routed[fx.Phase.NOTIFICATION]:
-            if isinstance(effect, fx.ReportViolation):
+            if type(effect) is fx.KeysEvicted:
+                self._count_drop(_HOST_DROPS.get(effect.reason), "", effect.keys)
+            elif isinstance(effect, fx.ReportViolation):
                 self._violations += 1
                 job = jobs.get(effect.job_id) or queries.job_view(self.host.state, effect.job_id)
                 _log.error("protocol_violation", code=effect.code, message=effect.message,
