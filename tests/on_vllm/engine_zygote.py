@@ -53,6 +53,9 @@ def run_child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         import engine_run
+        import spawn_server
+
+        spawn_server.install()
 
         engine_run.main(request["spec"])
         status = 0
@@ -68,6 +71,7 @@ def run_child(request: dict) -> None:
 
 def main() -> None:
     preload()
+    import spawn_server
     if threading.active_count() != 1:
         names = ", ".join(t.name for t in threading.enumerate())
         print(json.dumps({"error": f"threads after preload ({names}): forking would not be safe"}), flush=True)
@@ -75,6 +79,8 @@ def main() -> None:
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
+        if spawn_server.needed(request["spec"]):  # started here, where no thread runs, and once
+            spawn_server.start()
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:

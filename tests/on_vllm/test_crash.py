@@ -43,12 +43,26 @@ def _seen(log: Path) -> Seen:
     return seen
 
 
-def _children(pid: int) -> list[int]:
+def _group(pgid: int) -> list[int]:
+    """The processes of a process group (a run's engine core and workers are in
+    the run's group, whichever process started them)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                members.append(int(entry.name))
+    return members
+
+
+def _names(pid: int) -> bytes:
     try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+        return Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/comm").read_bytes()
     except OSError:
-        return []
-    return [int(p) for p in text.split()]
+        return b""
 
 
 def _kill_when(spec: dict, ready: Callable[[Seen], bool], *, only_engine_core: bool = False,
@@ -69,9 +83,7 @@ def _kill_when(spec: dict, ready: Callable[[Seen], bool], *, only_engine_core: b
             assert time.monotonic() < deadline, f"kill point never reached; the log held {dict(seen)}"
             time.sleep(0.05)
         if only_engine_core:
-            cores = [c for child in _children(pid) for c in [child, *_children(child)]
-                     if b"EngineCore" in Path(f"/proc/{c}/cmdline").read_bytes()
-                     or b"EngineCore" in Path(f"/proc/{c}/comm").read_bytes()]
+            cores = [c for c in _group(pid) if b"EngineCore" in _names(c)]
             assert cores, "no engine core process to kill"
             for core in cores:
                 os.kill(core, signal.SIGKILL)
