@@ -15,6 +15,9 @@ a key only a lower tier holds promotes it: the key gets a host slot
 (storing, as a store's would be), the worker reads the block into it and
 then copies it to the device, and at the end the slot is stored or freed
 like a store's.
+
+A key's state in a tier (`key_state`) moves only as `TIER_KEY_MOVES` says;
+the rows each function relies on are asserted below, at import.
 """
 
 from __future__ import annotations
@@ -26,6 +29,25 @@ from . import effects as fx
 from . import slots
 from .state import SPILL as _SPILL
 from .state import Core, Job, LowerTier
+from .state import TierKeyState as _K
+from .transitions import TIER_KEY_MOVES as _MOVES
+from .transitions import sources as _sources
+
+# What the functions below rely on. plan_spills and keys_found take only keys
+# the tier lacks; spill_ended ends what is being written; reads (reserve_promotions,
+# promotions_ended) keep a held key held, or remove a damaged one, and change
+# nothing for a key a reset removed meanwhile; _evict and drop_all remove held
+# keys, and a reset leaves a key being written to its spill's end.
+assert _sources(_MOVES, "spill_planned") == {_K.ABSENT} and _MOVES[(_K.ABSENT, "spill_planned")] is _K.WRITING
+assert _MOVES[(_K.ABSENT, "found")] is _K.HELD
+assert all(_MOVES[(state, "found")] is state for state in _sources(_MOVES, "found") - {_K.ABSENT})
+assert _MOVES[(_K.WRITING, "spill_written")] is _K.HELD
+assert _MOVES[(_K.WRITING, "spill_failed")] is _MOVES[(_K.WRITING, "spill_ended_stale")] is _K.ABSENT
+assert _sources(_MOVES, "read_planned") == {_K.HELD} and _MOVES[(_K.HELD, "read_planned")] is _K.HELD
+assert all(_MOVES[(state, "read_ended")] is state for state in _sources(_MOVES, "read_ended"))
+assert all(_MOVES[(state, "read_failed")] is _K.ABSENT for state in _sources(_MOVES, "read_failed"))
+assert _sources(_MOVES, "evicted") == {_K.HELD} and _MOVES[(_K.HELD, "evicted")] is _K.ABSENT
+assert _MOVES[(_K.HELD, "reset")] is _K.ABSENT and _MOVES[(_K.WRITING, "reset")] is _K.WRITING
 
 
 class _Part:
@@ -48,6 +70,12 @@ def known(core: Core) -> Callable[[bytes], bool]:
         return slot_of_key.__contains__
     helds = [tier.held for tier in core.lower]
     return lambda key: key in slot_of_key or any(key in held for held in helds)
+
+
+def key_state(tier: LowerTier, key: bytes) -> _K:
+    if key in tier.held:
+        return _K.HELD
+    return _K.WRITING if key in tier.writing else _K.ABSENT
 
 
 def holder(core: Core, key: bytes) -> int:

@@ -15,7 +15,7 @@ from typing import Final, NamedTuple, cast
 import attrs
 
 from . import lower
-from .state import STATS_FIELDS, STORED, RequestStatus, State
+from .state import STATS_FIELDS, STORED, JobStage, RequestStatus, State, TierKeyState
 
 _TOTALS: Final = attrgetter(*STATS_FIELDS)
 
@@ -99,6 +99,19 @@ def lower_tier_usage(state: State) -> list[LowerTierUsage]:
     """Each tier below host memory, in order (empty without any)."""
     return [LowerTierUsage(t.name, t.capacity, len(t.held), len(t.writing), len(t.reading), dict(t.counts))
             for t in state.core.lower]
+
+
+def tier_key_state(state: State, tier: int, key: bytes) -> TierKeyState:
+    """`key`'s state in lower tier `tier` (1-based), as `TIER_KEY_MOVES` names it."""
+    return lower.key_state(state.core.lower[tier - 1], key)
+
+
+def job_stage(state: State, job_id: int) -> JobStage | None:
+    """A job's stage as `JOB_MOVES` names it; None once it ended (or never started)."""
+    job = state.core.jobs.get(job_id)
+    if job is None:
+        return None
+    return JobStage.FLUSHED if job.flushed else JobStage.IN_FLIGHT
 
 
 def tier_holds(state: State, tier: int, key: bytes) -> bool:

@@ -50,13 +50,22 @@ from .checks import (
 from .state import LOAD as _LOAD
 from .state import SPILL as _SPILL
 from .state import STORE as _STORE
-from .state import Core, FreeRule, Job, JobKind, RequestState, RequestStatus, State
-from .transitions import GONE, REQUEST_MOVES, STEPPABLE, moves_by_kind
+from .state import Core, FreeRule, Job, JobKind, JobStage, RequestState, RequestStatus, State
+from .transitions import GONE, JOB_MOVES, REQUEST_MOVES, STEPPABLE, moves_by_kind, sources
 
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
 
 _PIN: Final = Protection.PIN
 _LAZY: Final = StoreMode.LAZY
+
+# A job's life as `JOB_MOVES` says: started in flight, flushed at most once
+# (`_flush` asserts it), ended by its last worker's report whatever its stage,
+# and left in its stage by a reset (`_cache_reset` marks it stale).
+assert JOB_MOVES[(None, "started")] is JobStage.IN_FLIGHT
+assert sources(JOB_MOVES, "flushed") == {JobStage.IN_FLIGHT}
+assert all(JOB_MOVES[(stage, "last_worker_reported")] is GONE for stage in JobStage)
+assert all(JOB_MOVES[(stage, "worker_reported")] is stage for stage in JobStage)
+assert all(JOB_MOVES[(stage, "reset")] is stage for stage in JobStage)
 
 # REQUEST_MOVES as the handlers read it: {kind: {status before: status after}},
 # and the statuses a step may schedule (`RequestState.step_limit` follows them).

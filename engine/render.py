@@ -8,7 +8,7 @@ Pure: `render()` returns the text of `docs/transitions.md`;
 from __future__ import annotations
 
 from .state import RequestStatus, SlotState
-from .transitions import REQUEST_MOVES, SLOT_MOVES
+from .transitions import JOB_MOVES, REQUEST_MOVES, SLOT_MOVES, TIER_KEY_MOVES
 
 _ILLEGAL = "·"
 
@@ -60,6 +60,16 @@ def _slot_table() -> list[str]:
     return lines
 
 
+def _moves_table(moves: dict) -> list[str]:
+    def name(state: object) -> str:
+        return "gone" if state is None else str(getattr(state, "value", state))
+
+    lines = ["| from | action | to |", "|---|---|---|"]
+    for (state, action), target in moves.items():
+        lines.append(f"| `{'(new)' if state is None else name(state)}` | `{action}` | `{name(target)}` |")
+    return lines
+
+
 def render() -> str:
     lines = [
         "# Transitions",
@@ -91,6 +101,24 @@ def render() -> str:
         "above zero.",
         "",
         *_slot_table(),
+        "",
+        "## Keys in a tier below host memory",
+        "",
+        "What the engine knows of a key in one lower tier (`engine/lower.py`): absent, being written",
+        "by a spill, or held whole. A key being read (promoted through a host slot by a load) is",
+        "`held` with a read count above zero, and eviction takes only keys no read counts. A reset",
+        "removes what is held at once, and a key being written when its stale spill ends.",
+        "",
+        *_moves_table(TIER_KEY_MOVES),
+        "",
+        "## Jobs",
+        "",
+        "A transfer (a store, a load, a spill) from its start to its last worker's report. A report",
+        "from a worker that already reported, or for a job not in flight, is a protocol violation. Only",
+        "a store is flushed (the worker waits for it before the step's forward, and its source blocks",
+        "are free after); a reset marks any job stale, its outcome no longer counted, in its stage.",
+        "",
+        *_moves_table(JOB_MOVES),
         "",
     ]
     return "\n".join(lines)

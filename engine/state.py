@@ -51,6 +51,23 @@ class SlotState(enum.IntEnum):
     STORED = 2  # "loading" is STORED with a load count above zero
 
 
+class TierKeyState(enum.Enum):
+    """A key's state in one tier below host memory (`LowerTier`): which of its
+    tables holds it. "Reading" is HELD with a read count above zero, as a
+    loading slot is STORED with a load count."""
+
+    ABSENT = "absent"  # never there, or removed (evicted, failed, reset)
+    WRITING = "writing"  # a spill is writing it
+    HELD = "held"  # whole there, loadable
+
+
+class JobStage(enum.Enum):
+    """A transfer's life between its start and its last worker's report."""
+
+    IN_FLIGHT = "in flight"
+    FLUSHED = "flushed"  # a store the worker waits for before the step's forward: its sources are free
+
+
 # Enum members as module constants, for the hot paths here and in the reducer
 # and invariants (`from .state import RUNNING as _RUNNING`): a member lookup on
 # the class is a descriptor call (~0.1 µs). Final, each is a static of the

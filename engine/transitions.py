@@ -7,15 +7,20 @@ vLLM recomputes from scratch or not); those facts are spelled out as
 pseudo-kinds. The reducer takes both whether a move is legal and the status
 it leads to from `REQUEST_MOVES` (a pair that is missing is a protocol
 violation), and `engine/slots.py` takes each slot action's target from
-`SLOT_MOVES`. `tests/engine/test_transitions.py` checks the tables cell by
-cell, and that the reducer consults every row; `docs/transitions.md` is
-rendered from them.
+`SLOT_MOVES`. A key's life in a tier below host memory is `TIER_KEY_MOVES`
+(`engine/lower.py`), a transfer's between its start and its last report
+`JOB_MOVES` (the reducer); each asserts at import the rows its code relies on.
+`tests/engine/test_transitions.py` checks the tables cell by cell, and that
+the reducer consults every request row; `docs/transitions.md` is rendered
+from them.
 """
 
 from __future__ import annotations
 
+from .state import JobStage as J
 from .state import RequestStatus as R
 from .state import SlotState as S
+from .state import TierKeyState as K
 
 GONE = None
 
@@ -61,6 +66,52 @@ SLOT_MOVES: dict[tuple[S, str], S] = {
     (S.STORED, "released_orphan"): S.FREE,  # dropped from the index earlier, last load ended
 }
 
+# A key's moves in one lower tier, keyed by (state, action). Its tier never
+# holds a key twice: a spill is planned only for an absent key, and a key
+# found there (at start, or by a lookup) changes something only when absent. A read
+# (a load promoting the key through a host slot) keeps it held and counts;
+# eviction takes only keys no read counts. A reset removes what is held at
+# once and a key being written when its stale spill ends; a read ending
+# after its key was removed changes nothing.
+TIER_KEY_MOVES: dict[tuple[K, str], K] = {
+    (K.ABSENT, "spill_planned"): K.WRITING,
+    (K.WRITING, "spill_written"): K.HELD,
+    (K.WRITING, "spill_failed"): K.ABSENT,  # any partial copy removed
+    (K.WRITING, "reset"): K.WRITING,  # removed when its spill ends, stale
+    (K.WRITING, "spill_ended_stale"): K.ABSENT,
+    (K.ABSENT, "found"): K.HELD,
+    (K.WRITING, "found"): K.WRITING,  # already known: nothing changes
+    (K.HELD, "found"): K.HELD,
+    (K.HELD, "read_planned"): K.HELD,  # read count + 1
+    (K.HELD, "read_ended"): K.HELD,  # read count - 1; most recently used
+    (K.HELD, "read_failed"): K.ABSENT,  # a damaged copy is removed
+    (K.ABSENT, "read_ended"): K.ABSENT,  # removed by a reset while read
+    (K.ABSENT, "read_failed"): K.ABSENT,
+    (K.HELD, "evicted"): K.ABSENT,  # only with read count 0
+    (K.HELD, "reset"): K.ABSENT,
+}
+
+# A transfer's life: started by the reducer (a store, a load, a spill), ended
+# by its last worker's report. A report from a worker that already reported,
+# or for a job not in flight, is a protocol violation (no row). Only a store
+# is flushed; a reset makes any job stale (its outcome no longer counts)
+# without changing its stage.
+JOB_MOVES: dict[tuple[J | None, str], J | None] = {
+    (None, "started"): J.IN_FLIGHT,
+    (J.IN_FLIGHT, "worker_reported"): J.IN_FLIGHT,  # other workers still to report
+    (J.IN_FLIGHT, "last_worker_reported"): GONE,
+    (J.IN_FLIGHT, "flushed"): J.FLUSHED,
+    (J.FLUSHED, "worker_reported"): J.FLUSHED,
+    (J.FLUSHED, "last_worker_reported"): GONE,
+    (J.IN_FLIGHT, "reset"): J.IN_FLIGHT,
+    (J.FLUSHED, "reset"): J.FLUSHED,
+}
+
+
+def sources(moves: dict, action: str) -> frozenset:
+    """The states an action may start from, in one of the tables."""
+    return frozenset(state for state, act in moves if act == action)
+
 
 def request_move(status: R | None, kind: str) -> tuple[bool, R | None]:
     """(legal, next status)."""
@@ -72,6 +123,14 @@ def request_move(status: R | None, kind: str) -> tuple[bool, R | None]:
 
 def slot_move(state: S, action: str) -> S:
     return SLOT_MOVES[(state, action)]
+
+
+def tier_key_move(state: K, action: str) -> K:
+    return TIER_KEY_MOVES[(state, action)]
+
+
+def job_move(stage: J | None, action: str) -> J | None:
+    return JOB_MOVES[(stage, action)]
 
 
 def moves_by_kind(moves: dict[tuple[R | None, str], R | None]) -> dict[str, dict[R | None, R | None]]:

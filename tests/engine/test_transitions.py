@@ -11,15 +11,27 @@ import pytest
 
 from kvledger.adapters.log_files import open_log
 from kvledger.adapters.testing.simulator import Simulator, run_random
-from kvledger.engine import checks, reducer
+from kvledger.engine import checks, queries, reducer
+from kvledger.engine import effects as fx
 from kvledger.engine.invariants import check
 from kvledger.engine.render import render
 from kvledger.engine.replay import replay
+from kvledger.engine.state import JobStage as J
 from kvledger.engine.state import RequestStatus as R
 from kvledger.engine.state import SlotState as S
-from kvledger.engine.transitions import REQUEST_MOVES, SLOT_MOVES, request_move, slot_move
+from kvledger.engine.state import TierKeyState as K
+from kvledger.engine.transitions import (
+    JOB_MOVES,
+    REQUEST_MOVES,
+    SLOT_MOVES,
+    TIER_KEY_MOVES,
+    job_move,
+    request_move,
+    slot_move,
+    tier_key_move,
+)
 from kvledger.events import types as ev
-from tests.engine.builders import Engine, chain, full_only_config, key, make_config
+from tests.engine.builders import FULL, Engine, chain, full_only_config, key, make_config, only
 
 A = chain(5, "a")
 STATUSES: list[R | None] = [None, *R]
@@ -319,6 +331,190 @@ def test_an_orphaned_slot_stays_stored_until_its_last_load_ends():
     assert e.core.slot_key[slot] not in e.core.slot_of_key
     assert e.core.slot_state[slot] == S.STORED and e.core.slot_loads[slot] == 1
     check(e.state)
+
+
+# Keys in a lower tier
+
+
+def _tiered(slots: int = 8, disk: int = 16) -> Engine:
+    return Engine(make_config(groups=(FULL,), num_tier_slots=slots,
+                              lower_tiers=({"name": "1:fs", "num_blocks": disk},)))
+
+
+def _storing(e: Engine) -> fx.StartStore:
+    e.add("a", 64)
+    e.alloc("a", (1, 2))
+    (store,) = e.step(("a", 0, 64))
+    return store
+
+
+def _writing() -> tuple[Engine, fx.StartSpill]:
+    e = _tiered()
+    (spill,) = only(e.store_done(_storing(e).job_id), fx.StartSpill)
+    return e, spill
+
+
+def _held(e: Engine, rid: str = "a", blocks=(1, 2, 3), tag: str = "a") -> None:
+    e.run_and_store(rid, 32 * len(blocks), blocks, tag=tag)  # stored, then written through
+    e.apply(ev.RequestFinished(request_id=rid, block_ids=(blocks,)))
+
+
+def _reading() -> tuple[Engine, fx.StartLoad]:
+    """A document on disk only (host memory refilled by another), and a load promoting it."""
+    e = _tiered()
+    _held(e)
+    _held(e, "filler", (10, 11, 12, 13, 14, 15, 16, 17), tag="z")
+    e.add("b", 100)
+    (load,) = only(e.alloc("b", (20, 21, 22, 23), ext=96), fx.StartLoad)
+    return e, load
+
+
+def tier_key_scenarios() -> dict:
+    """For each (state, action) of `TIER_KEY_MOVES`, a run that moves one key of
+    tier 1 that way once: (engine, key, act)."""
+    first = key(chain(1)[0], 0)
+
+    def found(k: bytes):
+        return lambda e: e.apply(ev.TierKeysFound(tier=1, keys=(k,)))
+
+    scenarios = {}
+    e = _tiered()
+    store = _storing(e)
+    scenarios[(K.ABSENT, "spill_planned")] = (e, store.keys[0][0], lambda e: e.store_done(store.job_id))
+    for action, act in (
+        ("spill_written", lambda e, spill: e.store_done(spill.job_id)),
+        ("spill_failed", lambda e, spill: e.apply(ev.StoreFailed(job_id=spill.job_id, keys=(spill.keys[0][0],)))),
+        ("reset", lambda e, spill: e.apply(ev.CacheReset(epoch=1))),
+        ("found", lambda e, spill: e.apply(ev.TierKeysFound(tier=1, keys=(spill.keys[0][0],)))),
+    ):
+        e, spill = _writing()
+        scenarios[(K.WRITING, action)] = (e, spill.keys[0][0], lambda e, act=act, spill=spill: act(e, spill))
+    e, spill = _writing()
+    e.apply(ev.CacheReset(epoch=1))
+    scenarios[(K.WRITING, "spill_ended_stale")] = (e, spill.keys[0][0], lambda e: e.store_done(spill.job_id))
+    other = key(chain(1, "other")[0], 0)
+    scenarios[(K.ABSENT, "found")] = (_tiered(), other, found(other))
+    e = _tiered()
+    _held(e)
+    scenarios[(K.HELD, "found")] = (e, first, found(first))
+    e = _tiered()
+    _held(e)
+    scenarios[(K.HELD, "reset")] = (e, first, lambda e: e.apply(ev.CacheReset(epoch=1)))
+    e = _tiered(slots=16, disk=4)
+    _held(e)
+    scenarios[(K.HELD, "evicted")] = (e, first, lambda e: _held(e, "b", (4, 5), tag="b"))
+    e = _tiered()
+    _held(e)
+    _held(e, "filler", (10, 11, 12, 13, 14, 15, 16, 17), tag="z")
+    e.add("b", 100)
+    scenarios[(K.HELD, "read_planned")] = (e, first, lambda e: e.alloc("b", (20, 21, 22, 23), ext=96))
+    for state in (K.HELD, K.ABSENT):
+        for action in ("read_ended", "read_failed"):
+            e, load = _reading()
+            if state is K.ABSENT:
+                e.apply(ev.CacheReset(epoch=1))  # removes the key while the load reads it
+            act = ((lambda e, load=load: e.load_done(load.job_id)) if action == "read_ended" else
+                   (lambda e, load=load: e.apply(ev.LoadFailed(job_id=load.job_id, block_ids=(20,),
+                                                               keys=(load.keys[0][0],)))))
+            scenarios[(state, action)] = (e, load.keys[0][0], act)
+    return scenarios
+
+
+def test_every_tier_key_move_has_a_scenario():
+    assert set(TIER_KEY_MOVES) == set(tier_key_scenarios())
+
+
+@pytest.mark.parametrize("pair", list(TIER_KEY_MOVES), ids=lambda p: f"{p[0].value}-{p[1]}")
+def test_every_tier_key_move(pair):
+    state, action = pair
+    e, k, act = tier_key_scenarios()[pair]
+    assert queries.tier_key_state(e.state, 1, k) is state
+    reads = e.core.lower[0].reading.get(k, 0)
+    act(e)
+    assert queries.tier_key_state(e.state, 1, k) is tier_key_move(state, action) is TIER_KEY_MOVES[pair]
+    delta = {"read_planned": 1, "read_ended": -1, "read_failed": -1}.get(action, 0)
+    assert e.core.lower[0].reading.get(k, 0) == reads + delta
+    check(e.state)
+
+
+def test_a_key_being_read_is_not_evicted():
+    e, load = _reading()
+    read = load.keys[0][0]
+    _held(e, "c", (30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46), tag="c")  # past capacity
+    assert queries.tier_key_state(e.state, 1, read) is K.HELD
+    check(e.state)
+
+
+# Jobs
+
+
+def job_scenarios() -> dict:
+    """For each (stage, action) of `JOB_MOVES`, a run that moves store job 1 that way: (engine, act)."""
+    def running(world_size: int = 1) -> Engine:
+        e = Engine(make_config(groups=(FULL,), num_tier_slots=8, world_size=world_size))
+        e.add("a", 64)
+        e.alloc("a", (1, 2))
+        return e
+
+    def flushed(world_size: int = 1) -> Engine:
+        e = running(world_size)
+        e.step(("a", 0, 64))
+        e.finish("a")
+        e.add("b", 64, tag="b")
+        assert e.alloc("b", (1, 20)) == (fx.FlushStores(job_ids=(1,)),)
+        return e
+
+    def started(world_size: int = 1) -> Engine:
+        e = running(world_size)
+        e.step(("a", 0, 64))
+        return e
+
+    def reset(e: Engine) -> tuple:
+        return e.apply(ev.CacheReset(epoch=1))
+
+    return {
+        (None, "started"): (running(), lambda e: e.step(("a", 0, 64))),
+        (J.IN_FLIGHT, "worker_reported"): (started(2), lambda e: e.store_done(1, worker=0)),
+        (J.IN_FLIGHT, "last_worker_reported"): (started(), lambda e: e.store_done(1)),
+        (J.IN_FLIGHT, "flushed"): (
+            (lambda e: (e.finish("a"), e.add("b", 64, tag="b")) and e)(started()),
+            lambda e: e.alloc("b", (1, 20))),
+        (J.FLUSHED, "worker_reported"): (flushed(2), lambda e: e.store_done(1, worker=1)),
+        (J.FLUSHED, "last_worker_reported"): (flushed(), lambda e: e.store_done(1)),
+        (J.IN_FLIGHT, "reset"): (started(), reset),
+        (J.FLUSHED, "reset"): (flushed(), reset),
+    }
+
+
+def test_every_job_move_has_a_scenario():
+    assert set(JOB_MOVES) == set(job_scenarios())
+
+
+@pytest.mark.parametrize("pair", list(JOB_MOVES), ids=lambda p: f"{p[0].value if p[0] else 'new'}-{p[1]}")
+def test_every_job_move(pair):
+    stage, action = pair
+    e, act = job_scenarios()[pair]
+    assert queries.job_stage(e.state, 1) is stage
+    act(e)
+    assert queries.job_stage(e.state, 1) is job_move(stage, action) is JOB_MOVES[pair]
+    if action == "reset":
+        assert e.core.jobs[1].stale
+    check(e.state)
+
+
+@pytest.mark.parametrize("stage", [None, J.IN_FLIGHT], ids=["ended", "reported"])
+def test_a_report_without_a_row_is_a_violation(stage):
+    """No job, or a worker that already reported: not in the table, so refused."""
+    e = Engine(make_config(groups=(FULL,), num_tier_slots=8, world_size=2))
+    e.add("a", 64)
+    e.alloc("a", (1, 2))
+    e.step(("a", 0, 64))
+    e.store_done(1, worker=0)
+    if stage is None:
+        e.store_done(1, worker=1)
+    assert queries.job_stage(e.state, 1) is stage
+    with pytest.raises(reducer.ProtocolViolation):  # worker 0 again
+        reducer.reduce(e.state, ev.StoreCompleted(job_id=1, worker_index=0), strict=True)
 
 
 # The rendered doc
