@@ -7,6 +7,9 @@ file-system tier's directory exists or is made, takes a file and has room; a
 Valkey tier's server answers (or, with `on_unreachable: "warn"`, the tier
 starts down and comes up when the server does). Parsing again, as the worker
 process does, finds the same answers.
+
+Each type's settings class and parser are here; its row in
+`tier_types.TIER_TYPES` names them, with everything else the type does.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pwd
 import stat
 import tempfile
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -71,18 +74,20 @@ class FsTierSettings:
 
 
 def parse_tiers(raw: list | tuple) -> tuple[TierSettings, ...]:
+    from kvledger.adapters.tier_types import TIER_TYPES  # its rows name this module's classes and parsers
+
     tiers = []
     for index, entry in enumerate(raw):
         where = f"secondary_tiers[{index}]"
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where} must be a dict, got {entry!r}")
-        supported = ", ".join(map(repr, _TIER_TYPES))
+        supported = ", ".join(map(repr, TIER_TYPES))
         if "type" not in entry:
             raise ConfigError(f"{where} needs a 'type': one of {supported}")
         kind = entry["type"]
-        if kind not in _TIER_TYPES:
+        if kind not in TIER_TYPES:
             raise ConfigError(f"{where}.type {kind!r} is not supported; supported types: {supported}")
-        keys, parse = _TIER_TYPES[kind]
+        keys, parse = TIER_TYPES[kind].keys, TIER_TYPES[kind].parse
         unknown = sorted(set(entry) - set(keys) - set(SECRET_KEYS) - {"type"})
         if unknown:
             raise ConfigError(
@@ -130,7 +135,7 @@ def _positive_int(where: str, value: Any) -> int:
     return value
 
 
-def _parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
+def parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
     paths = {}
     for name in ("path", "root_dir"):  # root_dir: vLLM 0.33's name
         if name in entry:
@@ -198,7 +203,7 @@ class ValkeyTierSettings:
     kind: ClassVar[str] = "valkey"
 
 
-TierSettings = FsTierSettings | ValkeyTierSettings
+TierSettings = FsTierSettings | ValkeyTierSettings  # each has its row in `tier_types.TIER_TYPES`
 
 
 def _parse_url(where: str, url: Any) -> tuple[str, int, bool, int, str | None, str | None]:
@@ -233,7 +238,7 @@ def _parse_url(where: str, url: Any) -> tuple[str, int, bool, int, str | None, s
             unquote(parts.username) if parts.username else None, unquote(parts.password) if parts.password else None)
 
 
-def _parse_valkey_tier(where: str, entry: Mapping[str, Any]) -> ValkeyTierSettings:
+def parse_valkey_tier(where: str, entry: Mapping[str, Any]) -> ValkeyTierSettings:
     if ("url" in entry) == ("urls" in entry):
         raise ConfigError(f"{where} needs 'url' (a server, 'redis://HOST:PORT') or 'urls' (a cluster's seed "
                           f"nodes), one of them")
@@ -322,14 +327,6 @@ def _check_reachable(where: str, tier: ValkeyTierSettings) -> None:
         _log.warning("tier_unreachable_at_start", where=where, server=tier.server.where, error=str(exc))
     finally:
         store.close()
-
-
-# A tier type: the keys its dict takes (besides 'type'), and its parser.
-_TIER_TYPES: dict[str, tuple[tuple[str, ...], Callable[[str, Mapping[str, Any]], TierSettings]]] = {
-    FsTierSettings.kind: (("path", "root_dir", "capacity_bytes", "threads", "shared", "group"), _parse_fs_tier),
-    ValkeyTierSettings.kind: (("url", "urls", "cluster", "password_env", "capacity_bytes", "timeout_s",
-                               "connections", "on_unreachable", "tls_ca_file", "key_prefix"), _parse_valkey_tier),
-}
 
 
 def _make_writable_dir(where: str, path: str, gid: int | None = None) -> None:

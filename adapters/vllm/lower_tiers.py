@@ -18,30 +18,31 @@ as `tier_keys_found`) and, when other processes share the directory, by an
 asynchronous lookup of the keys a new request would need
 (`get_num_new_matched_tokens` answers None until the lookup does, for at
 most `LOOKUP_TIMEOUT_S`). The worker moves the bytes (`FsTierIO`).
+
+What differs between tier types (the scan, the lookups, the worker's I/O)
+is their row in `adapters/tier_types.py:TIER_TYPES`; nothing here branches
+on a tier's type.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
 
-from kvledger.adapters.settings import ConnectorSettings, FsTierSettings, TierSettings, ValkeyTierSettings
+from kvledger.adapters.settings import ConnectorSettings, TierSettings
+from kvledger.adapters.tier_types import WorkerSite, tier_type
 from kvledger.adapters.vllm.chain_keys import CRYPTOGRAPHIC, FAST, KEYED
 from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, tp_replicas, write_identity
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, LowerTierSpec
-from kvledger.transfers.block_file import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
 from kvledger.transfers.block_seal import derive
-from kvledger.transfers.fs_tier import FsTierIO, files_present, scan_keys
 from kvledger.transfers.key_lookups import Find, KeyLookups
 from kvledger.transfers.replica_tier import ReplicaTierIO
 from kvledger.transfers.tier_jobs import TierIO
-from kvledger.transfers.valkey_store import ValkeyStore
-from kvledger.transfers.valkey_tier import Health, ValkeyTierIO, keys_present
+from kvledger.transfers.valkey_tier import Health
 
 _log = structlog.get_logger("kvledger.adapters.vllm.lower_tiers")
 
@@ -80,9 +81,7 @@ def tier_name(index: int, tier: TierSettings) -> str:
 
 def _header_bytes(tier: TierSettings) -> int:
     """What a block costs a tier besides its bytes: a file's header, a value's (at most)."""
-    if isinstance(tier, FsTierSettings):
-        return HEADER_BYTES
-    return compact_header_bytes(bytes(KEY_BYTES_MAX), sealed=tier.secret.current is not None)
+    return tier_type(tier).header_bytes(tier)
 
 
 def tier_copies(vllm_config: Any, kv_cache_config: Any, world_size: int) -> int:
@@ -121,8 +120,8 @@ class SchedulerTiers:
             namespace(identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size, weights_version=weights,
                                block_keys=self.block_keys))
             for rank in range(world_size)))
-        self.health: dict[int, Health] = {}  # per Valkey tier, as the scheduler's lookups see the server
-        self._stores: list[ValkeyStore] = []
+        self.health: dict[int, Health] = {}  # per tier on a server, as the scheduler's lookups see the server
+        self._closes: list[Callable[[], None]] = []
         self._lookups = {index: KeyLookups(self._finder(index, tier), tier_name(index, tier))
                          for index, tier in enumerate(self.tiers, start=1) if tier.shared}
         self._asked: dict[str, float] = {}  # request -> when its lookup was sent (answered ones are dropped)
@@ -133,31 +132,31 @@ class SchedulerTiers:
         self._found: list[ev.TierKeysFound] = []
         # Per tier, keys this process asked its workers to remove, oldest first. A lookup can see
         # such a file before the worker has removed it: finding it would offer a block that is gone.
-        # A Valkey tier deletes nothing (the store is shared), so it needs none.
+        # A Valkey tier deletes nothing (the store is shared), so it needs none (`TierType.tombstones`).
         self._tombstones: dict[int, dict[bytes, None]] = {
-            index: {} for index in self._lookups if isinstance(self.tiers[index - 1], FsTierSettings)}
+            index: {} for index in self._lookups if tier_type(self.tiers[index - 1]).tombstones}
 
     def _finder(self, index: int, tier: TierSettings) -> Find:
-        if isinstance(tier, FsTierSettings):
-            return functools.partial(files_present, tier.path, self.namespaces)
-        store = ValkeyStore(tier.server)  # used by the lookups' thread alone
-        self._stores.append(store)
-        self.health[index] = Health(tier_name(index, tier), tier.server.where)
-        return functools.partial(keys_present, store, self.health[index], self.namespaces,
-                                 key_prefix=tier.key_prefix)
+        lookup = tier_type(tier).lookup(tier, tier_name(index, tier), self.namespaces)
+        if lookup.health is not None:
+            self.health[index] = lookup.health
+        if lookup.close is not None:
+            self._closes.append(lookup.close)
+        return lookup.find
 
     def startup_events(self) -> list[ev.TierKeysFound]:
         """What each tier holds now: blocks every rank has, oldest first."""
         events = []
         for index, tier in enumerate(self.tiers, start=1):
-            if not isinstance(tier, FsTierSettings):
+            row = tier_type(tier)
+            if row.scan is None:
                 continue  # a store shared by many instances is not scanned: lookups find what requests need
             started = time.perf_counter()
-            keys = scan_keys(tier.path, self.namespaces[0])
+            keys = row.scan(tier, self.namespaces[0])
             for other in self.namespaces[1:]:
-                theirs = set(scan_keys(tier.path, other))
+                theirs = set(row.scan(tier, other))
                 keys = [k for k in keys if k in theirs]
-            _log.info("tier_scanned", tier=tier_name(index, tier), path=tier.path, keys=len(keys),
+            _log.info("tier_scanned", tier=tier_name(index, tier), **row.where(tier), keys=len(keys),
                       seconds=round(time.perf_counter() - started, 3))
             if keys:
                 events.append(ev.TierKeysFound(tier=index, keys=tuple(keys)))
@@ -245,8 +244,8 @@ class SchedulerTiers:
     def close(self) -> None:
         for lookups in self._lookups.values():
             lookups.close()
-        for store in self._stores:
-            store.close()
+        for close in self._closes:
+            close()
 
 
 def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any, *, rank: int,
@@ -261,20 +260,10 @@ def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_co
     ios: dict[int, TierIO] = {}
     for index, tier in enumerate(settings.secondary_tiers, start=1):
         name = tier_name(index, tier)
-        io: FsTierIO | ValkeyTierIO
-        if isinstance(tier, ValkeyTierSettings):
-            io = ValkeyTierIO(server=tier.server, name=name, namespace=space, rows=rows,
-                              payload_bytes=payload_bytes, connections=tier.connections, seal=tier.secret.seal(),
-                              key_prefix=tier.key_prefix)
-            where = {"server": tier.server.where}
-        else:
-            write_identity(tier.path, space, ident, gid=tier.gid)
-            io = FsTierIO(root=tier.path, namespace=space, rows=rows, payload_bytes=payload_bytes,
-                          threads=tier.threads, seal=tier.secret.seal(), gid=tier.gid)
-            if writes:  # the namespace's writer clears what its crashed predecessors left
-                io.remove_leftovers()
-            where = {"path": tier.path}
+        row = tier_type(tier)
+        io = row.open_io(tier, WorkerSite(name=name, namespace=space, identity=ident, write_identity=write_identity,
+                                           rows=rows, payload_bytes=payload_bytes, writes=writes))
         ios[index] = io if writes else ReplicaTierIO(io)
-        _log.info("tier_opened", tier=name, **where, namespace=space.hex(), rank=rank, writes=writes,
+        _log.info("tier_opened", tier=name, **row.where(tier), namespace=space.hex(), rank=rank, writes=writes,
                   sealed=tier.secret.current is not None, encrypted=tier.secret.encrypt)
     return ios

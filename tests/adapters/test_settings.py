@@ -566,12 +566,17 @@ def _readme_table_after(heading: str) -> set[str]:
     return {row.split("`")[1] for row in rows.splitlines() if row.startswith("| `")}
 
 
+# Each tier type's section of the README, whose key table lists what its row's parser takes.
+README_TIER_SECTIONS = {"fs": "### A disk tier below host memory", "valkey": "### A shared tier on Valkey"}
+
+
 def test_the_readme_tables_name_every_key_of_each_tier_type_and_of_fault_injection():
-    from kvledger.adapters import settings, tier_settings
+    from kvledger.adapters import settings, tier_settings, tier_types
 
     assert _readme_table_after("#### `fault_injection`") == set(settings._FAULT_FIELDS)
-    for kind, heading in (("fs", "### A disk tier below host memory"), ("valkey", "### A shared tier on Valkey")):
-        keys, _ = tier_settings._TIER_TYPES[kind]
+    assert set(README_TIER_SECTIONS) == set(tier_types.TIER_TYPES), "every tier type needs its README section"
+    for kind, heading in README_TIER_SECTIONS.items():
+        keys = tier_types.TIER_TYPES[kind].keys
         assert _readme_table_after(heading) == {*keys, *tier_settings.SECRET_KEYS}, kind
 
 
