@@ -31,13 +31,14 @@ from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
 from kvledger.adapters.vllm.chain_keys import ChainKeys, generation_root
 from kvledger.adapters.vllm.kv_events import TierEvents
-from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, tier_name
+from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
+from kvledger.adapters.vllm.metric_deltas import MetricDeltas
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.lookup import LookupResult, lookup
 from kvledger.engine.planner import Admission, new_hashes, plan_step
-from kvledger.engine.state import STATS_FIELDS, RequestStatus
+from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, EngineConfig, StoreMode
 from kvledger.events.keys import hex_keys
@@ -51,23 +52,6 @@ if TYPE_CHECKING:
 _log = structlog.get_logger("kvledger.adapters.vllm.scheduler")
 
 _FAILURES = frozenset((ev.StoreFailed, ev.LoadFailed))
-
-# Engine totals reported as counters: the stats carry their change since the last report.
-_COUNTED = tuple((STATS_FIELDS.index(field), metric) for field, metric in (
-    ("hit_tokens", m.HIT_TOKENS), ("loads", m.LOADS), ("stores", m.STORES),
-    ("store_rejections", m.ALLOCATION_FAILURE), ("load_failures", m.LOAD_FAILURES),
-    ("store_failures", m.STORE_FAILURES), ("keys_failed", m.FAILED_BLOCKS),
-    ("flushes", m.FLUSHES), ("jobs_flushed", m.FLUSHED_JOBS)))
-
-
-_TIER_COUNTED = (("keys_read", m.TIER_KEYS_READ), ("keys_written", m.TIER_KEYS_WRITTEN),
-                 ("keys_found", m.TIER_FOUND))
-
-# Keys leaving a tier, counted from the engine's notifications by their reason: its totals
-# (`evictions`) count an eviction and a reset's drop alike. Failed keys have counters of their own.
-_HOST_DROPS = {fx.Reason.EVICTED: m.EVICTIONS, fx.Reason.RESET: m.RESET_DROPPED}
-_TIER_DROPS = {fx.Reason.EVICTED: m.TIER_EVICTIONS, fx.Reason.RESET: m.TIER_RESET_DROPPED}
-
 
 class LedgerScheduler:
     """`tier_events` is given when vLLM publishes KV cache events."""
@@ -99,17 +83,9 @@ class LedgerScheduler:
         self._admitted: list[Admission] = []  # this step's, in vLLM's order
         self._promised = 0  # host slots this step's admitted hits take (promotions, and keys they pin)
         self._pending_promotions: dict[str, int] = {}  # slots each request's last hit would take
-        self._step = 0
-        self._epoch = 0
         self.tier_events = tier_events
-        self._violations = 0
-        self._reported = (0,) * len(STATS_FIELDS)  # engine totals at the last stats report
-        self._gauges: tuple[int, ...] = ()  # the host tier's gauges as last reported
-        self._tier_reported: dict[tuple[str, str], int] = {}  # each lower tier's, likewise
-        self._dropped: dict[tuple[m.Metric, str], int] = {}  # keys evicted or reset away since the last report
         self._tier_names = tuple(tier.name for tier in config.lower_tiers)
-        self._log_failure_reported = False
-        self._lookup_seconds: list[float] = []
+        self._metrics = MetricDeltas(self._tier_names)
         self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
         self._tiers = tiers
         self._chain = self._chain_keys(tiers.key_root) if tiers is not None else None
@@ -141,24 +117,18 @@ class LedgerScheduler:
                     if type(effect) is fx.DropTierKeys:
                         if self._tiers is not None:
                             self._tiers.removed(effect.tier, effect.keys)
-                        self._count_drop(_TIER_DROPS.get(effect.reason), self._tier_names[effect.tier - 1],
-                                         effect.keys)
+                        self._metrics.tier_keys_dropped(effect)
         for event in events:
             if failures and type(event) in _FAILURES:
                 job = jobs.get(event.job_id)  # type: ignore[union-attr]
                 _log.warning(event.kind, request_id=None if job is None else job.request_id,
                              job_id=event.job_id, worker_index=event.worker_index,  # type: ignore[union-attr]
-                             keys=hex_keys(event.keys), step=self._step)  # type: ignore[union-attr]
+                             keys=hex_keys(event.keys), step=self._position.step_index)  # type: ignore[union-attr]
         if everyone:
             assert self.tier_events is not None
             self.tier_events.observe(events, [k for job in jobs.values() for k in job.keys], effects,
                                      self.host.state)
         return effects
-
-    def _count_drop(self, metric: m.Metric | None, tier: str, keys: tuple[bytes, ...]) -> None:
-        if metric is not None and keys:
-            mark = (metric, tier)
-            self._dropped[mark] = self._dropped.get(mark, 0) + len(keys)
 
     def _carry_out(self, effects: tuple[fx.Effect, ...], jobs: dict[int, queries.JobView]) -> None:
         """The scheduler's own effects and the notifications; the workers' wait for the
@@ -174,13 +144,18 @@ class LedgerScheduler:
                 self._block_pool.free_blocks(effect.block_ids)
         for effect in routed[fx.Phase.NOTIFICATION]:
             if type(effect) is fx.KeysEvicted:
-                self._count_drop(_HOST_DROPS.get(effect.reason), "", effect.keys)
+                self._metrics.keys_evicted(effect)
             elif isinstance(effect, fx.ReportViolation):
-                self._violations += 1
+                self._metrics.violation()
                 job = jobs.get(effect.job_id) or queries.job_view(self.host.state, effect.job_id)
                 _log.error("protocol_violation", code=effect.code, message=effect.message,
                            event_kind=effect.event_kind, request_id=effect.request_id, job_id=effect.job_id,
-                           keys=hex_keys(() if job is None else job.keys), step=self._step)
+                           keys=hex_keys(() if job is None else job.keys), step=self._position.step_index)
+
+    @property
+    def _position(self) -> queries.Position:
+        """The engine's step and epoch: the last step and reset it took."""
+        return queries.position(self.host.state)
 
     # vLLM's scheduler-side calls.
 
@@ -222,13 +197,13 @@ class LedgerScheduler:
             # Keys beyond the hit that another process may have written: look once.
             wanted = queries.unknown_keys(self.host.state, rid, num_computed_tokens + result.num_hit_tokens)
             if tiers.ask(rid, wanted):
-                self._lookup_seconds.append(time.perf_counter() - started)
+                self._metrics.lookup_delay(time.perf_counter() - started)
                 return None, False  # the lookup's answer enters the log before the next try
             found = tiers.answers()
             if found:
                 self._apply(list(found))
                 result = lookup(self.host.state, rid, num_computed_tokens, self._promised)
-        self._lookup_seconds.append(time.perf_counter() - started)
+        self._metrics.lookup_delay(time.perf_counter() - started)
         if not result.ready:
             return None, False  # a needed key is still being stored or loaded: ask next step
         hit = result.num_hit_tokens
@@ -247,15 +222,13 @@ class LedgerScheduler:
         assert self._tables, "bind_kv_cache_manager was not called"
         scheduled = scheduler_output.num_scheduled_tokens
         events = plan_step(
-            self.host.state, step_index=self._step + 1, preempted=scheduler_output.preempted_req_ids or (),
+            self.host.state, step_index=self._position.step_index + 1, preempted=scheduler_output.preempted_req_ids or (),
             scheduled=scheduled, admissions=self._admitted, requests=self._requests, tables=self._tables,
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
             keys_of=self._keys_of, cached=scheduler_output.scheduled_cached_reqs, sessions=self._sessions)
         self._admitted = []
         self._promised = 0
         self._pending_promotions.clear()
-        if scheduled:
-            self._step += 1
         self._apply(events)
         carried, self._carried = self._carried, []  # this step's, after those of calls since the last
         return KVLedgerMetadata.from_effects(carried)
@@ -283,76 +256,8 @@ class LedgerScheduler:
         return False, None  # blocks are freed now; the engine flushes stores that still read them
 
     def take_stats(self) -> m.KVLedgerStats | None:
-        """What the engine counted since the last report, and the host tier's
-        gauges when one moved (a gauge keeps its last value); None when
-        nothing moved, as on most steps (vLLM asks every step)."""
-        state = self.host.state
-        totals = queries.totals(state)
-        tier = queries.tier_usage(state)
-        # Slots a transfer holds (vLLM 0.33's "pinned"): every used one but the evictable,
-        # of them those being read; the rest are being stored into.
-        gauges = (tier.used_slots, tier.capacity_slots, queries.num_jobs_in_flight(state),
-                  tier.used_slots - tier.evictable_keys, tier.loading_slots)
-        counted = totals != self._reported
-        gauged = gauges != self._gauges
-        log_failed = self.host.log_failure is not None and not self._log_failure_reported
-        if not (counted or gauged or log_failed or self._violations or self._lookup_seconds or self._dropped
-                or self._tiers is not None or state.core.lower):
-            return None
-        stats = m.KVLedgerStats()
-        if counted:
-            for index, metric in _COUNTED:
-                change = totals[index] - self._reported[index]
-                if change:
-                    stats.add(metric, change)
-            self._reported = totals
-        for (metric, tier_label), count in self._dropped.items():
-            stats.add(metric, count, tier_label)
-        self._dropped.clear()
-        if self._violations:
-            stats.add(m.VIOLATIONS, self._violations)
-        if log_failed:
-            stats.add(m.LOG_FAILURES, 1)
-            self._log_failure_reported = True
-        self._violations = 0
-        for seconds in self._lookup_seconds:
-            stats.add(m.LOOKUP_DELAY, seconds)
-        self._lookup_seconds.clear()
-        if gauged:
-            used, capacity, jobs, pinned, reading = gauges
-            for metric, value in ((m.TIER_USED, used), (m.TIER_CAPACITY, capacity), (m.JOBS_IN_FLIGHT, jobs),
-                                  (m.CPU_USAGE, pinned / capacity), (m.CPU_WRITE_USAGE, (pinned - reading) / capacity),
-                                  (m.CPU_READ_USAGE, reading / capacity)):
-                stats.add(metric, value)
-            self._gauges = gauges
-        for usage in queries.lower_tier_usage(state):
-            stats.add(m.TIER_HELD, usage.held_keys, usage.name)
-            stats.add(m.TIER_BLOCKS_CAPACITY, usage.capacity_blocks, usage.name)
-            for field, metric in _TIER_COUNTED:
-                mark = (usage.name, field)
-                stats.add(metric, usage.counts[field] - self._tier_reported.get(mark, 0), usage.name)
-                self._tier_reported[mark] = usage.counts[field]
-        if self._tiers is not None:
-            self._tier_lookup_stats(stats)
-        return stats
-
-    def _tier_lookup_stats(self, stats: m.KVLedgerStats) -> None:
-        assert self._tiers is not None
-        for index, counts in self._tiers.counts.items():
-            name = tier_name(index, self._tiers.tiers[index - 1])
-            for field, metric in (("lookup_keys", m.TIER_LOOKUP_KEYS), ("lookup_timeouts", m.TIER_LOOKUP_TIMEOUTS)):
-                mark = (name, field)
-                stats.add(metric, counts[field] - self._tier_reported.get(mark, 0), name)
-                self._tier_reported[mark] = counts[field]
-        for index, (asked, found) in self._tiers.answered().items():
-            name = tier_name(index, self._tiers.tiers[index - 1])
-            for field, metric, total in (("chunk_queries", m.TIER_CHUNK_QUERIES, asked),
-                                         ("chunk_hits", m.TIER_CHUNK_HITS, found)):
-                mark = (name, field)
-                stats.add(metric, total - self._tier_reported.get(mark, 0), name)
-                self._tier_reported[mark] = total
-        for index, health in self._tiers.health.items():
-            stats.add(m.TIER_UP, 1 if health.up else 0, tier_name(index, self._tiers.tiers[index - 1]))
+        """What moved since the last report (`MetricDeltas`); None when nothing did."""
+        return self._metrics.take(self.host.state, log_failed=self.host.log_failure is not None, tiers=self._tiers)
 
     def take_events(self) -> list:
         return [] if self.tier_events is None else self.tier_events.take()
@@ -374,17 +279,17 @@ class LedgerScheduler:
         forgotten. With tiers below host memory, a new key generation begins:
         blocks written before the reset, by this process or by any other sharing
         the tier, are never found again under the keys used after it."""
-        self._epoch += 1
+        epoch = self._position.epoch + 1
         tiers = self._tiers
         rekeyed = tiers is not None
         if tiers is not None:
             # Private generations are salted at random: another replica's reset, whatever weights it
             # loaded, never lands on these keys (adapters may draw randomness; the keys enter the log).
             salt = os.urandom(16) if self.settings.key_generations == "private" else b""
-            self._chain = self._chain_keys(generation_root(tiers.key_root, self._epoch, salt))
+            self._chain = self._chain_keys(generation_root(tiers.key_root, epoch, salt))
             self._keys_of = self._chain.keys
             tiers.new_generation()
-        self._apply([ev.CacheReset(epoch=self._epoch, rekeyed=rekeyed)])
+        self._apply([ev.CacheReset(epoch=epoch, rekeyed=rekeyed)])
         return True
 
     def _chain_keys(self, root: bytes) -> ChainKeys:
