@@ -27,11 +27,11 @@ import attrs
 import structlog
 
 from kvledger.events.config import ConfigError
-from kvledger.transfers.block_file import PROBE_PREFIX, make_dir
-from kvledger.transfers.block_file import SUFFIX as BLOCK_FILE_SUFFIX
-from kvledger.transfers.block_seal import SECRET_BYTES_MIN, BlockSeal
-from kvledger.transfers.block_value import KEY_PREFIX
-from kvledger.transfers.valkey_store import StoreDown, ValkeyServer, ValkeyStore
+from kvledger.transfers.lower_tiers.block_file import PROBE_PREFIX, make_dir
+from kvledger.transfers.lower_tiers.block_file import SUFFIX as BLOCK_FILE_SUFFIX
+from kvledger.transfers.lower_tiers.block_seal import SECRET_BYTES_MIN, BlockSeal
+from kvledger.transfers.lower_tiers.block_value import KEY_PREFIX
+from kvledger.transfers.lower_tiers.valkey_store import StoreDown, ValkeyServer, ValkeyStore
 
 _log = structlog.get_logger("kvledger.adapters.tier_settings")
 
@@ -307,7 +307,7 @@ def _check_reachable(where: str, tier: ValkeyTierSettings) -> None:
     that does not verify, or a cluster node named as one server, stops start
     even with on_unreachable: 'warn': the settings are wrong (or someone is in
     the way), and waiting for the server would not mend them."""
-    from kvledger.transfers.valkey_store import BadCertificate
+    from kvledger.transfers.lower_tiers.valkey_store import BadCertificate
 
     store = ValkeyStore(tier.server)
     try:

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from kvledger.adapters.key_lookups import Find
 from kvledger.adapters.tier_settings import (
     FsTierSettings,
     TierSettings,
@@ -34,12 +35,11 @@ from kvledger.adapters.tier_settings import (
     parse_fs_tier,
     parse_valkey_tier,
 )
-from kvledger.transfers.block_file import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
-from kvledger.transfers.fs_tier import FsTierIO, files_present, scan_keys
-from kvledger.transfers.key_lookups import Find
-from kvledger.transfers.tier_jobs import TierIO
-from kvledger.transfers.valkey_store import ValkeyStore
-from kvledger.transfers.valkey_tier import Health, ValkeyTierIO, keys_present
+from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
+from kvledger.transfers.lower_tiers.fs_tier import FsTierIO, files_present, scan_keys
+from kvledger.transfers.lower_tiers.tier_jobs import TierIO
+from kvledger.transfers.lower_tiers.valkey_store import ValkeyStore
+from kvledger.transfers.lower_tiers.valkey_tier import Health, ValkeyTierIO, keys_present
 
 
 @attrs.frozen(kw_only=True)

@@ -56,11 +56,11 @@ import time
 import structlog
 import torch
 
-from kvledger.transfers.backend import CopyJob, Direction
-from kvledger.transfers.driver_copy import driver_batch_copy
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.layout import CanonicalKVCaches, CanonicalRef, CanonicalTensor, CopySpan
-from kvledger.transfers.triton_copy import PROGRAMS, triton_batch_copy
+from kvledger.transfers.copies.backend import CopyJob, Direction
+from kvledger.transfers.copies.driver_copy import driver_batch_copy
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.layout import CanonicalKVCaches, CanonicalRef, CanonicalTensor, CopySpan
+from kvledger.transfers.copies.triton_copy import PROGRAMS, triton_batch_copy
 
 PAGES_KIB = (16, 64, 256, 1024, 2048)
 
@@ -78,7 +78,7 @@ def single_span_layout(rows: torch.Tensor) -> CanonicalKVCaches:
 
 
 def make_backend(layout: CanonicalKVCaches, tier: HostTier):
-    from kvledger.transfers.cpu_backend import CpuBackend
+    from kvledger.transfers.copies.cpu_backend import CpuBackend
 
     return CpuBackend(layout, tier)
 
@@ -209,8 +209,8 @@ tokens (64 spans of 32 KiB), the same with 64-token blocks (64 spans of 128 KiB)
 
 def flash_layout(spec: str, num_blocks: int, device: torch.device) -> CanonicalKVCaches:
     """A FlashAttention KV cache as a vLLM GPU worker registers it: one tensor per layer."""
-    from kvledger.transfers.kv_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from kvledger.transfers.layout import canonicalize
+    from kvledger.transfers.copies.kv_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from kvledger.transfers.copies.layout import canonicalize
 
     layers, heads, head, block = (int(x) for x in spec.split("x"))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
@@ -246,7 +246,7 @@ def event_seconds(fn) -> float:
 
 def measure_cuda(spec: str, total: int, repeats: int, device: torch.device | None = None,
                  programs: tuple[int, ...] = (PROGRAMS,)) -> dict:
-    from kvledger.transfers.cuda_backend import CudaBackend
+    from kvledger.transfers.copies.cuda_backend import CudaBackend
 
     device = device or torch.device("cuda")
     block_bytes = flash_layout(spec, 1, device).slot_bytes

@@ -18,11 +18,15 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from kvledger.adapters.testing.fake_vllm import FakeVllm
-from kvledger.engine.planner import Admission
-from kvledger.events.config import EngineConfig, GroupSpec
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.support
+
+from kvledger.engine.planner import Admission  # noqa: E402
+from kvledger.events.config import EngineConfig, GroupSpec  # noqa: E402
+from tests.support.fake_vllm import FakeVllm  # noqa: E402
 
 BLOCK = 16
 WINDOW = 1024

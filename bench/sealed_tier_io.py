@@ -28,8 +28,10 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import blake3
 import structlog
@@ -39,11 +41,13 @@ from fs_block_io import drop_caches  # the sibling script (bench/ is on sys.path
 from fs_tier_io import file_system, others_busy, tier_job
 from valkey_tier_io import tier as valkey_job
 
-from kvledger.adapters.testing.valkey_servers import ServerProcess
-from kvledger.transfers.block_seal import BlockSeal
-from kvledger.transfers.fs_tier import FsTierIO
-from kvledger.transfers.valkey_store import ValkeyServer
-from kvledger.transfers.valkey_tier import ValkeyTierIO
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.support
+
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal  # noqa: E402
+from kvledger.transfers.lower_tiers.fs_tier import FsTierIO  # noqa: E402
+from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer  # noqa: E402
+from kvledger.transfers.lower_tiers.valkey_tier import ValkeyTierIO  # noqa: E402
+from tests.support.valkey_servers import ServerProcess  # noqa: E402
 
 NAMESPACE = bytes(range(16))
 SECRET = b"bench-secret-0123456789abcdef0123"

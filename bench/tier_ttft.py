@@ -92,7 +92,8 @@ def main() -> None:
     model_dir = str(build_model("small-llama", work / "models"))
     server = None
     if args.store == "valkey":
-        from kvledger.adapters.testing.valkey_servers import ServerProcess
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.support
+        from tests.support.valkey_servers import ServerProcess
 
         server = ServerProcess(maxmemory="2gb")
         where, phases = server.url, (("one", ""), ("two", "valkey"))

@@ -24,16 +24,20 @@ import json
 import re
 import statistics
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import structlog
 import torch
 import valkey
 
-from kvledger.adapters.testing.valkey_servers import ServerProcess
-from kvledger.transfers.valkey_store import ValkeyServer
-from kvledger.transfers.valkey_tier import ValkeyTierIO
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.support
+
+from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer  # noqa: E402
+from kvledger.transfers.lower_tiers.valkey_tier import ValkeyTierIO  # noqa: E402
+from tests.support.valkey_servers import ServerProcess  # noqa: E402
 
 NAMESPACE = bytes(range(16))
 PIPELINE = 32

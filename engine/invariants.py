@@ -1,5 +1,5 @@
-"""The correctness contract (DESIGN.md §Correctness, protocol reference §5.7),
-as checks over the state.
+"""The correctness contract (README.md, "Correctness", states it in prose), as
+checks over the state.
 
 `check(state)` verifies everything, recounting every derived table; it costs
 O(blocks + slots) and runs at digest points and in tests. `check_event`

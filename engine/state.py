@@ -1,12 +1,12 @@
 """The block-state model, held as an owned transient.
 
 At 100k device blocks and 1M tier slots, copying a table per event costs
-milliseconds, and a persistent map costs several microseconds per update
-(see STYLE.md). So the reducer takes ownership of the state's tables,
-changes them in place and returns a new handle; the old handle raises on any
-use. To a caller that never keeps old handles this is indistinguishable from
-an immutable state. `clone()` gives an independent copy when one is needed
-(snapshots for bisect, tests that compare two paths).
+milliseconds, and a persistent map costs several microseconds per update.
+So the reducer takes ownership of the state's tables, changes them in place
+and returns a new handle; the old handle raises on any use. To a caller
+that never keeps old handles this is indistinguishable from an immutable
+state. `clone()` gives an independent copy when one is needed (snapshots for
+bisect, tests that compare two paths).
 """
 
 from __future__ import annotations
@@ -438,11 +438,7 @@ class Core:
         other.stats = self.stats.clone()
         return other
 
-    # Tier queries shared by lookup, the reducer and the invariants.
-
-    def indexed_slot(self, key: bytes) -> int:
-        """The slot serving `key`, or -1 if the key is not in the tier."""
-        return self.slot_of_key.get(key, -1)
+    # Tier slot counts, for lookup, spills (`lower.py`) and the queries.
 
     def num_free_slots(self) -> int:
         return len(self.free_slots) + self.config.num_tier_slots - self.next_fresh_slot

@@ -90,7 +90,7 @@ def mount(tmp_path):
 
 @functools.cache
 def _server_tls() -> tuple[str, bool]:
-    from kvledger.adapters.testing.valkey_servers import server_binary, server_has_tls
+    from tests.support.valkey_servers import server_binary, server_has_tls
 
     binary = server_binary()
     return binary, server_has_tls(binary)
@@ -113,7 +113,7 @@ def needs_tls() -> None:
 @pytest.fixture
 def valkey_server():
     """A real valkey-server on a free loopback port, killed after the test."""
-    from kvledger.adapters.testing.valkey_servers import ServerProcess
+    from tests.support.valkey_servers import ServerProcess
 
     made = []
 
@@ -131,7 +131,7 @@ def valkey_server():
 @pytest.fixture(scope="session")
 def valkey_cluster():
     """Three masters with a replica each, shared by the session's cluster tests."""
-    from kvledger.adapters.testing.valkey_servers import ClusterProcesses
+    from tests.support.valkey_servers import ClusterProcesses
 
     cluster = ClusterProcesses()
     yield cluster

@@ -3,8 +3,9 @@
 engine/ and events/ stay pure: ruff's banned-api rule rejects imports of the
 outside world there. Between kvledger's own packages, import-linter's
 contracts (pyproject.toml) keep the direction events <- engine <- transfers
-<- adapters, keep the testing wing and the CLI out of the connector, and
-vLLM inside the adapters."""
+<- adapters, keep the testing wing and the CLI out of the connector, keep
+the tests' support (tests/support/) out of everything installed, and vLLM
+inside the adapters."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def test_the_package_layers_are_kept() -> None:
     ("events", "from kvledger.engine import state", "events <- engine <- transfers <- adapters"),
     ("transfers", "from kvledger.adapters.testing import simulator", "never imports the testing wing"),
     ("adapters/vllm", "from kvledger.adapters.cli import main", "never imports the testing wing"),
+    ("adapters/cli", "from tests.support import fake_vllm", "Nothing installed imports the tests' support"),
     ("transfers", "import vllm", "Only the adapters import vLLM"),
 ])
 def test_a_wrong_way_import_breaks_a_contract(folder: str, line: str, contract: str) -> None:

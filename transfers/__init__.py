@@ -1,14 +1,12 @@
 """The effect runner: the only code that moves KV bytes.
 
-layout      canonical int8 view of vLLM's registered KV caches (seed #37853)
-specs       the KV cache config fields the layout reads, without vLLM
-host_tier   the pool of host-memory slots
-block_copy  batched gather/scatter of block rows with torch ops
-backend     the interface backends offer: submit, poll, wait, shutdown
-cpu_backend worker threads, for vLLM-CPU's host-resident caches
-cuda_backend streams and events, for GPU caches and a pinned tier
-faults      fault and corruption injection around any backend
-preconditions what an effect must satisfy before any byte moves
-runner      effects in, completion events out
-assemble    all of the above from what vLLM registers
+Two machines under one runner: `copies/` moves blocks between vLLM's KV
+caches and the host tier, `lower_tiers/` between host slots and the tiers
+below host memory.
+
+runner         effects in, completion events out (the worker's phases of `engine.effects.ROUTES`)
+preconditions  what an effect must satisfy before any byte moves
+assemble       the runner and all it drives, from what vLLM registers: one call for the adapter
+copies/        vLLM's KV caches to the host tier and back: layouts, copy backends, fault injection
+lower_tiers/   host slots to a file system or a Valkey store and back: block formats, tier I/O
 """

@@ -6,15 +6,15 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from kvledger.transfers.backend import CopyBackend, Direction
-from kvledger.transfers.copy_descriptors import BatchCopy
-from kvledger.transfers.cpu_backend import CpuBackend
-from kvledger.transfers.faults import DelayingBackend, FaultInjectingBackend, FaultPlan
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.kv_spec import KVCacheConfig
-from kvledger.transfers.layout import CanonicalKVCaches, LayerCaches, canonicalize
+from kvledger.transfers.copies.backend import CopyBackend, Direction
+from kvledger.transfers.copies.copy_descriptors import BatchCopy
+from kvledger.transfers.copies.cpu_backend import CpuBackend
+from kvledger.transfers.copies.faults import DelayingBackend, FaultInjectingBackend, FaultPlan
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.kv_spec import KVCacheConfig
+from kvledger.transfers.copies.layout import CanonicalKVCaches, LayerCaches, canonicalize
+from kvledger.transfers.lower_tiers.tier_jobs import TierIO
 from kvledger.transfers.runner import TransferRunner
-from kvledger.transfers.tier_jobs import TierIO
 
 LowerTierFactory = Callable[[HostTier, CanonicalKVCaches], Mapping[int, TierIO]]
 
@@ -47,8 +47,8 @@ def open_transfers(
     tier = HostTier(capacity_bytes=capacity_bytes, slot_bytes=layout.slot_bytes)
     backend: CopyBackend
     if layout.device.type == "cuda":
-        from kvledger.transfers.batch_copies import own_batch_copy
-        from kvledger.transfers.cuda_backend import CudaBackend
+        from kvledger.transfers.copies.batch_copies import own_batch_copy
+        from kvledger.transfers.copies.cuda_backend import CudaBackend
 
         backend = CudaBackend(layout, tier, batch_copy=batch_copy or own_batch_copy(layout, tier))
     else:

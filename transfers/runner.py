@@ -37,9 +37,9 @@ from kvledger.engine.effects import (
 )
 from kvledger.events.keys import hex_keys
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed, TransferEvent
-from kvledger.transfers.backend import CopyBackend, CopyJob, Direction, JobOutcome, TransferTimeout
+from kvledger.transfers.copies.backend import CopyBackend, CopyJob, Direction, JobOutcome, TransferTimeout
+from kvledger.transfers.lower_tiers.tier_jobs import LowerTierJobs, Position, TierIO, TierStat
 from kvledger.transfers.preconditions import Limits, precondition_error
-from kvledger.transfers.tier_jobs import LowerTierJobs, Position, TierIO, TierStat
 
 _log = structlog.get_logger("kvledger.transfers.runner")
 

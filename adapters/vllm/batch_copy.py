@@ -14,11 +14,11 @@ from collections.abc import Mapping
 import structlog
 import torch
 
-from kvledger.transfers.copy_descriptors import BatchCopy
-from kvledger.transfers.layout import LayerCaches
+from kvledger.transfers.copies.copy_descriptors import BatchCopy
+from kvledger.transfers.copies.layout import LayerCaches
 
 _log = structlog.get_logger("kvledger.adapters.vllm.batch_copy")
-_FALLBACK = "kvledger's own batch copy (transfers/batch_copies.py)"
+_FALLBACK = "kvledger's own batch copy (transfers/copies/batch_copies.py)"
 
 
 def _device_type(kv_caches: Mapping[str, LayerCaches]) -> str:

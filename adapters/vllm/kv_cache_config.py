@@ -19,8 +19,8 @@ from kvledger.events.config import (
     Protection,
     StoreMode,
 )
-from kvledger.transfers import kv_spec as ks
-from kvledger.transfers.host_tier import slots_for
+from kvledger.transfers.copies import kv_spec as ks
+from kvledger.transfers.copies.host_tier import slots_for
 
 
 def _layer_spec(spec: vk.KVCacheSpec, where: str) -> ks.LayerSpec:

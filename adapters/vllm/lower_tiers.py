@@ -32,17 +32,17 @@ from typing import Any
 
 import structlog
 
+from kvledger.adapters.key_lookups import Find, KeyLookups
 from kvledger.adapters.settings import ConnectorSettings, TierSettings
 from kvledger.adapters.tier_types import WorkerSite, tier_type
 from kvledger.adapters.vllm.chain_keys import CRYPTOGRAPHIC, FAST, KEYED
 from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, tp_replicas, write_identity
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, LowerTierSpec
-from kvledger.transfers.block_seal import derive
-from kvledger.transfers.key_lookups import Find, KeyLookups
-from kvledger.transfers.replica_tier import ReplicaTierIO
-from kvledger.transfers.tier_jobs import TierIO
-from kvledger.transfers.valkey_tier import Health
+from kvledger.transfers.lower_tiers.block_seal import derive
+from kvledger.transfers.lower_tiers.replica_tier import ReplicaTierIO
+from kvledger.transfers.lower_tiers.tier_jobs import TierIO
+from kvledger.transfers.lower_tiers.valkey_tier import Health
 
 _log = structlog.get_logger("kvledger.adapters.vllm.lower_tiers")
 

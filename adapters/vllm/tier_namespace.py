@@ -3,8 +3,9 @@
 A block file outlives the process that wrote it, and a shared directory is
 read by other processes. Its bytes are only meaningful to a reader with the
 same model weights, KV dtype, page layout, block size and shard, so each
-block file carries a 16-byte namespace (`transfers/block_file.py`) and lives
-under `root/<namespace hex>/`: a reader that differs in any of these looks
+block file carries a 16-byte namespace in its header
+(`transfers/lower_tiers/block_header.py`) and lives under
+`root/<namespace hex>/`: a reader that differs in any of these looks
 in another directory, and a file moved across is refused by its header.
 
 `identity` gathers those facts from vLLM's configs as a JSON-able dict;
@@ -37,7 +38,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from kvledger.transfers.block_file import FORMAT_VERSION, NAMESPACE_BYTES, aside_path, create_file, make_dir
+from kvledger.transfers.lower_tiers.block_file import aside_path, create_file, make_dir
+from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION, NAMESPACE_BYTES
 
 IDENTITY_FILE = "NAMESPACE.json"
 

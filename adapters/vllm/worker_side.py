@@ -30,9 +30,9 @@ from kvledger.engine.effects import StartLoad
 from kvledger.events.config import ConfigError
 from kvledger.events.types import LoadCompleted, LoadFailed, TransferEvent
 from kvledger.transfers.assemble import Transfers, open_transfers
-from kvledger.transfers.backend import Direction
-from kvledger.transfers.faults import FaultPlan
-from kvledger.transfers.kv_spec import KVCacheConfig
+from kvledger.transfers.copies.backend import Direction
+from kvledger.transfers.copies.faults import FaultPlan
+from kvledger.transfers.copies.kv_spec import KVCacheConfig
 
 from .batch_copy import vllm_batch_copy
 from .kv_cache_config import slot_bytes

@@ -19,7 +19,7 @@ from kvledger.adapters.settings import (
 )
 from kvledger.adapters.vllm_version import UnsupportedVLLMVersion, check_vllm_version
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
-from kvledger.transfers.valkey_store import ValkeyServer
+from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer
 
 pytestmark = pytest.mark.fast
 

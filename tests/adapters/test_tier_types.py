@@ -13,8 +13,8 @@ import pytest
 
 from kvledger.adapters.tier_settings import FsTierSettings, TierSettings, ValkeyTierSettings
 from kvledger.adapters.tier_types import TIER_SETTINGS_TYPES, TIER_TYPES, check_tier_types, tier_type
-from kvledger.transfers.block_file import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
-from kvledger.transfers.valkey_store import ValkeyServer
+from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
+from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

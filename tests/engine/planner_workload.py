@@ -12,11 +12,11 @@ import random
 import sys
 
 from kvledger.adapters.engine_host import EngineHost
-from kvledger.adapters.testing.fake_vllm import FakeVllm
 from kvledger.engine import effects as fx
 from kvledger.engine.planner import Admission
 from kvledger.events import types as ev
 from tests.engine.builders import chain, make_config
+from tests.support.fake_vllm import FakeVllm
 
 BLOCK = 32
 

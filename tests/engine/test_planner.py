@@ -1,5 +1,5 @@
 """The step planner, without vLLM: each case plays vLLM's scheduler by hand
-(adapters/testing/fake_vllm.py), asks for the step's events, checks their exact
+(tests/support/fake_vllm.py), asks for the step's events, checks their exact
 order, and has the engine apply them strictly."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.adapters.testing.fake_vllm import FakeVllm
 from kvledger.engine import queries
 from kvledger.engine.invariants import check
 from kvledger.engine.planner import Admission, new_hashes
@@ -23,6 +22,7 @@ from kvledger.events import types as ev
 from kvledger.events.config import StoreMode
 from tests.engine import planner_workload
 from tests.engine.builders import FULL, SLIDING, chain, full_only_config, key, make_config
+from tests.support.fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.fast
 

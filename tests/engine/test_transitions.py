@@ -14,7 +14,6 @@ from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.engine import checks, queries, reducer
 from kvledger.engine import effects as fx
 from kvledger.engine.invariants import check
-from kvledger.engine.render import render
 from kvledger.engine.replay import replay
 from kvledger.engine.state import JobStage as J
 from kvledger.engine.state import RequestStatus as R
@@ -32,6 +31,7 @@ from kvledger.engine.transitions import (
 )
 from kvledger.events import types as ev
 from tests.engine.builders import FULL, Engine, chain, full_only_config, key, make_config, only
+from tests.support.transitions_doc import render
 
 A = chain(5, "a")
 STATUSES: list[R | None] = [None, *R]

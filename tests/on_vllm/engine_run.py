@@ -218,19 +218,19 @@ def _tamper(spec: dict) -> int:
     right again. Returns how many blocks were rewritten."""
     from pathlib import Path
 
-    from kvledger.transfers import block_file as bf
+    from kvledger.transfers.lower_tiers import block_header as bh
 
     def forged(raw: bytes, head: int, namespace: bytes, key: bytes) -> bytes:
-        fields = bf.check_header("x", raw[:head], namespace, key, len(raw) - head, head, sealed=sealed)
+        fields = bh.check_header("x", raw[:head], namespace, key, len(raw) - head, head, sealed=sealed)
         body = bytes(b ^ 0x5A for b in raw[head:])
-        return bf.encode_header(namespace, key, memoryview(body), head, fields) + body
+        return bh.encode_header(namespace, key, memoryview(body), head, fields) + body
 
     sealed = spec.get("tamper_sealed", True)  # False: the blocks of a tier without a secret
     count = 0
     if spec.get("tamper_dir"):
         for path in Path(spec["tamper_dir"]).rglob("*.kvb"):
             namespace, key = bytes.fromhex(path.parent.parent.name), bytes.fromhex(path.stem)
-            path.write_bytes(forged(path.read_bytes(), bf.HEADER_BYTES, namespace, key))
+            path.write_bytes(forged(path.read_bytes(), bh.HEADER_BYTES, namespace, key))
             count += 1
     if spec.get("tamper_url"):
         import valkey
@@ -239,7 +239,7 @@ def _tamper(spec: dict) -> int:
         for name in client.scan_iter(match=b"kvledger:*"):
             _, space, key_hex = name.split(b":")
             namespace, key = bytes.fromhex(space.decode()), bytes.fromhex(key_hex.decode())
-            client.set(name, forged(client.get(name), bf.compact_header_bytes(key, sealed), namespace, key))
+            client.set(name, forged(client.get(name), bh.compact_header_bytes(key, sealed), namespace, key))
             count += 1
         client.close()
     return count

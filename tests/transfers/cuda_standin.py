@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from kvledger.transfers.cuda_backend import CudaBackend
+from kvledger.transfers.copies.cuda_backend import CudaBackend
 
 
 class FakeStream:

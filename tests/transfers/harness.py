@@ -9,11 +9,11 @@ import torch
 
 from kvledger.engine.effects import StartLoad, StartStore
 from kvledger.transfers.assemble import make_runner
-from kvledger.transfers.backend import CopyJob
-from kvledger.transfers.cpu_backend import CpuBackend
-from kvledger.transfers.faults import FaultPlan
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.layout import CanonicalKVCaches, canonicalize
+from kvledger.transfers.copies.backend import CopyJob
+from kvledger.transfers.copies.cpu_backend import CpuBackend
+from kvledger.transfers.copies.faults import FaultPlan
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.layout import CanonicalKVCaches, canonicalize
 from kvledger.transfers.runner import TransferRunner
 from tests.transfers.layouts import Case, layer_block_addresses
 

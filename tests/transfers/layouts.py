@@ -14,7 +14,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from kvledger.transfers.kv_spec import (
+from kvledger.transfers.copies.kv_spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

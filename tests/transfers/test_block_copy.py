@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.transfers import block_copy
-from kvledger.transfers.block_copy import copy_rows, merge_columns, widest_dtype
+from kvledger.transfers.copies import block_copy
+from kvledger.transfers.copies.block_copy import copy_rows, merge_columns, widest_dtype
 
 
 @st.composite
@@ -169,8 +169,8 @@ def test_a_failed_helper_is_raised_after_the_rest_is_copied(monkeypatch: pytest.
 
 _PINNED_CALLER = """
 import os, threading, torch
-from kvledger.transfers import block_copy
-from kvledger.transfers.block_copy import copy_rows
+from kvledger.transfers.copies import block_copy
+from kvledger.transfers.copies.block_copy import copy_rows
 block_copy.HOST_THREADS_MIN_BYTES = 0
 torch.ones(1 << 20).add_(1)  # starts the OpenMP team, each thread on its place
 src = torch.randint(-128, 128, (64, 64 << 10), dtype=torch.int8)

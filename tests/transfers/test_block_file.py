@@ -14,13 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvledger.transfers.block_file import (
-    HEADER_BYTES,
-    BlockFileError,
-    block_path,
-    read_block_into,
-    write_block,
-)
+from kvledger.transfers.lower_tiers.block_file import block_path, read_block_into, write_block
+from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES, BlockFileError
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvledger.transfers import block_file as bf
-from kvledger.transfers import block_value as bv
-from kvledger.transfers.block_seal import BlockSeal
+from kvledger.transfers.lower_tiers import block_file as bf
+from kvledger.transfers.lower_tiers import block_header as bh
+from kvledger.transfers.lower_tiers import block_value as bv
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal
 
 NS = bytes(range(16))
 KEY = bytes(range(100, 116))
@@ -36,7 +37,7 @@ def read_file(path, seal: BlockSeal | None, size: int = 300_000) -> np.ndarray:
 
 
 def reason_reading(path, seal: BlockSeal | None) -> str:
-    with pytest.raises(bf.BlockFileError) as caught:
+    with pytest.raises(bh.BlockFileError) as caught:
         read_file(path, seal)
     return caught.value.reason
 
@@ -44,10 +45,10 @@ def reason_reading(path, seal: BlockSeal | None) -> str:
 def forge(raw: bytes, header_bytes: int, *, flip: int) -> bytes:
     """What a writer without the secret can do with a sealed block: change the
     payload and make the header's checksums agree again (seal fields kept)."""
-    fields = bf.check_header("x", raw[:header_bytes], NS, KEY, len(raw) - header_bytes, header_bytes, sealed=True)
+    fields = bh.check_header("x", raw[:header_bytes], NS, KEY, len(raw) - header_bytes, header_bytes, sealed=True)
     body = bytearray(raw[header_bytes:])
     body[flip] ^= 0x5A
-    return bf.encode_header(NS, KEY, memoryview(body), header_bytes, fields) + bytes(body)
+    return bh.encode_header(NS, KEY, memoryview(body), header_bytes, fields) + bytes(body)
 
 
 def test_a_sealed_file_round_trips_and_only_its_secret_reads_it(tmp_path, seal) -> None:
@@ -55,7 +56,7 @@ def test_a_sealed_file_round_trips_and_only_its_secret_reads_it(tmp_path, seal) 
     path = tmp_path / "b.kvb"
     bf.write_block(path, NS, KEY, data, seal)
     assert np.array_equal(read_file(path, seal), data)
-    on_disk = path.read_bytes()[bf.HEADER_BYTES:]
+    on_disk = path.read_bytes()[bh.HEADER_BYTES:]
     assert (on_disk == data.tobytes()) is not seal.encrypt  # encrypted at rest, or plain with a MAC
     assert reason_reading(path, BlockSeal(OTHER)) == "foreign"  # another deployment's: not an attack
     assert reason_reading(path, None) == "foreign"
@@ -71,7 +72,7 @@ def test_a_block_written_without_the_secret_is_forged_though_its_checksums_hold(
 def test_a_sealed_file_changed_and_checksummed_again_is_forged(tmp_path, seal, flip) -> None:
     path = tmp_path / "b.kvb"
     bf.write_block(path, NS, KEY, payload(), seal)
-    path.write_bytes(forge(path.read_bytes(), bf.HEADER_BYTES, flip=flip))
+    path.write_bytes(forge(path.read_bytes(), bh.HEADER_BYTES, flip=flip))
     assert reason_reading(path, seal) == "forged"
 
 
@@ -79,7 +80,7 @@ def test_a_bit_flipped_without_fixing_checksums_is_corruption_not_forgery(tmp_pa
     path = tmp_path / "b.kvb"
     bf.write_block(path, NS, KEY, payload(), seal)
     raw = bytearray(path.read_bytes())
-    raw[bf.HEADER_BYTES + 7] ^= 1
+    raw[bh.HEADER_BYTES + 7] ^= 1
     path.write_bytes(bytes(raw))
     assert reason_reading(path, seal) == "corrupt"
 
@@ -98,7 +99,7 @@ def test_a_rotation_reads_blocks_of_the_previous_secret_and_writes_with_the_new(
 def test_a_sealed_value_round_trips_and_a_forged_one_is_refused(seal) -> None:
     data = payload()
     value = bv.encode_value(NS, KEY, data, seal)
-    head = bf.compact_header_bytes(KEY, sealed=True)
+    head = bh.compact_header_bytes(KEY, sealed=True)
     assert len(value) == head + data.nbytes
     out = np.empty_like(data)
     bv.decode_value_into(value, NS, KEY, out, seal)
@@ -108,7 +109,7 @@ def test_a_sealed_value_round_trips_and_a_forged_one_is_refused(seal) -> None:
     bv.check_in_place(value[:head], NS, KEY, row, seal)
     assert np.array_equal(row, data)
     for bad, why in ((forge(value, head, flip=3), "forged"), (bv.encode_value(NS, KEY, data), "forged")):
-        with pytest.raises(bf.BlockFileError) as caught:
+        with pytest.raises(bh.BlockFileError) as caught:
             bv.decode_value_into(bad, NS, KEY, out, seal)
         assert caught.value.reason == why
 
@@ -116,9 +117,9 @@ def test_a_sealed_value_round_trips_and_a_forged_one_is_refused(seal) -> None:
 def test_a_key_length_that_points_past_the_header_is_corruption_not_a_crash() -> None:
     value = bytearray(bv.encode_value(NS, KEY, payload(1000)))
     # the key length field: the last two bytes of the fixed part
-    fixed = bf._FIXED.size
+    fixed = bh._FIXED.size
     value[fixed - 2:fixed] = (200).to_bytes(2, "little")
-    with pytest.raises(bf.BlockFileError) as caught:
+    with pytest.raises(bh.BlockFileError) as caught:
         bv.decode_value_into(bytes(value), NS, KEY, np.empty(1000, np.int8))
     assert caught.value.reason == "corrupt"
 

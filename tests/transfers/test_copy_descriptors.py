@@ -12,11 +12,11 @@ import ctypes
 import pytest
 import torch
 
-from kvledger.transfers.backend import CopyJob, Direction
-from kvledger.transfers.copy_descriptors import build_descriptors, descriptor_tensors, span_addresses
-from kvledger.transfers.cpu_backend import CpuBackend
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.layout import canonicalize
+from kvledger.transfers.copies.backend import CopyJob, Direction
+from kvledger.transfers.copies.copy_descriptors import build_descriptors, descriptor_tensors, span_addresses
+from kvledger.transfers.copies.cpu_backend import CpuBackend
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.layout import canonicalize
 from tests.transfers import layouts
 
 

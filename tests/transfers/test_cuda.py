@@ -13,14 +13,14 @@ import torch
 from kvledger.engine.effects import FlushStores
 from kvledger.events.types import LoadCompleted, StoreCompleted
 from kvledger.transfers.assemble import make_runner, open_transfers
-from kvledger.transfers.backend import Direction, TransferTimeout
-from kvledger.transfers.batch_copies import moves_in_words, own_batch_copy
-from kvledger.transfers.cuda_backend import CudaBackend, slot_runs
-from kvledger.transfers.driver_copy import driver_batch_copy
-from kvledger.transfers.faults import FaultPlan
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.layout import canonicalize
-from kvledger.transfers.triton_copy import triton_batch_copy
+from kvledger.transfers.copies.backend import Direction, TransferTimeout
+from kvledger.transfers.copies.batch_copies import moves_in_words, own_batch_copy
+from kvledger.transfers.copies.cuda_backend import CudaBackend, slot_runs
+from kvledger.transfers.copies.driver_copy import driver_batch_copy
+from kvledger.transfers.copies.faults import FaultPlan
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.layout import canonicalize
+from kvledger.transfers.copies.triton_copy import triton_batch_copy
 from tests.transfers import layouts
 from tests.transfers.cuda_standin import FakeEvent, FakeStream, HostStandIn, install_fake_cuda
 from tests.transfers.harness import load, make_rig, store
@@ -243,7 +243,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
 def test_the_cuda_data_path_round_trips_on_host_tensors(fake_cuda, monkeypatch, build, staging_bytes,
                                                         batch_copy) -> None:
     """Torch path (1: one slot per staging chunk) and batch path (a memcpy per descriptor)."""
-    from kvledger.transfers import cuda_backend
+    from kvledger.transfers.copies import cuda_backend
 
     monkeypatch.setattr(cuda_backend, "STAGING_BYTES", staging_bytes)
     rig = make_rig(build(), backend_cls=HostStandIn, batch_copy=batch_copy)
@@ -305,7 +305,7 @@ def test_staging_is_one_bounded_buffer_per_direction_taken_at_start(fake_cuda) -
 
 def test_staging_that_does_not_fit_stops_the_start_with_the_setting_to_change(fake_cuda, monkeypatch) -> None:
     """A CUDA allocation failure cannot happen on the host: torch.empty raises as it would on a full GPU."""
-    from kvledger.transfers import cuda_backend
+    from kvledger.transfers.copies import cuda_backend
 
     real_empty = torch.empty
 

@@ -8,9 +8,9 @@ import torch
 
 from kvledger.engine.effects import FlushStores
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
-from kvledger.transfers.backend import Direction
-from kvledger.transfers.cpu_backend import CpuBackend
-from kvledger.transfers.faults import FaultInjectingBackend, FaultPlan
+from kvledger.transfers.copies.backend import Direction
+from kvledger.transfers.copies.cpu_backend import CpuBackend
+from kvledger.transfers.copies.faults import FaultInjectingBackend, FaultPlan
 from tests.transfers import layouts
 from tests.transfers.harness import load, make_rig, store
 

@@ -25,11 +25,18 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from kvledger.transfers.backend import BackendClosed, TransferTimeout
-from kvledger.transfers.block_file import HEADER_BYTES, block_path, write_block
-from kvledger.transfers.fs_tier import FsTierIO, TierIoOutcome, files_present, remove_leftovers, scan_keys
-from kvledger.transfers.key_lookups import KeyLookups
-from kvledger.transfers.replica_tier import ReplicaTierIO
+from kvledger.adapters.key_lookups import KeyLookups
+from kvledger.transfers.copies.backend import BackendClosed, TransferTimeout
+from kvledger.transfers.lower_tiers.block_file import block_path, write_block
+from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
+from kvledger.transfers.lower_tiers.fs_tier import (
+    FsTierIO,
+    TierIoOutcome,
+    files_present,
+    remove_leftovers,
+    scan_keys,
+)
+from kvledger.transfers.lower_tiers.replica_tier import ReplicaTierIO
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))

@@ -11,8 +11,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from kvledger.transfers import host_register
-from kvledger.transfers.host_tier import HostTier, HostTierError, available_memory_bytes
+from kvledger.transfers.copies import host_register
+from kvledger.transfers.copies.host_tier import HostTier, HostTierError, available_memory_bytes
 
 
 def test_slots_are_capacity_over_aligned_slot_bytes() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.transfers.kv_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from kvledger.transfers.layout import CanonicalKVCaches, LayoutError, canonicalize
+from kvledger.transfers.copies.kv_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvledger.transfers.copies.layout import CanonicalKVCaches, LayoutError, canonicalize
 from tests.transfers import layouts
 from tests.transfers.layouts import Case, all_cases, byte_addresses, cpu_attention, layer_block_addresses
 

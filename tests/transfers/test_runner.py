@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from kvledger.engine.effects import FlushStores, KeysEvicted, Reason, StartLoad
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
-from kvledger.transfers.backend import CopyJob, Direction, TransferTimeout
+from kvledger.transfers.copies.backend import CopyJob, Direction, TransferTimeout
 from tests.transfers import layouts
 from tests.transfers.harness import GatedBackend, RaisingBackend, keys_for, load, make_rig, store
 
@@ -214,7 +214,7 @@ def test_waits_are_bounded() -> None:
 
 def test_open_transfers_builds_a_working_runner_from_what_vllm_registers() -> None:
     from kvledger.transfers.assemble import open_transfers
-    from kvledger.transfers.faults import FaultPlan
+    from kvledger.transfers.copies.faults import FaultPlan
 
     case = layouts.hybrid_sliding()
     transfers = open_transfers(
@@ -257,7 +257,7 @@ def test_jobs_queued_together_copy_as_one_batch_and_each_reports() -> None:
 
 
 def test_a_held_store_starts_after_its_polls_or_at_once_when_flushed() -> None:
-    from kvledger.transfers.faults import DelayingBackend
+    from kvledger.transfers.copies.faults import DelayingBackend
 
     rig = make_rig(layouts.cpu_attention())
     runner = rig.runner
@@ -273,7 +273,7 @@ def test_a_held_store_starts_after_its_polls_or_at_once_when_flushed() -> None:
 
 
 def test_an_inline_cpu_backend_has_copied_by_the_time_submit_returns() -> None:
-    from kvledger.transfers.cpu_backend import CpuBackend
+    from kvledger.transfers.copies.cpu_backend import CpuBackend
 
     rig = make_rig(layouts.cpu_attention(), backend_cls=CpuBackend, inline=True)
     original = rig.snapshot()
@@ -287,7 +287,7 @@ def test_an_inline_cpu_backend_has_copied_by_the_time_submit_returns() -> None:
 
 
 def test_an_inline_cpu_backend_starts_no_copy_thread_and_shuts_down_clean() -> None:
-    from kvledger.transfers.cpu_backend import CpuBackend
+    from kvledger.transfers.copies.cpu_backend import CpuBackend
 
     before = set(threading.enumerate())
     rig = make_rig(layouts.cpu_attention(), backend_cls=CpuBackend, inline=True)

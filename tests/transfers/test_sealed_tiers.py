@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvledger.transfers import block_file as bf
-from kvledger.transfers.backend import TransferTimeout
-from kvledger.transfers.block_seal import BlockSeal
-from kvledger.transfers.block_value import encode_value, store_key
-from kvledger.transfers.fs_tier import FsTierIO
-from kvledger.transfers.tier_jobs import LowerTierJobs
-from kvledger.transfers.valkey_store import ValkeyServer, ValkeyStore
-from kvledger.transfers.valkey_tier import ValkeyTierIO
+from kvledger.transfers.copies.backend import TransferTimeout
+from kvledger.transfers.lower_tiers import block_file as bf
+from kvledger.transfers.lower_tiers import block_header as bh
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal
+from kvledger.transfers.lower_tiers.block_value import encode_value, store_key
+from kvledger.transfers.lower_tiers.fs_tier import FsTierIO
+from kvledger.transfers.lower_tiers.tier_jobs import LowerTierJobs
+from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer, ValkeyStore
+from kvledger.transfers.lower_tiers.valkey_tier import ValkeyTierIO
 
 NS = bytes(range(16))
 SIZES = (64 << 10, 5000)
@@ -85,7 +86,7 @@ def test_an_fs_tier_with_a_secret_serves_its_own_blocks_and_refuses_forged_ones(
     assert run(io, 1, "write", KEYS, WRITE_SLOTS).ok
     assert run(io, 2, "read", KEYS, READ_SLOTS).ok and same_rows(rows)
     path = bf.block_path(tmp_path, NS, key(2))
-    assert (path.read_bytes()[bf.HEADER_BYTES:] == rows[1, :SIZES[0]].numpy().tobytes()) is not encrypt
+    assert (path.read_bytes()[bh.HEADER_BYTES:] == rows[1, :SIZES[0]].numpy().tobytes()) is not encrypt
 
     # Whoever can write the directory rewrites a block with kvledger's own writer, no secret.
     bf.write_block(path, NS, key(2), np.zeros(SIZES[0], np.int8))

@@ -12,11 +12,11 @@ import torch
 from kvledger.engine.effects import DropTierKeys, FlushStores, Reason, StartLoad, StartSpill
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
 from kvledger.transfers.assemble import make_runner
-from kvledger.transfers.block_file import block_path
-from kvledger.transfers.cpu_backend import CpuBackend
-from kvledger.transfers.fs_tier import FsTierIO
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.layout import canonicalize
+from kvledger.transfers.copies.cpu_backend import CpuBackend
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.layout import canonicalize
+from kvledger.transfers.lower_tiers.block_file import block_path
+from kvledger.transfers.lower_tiers.fs_tier import FsTierIO
 from tests.transfers import layouts
 from tests.transfers.harness import keys_for, store
 

@@ -18,11 +18,17 @@ import pytest
 import valkey
 from structlog.testing import capture_logs
 
-from kvledger.adapters.testing.valkey_servers import LyingServer
 from kvledger.adapters.tier_settings import parse_tiers
 from kvledger.events.config import ConfigError
-from kvledger.transfers.tier_io import TierJob
-from kvledger.transfers.valkey_store import BadCertificate, Landed, StoreDown, ValkeyServer, ValkeyStore
+from kvledger.transfers.lower_tiers.tier_io import TierJob
+from kvledger.transfers.lower_tiers.valkey_store import (
+    BadCertificate,
+    Landed,
+    StoreDown,
+    ValkeyServer,
+    ValkeyStore,
+)
+from tests.support.valkey_servers import LyingServer
 
 HEAD = 100
 PAYLOAD = 64 << 10
@@ -267,7 +273,7 @@ def test_a_job_failed_only_as_unreachable_logs_below_warning() -> None:
 def test_a_tls_cluster_checks_every_node_s_host_name(name, works, needs_tls) -> None:
     """valkey-py's cluster client drops the host-name check from its nodes' options
     unless kvledger puts it back: a certificate for another name must not serve."""
-    from kvledger.adapters.testing.valkey_servers import ClusterProcesses
+    from tests.support.valkey_servers import ClusterProcesses
 
     cluster = ClusterProcesses(tls=True, tls_name=name)
     try:

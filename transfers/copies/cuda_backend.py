@@ -34,16 +34,16 @@ import attrs
 import structlog
 import torch
 
-from kvledger.transfers.backend import BackendClosed, CopyJob, Direction, JobOutcome, TransferTimeout
-from kvledger.transfers.block_copy import as_wide, widest_dtype
-from kvledger.transfers.copy_descriptors import (
+from kvledger.transfers.copies.backend import BackendClosed, CopyJob, Direction, JobOutcome, TransferTimeout
+from kvledger.transfers.copies.block_copy import as_wide, widest_dtype
+from kvledger.transfers.copies.copy_descriptors import (
     BatchCopy,
     build_descriptors,
     descriptor_tensors,
     span_addresses,
 )
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.layout import CanonicalKVCaches, CopySpan
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.layout import CanonicalKVCaches, CopySpan
 
 _log = structlog.get_logger("kvledger.transfers.cuda")
 

@@ -114,7 +114,7 @@ class BlockSeal:
     def open(self, where: str, namespace: bytes, key: bytes, fields: SealFields, stored: memoryview) -> None:
         """Check a block read into `stored`, decrypting it in place; raise
         `BlockFileError` ("foreign": another key; "forged": a bad tag)."""
-        from kvledger.transfers.block_file import BlockFileError
+        from kvledger.transfers.lower_tiers.block_header import BlockFileError
 
         key_ = self._keys.get(fields.key_id)
         if key_ is None:

@@ -31,7 +31,7 @@ from typing import Union
 import attrs
 import torch
 
-from kvledger.transfers.kv_spec import (
+from kvledger.transfers.copies.kv_spec import (
     FullAttentionSpec,
     KVCacheConfig,
     LayerSpec,

@@ -1,10 +1,11 @@
 """One KV block as a value in a key-value store (Valkey, Redis).
 
-A value is `block_file`'s header without its padding (about 100 bytes, not
-4096), then the block's bytes. The store is shared and may evict, lose or
-overwrite any key, so a value is checked the way a file is: one that was
-cut short, flipped, or written by another model or layout under the same
-key is told apart from a good one, and the caller fails the load (recomputed).
+A value is the block's header (`block_header`) without the padding a file
+gives it (about 100 bytes, not 4096), then the block's bytes. The store is
+shared and may evict, lose or overwrite any key, so a value is checked the
+way a file is: one that was cut short, flipped, or written by another model
+or layout under the same key is told apart from a good one, and the caller
+fails the load (recomputed).
 Keys are `<key_prefix><namespace hex>:<key hex>` (`kvledger:` unless the tier
 sets `key_prefix`), so an operator can find a deployment's blocks with
 `SCAN MATCH kvledger:<namespace hex>:*` and bind an ACL to the prefix. With a
@@ -17,14 +18,14 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from kvledger.transfers.block_file import (
+from kvledger.transfers.lower_tiers.block_header import (
     BlockFileError,
     check_header,
     compact_header_bytes,
     payload_checksum,
     seal_block,
 )
-from kvledger.transfers.block_seal import BlockSeal
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal
 
 KEY_PREFIX = b"kvledger:"
 

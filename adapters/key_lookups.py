@@ -1,6 +1,7 @@
 """Which keys a shared tier holds, asked off the scheduler's thread: a stat on
 a network file system, or a round trip to a store, can take milliseconds or
-hang, and the scheduler's call must not wait on it."""
+hang, and the scheduler's call must not wait on it. The scheduler side's
+tiers (`vllm/lower_tiers.py`) hold one per shared tier; no vLLM needed."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from collections.abc import Callable, Hashable
 
 import structlog
 
-from kvledger.transfers.backend import BackendClosed
+from kvledger.transfers.copies.backend import BackendClosed
 
-_log = structlog.get_logger("kvledger.transfers.key_lookups")
+_log = structlog.get_logger("kvledger.adapters.key_lookups")
 
 Find = Callable[[tuple[bytes, ...]], tuple[bytes, ...]]
 """Given keys, those the tier holds; it may raise (a store that is down): nothing found."""

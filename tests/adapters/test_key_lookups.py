@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvledger.transfers.key_lookups import KeyLookups
+from kvledger.adapters.key_lookups import KeyLookups
 from tests.transfers.test_fs_tier import answers
 
 pytestmark = pytest.mark.fast

@@ -23,8 +23,8 @@ import weakref
 import structlog
 import torch
 
-from kvledger.transfers import host_register
-from kvledger.transfers.host_register import CudaRuntime
+from kvledger.transfers.copies import host_register
+from kvledger.transfers.copies.host_register import CudaRuntime
 
 ROW_ALIGN_BYTES = 64
 """Slot rows are padded to a cache line so wide-dtype copies stay aligned."""

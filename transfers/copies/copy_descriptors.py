@@ -15,9 +15,9 @@ import attrs
 import numpy as np
 import torch
 
-from kvledger.transfers.backend import CopyJob, Direction
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.layout import CanonicalKVCaches
+from kvledger.transfers.copies.backend import CopyJob, Direction
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.layout import CanonicalKVCaches
 
 BatchCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """`swap_blocks_batch(src_ptrs, dst_ptrs, sizes)`: CPU int64 tensors of raw

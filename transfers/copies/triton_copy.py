@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvledger.transfers.copy_descriptors import BatchCopy
+from kvledger.transfers.copies.copy_descriptors import BatchCopy
 
 PROGRAMS = 16
 """Programs per kernel (each on one multiprocessor)."""

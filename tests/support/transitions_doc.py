@@ -1,14 +1,14 @@
-"""Render the transition tables of `transitions.py` as Markdown.
+"""Render the transition tables of `engine/transitions.py` as Markdown.
 
-Pure: `render()` returns the text of `docs/transitions.md`;
+`render()` returns the text of `docs/transitions.md`;
 `tests/engine/test_transitions.py` checks the committed file equals it
 (`KVLEDGER_UPDATE_GOLDEN=1` rewrites it).
 """
 
 from __future__ import annotations
 
-from .state import RequestStatus, SlotState
-from .transitions import JOB_MOVES, REQUEST_MOVES, SLOT_MOVES, TIER_KEY_MOVES
+from kvledger.engine.state import RequestStatus, SlotState
+from kvledger.engine.transitions import JOB_MOVES, REQUEST_MOVES, SLOT_MOVES, TIER_KEY_MOVES
 
 _ILLEGAL = "·"
 
@@ -74,7 +74,7 @@ def render() -> str:
     lines = [
         "# Transitions",
         "",
-        "<!-- Rendered by engine/render.py from engine/transitions.py; do not edit by hand.",
+        "<!-- Rendered by tests/support/transitions_doc.py from engine/transitions.py; do not edit by hand.",
         "     KVLEDGER_UPDATE_GOLDEN=1 pytest tests/engine/test_transitions.py rewrites it. -->",
         "",
         "Every legal state move of the engine, as data. The reducer takes from these tables both",

@@ -42,22 +42,24 @@ import structlog
 import torch
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
-from kvledger.transfers.block_file import (
+from kvledger.transfers.lower_tiers.block_file import (
     ASIDE_SUFFIX,
-    HEADER_BYTES,
-    NAMESPACE_BYTES,
     PROBE_PREFIX,
     SUFFIX,
-    BlockFileError,
     aside_path,
     block_path,
     create_aside,
     read_block_into,
-    seal_block,
     write_block,
 )
-from kvledger.transfers.block_seal import BlockSeal
-from kvledger.transfers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
+from kvledger.transfers.lower_tiers.block_header import (
+    HEADER_BYTES,
+    NAMESPACE_BYTES,
+    BlockFileError,
+    seal_block,
+)
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal
+from kvledger.transfers.lower_tiers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
 
 DIRECT_ALIGN = 4096
 """Address, offset and length alignment that O_DIRECT accepts on any common device."""

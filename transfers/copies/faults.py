@@ -23,8 +23,8 @@ import attrs
 import structlog
 import torch
 
-from kvledger.transfers.backend import CopyBackend, CopyJob, Direction, JobOutcome
-from kvledger.transfers.layout import CanonicalKVCaches
+from kvledger.transfers.copies.backend import CopyBackend, CopyJob, Direction, JobOutcome
+from kvledger.transfers.copies.layout import CanonicalKVCaches
 
 _log = structlog.get_logger("kvledger.transfers.faults")
 

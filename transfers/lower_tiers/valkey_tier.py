@@ -22,17 +22,17 @@ from collections.abc import Iterable, Sequence
 import structlog
 import torch
 
-from kvledger.transfers.block_file import BlockFileError, compact_header_bytes
-from kvledger.transfers.block_seal import BlockSeal
-from kvledger.transfers.block_value import (
+from kvledger.transfers.lower_tiers.block_header import BlockFileError, compact_header_bytes
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal
+from kvledger.transfers.lower_tiers.block_value import (
     KEY_PREFIX,
     check_in_place,
     decode_value_into,
     store_key,
     value_header,
 )
-from kvledger.transfers.tier_io import Block, ThreadedTierIO, TierJob
-from kvledger.transfers.valkey_store import Landed, StoreDown, ValkeyServer, ValkeyStore
+from kvledger.transfers.lower_tiers.tier_io import Block, ThreadedTierIO, TierJob
+from kvledger.transfers.lower_tiers.valkey_store import Landed, StoreDown, ValkeyServer, ValkeyStore
 
 _log = structlog.get_logger("kvledger.transfers.valkey_tier")
 

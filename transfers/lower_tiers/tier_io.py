@@ -17,8 +17,8 @@ import structlog
 import torch
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
-from kvledger.transfers.backend import BackendClosed, TransferTimeout
-from kvledger.transfers.block_file import KEY_BYTES_MAX
+from kvledger.transfers.copies.backend import BackendClosed, TransferTimeout
+from kvledger.transfers.lower_tiers.block_header import KEY_BYTES_MAX
 
 _log = structlog.get_logger("kvledger.transfers.tier_io")
 

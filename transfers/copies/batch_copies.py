@@ -11,11 +11,11 @@ synchronously and says so at start.
 
 from __future__ import annotations
 
-from kvledger.transfers.copy_descriptors import BatchCopy, span_addresses
-from kvledger.transfers.driver_copy import driver_batch_copy
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.layout import CanonicalKVCaches
-from kvledger.transfers.triton_copy import triton_batch_copy
+from kvledger.transfers.copies.copy_descriptors import BatchCopy, span_addresses
+from kvledger.transfers.copies.driver_copy import driver_batch_copy
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.layout import CanonicalKVCaches
+from kvledger.transfers.copies.triton_copy import triton_batch_copy
 
 
 def own_batch_copy(layout: CanonicalKVCaches, tier: HostTier) -> BatchCopy | None:

@@ -18,10 +18,10 @@ import numpy as np
 import structlog
 import torch
 
-from kvledger.transfers.backend import BackendClosed, CopyJob, Direction, JobOutcome, TransferTimeout
-from kvledger.transfers.block_copy import Piece, copy_rows
-from kvledger.transfers.host_tier import HostTier
-from kvledger.transfers.layout import CanonicalKVCaches
+from kvledger.transfers.copies.backend import BackendClosed, CopyJob, Direction, JobOutcome, TransferTimeout
+from kvledger.transfers.copies.block_copy import Piece, copy_rows
+from kvledger.transfers.copies.host_tier import HostTier
+from kvledger.transfers.copies.layout import CanonicalKVCaches
 
 _log = structlog.get_logger("kvledger.transfers.cpu")
 _STOP = None

@@ -18,7 +18,7 @@ import ctypes
 import structlog
 import torch
 
-from kvledger.transfers.copy_descriptors import BatchCopy
+from kvledger.transfers.copies.copy_descriptors import BatchCopy
 
 _log = structlog.get_logger("kvledger.transfers.driver_copy")
 

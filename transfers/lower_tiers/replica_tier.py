@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
-from kvledger.transfers.tier_io import TierIoOutcome
-from kvledger.transfers.tier_jobs import TierIO
+from kvledger.transfers.lower_tiers.tier_io import TierIoOutcome
+from kvledger.transfers.lower_tiers.tier_jobs import TierIO
 
 
 class ReplicaTierIO:

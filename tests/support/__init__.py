@@ -1,0 +1,9 @@
+"""Helpers shared by tests and benchmarks, kept out of the installed package.
+
+Imported as `tests.support.<module>`, with the repository's root on sys.path
+(pytest run from it; a benchmark puts it there itself).
+
+fake_vllm        the parts of vLLM the step planner reads, as plain data
+valkey_servers   real Valkey servers and clusters on loopback ports, with real faults
+transitions_doc  docs/transitions.md, rendered from the engine's transition tables
+"""
