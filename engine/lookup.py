@@ -123,7 +123,8 @@ def _slots_taken(core: Core, request: RequestState, start: int, end: int, promis
     evictable pool: a slot for each key a lower tier holds (a promotion), and
     each evictable host key it reads (pinned while it does); 0 without. None if
     a host key is still being stored or another request is loading it (ask
-    again later), -1 if the promotions need more slots than can be freed."""
+    again later), and also when the promotions need more slots than are free or
+    evictable now but no more than host memory holds; -1 if they need more."""
     slot_of_key = core.slot_of_key
     slot_state = core.slot_state
     slot_loads = core.slot_loads
@@ -147,6 +148,11 @@ def _slots_taken(core: Core, request: RequestState, start: int, end: int, promis
             if core.lower:
                 pinned += key in policy
     if promotions and promotions > core.num_free_slots() + len(policy) - pinned - promised:
+        # The slots transfers in flight hold, and those this step's earlier hits will,
+        # come back as they end: a hit that fits in host memory waits for them rather
+        # than being cut short (recomputed). One larger than host memory takes what fits.
+        if promotions + pinned <= core.config.num_tier_slots:
+            return None
         return -1
     return promotions + pinned
 

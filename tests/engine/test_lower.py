@@ -211,7 +211,17 @@ def test_a_lookup_counts_the_slots_earlier_hits_of_the_step_will_take() -> None:
     e.add("b", 100)
     alone = lookup(e.state, "b", 0)
     assert alone.num_hit_tokens == 96 and alone.slots_taken == 3  # three promotions
-    # Earlier admissions of this step already took two of the four slots: two blocks fit.
-    assert lookup(e.state, "b", 0, slots_promised=2).num_hit_tokens == 64
-    assert lookup(e.state, "b", 0, slots_promised=3).num_hit_tokens == 32
-    assert lookup(e.state, "b", 0, slots_promised=4).num_hit_tokens == 0
+    # Earlier admissions of this step take two of the four slots: the hit fits in host
+    # memory once their loads end, so the request waits for the slots, not cut short.
+    for promised in (2, 3, 4):
+        waits = lookup(e.state, "b", 0, slots_promised=promised)
+        assert not waits.ready and waits.num_hit_tokens == 0
+
+
+def test_a_hit_larger_than_host_memory_takes_what_fits() -> None:
+    e = tiered(slots=4)
+    stored_and_spilled(e, "a", 160, (1, 2, 3, 4, 5))  # five blocks on disk, four host slots
+    evict_host(e, blocks=(10, 11, 12, 13))
+    e.add("b", 170)
+    assert lookup(e.state, "b", 0).num_hit_tokens == 128  # four promotions: every slot
+    assert not lookup(e.state, "b", 0, slots_promised=1).ready  # those four, once another hit's load ends
