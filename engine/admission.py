@@ -5,8 +5,11 @@ but the hit's own shape (`plan_load`).
 
 Stores: a request whose horizon crossed a block boundary offers its newly
 full blocks that no tier holds (`find_stores`); a step's candidates are
-admitted in request order into free slots, evicting idle ones, and what still
-does not fit is not stored (`admit_store`, counted as `store_rejections`).
+admitted in request order into free slots, evicting idle ones. What still does
+not fit is not stored (`admit_store`, counted as `store_rejections`), unless
+tiers below host memory wait for it: then its request offers it again each
+step until slots free, and only what its end finds still unstored is counted
+(`give_up`). The lookup likewise waits for slots (`lookup._slots_taken`).
 Loads: each key of a hit is read from its host slot, or promoted from the
 first lower tier that holds it (`plan_load`, `place_promotions`).
 """
@@ -32,6 +35,7 @@ _T = TypeVar("_T")
 _PIN: Final = Protection.PIN
 _LAZY: Final = StoreMode.LAZY
 _BY_REQUEST: Final = StoreJobs.REQUEST
+_NONE: Final[frozenset[bytes]] = frozenset()
 
 
 LOST: Final = -2  # `plan_load`'s mark for a key no tier holds any more: its block fails at once
@@ -157,27 +161,59 @@ def plan_stores(core: Core, crossed: list[tuple[RequestState, int]], out: list[f
     cand_blocks: list[int] = []
     cand_keys: list[bytes] = []
     lazy = core.config.store_mode is _LAZY
+    # With tiers below host memory, what host memory cannot take this step waits:
+    # its request is considered again from where it was, each step, until slots
+    # free (transfers end) or the request ends (`give_up`).
+    defer = not lazy and bool(core.lower)
     if not lazy and core.config.store_jobs is _BY_REQUEST:
         for request, horizon in crossed:
+            saved = (list(request.next_store), request.next_store_tokens) if defer else None
             find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
             if cand_keys:
-                admit_store(core, request.request_id, cand_groups, cand_blocks, cand_keys, out)
+                if admit_store(core, request.request_id, cand_groups, cand_blocks, cand_keys, out, defer=defer):
+                    assert saved is not None
+                    request.next_store, request.next_store_tokens = saved
                 cand_groups.clear()  # the job holds tuples of its own
                 cand_blocks.clear()
                 cand_keys.clear()
         return
+    marks: list[tuple[RequestState, list[int], int, int, int]] = []  # deferring: each request's columns
     for request, horizon in crossed:
+        start = len(cand_keys)
+        saved_positions = list(request.next_store) if defer else request.next_store
+        saved_tokens = request.next_store_tokens
         find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
+        if defer and len(cand_keys) > start:
+            marks.append((request, saved_positions, saved_tokens, start, len(cand_keys)))
     if lazy:  # only note the keys, for when their blocks near eviction
         lazy_keys = core.lazy_keys
         for block, key in zip(cand_blocks, cand_keys):
             lazy_keys[block] = key
     elif cand_keys:  # one job for the whole step
+        offered = list(cand_keys) if defer else cand_keys
         if len(set(cand_keys)) < len(cand_keys):
             drop_repeats(cand_groups, cand_blocks, cand_keys)
         # In request order: when the tier cannot take them all, the first
         # requests' blocks are stored, each with its every group.
-        admit_store(core, "", cand_groups, cand_blocks, cand_keys, out)
+        refused = admit_store(core, "", cand_groups, cand_blocks, cand_keys, out, defer=defer)
+        if refused:
+            for request, positions, tokens, start, end in marks:
+                if not refused.isdisjoint(offered[start:end]):
+                    request.next_store = positions
+                    request.next_store_tokens = tokens
+
+
+def give_up(core: Core, request: RequestState) -> None:
+    """A request ending, or preempted, with blocks that waited for host slots
+    (`plan_stores`): they are not stored, and counted as not admitted. Those
+    only its last step filled are not counted (the engine keeps no step's
+    horizon, only the tokens computed before it)."""
+    if core.lower and request.num_computed_tokens and request.next_store_tokens <= request.num_computed_tokens:
+        groups: list[int] = []
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        find_stores(core, request, request.num_computed_tokens, groups, blocks, keys)  # its next_store is reset after
+        core.stats.store_rejections += len(set(keys))
 
 
 def drop_repeats(cand_groups: list[int], cand_blocks: list[int], cand_keys: list[bytes]) -> None:
@@ -232,19 +268,25 @@ def find_stores(core: Core, request: RequestState, horizon: int, cand_groups: li
 
 
 def admit_store(core: Core, request_id: str, cand_groups: list[int], cand_blocks: list[int],
-                 cand_keys: list[bytes], out: list[fx.Effect]) -> None:
-    """Reserve slots, evicting if needed; what cannot fit is not stored. The
-    candidates are columns (group, block, key); slots are taken in their order."""
+                 cand_keys: list[bytes], out: list[fx.Effect], *, defer: bool = False) -> frozenset[bytes]:
+    """Reserve slots, evicting if needed; what cannot fit is not stored now. The
+    candidates are columns (group, block, key); slots are taken in their order.
+    The keys refused, when `defer` (the caller considers them again later; else
+    they are counted as not admitted)."""
     wanted = len(cand_keys)
     free = len(core.free_slots) + core.config.num_tier_slots - core.next_fresh_slot  # core.num_free_slots()
     evicted: list[bytes] = []
+    refused: frozenset[bytes] = _NONE
     if wanted > free:
         admitted = min(wanted, free + len(core.policy))
         if admitted < wanted:
-            core.stats.store_rejections += wanted - admitted
+            if defer:
+                refused = frozenset(cand_keys[admitted:])
+            else:
+                core.stats.store_rejections += wanted - admitted
             del cand_groups[admitted:], cand_blocks[admitted:], cand_keys[admitted:]
         if not cand_keys:
-            return
+            return refused
         if admitted > free:
             evicted = slots.evict(core, admitted - free)
             core.stats.evictions += len(evicted)
@@ -315,6 +357,7 @@ def admit_store(core: Core, request_id: str, cand_groups: list[int], cand_blocks
             pins[block] += 1
         out.append(fx.PinDeviceBlocks(block_ids=pinned))
     out.append(new.start_store(job_id, request_id, keys, blocks, slot_ids))
+    return refused
 
 
 def _split(flat: tuple[_T, ...], spans: list[tuple[int, int]]) -> tuple[tuple[_T, ...], ...]:

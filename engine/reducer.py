@@ -409,6 +409,7 @@ def _free_table(core: Core, request: RequestState) -> None:
 
 def _request_preempted(core: Core, event: ev.RequestPreempted, out: list[fx.Effect]) -> None:
     request = legal_request(core, event.request_id, event.kind)
+    admission.give_up(core, request)
     _free_table(core, request)
     _move(core, request, event.kind)
     request.num_computed_tokens = 0
@@ -433,6 +434,7 @@ def _request_finished(core: Core, event: ev.RequestFinished, out: list[fx.Effect
     if not final_table_ok(core, request, event.block_ids):
         final_table_problem(core, request, event.block_ids)
         raise disagree("final table")
+    admission.give_up(core, request)
     _move(core, request, event.kind)
     core.stats.finished += 1
 
@@ -440,6 +442,7 @@ def _request_finished(core: Core, event: ev.RequestFinished, out: list[fx.Effect
 def _request_aborted(core: Core, event: ev.RequestAborted, out: list[fx.Effect]) -> None:
     request = legal_request(core, event.request_id, event.kind)
     core.stats.aborted += 1
+    admission.give_up(core, request)
     _move(core, request, event.kind)  # a loading request keeps its blocks until the load ends
 
 

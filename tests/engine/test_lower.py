@@ -10,6 +10,7 @@ from kvledger.engine import queries
 from kvledger.engine.invariants import check
 from kvledger.engine.lookup import lookup
 from kvledger.events import types as ev
+from kvledger.events.config import StoreJobs
 from tests.engine.builders import FULL, Engine, chain, key, make_config, only
 
 pytestmark = pytest.mark.fast
@@ -225,3 +226,45 @@ def test_a_hit_larger_than_host_memory_takes_what_fits() -> None:
     e.add("b", 170)
     assert lookup(e.state, "b", 0).num_hit_tokens == 128  # four promotions: every slot
     assert not lookup(e.state, "b", 0, slots_promised=1).ready  # those four, once another hit's load ends
+
+
+@pytest.mark.parametrize("jobs", list(StoreJobs), ids=lambda j: j.value)
+def test_stores_host_memory_cannot_take_wait_for_slots_when_a_lower_tier_has_room(jobs: StoreJobs) -> None:
+    e = Engine(make_config(groups=(FULL,), num_tier_slots=2, store_jobs=jobs,
+                           lower_tiers=({"name": "1:fs", "num_blocks": 16},)))
+    e.add("a", 100)
+    e.alloc("a", (1, 2, 3, 4))
+    (store,) = only(e.step(("a", 0, 96)), fx.StartStore)  # three blocks full, two slots
+    assert len(store.keys[0]) == 2 and e.core.stats.store_rejections == 0
+    assert only(e.step(("a", 96, 1)), fx.StartStore) == []  # the slots are still being stored into
+    e.finish_all_jobs()  # stored, and written through: the slots are evictable again
+    (late,) = only(e.step(("a", 97, 1)), fx.StartStore)
+    assert late.keys[0] == (key(chain(3)[2], 0),)
+    e.finish_all_jobs()
+    assert set(disk(e)) == {key(h, 0) for h in chain(3)}  # every block reached the disk
+    assert e.core.stats.store_rejections == 0
+    check(e.state)
+
+
+@pytest.mark.parametrize("end", ["finished", "preempted", "aborted"])
+def test_blocks_still_waiting_when_their_request_ends_are_counted_not_admitted(end: str) -> None:
+    e = tiered(slots=2)
+    e.add("a", 100)
+    e.alloc("a", (1, 2, 3, 4))
+    e.step(("a", 0, 96))
+    e.step(("a", 96, 1))  # the slots are still being stored into: the third block waits again
+    {"finished": e.finish, "preempted": e.preempt, "aborted": e.abort}[end]("a")
+    assert e.core.stats.store_rejections == 1  # the third block, never stored
+    e.finish_all_jobs()
+    check(e.state)
+
+
+def test_without_a_lower_tier_what_host_memory_cannot_take_is_not_stored() -> None:
+    e = Engine(make_config(groups=(FULL,), num_tier_slots=2))
+    e.add("a", 100)
+    e.alloc("a", (1, 2, 3, 4))
+    e.step(("a", 0, 96))
+    assert e.core.stats.store_rejections == 1
+    e.finish_all_jobs()
+    assert only(e.step(("a", 96, 1)), fx.StartStore) == []  # not offered again
+    check(e.state)

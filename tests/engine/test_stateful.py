@@ -349,13 +349,15 @@ def test_mutant_serving_damaged_promotions_is_caught(monkeypatch: pytest.MonkeyP
 
     real = simulator.Simulator._promote
 
-    def careless(self, job, effect):  # a worker that skips the checksum
-        for tiers, keys, slots in zip(effect.promote_tiers, effect.keys, effect.source_slot_ids):
-            for tier, key, slot in zip(tiers, keys, slots):
-                if tier and slot >= 0 and key in self.disks[tier - 1]:
-                    self.disks[tier - 1][key] = self.disks[tier - 1][key]
+    def careless(self, job, effect):  # a worker that skips the checksum: whatever the file holds is served
+        injected = set(job.failed)  # failures injected before the read stay
         real(self, job, effect)
-        job.failed.clear()
+        for tiers, keys, slots, blocks in zip(effect.promote_tiers, effect.keys, effect.source_slot_ids,
+                                              effect.target_block_ids):
+            for tier, key, slot, block in zip(tiers, keys, slots, blocks):
+                if tier and slot >= 0 and block not in injected and self.disks[tier - 1].get(key) is not None:
+                    self.slot_content[slot] = self.disks[tier - 1][key]
+                    job.failed.discard(block)
 
     monkeypatch.setattr(simulator.Simulator, "_promote", careless)
     caught = _run_until_caught(CONFIGS[6], damage_rate=0.2)
