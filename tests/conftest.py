@@ -41,29 +41,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not _NOT_FAST & {m.name for m in item.iter_markers()}:
             item.add_marker(pytest.mark.fast)
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items[:] = _lanes(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        # Longest first, so the quick tests fill the workers' gaps at the end instead
+        # of one worker finishing a vLLM run alone (a stable sort: every worker
+        # collects the same order, as xdist requires).
+        items.sort(key=lambda item: 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow")
+                   else 2)
     if kvledger.BUILD.compiled:
         pure = [item for item in items if item.get_closest_marker("pure")]
         if pure:
             items[:] = [item for item in items if not item.get_closest_marker("pure")]
             config.hook.pytest_deselected(items=pure)
-
-
-def _lanes(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
-    """The order for `--dist worksteal`, which hands each worker one contiguous
-    share of the list and lets an idle worker steal from the end of another's:
-    each share starts with its part of the long tests (vLLM runs, then those
-    marked slow) and ends with quick ones, so the long tests run first on every
-    worker and the quick ones fill the gaps at the end. Deterministic, as xdist
-    requires every worker to collect the same order."""
-    def rank(item: pytest.Item) -> int:
-        return 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow") else 2
-
-    ordered = sorted(items, key=rank)
-    lanes: list[list[pytest.Item]] = [[] for _ in range(max(workers, 1))]
-    for index, item in enumerate(ordered):
-        lanes[index % len(lanes)].append(item)  # each lane keeps the long-first order
-    return [item for lane in lanes for item in lane]
 
 
 @pytest.fixture

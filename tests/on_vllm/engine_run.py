@@ -2,7 +2,8 @@
 
 Usage: python engine_run.py SPEC_JSON, or `main(spec)` in a process forked
 from `engine_zygote.py`. Prints one JSON line, prefixed `RESULT `, with each
-phase's greedy token ids and cached-token counts.
+phase's greedy token ids and cached-token counts. A spec with `module` and
+`argv` runs that module instead, as `python -m` would (the API server test).
 
 Phases, in order, over the same engine:
 - `first`: the workload, computed and stored;
@@ -140,6 +141,12 @@ def main(spec: dict) -> None:
     tp = spec.get("engine", {}).get("tensor_parallel_size", 1)
     if tp > 1:  # vLLM-CPU's own binding wants a NUMA node per worker and refuses to start: a core each
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % os.cpu_count()) for r in range(tp))
+    if spec.get("module"):  # a program of vLLM's, as `python -m MODULE ARGV...` would run it (the API server)
+        import runpy
+
+        sys.argv = [spec["module"], *spec["argv"]]
+        runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
+        return
     if spec.get("file_size_limit"):  # the kernel fails writes past this size (EFBIG): a write error
         import resource
         import signal

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +15,7 @@ import pytest
 
 from kvledger.adapters.settings import kv_transfer_config
 
-from .conftest import REPO, replay_summary
+from .conftest import Zygote, replay_summary, zygote
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,11 +32,11 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+def _wait_healthy(url: str, server: Zygote, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise AssertionError(f"the server exited with {server.returncode}")
+            raise AssertionError(f"the server exited with {server.poll()}")
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
                 if response.status == 200:
@@ -49,17 +48,18 @@ def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
 
 
 def test_two_identical_completions_the_second_restored(models, tmp_path):
+    """The server runs as `python -m vllm.entrypoints.openai.api_server` would,
+    forked from the zygote (its engine core from the forkserver)."""
     port = _free_port()
     log = tmp_path / "server-events.log"
     transfer = kv_transfer_config(capacity_bytes=32 << 20, event_log=str(log))
-    server_log = (tmp_path / "server.out").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["tiny-llama"]),
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-         "--block-size", "32", "--enforce-eager", "--no-enable-prefix-caching",
-         "--kv-cache-memory-bytes", str(64 << 20), "--enable-prompt-tokens-details",
-         "--kv-transfer-config", json.dumps(transfer)],
-        cwd=REPO, stdout=server_log, stderr=subprocess.STDOUT)
+    argv = ["--model", str(models["tiny-llama"]), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--max-model-len", "512", "--block-size", "32", "--enforce-eager", "--no-enable-prefix-caching",
+            "--kv-cache-memory-bytes", str(64 << 20), "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(transfer)]
+    server = zygote()
+    pid = server.start({"module": "vllm.entrypoints.openai.api_server", "argv": argv, "multiprocess": True},
+                       tmp_path / "server.out")
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_healthy(f"{base}/health", server, timeout_s=240)
@@ -70,12 +70,12 @@ def test_two_identical_completions_the_second_restored(models, tmp_path):
         second = _post(f"{base}/v1/completions", body)
         metrics = _metrics_once_loaded(f"{base}/metrics")
     finally:
-        server.send_signal(signal.SIGINT)
+        os.kill(pid, signal.SIGINT)
         try:
             server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        server_log.close()
+        except TimeoutError:
+            os.killpg(pid, signal.SIGKILL)
+            server.wait(timeout=30)
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     cached = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in (first, second)]
     assert cached == [0, 64]  # 80 prompt tokens: two whole 32-token blocks restored
