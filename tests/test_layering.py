@@ -85,3 +85,33 @@ def test_the_fast_subset_collects_and_runs_where_vllm_is_absent(tmp_path) -> Non
     assert not [line for line in lines if line.startswith("ERROR")], result.stdout[-3000:]
     collected = int(next(line for line in lines if " tests collected" in line).split("/")[0].split()[0])
     assert collected > 500, lines[-1]  # the fast subset, not a handful
+
+
+# The engine's state is read outside engine/ through `engine/queries.py` alone:
+# its `core` is the engine's own layout, free to change. The simulator
+# (adapters/testing/) is the property tests' reference model, which checks the
+# core field by field, and is exempt.
+_CORE_READERS_ALLOWED = ("engine/", "adapters/testing/")
+
+
+def _core_reads(path: Path, root: Path = ROOT) -> list[str]:
+    import ast
+
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{path.relative_to(root)}:{node.lineno}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "core"]
+
+
+def test_nothing_outside_the_engine_reads_its_core() -> None:
+    offenders = []
+    for folder in ("adapters", "transfers", "events"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if not str(path.relative_to(ROOT)).startswith(_CORE_READERS_ALLOWED):
+                offenders += _core_reads(path)
+    assert not offenders, f"read the state through engine/queries.py: {offenders}"
+
+
+def test_the_core_check_finds_a_read(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def used(state):\n    return state.core.lower\n")
+    assert _core_reads(probe, tmp_path) == ["probe.py:2"]
