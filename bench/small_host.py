@@ -37,10 +37,11 @@ def run(spec: dict) -> tuple[dict, float]:
     raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def stats(log: Path) -> dict:
+def summary(log: Path) -> dict:
+    """`kvledger replay --json`: the log's totals and its tier."""
     proc = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli.main", "replay", str(log), "--json"],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
-    return json.loads(proc.stdout)["stats"]
+    return json.loads(proc.stdout)
 
 
 def configuration(model: str, host_bytes: int, tier: dict, folder: Path) -> dict:
@@ -48,19 +49,12 @@ def configuration(model: str, host_bytes: int, tier: dict, folder: Path) -> dict
             "engine": {"block_size": 16}, "extra": {"capacity_bytes": host_bytes, "secondary_tiers": [tier]}}
     first, first_s = run({**base, "log": str(folder / "one.log"), "phases": ["first", "again"]})
     again, again_s = run({**base, "log": str(folder / "two.log"), "phases": ["first"]})
-    one = stats(folder / "one.log")
+    replayed = summary(folder / "one.log")
+    one = replayed["stats"]
     return {"first": first["first"], "again": first["again"], "new_process": again["first"],
             "seconds": (first_s, again_s), "offered": one["keys_stored"] + one["store_rejections"],
-            "rejected": one["store_rejections"], "preemptions": one["preemptions"], "slots": slots(folder / "one.log")}
-
-
-def slots(log: Path) -> int:
-    from kvledger.adapters.log_files import open_log
-
-    header, records = open_log(log)
-    for _ in records:  # read to the end, which closes the file
-        pass
-    return header.config.num_tier_slots
+            "rejected": one["store_rejections"], "preemptions": one["preemptions"],
+            "slots": replayed["tier"]["capacity_slots"]}
 
 
 def main() -> None:

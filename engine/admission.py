@@ -178,19 +178,22 @@ def plan_stores(core: Core, crossed: list[tuple[RequestState, int]], out: list[f
                 cand_keys.clear()
         return
     marks: list[tuple[RequestState, list[int], int, int, int]] = []  # deferring: each request's columns
-    for request, horizon in crossed:
-        start = len(cand_keys)
-        saved_positions = list(request.next_store) if defer else request.next_store
-        saved_tokens = request.next_store_tokens
-        find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
-        if defer and len(cand_keys) > start:
-            marks.append((request, saved_positions, saved_tokens, start, len(cand_keys)))
+    if defer:
+        for request, horizon in crossed:
+            start = len(cand_keys)
+            positions, tokens = list(request.next_store), request.next_store_tokens
+            find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
+            if len(cand_keys) > start:
+                marks.append((request, positions, tokens, start, len(cand_keys)))
+    else:
+        for request, horizon in crossed:
+            find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
     if lazy:  # only note the keys, for when their blocks near eviction
         lazy_keys = core.lazy_keys
         for block, key in zip(cand_blocks, cand_keys):
             lazy_keys[block] = key
     elif cand_keys:  # one job for the whole step
-        offered = list(cand_keys) if defer else cand_keys
+        offered = list(cand_keys) if marks else cand_keys  # admission cuts the columns' tail
         if len(set(cand_keys)) < len(cand_keys):
             drop_repeats(cand_groups, cand_blocks, cand_keys)
         # In request order: when the tier cannot take them all, the first

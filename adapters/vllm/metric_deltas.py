@@ -29,8 +29,8 @@ _TIER_COUNTED = (("keys_read", m.TIER_KEYS_READ), ("keys_written", m.TIER_KEYS_W
 
 # Keys leaving a tier, counted from the engine's notifications by their reason: its totals
 # (`evictions`) count an eviction and a reset's drop alike. Failed keys have counters of their own.
-HOST_DROPS = {fx.Reason.EVICTED: m.EVICTIONS, fx.Reason.RESET: m.RESET_DROPPED}
-TIER_DROPS = {fx.Reason.EVICTED: m.TIER_EVICTIONS, fx.Reason.RESET: m.TIER_RESET_DROPPED}
+_HOST_DROPS = {fx.Reason.EVICTED: m.EVICTIONS, fx.Reason.RESET: m.RESET_DROPPED}
+_TIER_DROPS = {fx.Reason.EVICTED: m.TIER_EVICTIONS, fx.Reason.RESET: m.TIER_RESET_DROPPED}
 
 
 class MetricDeltas:
@@ -48,10 +48,10 @@ class MetricDeltas:
         self._lookup_seconds: list[float] = []
 
     def keys_evicted(self, effect: fx.KeysEvicted) -> None:
-        self._count_drop(HOST_DROPS.get(effect.reason), "", effect.keys)
+        self._count_drop(_HOST_DROPS.get(effect.reason), "", effect.keys)
 
     def tier_keys_dropped(self, effect: fx.DropTierKeys) -> None:
-        self._count_drop(TIER_DROPS.get(effect.reason), self.tier_names[effect.tier - 1], effect.keys)
+        self._count_drop(_TIER_DROPS.get(effect.reason), self.tier_names[effect.tier - 1], effect.keys)
 
     def _count_drop(self, metric: m.Metric | None, tier: str, keys: tuple[bytes, ...]) -> None:
         if metric is not None and keys:

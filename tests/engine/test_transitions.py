@@ -359,9 +359,9 @@ def _held(e: Engine, rid: str = "a", blocks=(1, 2, 3), tag: str = "a") -> None:
     e.apply(ev.RequestFinished(request_id=rid, block_ids=(blocks,)))
 
 
-def _reading() -> tuple[Engine, fx.StartLoad]:
+def _reading(disk: int = 16) -> tuple[Engine, fx.StartLoad]:
     """A document on disk only (host memory refilled by another), and a load promoting it."""
-    e = _tiered()
+    e = _tiered(disk=disk)
     _held(e)
     _held(e, "filler", (10, 11, 12, 13, 14, 15, 16, 17), tag="z")
     e.add("b", 100)
@@ -438,10 +438,16 @@ def test_every_tier_key_move(pair):
 
 
 def test_a_key_being_read_is_not_evicted():
-    e, load = _reading()
-    read = load.keys[0][0]
-    _held(e, "c", (30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46), tag="c")  # past capacity
-    assert queries.tier_key_state(e.state, 1, read) is K.HELD
+    e, load = _reading(disk=11)  # the disk full: the document's 3 keys (being read) and the filler's 8
+    tier = e.core.lower[0]
+    read = load.keys[0]
+    assert len(tier.held) == tier.capacity and all(tier.reading.get(k) == 1 for k in read)
+    e.add("c", 64, tag="c")
+    e.alloc("c", (30, 31))
+    (store,) = only(e.step(("c", 0, 64)), fx.StartStore)
+    e.store_done(store.job_id)  # its spill needs room for two keys, while the load still reads
+    assert tier.counts["evictions"] == 2
+    assert all(queries.tier_key_state(e.state, 1, k) is K.HELD for k in read)  # the oldest, but read
     check(e.state)
 
 

@@ -10,6 +10,8 @@ The run gets the test's environment as it is at the run (a test may have set a
 variable since the zygote started; PYTHONHASHSEED is the zygote's, which is why
 there is one per seed), and its output goes to the two files. The zygote is single-threaded
 when it forks (it says so on start, or exits), which is what makes fork safe.
+A run that starts vLLM processes of its own (multiprocess, tensor-parallel)
+gets them from a forkserver the zygote starts before forking it (`spawn_server.py`).
 """
 
 from __future__ import annotations
