@@ -30,7 +30,7 @@ def measure(host_slots: int, seed: int, steps: int = 400) -> dict:
     def watching(event):
         effects = emit(event)
         for effect in effects:
-            if isinstance(effect, fx.KeysEvicted):
+            if isinstance(effect, fx.KeysUnloadable) and effect.tier == 0:
                 evicted.update(effect.keys)
         return effects
 

@@ -352,7 +352,7 @@ def admit_store(core: Core, request_id: str, cand_groups: list[int], cand_blocks
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:
-        out.append(new.keys_evicted(tuple(evicted), fx.Reason.EVICTED))
+        out.append(new.keys_unloadable(0, tuple(evicted), fx.Reason.EVICTED))
     if core.config.protection is _PIN:
         pinned = tuple(job.flat_blocks())
         pins = core.block_pins

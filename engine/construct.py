@@ -41,7 +41,8 @@ _BlocksTouched: Final = ev.BlocksTouched
 _StepScheduled: Final = ev.StepScheduled
 _StartStore: Final = fx.StartStore
 _StartLoad: Final = fx.StartLoad
-_KeysEvicted: Final = fx.KeysEvicted
+_KeysLoadable: Final = fx.KeysLoadable
+_KeysUnloadable: Final = fx.KeysUnloadable
 
 _APPENDED: Final = _setters(ev.BlockHashesAppended, "request_id", "num_tokens", "block_hashes")
 _FREED: Final = _setters(ev.BlocksFreed, "request_id", "block_ids")
@@ -52,7 +53,8 @@ _STEP: Final = _setters(ev.StepScheduled, "step_index", "request_ids", "num_comp
 _STORE: Final = _setters(fx.StartStore, "job_id", "request_id", "keys", "source_block_ids", "target_slot_ids")
 _LOAD: Final = _setters(fx.StartLoad, "job_id", "request_id", "keys", "source_slot_ids", "target_block_ids",
                         "promote_tiers")
-_EVICTED: Final = _setters(fx.KeysEvicted, "keys", "reason")
+_LOADABLE: Final = _setters(fx.KeysLoadable, "tier", "keys")
+_UNLOADABLE: Final = _setters(fx.KeysUnloadable, "tier", "keys", "reason")
 
 
 def _build(cls: type[_E], setters: tuple[_Setter, ...], *values: object) -> _E:
@@ -96,5 +98,9 @@ def start_load(job_id: int, request_id: str, keys: fx.KeysByGroup, source_slot_i
     return _build(_StartLoad, _LOAD, job_id, request_id, keys, source_slot_ids, target_block_ids, promote_tiers)
 
 
-def keys_evicted(keys: tuple[bytes, ...], reason: fx.Reason) -> fx.KeysEvicted:
-    return _build(_KeysEvicted, _EVICTED, keys, reason)
+def keys_loadable(tier: int, keys: tuple[bytes, ...]) -> fx.KeysLoadable:
+    return _build(_KeysLoadable, _LOADABLE, tier, keys)
+
+
+def keys_unloadable(tier: int, keys: tuple[bytes, ...], reason: fx.Reason) -> fx.KeysUnloadable:
+    return _build(_KeysUnloadable, _UNLOADABLE, tier, keys, reason)

@@ -3,8 +3,10 @@
 Effects only describe work; the effect runner (transfers/) and the adapter
 perform it, and outcomes come back as events. They hold no callables, so they
 compare equal and serialize. Commands are imperatives (`StartStore`);
-notifications are past-tense facts (`KeysEvicted`) for logs, KV events and
-metrics, and ask for no work.
+notifications are past-tense facts (`KeysLoadable`, `KeysUnloadable`,
+`TransferFailed`, `ReportViolation`) for logs, KV events, metrics and the
+lower tiers' lookups, and ask for no work: whoever keeps a view of what the
+engine decided translates them, and never reads the state around a step.
 
 `ROUTES` says where each kind is carried out; `route` splits a step's
 effects by it. A kind missing from the table fails at import, so a new
@@ -65,7 +67,7 @@ class StartSpill:
 
 
 class Reason(enum.Enum):
-    """Why keys left a tier (`KeysEvicted`, `DropTierKeys`): metrics count each apart."""
+    """Why keys left a tier (`KeysUnloadable`, `DropTierKeys`): metrics count each apart."""
 
     EVICTED = "evicted"  # to make room for other keys
     FAILED = "failed"  # a transfer of theirs failed
@@ -104,26 +106,54 @@ class UnpinDeviceBlocks:
 
 
 @attrs.frozen(kw_only=True)
-class KeysEvicted:
-    """Notification: these keys left the tier and can no longer be loaded, for `reason`."""
+class KeysLoadable:
+    """Notification: these keys became loadable in tier `tier` (0: host memory):
+    a store or promotion ended there, a spill was written, a lookup or the
+    start-up scan found them. Each was not loadable there before."""
 
+    tier: int
+    keys: tuple[bytes, ...]
+
+
+@attrs.frozen(kw_only=True)
+class KeysUnloadable:
+    """Notification: these keys, loadable in tier `tier` until now, no longer
+    are, for `reason`. With `KeysLoadable`, the exact history of what each
+    tier can serve: folding the two gives `queries.is_loadable`/`tier_holds`."""
+
+    tier: int
     keys: tuple[bytes, ...]
     reason: Reason
 
 
 @attrs.frozen(kw_only=True)
+class TransferFailed:
+    """Notification: a worker reported these keys of a transfer failed (all of
+    them when it named none), with the request it served ("" for a spill)."""
+
+    job_id: int
+    kind: str  # "store", "load" or "spill"
+    request_id: str
+    tier: int  # the lower tier a spill wrote to; 0 for stores and loads
+    worker_index: int
+    keys: tuple[bytes, ...]
+
+
+@attrs.frozen(kw_only=True)
 class ReportViolation:
-    """Notification: the caller broke the protocol; the event was not applied."""
+    """Notification: the caller broke the protocol; the event was not applied.
+    `keys` are the named job's, when the violation names one still in flight."""
 
     code: str
     message: str
     event_kind: str
     request_id: str = ""
     job_id: int = -1
+    keys: tuple[bytes, ...] = ()
 
 
-Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysEvicted, ReportViolation,
-               StartSpill, DropTierKeys]
+Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysLoadable, KeysUnloadable,
+               TransferFailed, ReportViolation, StartSpill, DropTierKeys]
 
 EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 
@@ -146,7 +176,9 @@ ROUTES: dict[type, Phase] = {
     StartStore: Phase.AFTER_FORWARD,
     StartSpill: Phase.AFTER_FORWARD,  # reads host slots only: any worker phase would do
     DropTierKeys: Phase.AFTER_FORWARD,
-    KeysEvicted: Phase.NOTIFICATION,
+    KeysLoadable: Phase.NOTIFICATION,
+    KeysUnloadable: Phase.NOTIFICATION,
+    TransferFailed: Phase.NOTIFICATION,
     ReportViolation: Phase.NOTIFICATION,
 }
 assert set(ROUTES) == set(EFFECT_TYPES), "every effect kind needs a route"

@@ -110,6 +110,7 @@ def _make_room(core: Core, index: int, wanted: int, out: list[fx.Effect]) -> int
         victims = _evict(tier, wanted - room)
         if victims:
             out.append(fx.DropTierKeys(tier=index, keys=tuple(victims), reason=fx.Reason.EVICTED))
+            out.append(fx.KeysUnloadable(tier=index, keys=tuple(victims), reason=fx.Reason.EVICTED))
         room += len(victims)
     return room
 
@@ -163,6 +164,7 @@ def spill_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     tier = core.lower[job.tier - 1]
     failed = job.failed_keys
     drop = []
+    written = []
     for group_keys in job.keys:
         for key in group_keys:
             del tier.writing[key]
@@ -170,8 +172,11 @@ def spill_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
                 drop.append(key)
             else:
                 tier.held[key] = None
-                tier.counts["keys_written"] += 1
+                written.append(key)
+    tier.counts["keys_written"] += len(written)
     tier.counts["write_failures"] += len(failed)
+    if written:
+        out.append(fx.KeysLoadable(tier=job.tier, keys=tuple(written)))
     if drop:
         out.append(fx.DropTierKeys(tier=job.tier, keys=tuple(drop),
                                     reason=fx.Reason.RESET if job.stale else fx.Reason.FAILED))
@@ -188,7 +193,7 @@ def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]], out: 
         core.stats.evictions += len(evicted)
         free += len(evicted)
         if evicted:
-            out.append(fx.KeysEvicted(keys=tuple(evicted), reason=fx.Reason.EVICTED))
+            out.append(fx.KeysUnloadable(tier=0, keys=tuple(evicted), reason=fx.Reason.EVICTED))
     taken = promoted[:free]
     # A key another load in this step is promoting already has a slot: this load
     # reads the block again into a slot of its own, left out of the index.
@@ -231,9 +236,12 @@ def promotions_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
         kept_keys.append(key)
         kept_slots.append(slot)
     if kept_keys:
-        slots.store_ended(core, _Part((tuple(kept_keys),), (tuple(kept_slots),), failed, job.stale))
+        stored = slots.store_ended(core, _Part((tuple(kept_keys),), (tuple(kept_slots),), failed, job.stale))
+        if stored:
+            out.append(fx.KeysLoadable(tier=0, keys=tuple(stored)))
     for tier_index, keys in drops.items():
         out.append(fx.DropTierKeys(tier=tier_index, keys=tuple(keys), reason=fx.Reason.FAILED))
+        out.append(fx.KeysUnloadable(tier=tier_index, keys=tuple(keys), reason=fx.Reason.FAILED))
 
 
 def host_part(job: Job) -> _Part | None:
@@ -254,6 +262,8 @@ def keys_found(core: Core, index: int, keys: tuple[bytes, ...], out: list[fx.Eff
     for key in new:
         held[key] = None
     tier.counts["keys_found"] += len(new)
+    if new:
+        out.append(fx.KeysLoadable(tier=index, keys=tuple(new)))
     _make_room(core, index, 0, out)  # found beyond capacity: the oldest go
 
 
@@ -268,5 +278,6 @@ def drop_all(core: Core, out: list[fx.Effect]) -> int:
         dropped += len(keys)
         if keys:
             out.append(fx.DropTierKeys(tier=index, keys=keys, reason=fx.Reason.RESET))
+            out.append(fx.KeysUnloadable(tier=index, keys=keys, reason=fx.Reason.RESET))
     return dropped
 

@@ -85,10 +85,13 @@ class Transition(NamedTuple):
     effects: tuple[fx.Effect, ...]
 
 
-def _reported(violation: ProtocolViolation, event: ev.Event) -> fx.ReportViolation:
+def _reported(violation: ProtocolViolation, event: ev.Event, core: Core) -> fx.ReportViolation:
+    """The violation, with the keys of the job it names (the state is as it was before the event)."""
+    job = core.jobs.get(violation.job_id)
     return fx.ReportViolation(
         code=violation.code, message=violation.message, event_kind=event.kind,
         request_id=violation.request_id, job_id=violation.job_id,
+        keys=() if job is None else tuple(k for group in job.keys for k in group),
     )
 
 
@@ -110,7 +113,7 @@ def reduce(state: State, event: ev.Event, *, strict: bool = False) -> Transition
         if strict:
             state.restore(core)
             raise
-        out = [_reported(violation, event)]
+        out = [_reported(violation, event, core)]
     return _new_tuple(Transition, (State(core), tuple(out) if out else ()))
 
 
@@ -135,7 +138,7 @@ def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, 
                     state.restore(core)
                 raise
             del out[mark:]
-            out.append(_reported(violation, event))
+            out.append(_reported(violation, event, core))
     return _new_tuple(Transition, (State(core), tuple(out) if out else ()))
 
 
@@ -503,6 +506,8 @@ def _store_failed(core: Core, event: ev.StoreFailed, out: list[fx.Effect]) -> No
         raise ProtocolViolation("foreign_keys", f"store {job.job_id} failed keys it does not hold",
                                 job_id=job.job_id)
     job.failed_keys = job.failed_keys | failed
+    out.append(fx.TransferFailed(job_id=job.job_id, kind=job.kind.value, request_id=job.request_id,
+                                 tier=job.tier, worker_index=event.worker_index, keys=tuple(sorted(failed))))
     _worker_reported(core, job, event.worker_index, out)
 
 
@@ -528,6 +533,8 @@ def _load_failed(core: Core, event: ev.LoadFailed, out: list[fx.Effect]) -> None
         failed_keys.update(k for k, b in zip(group_keys, group_blocks) if b in failed_blocks)
     job.failed_blocks = job.failed_blocks | failed_blocks
     job.failed_keys = job.failed_keys | failed_keys
+    out.append(fx.TransferFailed(job_id=job.job_id, kind=job.kind.value, request_id=job.request_id, tier=0,
+                                 worker_index=event.worker_index, keys=tuple(sorted(failed_keys))))
     _worker_reported(core, job, event.worker_index, out)
 
 
@@ -560,6 +567,8 @@ def _store_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
         stats.keys_failed += len(failed)
     stored = slots.store_ended(core, job)
     stats.keys_stored += len(stored)
+    if stored:
+        out.append(new.keys_loadable(0, tuple(stored)))
     if core.lower and stored:
         slot_of_key = core.slot_of_key
         done = set(stored)
@@ -585,7 +594,7 @@ def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
         core.stats.load_failures += 1
         core.stats.keys_failed += len(job.failed_keys)
         if dropped:  # a failed key already gone, or stored again since, is not reported
-            out.append(new.keys_evicted(tuple(sorted(dropped)), fx.Reason.FAILED))
+            out.append(new.keys_unloadable(0, tuple(sorted(dropped)), fx.Reason.FAILED))
     request = core.requests.get(job.request_id)
     if request is None or request.load_job_id != job.job_id:
         return
@@ -631,7 +640,7 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None
     core.epoch = event.epoch
     core.stats.evictions += len(dropped)  # the engine's total counts both; metrics tell them apart by reason
     if dropped:
-        out.append(fx.KeysEvicted(keys=dropped, reason=fx.Reason.RESET))
+        out.append(new.keys_unloadable(0, dropped, fx.Reason.RESET))
     if core.lower:
         lower.drop_all(core, out)
 

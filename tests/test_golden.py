@@ -100,7 +100,7 @@ def test_the_reasons_keys_leave_host_memory_split_the_engines_evictions_total() 
 
     def observe(seq: int, event: object, state: object, effects: tuple) -> None:
         for effect in effects:
-            if isinstance(effect, fx.KeysEvicted):
+            if isinstance(effect, fx.KeysUnloadable) and effect.tier == 0:
                 left[effect.reason] += len(effect.keys)
 
     result = replay(header.config, records, check_invariants=True, observe=observe)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kvledger.adapters.engine_host import EngineHost
 from kvledger.engine import effects as fx
-from kvledger.engine import hma
+from kvledger.engine import hma, queries
 from kvledger.engine.invariants import check, check_event
 from kvledger.engine.lookup import LookupResult, lookup
 from kvledger.engine.reducer import reduce
@@ -95,6 +95,8 @@ class Simulator:
         self.dirty: set[int] = set()
         self.slot_content: dict[int, object] = {}
         self.disks: list[dict[bytes, object]] = [{} for _ in config.lower_tiers]  # per lower tier
+        # What the engine's notifications say each tier (0: host memory) can serve.
+        self.announced: list[set[bytes]] = [set() for _ in range(1 + len(config.lower_tiers))]
         self.damaged: set[bytes] = set()  # keys removed from a disk behind the engine's back
         self.requests: dict[str, SimRequest] = {}
         self.jobs: dict[int, SimJob] = {}
@@ -120,7 +122,19 @@ class Simulator:
             self._perform(effect)
         if self.check_every_event:
             check_event(self.state, event, before)
+            self._check_announced()
         return effects
+
+    def _check_announced(self) -> None:
+        """The notifications so far, folded, are exactly what each tier can serve."""
+        if self.announced[0] != set(queries.loadable_keys(self.state)):
+            raise SimulationError("host memory: the notifications disagree with the loadable keys")
+        usage = queries.lower_tier_usage(self.state)
+        for tier, announced in enumerate(self.announced[1:], start=1):
+            if any(not queries.tier_holds(self.state, tier, key) for key in announced):
+                raise SimulationError(f"tier {tier}: a key announced loadable is not held")
+            if len(announced) != usage[tier - 1].held_keys:
+                raise SimulationError(f"tier {tier}: a held key was never announced")
 
     def _perform(self, effect: fx.Effect) -> None:
         _PERFORM[type(effect)](self, effect)
@@ -148,8 +162,20 @@ class Simulator:
     def _violation(self, effect: fx.ReportViolation) -> None:  # strict mode raises first
         raise SimulationError(f"violation: {effect}")
 
-    def _evicted(self, effect: fx.KeysEvicted) -> None:
-        """A notification: the engine's own tables say what is loadable."""
+    def _loadable(self, effect: fx.KeysLoadable) -> None:
+        announced = self.announced[effect.tier]
+        if not announced.isdisjoint(effect.keys):
+            raise SimulationError(f"tier {effect.tier}: keys announced loadable twice")
+        announced.update(effect.keys)
+
+    def _unloadable(self, effect: fx.KeysUnloadable) -> None:
+        announced = self.announced[effect.tier]
+        if not announced.issuperset(effect.keys):
+            raise SimulationError(f"tier {effect.tier}: keys announced unloadable that were not loadable")
+        announced.difference_update(effect.keys)
+
+    def _failed(self, effect: fx.TransferFailed) -> None:
+        """A notification for logs; the job's own reports carry the outcome."""
 
     def _copy(self, job: SimJob) -> None:
         """The worker's copy; the simulator runs it as late as it may."""
@@ -659,7 +685,9 @@ _PERFORM = {
     fx.PinDeviceBlocks: Simulator._pin,
     fx.UnpinDeviceBlocks: Simulator._unpin,
     fx.ReportViolation: Simulator._violation,
-    fx.KeysEvicted: Simulator._evicted,
+    fx.KeysLoadable: Simulator._loadable,
+    fx.KeysUnloadable: Simulator._unloadable,
+    fx.TransferFailed: Simulator._failed,
     fx.StartSpill: Simulator._start,
     fx.DropTierKeys: Simulator._drop,
 }

@@ -3,12 +3,12 @@
 `BlockRemoved`.
 
 A router that reads these events will send requests here expecting a hit,
-so an event must never advertise a block that cannot be loaded. A block is
-advertised once its store has completed (on every worker) and the engine
-holds it as stored; it is withdrawn as soon as it stops being loadable:
-evicted, dropped after a failed transfer, or cleared by a cache reset.
-Both directions are decided by asking the engine state after the events,
-never by guessing from the events alone.
+so an event must never advertise a block that cannot be loaded. The engine
+announces exactly that: `KeysLoadable` once a block can be loaded from a tier
+(its store completed on every worker, a spill was written, a lookup found
+it), `KeysUnloadable` as soon as it cannot (evicted, dropped after a failed
+transfer, cleared by a cache reset). Each event here is one of those
+notifications, translated; nothing is kept or compared.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved,
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvledger.engine import effects as fx
-from kvledger.engine import queries
-from kvledger.engine.state import State
-from kvledger.events import types as ev
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -52,59 +49,24 @@ def group_event_specs(kv_cache_config: KVCacheConfig) -> tuple[GroupEventSpec, .
 
 
 class TierEvents:
-    """Turns engine transitions into vLLM KV events, and holds them until taken."""
+    """Turns the engine's notifications into vLLM KV events, and holds them until taken."""
 
     def __init__(self, groups: Sequence[GroupEventSpec], num_lower_tiers: int = 0) -> None:
         self._groups = tuple(groups)
-        # Per medium (the CPU tier, then each lower tier): the keys advertised there.
-        self._media = [MEDIUM_CPU] + [MEDIUM_STORAGE] * num_lower_tiers
-        self._advertised_in: list[set[bytes]] = [set() for _ in self._media]
-        self._advertised = self._advertised_in[0]
+        self._media = [MEDIUM_CPU] + [MEDIUM_STORAGE] * num_lower_tiers  # by tier (0: host memory)
         self._pending: list[KVCacheEvent] = []
 
-    @property
-    def advertised(self) -> frozenset[bytes]:
-        return frozenset(self._advertised)
+    def observe(self, effects: Iterable[fx.Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, fx.KeysLoadable):
+                self._stored(effect.keys, self._media[effect.tier])
+            elif isinstance(effect, fx.KeysUnloadable):
+                medium = self._media[effect.tier]
+                for group, hashes in self._by_group(effect.keys).items():
+                    self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
 
-    def advertised_in(self, tier: int) -> frozenset[bytes]:
-        """Keys advertised in tier `tier` (0: host memory)."""
-        return frozenset(self._advertised_in[tier])
-
-    def observe(self, events: Iterable[ev.Event], job_keys: Iterable[bytes], notifications: Iterable[fx.Effect],
-                state: State) -> None:
-        """Reconcile every key these transitions may have changed with the state after them.
-
-        `job_keys` are the keys of the jobs the events report on, read before
-        they were applied (a job is gone once it ends); `notifications` are
-        the effects the engine produced (only `KeysEvicted` names keys).
-        """
-        candidates = set(job_keys)
-        for event in events:
-            candidates.update(getattr(event, "keys", ()))
-            if isinstance(event, ev.CacheReset):
-                for advertised in self._advertised_in:
-                    candidates.update(advertised)
-        for effect in notifications:
-            if isinstance(effect, (fx.KeysEvicted, fx.DropTierKeys)):
-                candidates.update(effect.keys)
-        for tier, (medium, advertised) in enumerate(zip(self._media, self._advertised_in)):
-            if tier:
-                loadable = {k for k in candidates if queries.tier_holds(state, tier, k)}
-            else:
-                loadable = {k for k in candidates if queries.is_loadable(state, k)}
-            self._reconcile(candidates, loadable, advertised, medium)
-
-    def _reconcile(self, candidates: set[bytes], loadable: set[bytes], advertised: set[bytes],
-                   medium: str) -> None:
-        stored = sorted(k for k in candidates if k not in advertised and k in loadable)
-        removed = sorted(k for k in candidates if k in advertised and k not in loadable)
-        for key in removed:
-            advertised.discard(key)
-        if removed:
-            for group, hashes in self._by_group(removed).items():
-                self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
-        for key in stored:
-            advertised.add(key)
+    def _stored(self, keys: Iterable[bytes], medium: str) -> None:
+        for key in keys:
             group = int.from_bytes(key[-_SUFFIX:], "big")
             spec = self._groups[group]
             self._pending.append(BlockStored(

@@ -198,7 +198,8 @@ class SchedulerTiers:
         return {index: lookups.answered() for index, lookups in self._lookups.items()}
 
     def removed(self, tier: int, keys: Sequence[bytes]) -> None:
-        """The engine dropped these keys from a tier (`DropTierKeys`): lookups must not find them."""
+        """These keys left a tier, or failed to be written there (the engine's `KeysUnloadable`
+        and `TransferFailed`): lookups must not find them."""
         tombstones = self._tombstones.get(tier)
         if tombstones is None:
             return

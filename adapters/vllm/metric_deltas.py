@@ -47,11 +47,11 @@ class MetricDeltas:
         self._log_failure_reported = False
         self._lookup_seconds: list[float] = []
 
-    def keys_evicted(self, effect: fx.KeysEvicted) -> None:
-        self._count_drop(_HOST_DROPS.get(effect.reason), "", effect.keys)
-
-    def tier_keys_dropped(self, effect: fx.DropTierKeys) -> None:
-        self._count_drop(_TIER_DROPS.get(effect.reason), self.tier_names[effect.tier - 1], effect.keys)
+    def keys_unloadable(self, effect: fx.KeysUnloadable) -> None:
+        if effect.tier:
+            self._count_drop(_TIER_DROPS.get(effect.reason), self.tier_names[effect.tier - 1], effect.keys)
+        else:
+            self._count_drop(_HOST_DROPS.get(effect.reason), "", effect.keys)
 
     def _count_drop(self, metric: m.Metric | None, tier: str, keys: tuple[bytes, ...]) -> None:
         if metric is not None and keys:

@@ -8,10 +8,13 @@ events it returns in one `reduce_step`, carries out the scheduler's own
 effects (block-pool references), and sends the workers theirs as the step's
 metadata, by phase (`engine.effects.route`).
 
-`get_num_new_matched_tokens` is a pure query of the engine state, except
-with a shared tier below host memory: then a request's unknown keys are
-looked up there first (`lower_tiers.SchedulerTiers`), and it answers None
-until the lookup's findings have entered the log.
+`get_num_new_matched_tokens` is a query of the engine state, with what it
+remembers between vLLM's calls in `hit_lookup.HitLookups` (which first asks
+a shared tier below host memory about keys no tier is known to hold). The
+engine's notifications are translated where they land: block-pool
+references here, logs, metrics (`MetricDeltas`), KV events (`TierEvents`)
+and the lower tiers' lookups (`SchedulerTiers.removed`); nothing reads the
+state around a step.
 
 With tiers below host memory, block keys are kvledger's own (`ChainKeys`,
 equal in every process), not vLLM's per-process block hashes.
@@ -30,14 +33,14 @@ from kvledger.adapters.settings import ConnectorSettings
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
 from kvledger.adapters.vllm.chain_keys import ChainKeys, generation_root
+from kvledger.adapters.vllm.hit_lookup import HitLookups
 from kvledger.adapters.vllm.kv_events import TierEvents
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.adapters.vllm.metric_deltas import MetricDeltas
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
-from kvledger.engine.lookup import LookupResult, lookup
-from kvledger.engine.planner import Admission, new_hashes, plan_step
+from kvledger.engine.planner import new_hashes, plan_step
 from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, EngineConfig, StoreMode
@@ -51,7 +54,6 @@ if TYPE_CHECKING:
 
 _log = structlog.get_logger("kvledger.adapters.vllm.scheduler")
 
-_FAILURES = frozenset((ev.StoreFailed, ev.LoadFailed))
 
 class LedgerScheduler:
     """`tier_events` is given when vLLM publishes KV cache events."""
@@ -78,16 +80,12 @@ class LedgerScheduler:
         # Streaming sessions (vLLM's resumable requests): the planner compares their
         # hashes in every step, as a turn's next input can rewind them.
         self._sessions: set[str] = set()
-        self._local_hit: dict[str, int] = {}  # the local hit vLLM passed to the last lookup
-        self._last_answer: dict[str, LookupResult] = {}  # each waiting request's, given back to the next lookup
-        self._admitted: list[Admission] = []  # this step's, in vLLM's order
-        self._promised = 0  # host slots this step's admitted hits take (promotions, and keys they pin)
-        self._pending_promotions: dict[str, int] = {}  # slots each request's last hit would take
         self.tier_events = tier_events
         self._tier_names = tuple(tier.name for tier in config.lower_tiers)
         self._metrics = MetricDeltas(self._tier_names)
         self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
         self._tiers = tiers
+        self._lookups = HitLookups(lambda: self.host.state, self._apply, tiers)
         self._chain = self._chain_keys(tiers.key_root) if tiers is not None else None
         self._keys_of = self._chain.keys if self._chain is not None else None
         if tiers is not None:
@@ -97,42 +95,15 @@ class LedgerScheduler:
 
     def _apply(self, events: list[ev.Event]) -> tuple[fx.Effect, ...]:
         """Apply one step's (or one call's) events; carry out what is the scheduler's."""
-        state = self.host.state
-        # The jobs that failure reports (for their log lines) and KV events need,
-        # read before the events end them. Most calls need none.
-        jobs: dict[int, queries.JobView] = {}
-        everyone = self.tier_events is not None
-        failures = not _FAILURES.isdisjoint(map(type, events))
-        if everyone or failures:
-            for event in events:
-                if everyone or type(event) in _FAILURES:
-                    job = queries.job_view(state, getattr(event, "job_id", -1))
-                    if job is not None:
-                        jobs[job.job_id] = job
         effects = self.host.apply_step(events)
         if effects:
-            self._carry_out(effects, jobs)
-            if self._tier_names:  # only tiers below host memory drop their keys
-                for effect in effects:
-                    if type(effect) is fx.DropTierKeys:
-                        if self._tiers is not None:
-                            self._tiers.removed(effect.tier, effect.keys)
-                        self._metrics.tier_keys_dropped(effect)
-        for event in events:
-            if failures and type(event) in _FAILURES:
-                job = jobs.get(event.job_id)  # type: ignore[union-attr]
-                _log.warning(event.kind, request_id=None if job is None else job.request_id,
-                             job_id=event.job_id, worker_index=event.worker_index,  # type: ignore[union-attr]
-                             keys=hex_keys(event.keys), step=self._position.step_index)  # type: ignore[union-attr]
-        if everyone:
-            assert self.tier_events is not None
-            self.tier_events.observe(events, [k for job in jobs.values() for k in job.keys], effects,
-                                     self.host.state)
+            self._carry_out(effects)
         return effects
 
-    def _carry_out(self, effects: tuple[fx.Effect, ...], jobs: dict[int, queries.JobView]) -> None:
-        """The scheduler's own effects and the notifications; the workers' wait for the
-        step's metadata (those of calls between steps ride on the next one)."""
+    def _carry_out(self, effects: tuple[fx.Effect, ...]) -> None:
+        """The scheduler's own effects, and the notifications translated for logs,
+        metrics, KV events and lookups; the workers' effects wait for the step's
+        metadata (those of calls between steps ride on the next one)."""
         routed = fx.route(effects)
         for phase in fx.WORKER_PHASES:
             self._carried.extend(routed[phase])
@@ -142,15 +113,27 @@ class LedgerScheduler:
             else:
                 assert isinstance(effect, fx.UnpinDeviceBlocks), effect
                 self._block_pool.free_blocks(effect.block_ids)
-        for effect in routed[fx.Phase.NOTIFICATION]:
-            if type(effect) is fx.KeysEvicted:
-                self._metrics.keys_evicted(effect)
+        notifications = routed[fx.Phase.NOTIFICATION]
+        if not notifications:
+            return
+        for effect in notifications:
+            if isinstance(effect, fx.KeysUnloadable):
+                self._metrics.keys_unloadable(effect)
+                if effect.tier and self._tiers is not None:
+                    self._tiers.removed(effect.tier, effect.keys)
+            elif isinstance(effect, fx.TransferFailed):
+                if effect.tier and self._tiers is not None:  # a copy that failed to write may be partly there
+                    self._tiers.removed(effect.tier, effect.keys)
+                _log.warning(f"{effect.kind}_failed", request_id=effect.request_id or None, job_id=effect.job_id,
+                             worker_index=effect.worker_index, keys=hex_keys(effect.keys),
+                             step=self._position.step_index)
             elif isinstance(effect, fx.ReportViolation):
                 self._metrics.violation()
-                job = jobs.get(effect.job_id) or queries.job_view(self.host.state, effect.job_id)
                 _log.error("protocol_violation", code=effect.code, message=effect.message,
                            event_kind=effect.event_kind, request_id=effect.request_id, job_id=effect.job_id,
-                           keys=hex_keys(() if job is None else job.keys), step=self._position.step_index)
+                           keys=hex_keys(effect.keys), step=self._position.step_index)
+        if self.tier_events is not None:
+            self.tier_events.observe(notifications)
 
     @property
     def _position(self) -> queries.Position:
@@ -180,55 +163,26 @@ class LedgerScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         started = time.perf_counter()
         rid = request.request_id
-        self._local_hit[rid] = num_computed_tokens
         changed = new_hashes(self.host.state, rid, request, self._keys_of, rewinds=rid in self._sessions)
         if changed:
             if type(changed[0]) is ev.BlockHashesRewound:
-                self._last_answer.pop(rid, None)  # a kept answer may rest on rewound keys
+                self._lookups.rewound(rid)
             self._apply(list(changed))
-        tiers = self._tiers
-        if tiers is not None and tiers.shared:
-            found = tiers.answers()
-            if found:
-                self._apply(list(found))
-        result = lookup(self.host.state, rid, num_computed_tokens, self._promised, self._last_answer.get(rid))
-        self._last_answer[rid] = result
-        if result.ready and tiers is not None and tiers.shared:
-            # Keys beyond the hit that another process may have written: look once.
-            wanted = queries.unknown_keys(self.host.state, rid, num_computed_tokens + result.num_hit_tokens)
-            if tiers.ask(rid, wanted):
-                self._metrics.lookup_delay(time.perf_counter() - started)
-                return None, False  # the lookup's answer enters the log before the next try
-            found = tiers.answers()
-            if found:
-                self._apply(list(found))
-                result = lookup(self.host.state, rid, num_computed_tokens, self._promised)
+        answer = self._lookups.hit(rid, num_computed_tokens)
         self._metrics.lookup_delay(time.perf_counter() - started)
-        if not result.ready:
-            return None, False  # a needed key is still being stored or loaded: ask next step
-        hit = result.num_hit_tokens
-        self._pending_promotions[rid] = result.slots_taken
-        return hit, hit > 0  # loads are asynchronous: the request waits for them in WAITING_FOR_REMOTE_KVS
+        return answer
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
-        rid = request.request_id
-        self._last_answer.pop(rid, None)
-        if queries.request_status(self.host.state, rid) in queries.ADMITTABLE:
-            self._admitted.append(Admission(rid, self._local_hit.pop(rid, 0), num_external_tokens))
-            if num_external_tokens:  # admitted with its hit: its promotions are spoken for
-                self._promised += self._pending_promotions.pop(rid, 0)
+        self._lookups.admitted(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLedgerMetadata:
         assert self._tables, "bind_kv_cache_manager was not called"
         scheduled = scheduler_output.num_scheduled_tokens
         events = plan_step(
             self.host.state, step_index=self._position.step_index + 1, preempted=scheduler_output.preempted_req_ids or (),
-            scheduled=scheduled, admissions=self._admitted, requests=self._requests, tables=self._tables,
+            scheduled=scheduled, admissions=self._lookups.take_admissions(), requests=self._requests, tables=self._tables,
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
             keys_of=self._keys_of, cached=scheduler_output.scheduled_cached_reqs, sessions=self._sessions)
-        self._admitted = []
-        self._promised = 0
-        self._pending_promotions.clear()
         self._apply(events)
         carried, self._carried = self._carried, []  # this step's, after those of calls since the last
         return KVLedgerMetadata.from_effects(carried)
@@ -247,8 +201,7 @@ class LedgerScheduler:
             self._apply([ev.RequestAborted(request_id=rid)])
         self._requests.pop(rid, None)
         self._sessions.discard(rid)
-        self._local_hit.pop(rid, None)
-        self._last_answer.pop(rid, None)
+        self._lookups.forget(rid)
         if self._chain is not None:
             self._chain.forget(rid)
         if self._tiers is not None:

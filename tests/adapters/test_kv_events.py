@@ -6,11 +6,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vllm package")  # before the imports that need it
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvledger.adapters.vllm.kv_events import GroupEventSpec, TierEvents
 from kvledger.engine import queries
 from kvledger.events import types as ev
-from tests.engine.builders import Engine, chain, full_only_config, key, make_config
+from tests.engine.builders import Engine, chain, full_only_config, make_config
 
 pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
 
@@ -19,23 +20,46 @@ SPECS = (GroupEventSpec(block_size=32, kind="full_attention"),
 
 
 class Watched(Engine):
-    """An engine whose every transition goes through a `TierEvents`."""
+    """An engine whose every transition's notifications go through a `TierEvents`;
+    what it advertised is folded from the events taken, as a router would."""
 
-    def __init__(self, config, specs=SPECS) -> None:
+    def __init__(self, config, specs=SPECS, num_lower_tiers: int = 0) -> None:
         super().__init__(config)
-        self.tier_events = TierEvents(specs)
+        self.tier_events = TierEvents(specs, num_lower_tiers)
+        self.advertised: dict[str, set] = {"CPU": set(), "STORAGE": set()}  # medium -> {(group, hash)}
+        self.problems: list[str] = []
 
     def apply(self, event):
-        job = queries.job_view(self.state, getattr(event, "job_id", -1))
-        job_keys = () if job is None else job.keys
         effects = super().apply(event)
-        self.tier_events.observe([event], job_keys, effects, self.state)
+        self.tier_events.observe(effects)
         return effects
+
+    def take(self) -> list:
+        events = self.tier_events.take()
+        for x in events:
+            pairs = {(x.group_idx, h) for h in x.block_hashes}
+            seen = self.advertised[x.medium]
+            if isinstance(x, BlockStored):
+                if pairs & seen:
+                    self.problems.append(f"stored twice: {pairs & seen}")
+                seen |= pairs
+            else:
+                if pairs - seen:
+                    self.problems.append(f"removed, never stored: {pairs - seen}")
+                seen -= pairs
+        return events
 
     def check_advertised(self) -> None:
         """Every advertised key can be loaded now, and every loadable key is advertised."""
-        held = set(queries.loadable_keys(self.state))
-        assert self.tier_events.advertised == held
+        self.take()
+        assert not self.problems
+        assert self.advertised["CPU"] == _pairs(queries.loadable_keys(self.state))
+        for tier in range(1, len(self.core.lower) + 1):
+            assert self.advertised["STORAGE"] == _pairs(self.core.lower[tier - 1].held)
+
+
+def _pairs(keys) -> set:
+    return {(int.from_bytes(k[-4:], "big"), maybe_convert_block_hash(k[:-4])) for k in keys}
 
 
 def hashes_of(events, kind) -> list[bytes]:
@@ -48,9 +72,9 @@ def test_stored_blocks_are_advertised_once_their_store_completes(monkeypatch):
     e.add("a", 96)
     e.alloc("a", (1, 2, 3), (4, 5, 6))
     e.step(("a", 0, 96))
-    assert e.tier_events.take() == []  # stores started, nothing loadable yet
+    assert e.take() == []  # stores started, nothing loadable yet
     e.finish_all_jobs()
-    events = e.tier_events.take()
+    events = e.take()
     assert all(isinstance(x, BlockStored) and x.medium == "CPU" for x in events)
     hashes = chain(3)
     # Every block of both groups can serve some hit (the window's first block serves one ending at 64).
@@ -59,7 +83,7 @@ def test_stored_blocks_are_advertised_once_their_store_completes(monkeypatch):
     assert {x.kv_cache_spec_kind for x in events if x.group_idx == 1} == {"sliding_window"}
     e.check_advertised()
     e.apply(ev.CacheReset(epoch=1))
-    removed = e.tier_events.take()
+    removed = e.take()
     assert all(isinstance(x, BlockRemoved) for x in removed)
     assert len(hashes_of(removed, BlockRemoved)) == 6
     e.check_advertised()
@@ -71,9 +95,9 @@ def test_a_store_is_advertised_only_after_every_worker_reports():
     e.alloc("a", (1, 2), (3, 4))
     (store,) = e.step(("a", 0, 64))
     e.store_done(store.job_id, worker=0)
-    assert e.tier_events.take() == []
+    assert e.take() == []
     e.store_done(store.job_id, worker=1)
-    assert len(e.tier_events.take()) == 4
+    assert len(e.take()) == 4
     e.check_advertised()
 
 
@@ -81,9 +105,9 @@ def test_evicted_blocks_are_withdrawn_in_the_same_transition(monkeypatch):
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
     e = Watched(full_only_config(num_tier_slots=3), specs=SPECS[:1])
     e.run_and_store("a", 96, (1, 2, 3), tag="a")
-    assert len(e.tier_events.take()) == 3
+    assert len(e.take()) == 3
     e.run_and_store("b", 64, (4, 5), tag="b")  # two more blocks: two of a's are evicted
-    events = e.tier_events.take()
+    events = e.take()
     removed, stored = hashes_of(events, BlockRemoved), hashes_of(events, BlockStored)
     assert len(removed) == 2 and len(stored) == 2
     assert set(removed) <= set(chain(3, "a")) and set(stored) == set(chain(2, "b"))
@@ -94,13 +118,13 @@ def test_a_failed_load_withdraws_the_keys_it_dropped(monkeypatch):
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
     e = Watched(full_only_config(), specs=SPECS[:1])
     e.run_and_store("a", 96, (1, 2, 3))
-    e.tier_events.take()
+    e.take()
     e.add("b", 97, chain(3))
     (load,) = e.alloc("b", (4, 5, 6, 7), ext=96)
     e.apply(ev.LoadFailed(job_id=load.job_id, block_ids=(5,), keys=()))
-    events = e.tier_events.take()
+    events = e.take()
     assert hashes_of(events, BlockRemoved) == [chain(3)[1]]
-    assert key(chain(3)[1], 0) not in e.tier_events.advertised
+    assert (0, chain(3)[1]) not in e.advertised["CPU"]
     e.check_advertised()
 
 
@@ -108,7 +132,7 @@ def test_int_block_hashes_follow_vllms_setting(monkeypatch):
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
     e = Watched(full_only_config(), specs=SPECS[:1])
     e.run_and_store("a", 32, (1,))
-    (stored,) = e.tier_events.take()
+    (stored,) = e.take()
     assert stored.block_hashes == [int.from_bytes(chain(1)[0], "big") & ((1 << 64) - 1)]
 
 
@@ -116,19 +140,20 @@ def test_a_disk_tier_is_advertised_with_medium_storage_while_it_holds_a_block(mo
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
     from tests.engine.builders import FULL
 
-    e = Watched(make_config(groups=(FULL,), lower_tiers=({"name": "1:fs", "num_blocks": 2},)), SPECS[:1])
-    e.tier_events = TierEvents(SPECS[:1], num_lower_tiers=1)
+    e = Watched(make_config(groups=(FULL,), lower_tiers=({"name": "1:fs", "num_blocks": 2},)), SPECS[:1],
+                num_lower_tiers=1)
     e.add("a", 96)
     e.alloc("a", (1, 2, 3))
     e.step(("a", 0, 96))
     e.finish_all_jobs()  # stores, then the spills they start
-    events = e.tier_events.take()
+    events = e.take()
     cpu = [x for x in events if x.medium == "CPU"]
     storage = [x for x in events if x.medium == "STORAGE"]
     assert all(isinstance(x, BlockStored) for x in events)
     assert len(cpu) == 3 and len(storage) == 2  # the disk holds two blocks
-    assert e.tier_events.advertised_in(1) == frozenset(e.core.lower[0].held)
+    e.check_advertised()
     e.apply(ev.CacheReset(epoch=1))
-    removed = e.tier_events.take()
+    removed = e.take()
     assert {x.medium for x in removed if isinstance(x, BlockRemoved)} == {"CPU", "STORAGE"}
-    assert not e.tier_events.advertised_in(1) and not e.tier_events.advertised
+    assert e.advertised == {"CPU": set(), "STORAGE": set()}
+    e.check_advertised()

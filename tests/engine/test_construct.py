@@ -65,6 +65,8 @@ def test_a_start_load_built_here_equals_its_constructor(job_id: int, request_id:
     assert new.start_load(job_id, request_id, keys, sources, targets) == attrs.evolve(expected, promote_tiers=())
 
 
-@given(keys=hash_tuples, reason=st.sampled_from(fx.Reason))
-def test_keys_evicted_built_here_equals_its_constructor(keys: tuple[bytes, ...], reason: fx.Reason) -> None:
-    _same(new.keys_evicted(keys, reason), fx.KeysEvicted(keys=keys, reason=reason))
+@given(tier=st.integers(0, 3), keys=hash_tuples, reason=st.sampled_from(fx.Reason))
+def test_key_notifications_built_here_equal_their_constructors(tier: int, keys: tuple[bytes, ...],
+                                                              reason: fx.Reason) -> None:
+    _same(new.keys_loadable(tier, keys), fx.KeysLoadable(tier=tier, keys=keys))
+    _same(new.keys_unloadable(tier, keys, reason), fx.KeysUnloadable(tier=tier, keys=keys, reason=reason))

@@ -45,6 +45,17 @@ def loading_b(e: Engine) -> tuple:
     return e.alloc("b", (9, 10, 11, 12, 13), (0, 0, 14, 15, 16), ext=128)
 
 
+def store_failed(request_id: str, *keys: bytes, job_id: int = 1) -> fx.TransferFailed:
+    """A step's store job serves no one request: its `request_id` is ""."""
+    return fx.TransferFailed(job_id=job_id, kind="store", request_id=request_id, tier=0, worker_index=0,
+                             keys=tuple(sorted(keys)))
+
+
+def load_failed(request_id: str, *keys: bytes, job_id: int = 2, worker: int = 0) -> fx.TransferFailed:
+    return fx.TransferFailed(job_id=job_id, kind="load", request_id=request_id, tier=0, worker_index=worker,
+                             keys=tuple(sorted(keys)))
+
+
 def tier_keys(e: Engine) -> dict[bytes, int]:
     return dict(e.core.slot_of_key)
 
@@ -267,7 +278,7 @@ def test_reallocating_a_finished_requests_block_flushes_exactly_its_store():
     e.add("f", 64, tag="f")
     assert e.alloc("f", (4, 23), (5, 24)) == ()
     # The flushed store still completes and indexes its keys.
-    assert e.store_done(1) == ()
+    assert e.store_done(1) == (fx.KeysLoadable(tier=0, keys=KA0 + KA1),)
     assert all(e.core.slot_state[tier_keys(e)[k]] == SlotState.STORED for k in KA0 + KA1)
     check(e.state)
 
@@ -455,7 +466,7 @@ def test_abort_during_a_failing_load_also_ends_the_request():
     loading_b(e)
     e.abort("b")
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=()))
-    assert effects == (fx.KeysEvicted(keys=(KA0[1],), reason=fx.Reason.FAILED),)
+    assert effects == (load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
     assert "b" not in e.core.requests
     assert all(e.core.block_refs[b] == 0 for b in range(64))
     check(e.state)
@@ -586,7 +597,7 @@ def test_step_scheduled_violations():
 
 def test_store_completed_indexes_the_keys_in_store_order():
     e = running_with_store()
-    assert e.store_done(1) == ()
+    assert e.store_done(1) == (fx.KeysLoadable(tier=0, keys=KA0 + KA1),)
     c = e.core
     assert 1 not in c.jobs
     assert [c.slot_state[s] for s in range(8)] == [SlotState.STORED] * 8
@@ -612,7 +623,7 @@ def test_store_and_load_completion_violations():
 
 def test_store_failed_for_every_key_indexes_nothing_and_frees_the_slots():
     e = running_with_store()
-    assert e.apply(ev.StoreFailed(job_id=1)) == ()
+    assert e.apply(ev.StoreFailed(job_id=1)) == (store_failed("", *KA0, *KA1),)  # no keys named: all failed
     c = e.core
     assert c.slot_of_key == {} and len(c.policy) == 0
     assert all(c.slot_state[s] == SlotState.FREE for s in range(8))
@@ -627,7 +638,8 @@ def test_store_failed_for_every_key_indexes_nothing_and_frees_the_slots():
 
 def test_store_failed_for_some_keys_indexes_the_rest():
     e = running_with_store()
-    assert e.apply(ev.StoreFailed(job_id=1, keys=(KA0[2],))) == ()
+    assert e.apply(ev.StoreFailed(job_id=1, keys=(KA0[2],))) == (
+        store_failed("", KA0[2]), fx.KeysLoadable(tier=0, keys=(*KA0[:2], KA0[3], *KA1)))
     c = e.core
     assert KA0[2] not in c.slot_of_key
     assert c.slot_state[2] == SlotState.FREE and c.free_slots == [2]
@@ -662,7 +674,7 @@ def test_load_failed_with_several_groups_drops_the_keys_and_starts_the_request_o
     slot = tier_keys(e)
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(), keys=(KA0[1],)))
-    assert effects == (fx.KeysEvicted(keys=(KA0[1],), reason=fx.Reason.FAILED),)
+    assert effects == (load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
     c = e.core
     assert KA0[1] not in c.slot_of_key
     assert c.slot_state[slot[KA0[1]]] == SlotState.FREE
@@ -686,7 +698,8 @@ def test_load_failed_with_one_group_runs_the_request_and_stores_the_block_again(
     e = donor_stored(full_only_config())
     e.add("b", 129, A)
     e.alloc("b", (9, 10, 11, 12, 13), ext=128)
-    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.KeysEvicted(keys=(KA0[1],), reason=fx.Reason.FAILED),)
+    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (
+        load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
     r = e.core.requests["b"]
     assert r.status is RequestStatus.RUNNING and r.load_job_id == -1
     assert r.table == [[9, 10, 11, 12, 13]] and r.next_store == [0]
@@ -702,7 +715,7 @@ def test_load_failed_block_drops_its_key_too():
     e = donor_stored()
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(14,), keys=()))
-    assert effects == (fx.KeysEvicted(keys=(KA1[2],), reason=fx.Reason.FAILED),)
+    assert effects == (load_failed("b", KA1[2]), fx.KeysUnloadable(tier=0, keys=(KA1[2],), reason=fx.Reason.FAILED))
     assert KA1[2] not in e.core.slot_of_key
     assert e.core.jobs == {}
     e.add("c", 129, A)
@@ -730,7 +743,7 @@ def test_cache_reset_evicts_everything_and_ignores_older_jobs():
     e.alloc("s", (20, 21), (22, 23))
     e.step(("s", 0, 64))  # store job 3 in flight
     effects = e.apply(ev.CacheReset(epoch=1))
-    assert effects == (fx.KeysEvicted(keys=KA0 + KA1, reason=fx.Reason.RESET),)
+    assert effects == (fx.KeysUnloadable(tier=0, keys=KA0 + KA1, reason=fx.Reason.RESET),)
     c = e.core
     assert c.epoch == 1 and c.slot_of_key == {} and len(c.policy) == 0
     assert c.stats.evictions == 8
@@ -755,7 +768,7 @@ def test_cache_reset_evicts_everything_and_ignores_older_jobs():
 def test_cache_reset_stale_failures_are_not_violations():
     e = running_with_store()
     e.apply(ev.CacheReset(epoch=3))
-    assert e.apply(ev.StoreFailed(job_id=1)) == ()
+    assert e.apply(ev.StoreFailed(job_id=1)) == (store_failed("", *KA0, *KA1),)
     assert e.core.num_used_slots() == 0
     check(e.state)
 
@@ -781,7 +794,8 @@ def test_pin_mode_pins_on_store_and_unpins_exactly_once():
     e.finish("a")
     e.add("b", 64, tag="b")
     assert e.reject(ev.BlocksAllocated(request_id="b", block_ids=((1, 20), (21, 22)))) == "block_in_use"
-    assert e.store_done(1) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4, 5, 6, 7, 8)),)
+    assert e.store_done(1) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4, 5, 6, 7, 8)),
+                               fx.KeysLoadable(tier=0, keys=KA0 + KA1))
     assert all(e.core.block_pins[b] == 0 for b in range(64))
     assert e.reject(ev.StoreCompleted(job_id=1)) == "unknown_job"
     assert e.alloc("b", (1, 20), (21, 22)) == ()  # no flush: pins kept the block safe
@@ -793,7 +807,8 @@ def test_pin_mode_unpins_a_failed_store_too():
     e.add("a", 64, tag="p")
     e.alloc("a", (1, 2), (3, 4))
     e.step(("a", 0, 64))
-    assert e.apply(ev.StoreFailed(job_id=1)) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4)),)
+    effects = e.apply(ev.StoreFailed(job_id=1))
+    assert effects[1:] == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4)),) and type(effects[0]) is fx.TransferFailed
     assert e.core.block_pins == [0] * 64
     check(e.state)
 
@@ -812,7 +827,8 @@ def test_two_workers_a_store_completes_after_both():
     assert e.reject(ev.StoreCompleted(job_id=1, worker_index=1)) == "duplicate_completion"
     assert e.reject(ev.StoreFailed(job_id=1, worker_index=1)) == "duplicate_completion"
     assert e.reject(ev.StoreCompleted(job_id=1, worker_index=2)) == "bad_worker"
-    assert e.store_done(1, worker=0) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4, 5, 6, 7, 8)),)
+    assert e.store_done(1, worker=0) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4, 5, 6, 7, 8)),
+                                         fx.KeysLoadable(tier=0, keys=KA0 + KA1))
     assert e.core.stats.keys_stored == 8
     assert lookup(e.state, "b", 0) == LookupResult(128)
     check(e.state)
@@ -852,10 +868,11 @@ def test_two_workers_one_failing_store_drops_its_keys():
 def test_two_workers_a_load_ends_after_both_and_keeps_either_failure():
     e = donor_stored(make_config(world_size=2))
     loading_b(e)
-    assert e.apply(ev.LoadFailed(job_id=2, worker_index=1, block_ids=(11,), keys=())) == ()
+    assert e.apply(ev.LoadFailed(job_id=2, worker_index=1, block_ids=(11,), keys=())) == (
+        load_failed("b", KA0[2], worker=1),)  # the outcome waits for the other worker
     assert e.core.requests["b"].status is RequestStatus.LOADING
     assert e.reject(ev.LoadCompleted(job_id=2, worker_index=1)) == "duplicate_completion"
-    assert e.load_done(2, worker=0) == (fx.KeysEvicted(keys=(KA0[2],), reason=fx.Reason.FAILED),)
+    assert e.load_done(2, worker=0) == (fx.KeysUnloadable(tier=0, keys=(KA0[2],), reason=fx.Reason.FAILED),)
     assert e.core.requests["b"].status is RequestStatus.WAITING
     assert KA0[2] not in e.core.slot_of_key
     check(e.state)
@@ -894,7 +911,7 @@ def test_store_admission_never_evicts_a_key_under_a_load():
     effects = e.step(("b", 0, 128))
     kb0 = key(chain(1, "b")[0], 0)
     assert effects == (
-        fx.KeysEvicted(keys=(KA0[3],), reason=fx.Reason.EVICTED),
+        fx.KeysUnloadable(tier=0, keys=(KA0[3],), reason=fx.Reason.EVICTED),
         fx.StartStore(job_id=3, request_id="", keys=((kb0,),), source_block_ids=((9,),),
                       target_slot_ids=((3,),)),
     )
@@ -913,7 +930,7 @@ def test_eviction_is_least_recently_stored_or_loaded_first():
     e.add("b", 64, tag="b")
     e.alloc("b", (9, 10))
     effects = e.step(("b", 0, 64))
-    assert effects[0] == fx.KeysEvicted(keys=(KA0[1], KA0[2]), reason=fx.Reason.EVICTED)
+    assert effects[0] == fx.KeysUnloadable(tier=0, keys=(KA0[1], KA0[2]), reason=fx.Reason.EVICTED)
     assert effects[1].target_slot_ids == ((2, 1),)  # freed slots are reused, last freed first
     assert e.core.stats.evictions == 2
     assert policy_order(e) == (KA0[3], KA0[0])
@@ -986,7 +1003,7 @@ def test_a_load_target_still_read_by_a_store_is_flushed_before_the_load():
     check(e.state)
 
 
-# KeysEvicted names only keys that left the tier.
+# KeysUnloadable names only keys that left the tier.
 
 
 def test_a_failed_load_of_a_key_stored_again_since_does_not_report_it_evicted():
@@ -1013,7 +1030,8 @@ def test_two_failed_loads_of_one_key_report_its_eviction_once():
     e.alloc("b", (9, 10, 11, 12, 13), ext=128)  # job 2
     e.add("c", 129, A)
     e.alloc("c", (20, 21, 22, 23, 24), ext=128)  # job 3 reads the same slots
-    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (fx.KeysEvicted(keys=(KA0[1],), reason=fx.Reason.FAILED),)
+    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (
+        load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
     (store,) = e.step(("b", 32, 97))  # b recomputes block 1 and stores it again
     e.store_done(store.job_id)
     assert KA0[1] in e.core.slot_of_key
@@ -1024,7 +1042,7 @@ def test_two_failed_loads_of_one_key_report_its_eviction_once():
 
 
 def only_evictions(effects: tuple) -> list:
-    return [x for x in effects if isinstance(x, fx.KeysEvicted)]
+    return [x for x in effects if isinstance(x, fx.KeysUnloadable)]
 
 
 def _lazy_block_known():

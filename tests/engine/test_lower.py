@@ -195,7 +195,9 @@ def test_keys_found_join_the_tier_and_a_reset_removes_everything() -> None:
     found = tuple(key(h, 0) for h in chain(4, "other"))
     effects = e.apply(ev.TierKeysFound(tier=1, keys=found))
     assert disk(e) == list(found[1:])  # oldest first: over capacity, the oldest goes
-    assert effects == (fx.DropTierKeys(tier=1, keys=(found[0],), reason=fx.Reason.EVICTED),)
+    assert effects == (fx.KeysLoadable(tier=1, keys=found),  # found, then the oldest evicted
+                       fx.DropTierKeys(tier=1, keys=(found[0],), reason=fx.Reason.EVICTED),
+                       fx.KeysUnloadable(tier=1, keys=(found[0],), reason=fx.Reason.EVICTED))
     e.add("b", 100, hashes=chain(3, "other"))
     assert lookup(e.state, "b", 0).num_hit_tokens == 0  # the first block is gone: no prefix
     effects = e.apply(ev.CacheReset(epoch=1))

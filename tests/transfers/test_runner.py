@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from kvledger.engine.effects import FlushStores, KeysEvicted, Reason, StartLoad
+from kvledger.engine.effects import FlushStores, KeysUnloadable, Reason, StartLoad
 from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed
 from kvledger.transfers.copies.backend import CopyJob, Direction, TransferTimeout
 from tests.transfers import layouts
@@ -163,8 +163,8 @@ def test_a_job_id_already_in_flight_is_rejected() -> None:
 
 def test_a_non_worker_effect_is_refused_by_name_and_empty_jobs_complete() -> None:
     rig = make_rig(layouts.cpu_attention())
-    with pytest.raises(TypeError, match="KeysEvicted is not a worker effect"):
-        rig.runner.submit([KeysEvicted(keys=(b"x",), reason=Reason.EVICTED)])
+    with pytest.raises(TypeError, match="KeysUnloadable is not a worker effect"):
+        rig.runner.submit([KeysUnloadable(tier=0, keys=(b"x",), reason=Reason.EVICTED)])
     rig.runner.submit([store(1, [[]], [[]]), FlushStores(job_ids=(1,))])
     assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
     rig.runner.shutdown()
