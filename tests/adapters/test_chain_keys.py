@@ -53,45 +53,53 @@ TOKENS = list(range(1000, 1100))  # 6 full blocks and 4 tokens
 
 # Stable across processes.
 
+def _keys_and_hashes() -> dict:
+    """This process's keys for four kinds of request, and vLLM's own block hashes of them
+    (xxhash, whose seed is PYTHONHASHSEED's, or random without one)."""
+    from vllm.utils.hashing import xxhash
+
+    saved = {name: getattr(kv_cache_utils, name) for name in ("NONE_HASH", "_NONE_HASH_SEED")
+             if hasattr(kv_cache_utils, name)}  # unset until a first `init_none_hash`
+    try:
+        block_hasher = hasher(16, xxhash)
+        kinds = {"plain": {}, "salted": {"cache_salt": "s"}, "lora": {"lora_request": LoRARequest("l", 1, "/p")},
+                 "images": {"mm_features": [image("img-0", 20, 30), image("img-1", 50, 10)]}}
+        keys, hashes = {}, {}
+        for kind, extra in kinds.items():
+            r = Request(kind, list(range(100)), SamplingParams(max_tokens=8), None, block_hasher=block_hasher,
+                        **extra)
+            keys[kind] = [k.hex() for k in ChainKeys(b"root", 16).keys(r)]
+            hashes[kind] = [h.hex() for h in r.block_hashes]
+    finally:
+        for name, value in saved.items():
+            setattr(kv_cache_utils, name, value)
+    return {"keys": keys, "vllm": hashes}
+
+
 _IN_A_PROCESS = """
 import json
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import xxhash
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.request import Request
-from tests.adapters.test_chain_keys import ChainKeys, LoRARequest, image
-
-init_none_hash(xxhash)
-block_hasher = get_request_block_hasher(16, xxhash)
-kinds = {"plain": {}, "salted": {"cache_salt": "s"}, "lora": {"lora_request": LoRARequest("l", 1, "/p")},
-         "images": {"mm_features": [image("img-0", 20, 30), image("img-1", 50, 10)]}}
-keys, hashes = {}, {}
-for kind, extra in kinds.items():
-    r = Request(kind, list(range(100)), SamplingParams(max_tokens=8), None, block_hasher=block_hasher, **extra)
-    keys[kind] = [k.hex() for k in ChainKeys(b"root", 16).keys(r)]
-    hashes[kind] = [h.hex() for h in r.block_hashes]
-print(json.dumps({"keys": keys, "vllm": hashes}))
+from tests.adapters.test_chain_keys import _keys_and_hashes
+print(json.dumps(_keys_and_hashes()))
 """
 
 
 @pytest.mark.slow
 def test_keys_are_the_same_in_processes_with_different_hash_seeds() -> None:
+    """This process against a fresh one under another PYTHONHASHSEED (one interpreter
+    importing vLLM, not two: that import is most of this test's time)."""
     import json
 
-    outputs = []
-    running = [subprocess.Popen([sys.executable, "-c", _IN_A_PROCESS], env={**os.environ, "PYTHONHASHSEED": seed},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-               for seed in ("0", "4242")]  # side by side: each spends its time importing vLLM
-    for process in running:
-        stdout, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, stderr
-        outputs.append(json.loads(stdout.strip().splitlines()[-1]))
-    first, second = outputs
-    assert first["keys"] == second["keys"]
-    assert all(len(keys) == 6 for keys in first["keys"].values())
-    assert len({tuple(keys) for keys in first["keys"].values()}) == 4  # the extra keys count
+    seed = "4242" if os.environ.get("PYTHONHASHSEED") != "4242" else "0"
+    done = subprocess.run([sys.executable, "-c", _IN_A_PROCESS], env={**os.environ, "PYTHONHASHSEED": seed},
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    there = json.loads(done.stdout.strip().splitlines()[-1])
+    here = _keys_and_hashes()
+    assert here["keys"] == there["keys"]
+    assert all(len(keys) == 6 for keys in here["keys"].values())
+    assert len({tuple(keys) for keys in here["keys"].values()}) == 4  # the extra keys count
     # vLLM's own hashes (xxhash, seeded by PYTHONHASHSEED) are not: the reason for these keys.
-    assert first["vllm"]["plain"] != second["vllm"]["plain"]
+    assert here["vllm"]["plain"] != there["vllm"]["plain"]
 
 
 # The chain.

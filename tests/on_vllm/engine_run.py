@@ -147,6 +147,12 @@ def main(spec: dict) -> None:
         sys.argv = [spec["module"], *spec["argv"]]
         runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
         return
+    if spec.get("path"):  # a script, as `python PATH ARGV...` would run it, with vLLM already imported
+        import runpy
+
+        sys.argv = [spec["path"], *spec["argv"]]
+        runpy.run_path(spec["path"], run_name="__main__")
+        return
     if spec.get("file_size_limit"):  # the kernel fails writes past this size (EFBIG): a write error
         import resource
         import signal
