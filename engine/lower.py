@@ -101,6 +101,13 @@ def _evict(tier: LowerTier, count: int) -> list[bytes]:
     return victims
 
 
+def _removed(index: int, keys: tuple[bytes, ...], reason: fx.Reason, out: list[fx.Effect]) -> None:
+    """Held keys that left tier `index`: its copies are removed, and they stop being loadable.
+    (A failed or stale spill's keys were never held: `spill_ended` drops them alone.)"""
+    out.append(fx.DropTierKeys(tier=index, keys=keys, reason=reason))
+    out.append(fx.KeysUnloadable(tier=index, keys=keys, reason=reason))
+
+
 def _make_room(core: Core, index: int, wanted: int, out: list[fx.Effect]) -> int:
     """Evict least recently used keys of tier `index` until `wanted` more fit, or
     none is left to evict (keys being read stay); the room there is then."""
@@ -109,8 +116,7 @@ def _make_room(core: Core, index: int, wanted: int, out: list[fx.Effect]) -> int
     if wanted > room:
         victims = _evict(tier, wanted - room)
         if victims:
-            out.append(fx.DropTierKeys(tier=index, keys=tuple(victims), reason=fx.Reason.EVICTED))
-            out.append(fx.KeysUnloadable(tier=index, keys=tuple(victims), reason=fx.Reason.EVICTED))
+            _removed(index, tuple(victims), fx.Reason.EVICTED, out)
         room += len(victims)
     return room
 
@@ -240,8 +246,7 @@ def promotions_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
         if stored:
             out.append(fx.KeysLoadable(tier=0, keys=tuple(stored)))
     for tier_index, keys in drops.items():
-        out.append(fx.DropTierKeys(tier=tier_index, keys=tuple(keys), reason=fx.Reason.FAILED))
-        out.append(fx.KeysUnloadable(tier=tier_index, keys=tuple(keys), reason=fx.Reason.FAILED))
+        _removed(tier_index, tuple(keys), fx.Reason.FAILED, out)
 
 
 def host_part(job: Job) -> _Part | None:
@@ -277,7 +282,6 @@ def drop_all(core: Core, out: list[fx.Effect]) -> int:
         tier.counts["evictions"] += len(keys)
         dropped += len(keys)
         if keys:
-            out.append(fx.DropTierKeys(tier=index, keys=keys, reason=fx.Reason.RESET))
-            out.append(fx.KeysUnloadable(tier=index, keys=keys, reason=fx.Reason.RESET))
+            _removed(index, keys, fx.Reason.RESET, out)
     return dropped
 

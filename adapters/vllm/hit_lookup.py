@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 from kvledger.engine import queries
 from kvledger.engine.lookup import LookupResult, lookup
 from kvledger.engine.planner import Admission
@@ -29,7 +28,7 @@ from kvledger.engine.state import State
 from kvledger.events import types as ev
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 
 
 class HitLookups:
@@ -66,7 +65,7 @@ class HitLookups:
         self._pending_promotions[rid] = result.slots_taken
         return result.num_hit_tokens, result.num_hit_tokens > 0  # loads are asynchronous (WAITING_FOR_REMOTE_KVS)
 
-    def _enter(self, found: Sequence[ev.Event]) -> bool:
+    def _enter(self, found: list[ev.TierKeysFound]) -> bool:
         if found:
             self._apply(list(found))
         return bool(found)

@@ -119,6 +119,7 @@ def test_a_failed_load_withdraws_the_keys_it_dropped(monkeypatch):
     e = Watched(full_only_config(), specs=SPECS[:1])
     e.run_and_store("a", 96, (1, 2, 3))
     e.take()
+    assert (0, chain(3)[1]) in e.advertised["CPU"]
     e.add("b", 97, chain(3))
     (load,) = e.alloc("b", (4, 5, 6, 7), ext=96)
     e.apply(ev.LoadFailed(job_id=load.job_id, block_ids=(5,), keys=()))

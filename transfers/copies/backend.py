@@ -10,6 +10,8 @@ that ran out of time, or a submit after shutdown.
 from __future__ import annotations
 
 import enum
+import threading
+import time
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -26,6 +28,24 @@ class Direction(enum.Enum):
 
 class TransferTimeout(TimeoutError):
     """A bounded wait for copies ran out of time."""
+
+
+def wait_all(done: Iterable[tuple[int, threading.Event | None]], timeout_s: float, what: str) -> None:
+    """Wait for each job's event ((job id, event); None: finished or unknown) under one
+    deadline for them all; `TransferTimeout` names the first job still running at it."""
+    deadline = time.monotonic() + timeout_s
+    for job_id, event in done:
+        if event is not None and not event.wait(max(0.0, deadline - time.monotonic())):
+            raise TransferTimeout(f"{what} {job_id} did not finish within {timeout_s:.3g} s")
+
+
+def join_all(threads: Iterable[threading.Thread], timeout_s: float, what: str) -> None:
+    """Join each thread under one deadline for them all; `TransferTimeout` names the first still alive."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            raise TransferTimeout(f"{what} {thread.name} did not stop within {timeout_s:.3g} s")
 
 
 class BackendClosed(RuntimeError):

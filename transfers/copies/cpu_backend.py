@@ -18,7 +18,14 @@ import numpy as np
 import structlog
 import torch
 
-from kvledger.transfers.copies.backend import BackendClosed, CopyJob, Direction, JobOutcome, TransferTimeout
+from kvledger.transfers.copies.backend import (
+    BackendClosed,
+    CopyJob,
+    Direction,
+    JobOutcome,
+    join_all,
+    wait_all,
+)
 from kvledger.transfers.copies.block_copy import Piece, copy_rows
 from kvledger.transfers.copies.host_tier import HostTier
 from kvledger.transfers.copies.layout import CanonicalKVCaches
@@ -184,12 +191,11 @@ class CpuBackend:
         return outcomes
 
     def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for job_id in job_ids:
-            with self._lock:
-                done = self._pending.get(job_id)
-            if done is not None and not done.wait(max(0.0, deadline - time.monotonic())):
-                raise TransferTimeout(f"copy job {job_id} did not finish within {timeout_s:.3g} s")
+        wait_all(((job_id, self._done_event(job_id)) for job_id in job_ids), timeout_s, "copy job")
+
+    def _done_event(self, job_id: int) -> threading.Event | None:
+        with self._lock:
+            return self._pending.get(job_id)
 
     def order_after(self, job_ids: Iterable[int], timeout_s: float) -> None:
         """Host memory has no streams to order: the caller's next writes
@@ -214,8 +220,4 @@ class CpuBackend:
                     )
         for jobs in self._queues.values():
             jobs.put(_STOP)
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                raise TransferTimeout(f"copy thread {thread.name} did not stop within {timeout_s:.3g} s")
+        join_all(self._threads, timeout_s, "copy thread")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,7 +16,7 @@ import structlog
 import torch
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
-from kvledger.transfers.copies.backend import BackendClosed, TransferTimeout
+from kvledger.transfers.copies.backend import BackendClosed, join_all, wait_all
 from kvledger.transfers.lower_tiers.block_header import KEY_BYTES_MAX
 
 _log = structlog.get_logger("kvledger.transfers.tier_io")
@@ -165,12 +164,12 @@ class ThreadedTierIO:
 
     def wait(self, job_ids: Iterable[int], timeout_s: float) -> None:
         """Unknown or finished ids count as finished."""
-        deadline = time.monotonic() + timeout_s
-        for job_id in job_ids:
-            with self._cond:
-                job = self._pending.get(job_id)
-            if job is not None and not job.done.wait(max(0.0, deadline - time.monotonic())):
-                raise TransferTimeout(f"tier job {job_id} did not finish within {timeout_s:.3g} s")
+        wait_all(((job_id, self._done_event(job_id)) for job_id in job_ids), timeout_s, "tier job")
+
+    def _done_event(self, job_id: int) -> threading.Event | None:
+        with self._cond:
+            job = self._pending.get(job_id)
+        return None if job is None else job.done
 
     def shutdown(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
         """Without `drain`, items not yet started are cancelled (`_cancel`);
@@ -186,11 +185,7 @@ class ThreadedTierIO:
             self._cond.notify_all()
         for item in cancelled:
             self._cancel(item)
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                raise TransferTimeout(f"tier thread {thread.name} did not stop within {timeout_s:.3g} s")
+        join_all(self._threads, timeout_s, "tier thread")
 
     # -- the threads' side -------------------------------------------------------------------------
 
