@@ -115,6 +115,15 @@ def valkey_server():
         server.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _close_zygotes():
+    """The vLLM zygotes this worker started (tests/support/zygotes.py), ended with it."""
+    yield
+    from tests.support.zygotes import close_all
+
+    close_all()
+
+
 @pytest.fixture(scope="session")
 def valkey_cluster():
     """Three masters with a replica each, shared by the session's cluster tests."""

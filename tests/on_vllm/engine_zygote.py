@@ -23,19 +23,34 @@ import sys
 import threading
 import traceback
 
+# What an engine's start imports lazily in vLLM 0.32. Only a head start: a
+# module another vLLM version lacks, or cannot import without a dependency its
+# engine start never needs (0.33's quantization package wants compressed_tensors),
+# is left for the run to import if it needs it.
+LAZY_MODULES = (
+    "vllm.model_executor.layers.quantization.online.base",
+    "vllm.v1.sample.ops.penalties",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.worker.gpu_worker",
+)
+
 
 def preload() -> None:
     """torch, vLLM and what an engine's start imports lazily (the CPU worker and
     its model runner), and the connector module vLLM loads by path."""
+    import importlib
+
     import torch  # noqa: F401
     import vllm  # noqa: F401
-    import vllm.model_executor.layers.quantization.online.base  # noqa: F401
-    import vllm.v1.sample.ops.penalties  # noqa: F401
-    import vllm.v1.worker.cpu_model_runner  # noqa: F401
-    import vllm.v1.worker.gpu_worker  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
 
     import kvledger.adapters.vllm  # noqa: F401
+
+    for name in LAZY_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            print(f"engine zygote: {name} not preloaded ({exc})", file=sys.stderr, flush=True)
 
 
 def run_child(request: dict) -> None:
