@@ -80,13 +80,6 @@ def test_corrupted_restores_change_the_output(models, tmp_path, model):
     assert summary["stats"]["loads"] > 0
 
 
-def test_multiprocess_mode_restores_the_hybrid_model(models, tmp_path):
-    # vLLM's default: the scheduler and the worker in different processes.
-    result, summary = _run(models, tmp_path, "tiny-gemma3", golden="multiprocess_tiny-gemma3", multiprocess=True)
-    _restored_equal_recomputed(result)
-    assert summary["stats"]["loads"] > 0
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_a_small_pool_preempts_and_evicts_and_outputs_still_match(models, tmp_path, model):
     result, summary = _run(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import replay_summary, run_engine
+from .conftest import keep_as_golden, replay_summary, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -52,8 +52,11 @@ def test_a_second_instance_restores_what_the_first_stored(models, tmp_path, valk
 
 
 def test_the_same_with_vllm_multiprocess(models, tmp_path, valkey_server):
-    """The worker in vLLM's engine-core process, the front end in another: the hybrid model."""
+    """vLLM's default: the worker in the engine-core process, the scheduler in the
+    front end's, on the hybrid model (the host tier's restore in that mode is
+    test_server's; test_crash kills such an engine with loads done)."""
     _second_restores_the_first(models, tmp_path, "tiny-gemma3", {"url": valkey_server().url}, multiprocess=True)
+    keep_as_golden(tmp_path / "two.log", "multiprocess_tiny-gemma3")
 
 
 def test_the_same_on_a_cluster(models, tmp_path, valkey_cluster):
