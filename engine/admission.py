@@ -206,7 +206,7 @@ def plan_stores(core: Core, crossed: list[tuple[RequestState, int]], out: list[f
                     request.next_store_tokens = tokens
 
 
-def give_up(core: Core, request: RequestState) -> None:
+def give_up(core: Core, request: RequestState, out: list[fx.Effect]) -> None:
     """A request ending, or preempted, with blocks that waited for host slots
     (`plan_stores`): they are not stored, and counted as not admitted. Those
     only its last step filled are not counted (the engine keeps no step's
@@ -216,7 +216,10 @@ def give_up(core: Core, request: RequestState) -> None:
         blocks: list[int] = []
         keys: list[bytes] = []
         find_stores(core, request, request.num_computed_tokens, groups, blocks, keys)  # its next_store is reset after
-        core.stats.store_rejections += len(set(keys))
+        if keys:
+            unique = tuple(dict.fromkeys(keys))
+            core.stats.store_rejections += len(unique)
+            out.append(fx.KeysNotAdmitted(keys=unique))
 
 
 def drop_repeats(cand_groups: list[int], cand_blocks: list[int], cand_keys: list[bytes]) -> None:
@@ -287,6 +290,7 @@ def admit_store(core: Core, request_id: str, cand_groups: list[int], cand_blocks
                 refused = frozenset(cand_keys[admitted:])
             else:
                 core.stats.store_rejections += wanted - admitted
+                out.append(fx.KeysNotAdmitted(keys=tuple(cand_keys[admitted:])))
             del cand_groups[admitted:], cand_blocks[admitted:], cand_keys[admitted:]
         if not cand_keys:
             return refused

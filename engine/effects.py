@@ -127,6 +127,15 @@ class KeysUnloadable:
 
 
 @attrs.frozen(kw_only=True)
+class KeysNotAdmitted:
+    """Notification: these keys were offered to host memory for storing and will
+    not be stored: no slot was free and none could be evicted (with lower tiers,
+    their request ended or was preempted while they waited for slots)."""
+
+    keys: tuple[bytes, ...]
+
+
+@attrs.frozen(kw_only=True)
 class TransferFailed:
     """Notification: a worker reported these keys of a transfer failed (all of
     them when it named none), with the request it served ("" for a spill)."""
@@ -153,7 +162,7 @@ class ReportViolation:
 
 
 Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysLoadable, KeysUnloadable,
-               TransferFailed, ReportViolation, StartSpill, DropTierKeys]
+               KeysNotAdmitted, TransferFailed, ReportViolation, StartSpill, DropTierKeys]
 
 EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 
@@ -178,6 +187,7 @@ ROUTES: dict[type, Phase] = {
     DropTierKeys: Phase.AFTER_FORWARD,
     KeysLoadable: Phase.NOTIFICATION,
     KeysUnloadable: Phase.NOTIFICATION,
+    KeysNotAdmitted: Phase.NOTIFICATION,
     TransferFailed: Phase.NOTIFICATION,
     ReportViolation: Phase.NOTIFICATION,
 }

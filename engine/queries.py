@@ -190,6 +190,12 @@ def request_view(state: State, request_id: str) -> RequestView | None:
         tuple(r.next_store), r.num_preemptions)
 
 
+def request_keys(state: State, request_id: str) -> tuple[tuple[bytes, ...], ...]:
+    """The request's block keys so far, per KV group (empty for an unknown request)."""
+    r = state.core.requests.get(request_id)
+    return () if r is None else tuple(tuple(keys) for keys in r.keys)
+
+
 def has_jobs_in_flight(state: State) -> bool:
     return bool(state.core.jobs)
 

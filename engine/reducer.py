@@ -412,7 +412,7 @@ def _free_table(core: Core, request: RequestState) -> None:
 
 def _request_preempted(core: Core, event: ev.RequestPreempted, out: list[fx.Effect]) -> None:
     request = legal_request(core, event.request_id, event.kind)
-    admission.give_up(core, request)
+    admission.give_up(core, request, out)
     _free_table(core, request)
     _move(core, request, event.kind)
     request.num_computed_tokens = 0
@@ -437,7 +437,7 @@ def _request_finished(core: Core, event: ev.RequestFinished, out: list[fx.Effect
     if not final_table_ok(core, request, event.block_ids):
         final_table_problem(core, request, event.block_ids)
         raise disagree("final table")
-    admission.give_up(core, request)
+    admission.give_up(core, request, out)
     _move(core, request, event.kind)
     core.stats.finished += 1
 
@@ -445,7 +445,7 @@ def _request_finished(core: Core, event: ev.RequestFinished, out: list[fx.Effect
 def _request_aborted(core: Core, event: ev.RequestAborted, out: list[fx.Effect]) -> None:
     request = legal_request(core, event.request_id, event.kind)
     core.stats.aborted += 1
-    admission.give_up(core, request)
+    admission.give_up(core, request, out)
     _move(core, request, event.kind)  # a loading request keeps its blocks until the load ends
 
 

@@ -13,6 +13,7 @@ from kvledger.events.log_records import LogError
 
 from . import log_commands
 from .bisect import cmd_bisect
+from .explain import cmd_explain
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -90,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until", type=SEQ, metavar="SEQ", help="stop after this sequence number")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=log_commands.cmd_requests)
+    p = sub.add_parser("explain", help="why each prompt token was restored or computed: misses by cause")
+    p.add_argument("log")
+    p.add_argument("--request", metavar="ID", help="each admission of this request, block by block")
+    p.add_argument("--window", type=_at_least(1), metavar="STEPS", help="also the misses by cause per STEPS steps")
+    p.add_argument("--until", type=SEQ, metavar="SEQ", help="stop after this sequence number")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_explain)
     p = sub.add_parser("inspect", help="show the state at a point in a log")
     p.add_argument("log")
     p.add_argument("--at", type=SEQ, required=True, metavar="SEQ")

@@ -74,7 +74,9 @@ class Simulator:
     def __init__(self, config: EngineConfig, *, prefix_caching: bool = True, chunk_tokens: int = 0,
                  record: Callable[[ev.Event], None] | None = None, check_every_event: bool = False,
                  check_content: bool = True, host: EngineHost | None = None,
-                 lazy_target_blocks: int = 8) -> None:
+                 lazy_target_blocks: int = 8,
+                 observe: Callable[[int, ev.Event, State, tuple[fx.Effect, ...]], None] | None = None,
+                 record_truth: bool = False) -> None:
         self.config = config
         self.groups = config.groups
         self.prefix_caching = prefix_caching
@@ -105,6 +107,14 @@ class Simulator:
         self.next_request = 0
         self.events = 0
         self.load_failures = 0
+        self.observe = observe  # called after each event, as a replay's `observe` is (seq: the event's count)
+        # What this simulator knows of its own misses, for `adapters/misses.py`'s tests: at each
+        # admission, which prompt blocks were restorable and whose keys this request named first;
+        # and the stores it failed and the resets it made.
+        self.truth: list[dict] | None = [] if record_truth else None
+        self.first_named: dict[bytes, str] = {}
+        self.failed_jobs: set[int] = set()
+        self.reset_seqs: list[int] = []
 
     # Driving the engine.
 
@@ -118,6 +128,13 @@ class Simulator:
         self.events += 1
         if self.record is not None:
             self.record(event)
+        if self.observe is not None:
+            self.observe(self.events - 1, event, self.state, effects)
+        if self.truth is not None and isinstance(event, (ev.RequestAdded, ev.BlockHashesAppended)):
+            request = self.requests[event.request_id]
+            for group in self.groups:
+                for key in self.keys(request, group.group_id):
+                    self.first_named.setdefault(key, request.rid)
         for effect in effects:
             self._perform(effect)
         if self.check_every_event:
@@ -176,6 +193,11 @@ class Simulator:
 
     def _failed(self, effect: fx.TransferFailed) -> None:
         """A notification for logs; the job's own reports carry the outcome."""
+
+    def _not_admitted(self, effect: fx.KeysNotAdmitted) -> None:
+        """Only a key host memory does not hold can be refused (one it holds is never offered)."""
+        if not effect.keys or not self.announced[0].isdisjoint(effect.keys):
+            raise SimulationError(f"keys refused that host memory holds, or none: {effect}")
 
     def _copy(self, job: SimJob) -> None:
         """The worker's copy; the simulator runs it as late as it may."""
@@ -332,6 +354,8 @@ class Simulator:
             self.emit(ev.BlocksTouched(request_id=rid, block_ids=touched))
         allocated = [[self._allocate() if fresh else NULL_BLOCK_ID for fresh in plan] for plan in plans]
         request.table = [t + a for t, a in zip(touched, allocated)]
+        if self.truth is not None:
+            self._note_truth(request, local, ext)
         request.computed = local + ext
         request.status = "loading" if ext else "running"
         effects = self.emit(ev.BlocksAllocated(request_id=rid, block_ids=allocated, num_external_tokens=ext))
@@ -342,6 +366,28 @@ class Simulator:
             request.load_job = loads[0].job_id
         del self.answers[rid]
         return True
+
+    def _note_truth(self, request: SimRequest, local: int, ext: int) -> None:
+        """The admission about to be emitted, as this simulator sees it (`truth`)."""
+        assert self.truth is not None
+        full = [g.group_id for g in self.groups if g.kind is GroupKind.FULL]
+        axis = full[0] if full else 0
+        size = self.groups[axis].block_size
+        view = queries.request_view(self.state, request.rid)  # its tokens as the log has them (hashed or reported)
+        assert view is not None
+        num_tokens = view.num_tokens
+        most = (num_tokens - 1) // self.config.alignment_tokens * self.config.alignment_tokens
+        keys = self.keys(request, axis)[:most // size]
+        storing = {k for job in self.jobs.values() if isinstance(job.effect, fx.StartStore)
+                   for group in job.effect.keys for k in group}
+        tiers = range(1, 1 + len(self.config.lower_tiers))
+        self.truth.append({
+            "request_id": request.rid, "seq": self.events, "local": local, "ext": ext,
+            "num_tokens": num_tokens, "keys": keys,
+            "loadable": [queries.is_loadable(self.state, k) or any(queries.tier_holds(self.state, t, k) for t in tiers)
+                         for k in keys],
+            "named_first": [self.first_named.get(k) == request.rid for k in keys],
+            "storing": [k in storing for k in keys]})
 
     def _check_hit(self, request: SimRequest, local: int, ext: int) -> None:
         """Lookup soundness: every key the hit needs is stored with the right content."""
@@ -414,6 +460,7 @@ class Simulator:
         (vLLM sleeps with no request running, so a held block keeps its content
         here: a store still reading one must not be cut short.)"""
         self.epoch += 1
+        self.reset_seqs.append(self.events)
         self.emit(ev.CacheReset(epoch=self.epoch))
         if sleep:
             for block in self.free:
@@ -565,6 +612,8 @@ class Simulator:
             job.copied = True  # a failed write leaves nothing on disk
         self._copy(job)
         fail = fail or bool(job.failed)  # a promoted block that could not be read
+        if fail:
+            self.failed_jobs.add(job_id)
         job.pending.discard(worker)
         last = not job.pending
         if last:
@@ -688,6 +737,7 @@ _PERFORM = {
     fx.KeysLoadable: Simulator._loadable,
     fx.KeysUnloadable: Simulator._unloadable,
     fx.TransferFailed: Simulator._failed,
+    fx.KeysNotAdmitted: Simulator._not_admitted,
     fx.StartSpill: Simulator._start,
     fx.DropTierKeys: Simulator._drop,
 }

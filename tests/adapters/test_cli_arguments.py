@@ -38,6 +38,7 @@ def run(*argv: str) -> subprocess.CompletedProcess:
 BAD = {  # subcommand -> flag -> a bad value
     "replay": {"--until": "-5", "--from": "x", "--key": "zz"},
     "requests": {"--until": "-1"},
+    "explain": {"--until": "-1", "--window": "0"},
     "inspect": {"--at": "-3"},
     "bisect": {"--jobs": "0"},
     "simulate": {"--steps": "0", "--fail-rate": "2", "--digest-interval": "-1",

@@ -568,9 +568,13 @@ def test_when_the_tier_is_short_a_steps_first_requests_are_stored_whole(store_jo
     for rid, blocks in (("x", ((1, 2), (3, 4))), ("y", ((5, 6), (7, 8)))):
         e.add(rid, 64, tag=rid)
         e.alloc(rid, *blocks)
-    (store,) = e.step(("x", 0, 64), ("y", 0, 64))
+    effects = e.step(("x", 0, 64), ("y", 0, 64))
+    (store,) = [x for x in effects if isinstance(x, fx.StartStore)]
     assert store.source_block_ids == ((1, 2), (3, 4))
     assert e.core.stats.store_rejections == 4
+    (refused,) = [x for x in effects if isinstance(x, fx.KeysNotAdmitted)]  # each refused key named
+    assert sorted(refused.keys) == sorted(k for group in queries.request_keys(e.state, "y") for k in group)
+    assert len(effects) == 2
     check(e.state)
 
 
@@ -888,13 +892,15 @@ def test_store_admission_rejects_what_does_not_fit_without_a_violation():
     e.step(("a", 0, 128))  # 4 slots storing
     e.add("b", 128, tag="b")
     e.alloc("b", (5, 6, 7, 8))
-    (store,) = e.step(("b", 0, 128))
+    refused, store = e.step(("b", 0, 128))
+    assert refused == fx.KeysNotAdmitted(keys=tuple(key(h, 0) for h in chain(4, "b")[2:]))
     assert store.keys == (tuple(key(h, 0) for h in chain(2, "b")),)
     assert store.target_slot_ids == ((4, 5),)
     assert e.core.stats.store_rejections == 2
     e.add("c", 64, tag="c")
     e.alloc("c", (9, 10))
-    assert e.step(("c", 0, 64)) == ()  # every slot is storing: nothing can be evicted
+    # Every slot is storing: nothing can be evicted, and nothing is stored.
+    assert e.step(("c", 0, 64)) == (fx.KeysNotAdmitted(keys=tuple(key(h, 0) for h in chain(2, "c"))),)
     assert e.core.stats.store_rejections == 4
     assert e.core.next_job_id == 3
     check(e.state)
@@ -911,6 +917,7 @@ def test_store_admission_never_evicts_a_key_under_a_load():
     effects = e.step(("b", 0, 128))
     kb0 = key(chain(1, "b")[0], 0)
     assert effects == (
+        fx.KeysNotAdmitted(keys=tuple(key(h, 0) for h in chain(4, "b")[1:])),
         fx.KeysUnloadable(tier=0, keys=(KA0[3],), reason=fx.Reason.EVICTED),
         fx.StartStore(job_id=3, request_id="", keys=((kb0,),), source_block_ids=((9,),),
                       target_slot_ids=((3,),)),

@@ -1,0 +1,443 @@
+"""Why each prompt block was restored or computed, from a log alone.
+
+A fold over a replay: the events, and what the engine answered each with
+(`observe` of `engine.replay`). Each admission of a request (its allocation
+while waiting or preempted) splits its tokens into those vLLM's own prefix
+cache held, those kvledger restored (from which tier, by which load), and
+those computed, each computed block with the fact that made it a miss: the
+key was first seen, evicted at seq N to make room for another request's store,
+dropped by a reset, never admitted, still being stored, and so on. The facts
+come from the engine's notifications (`KeysLoadable`, `KeysUnloadable`,
+`KeysNotAdmitted`, `TransferFailed`) and its commands (`StartStore`,
+`StartLoad`), which the simulator checks against the state after every event.
+
+What a log cannot say, and so this does not: why a lower tier's lookup found
+nothing (the tier was down, or timed out, or never held the key) when no
+event records that lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+
+import attrs
+
+from kvledger.engine import effects as fx
+from kvledger.engine import queries
+from kvledger.engine.state import RequestStatus, State
+from kvledger.events import types as ev
+from kvledger.events.config import EngineConfig, GroupKind, StoreMode
+
+# Every cause a computed block can have, and what it means. The names are
+# stable: the JSON output and the metrics' labels use them.
+CAUSES: Final[dict[str, str]] = {
+    "first_seen": "first time seen: no earlier request had this block",
+    "evicted": "evicted to make room for other blocks",
+    "reset": "dropped by a cache reset",
+    "transfer_failed": "dropped when a transfer of it failed",
+    "store_failed": "its store failed",
+    "not_admitted": "not admitted: the tier was full of blocks it could not evict",
+    "stored_too_late": "still being stored when this request was admitted",
+    "not_computed_yet": "another request had it, but had not computed and stored it yet",
+    "request_ended": "the request that computed it ended before its store",
+    "lazy_not_offloaded": "lazy store mode: not offloaded yet (only blocks vLLM is about to evict are)",
+    "after_gap": "restorable, but an earlier block of the prompt was not (a restore is a prefix)",
+    "bounded_by_group": "restorable in full attention, but a sliding-window or Mamba group lacked a block the "
+                        "hit's end needs (often one it never kept: such a group stores only the blocks its "
+                        "layers read)",
+    "no_host_slot": "restorable, but a longer hit would promote more blocks than host memory holds",
+    "load_failed": "restored, then its load failed: recomputed",
+    "partial_block": "the prompt's partial last block and last token: always computed, by design",
+    "unexplained": "the log holds no fact that explains this miss",
+}
+HOST: Final = 0
+_ADMITTING: Final = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+@attrs.define
+class Run:
+    """Consecutive blocks of one admission with one outcome."""
+
+    first_block: int
+    last_block: int  # inclusive
+    first_token: int
+    end_token: int  # exclusive
+    outcome: str  # "device", "restored" or "missed"
+    cause: str = ""  # missed: a CAUSES name; restored: "" (see tier)
+    tier: int = -1  # restored: the tier it came from (0: host memory); evicted: the tier it left
+    seq: int = -1  # the event behind it: the load, the eviction, the reset, the failure...
+    job_id: int = -1
+    other_request: str = ""  # the request behind it: whose store evicted it, who had it first...
+    detail: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return self.end_token - self.first_token
+
+    def same_as(self, other: Run) -> bool:
+        return (self.outcome, self.cause, self.tier, self.seq, self.job_id, self.other_request, self.detail) == (
+            other.outcome, other.cause, other.tier, other.seq, other.job_id, other.other_request, other.detail)
+
+    def as_dict(self) -> dict:
+        data = {"blocks": [self.first_block, self.last_block], "tokens": [self.first_token, self.end_token],
+                "outcome": self.outcome}
+        for name in ("cause", "tier", "seq", "job_id", "other_request", "detail"):
+            value = getattr(self, name)
+            if value not in ("", -1) or (name == "tier" and self.outcome == "restored"):
+                data[name] = value
+        return data
+
+
+@attrs.define
+class Admission:
+    """One allocation of a request while it waited: what its tokens became."""
+
+    request_id: str
+    seq: int
+    step: int
+    num_tokens: int
+    attempt: int  # 1 for the first admission; more after preemptions and recomputed loads
+    runs: list[Run] = attrs.field(factory=list)
+    load_job: int = -1
+    superseded_at: int = -1  # a failed load sent it back to waiting: the next admission counts instead
+
+    def tokens(self, outcome: str, cause: str | None = None) -> int:
+        return sum(r.tokens for r in self.runs if r.outcome == outcome and (cause is None or r.cause == cause))
+
+    def as_dict(self) -> dict:
+        data = {"request_id": self.request_id, "seq": self.seq, "step": self.step, "attempt": self.attempt,
+                "num_tokens": self.num_tokens, "device_tokens": self.tokens("device"),
+                "restored_tokens": self.tokens("restored"), "missed_tokens": self.tokens("missed"),
+                "runs": [r.as_dict() for r in self.runs]}
+        if self.superseded_at >= 0:
+            data["superseded_at"] = self.superseded_at
+        return data
+
+
+class _Key:
+    """What the log has said about one key so far."""
+
+    __slots__ = ("named_by", "named_seq", "loadable", "gone", "storing", "store_failed", "refused")
+
+    def __init__(self, named_by: str, named_seq: int) -> None:
+        self.named_by = named_by
+        self.named_seq = named_seq
+        self.loadable: dict[int, int] = {}  # tier -> seq it became loadable there
+        self.gone: tuple[int, int, fx.Reason, int, str] | None = None  # tier, seq, reason, job, request
+        self.storing: tuple[int, int, str] | None = None  # seq, job, request of a store in flight
+        self.store_failed: tuple[int, int] | None = None  # seq, job
+        self.refused = -1  # seq of the last refusal
+
+
+class MissLedger:
+    """The fold. Feed it `observe(seq, event, state, effects)` from a replay,
+    then read `admissions`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.groups = config.groups
+        axis = [g for g in config.groups if g.kind is GroupKind.FULL]
+        self.axis = axis[0].group_id if axis else 0  # blocks are counted in this group's size
+        self.block_size = config.groups[self.axis].block_size
+        self.alignment = config.alignment_tokens
+        self.lazy = config.store_mode is StoreMode.LAZY
+        self.keys: dict[bytes, _Key] = {}
+        self.admissions: list[Admission] = []
+        self._status: dict[str, RequestStatus] = {}
+        self._named: dict[str, list[int]] = {}  # request -> keys named so far, per group
+        self._ended: dict[str, int] = {}  # request -> seq it finished or was aborted
+        self._attempts: dict[str, int] = {}
+        self._jobs: dict[int, tuple[str, str, tuple[bytes, ...]]] = {}  # job -> kind, request, keys
+        self._loads: dict[int, Admission] = {}  # load job -> the admission it restores
+        self._late: dict[int, list[Run]] = {}  # store job -> runs "stored_too_late" waiting for its end
+        self._load_failures: dict[int, tuple[int, set[bytes], int]] = {}  # load job -> first seq, keys, worker
+
+    # The fold.
+
+    def observe(self, seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
+        rid = getattr(event, "request_id", None)
+        if isinstance(event, ev.BlocksAllocated) and self._status.get(event.request_id) in _ADMITTING:
+            self._admit(seq, event, state, effects)
+        if isinstance(event, (ev.RequestAdded, ev.BlockHashesAppended)):
+            self._name(seq, event.request_id, state)
+        elif isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
+            self._ended[event.request_id] = seq
+        elif isinstance(event, ev.BlockHashesRewound):
+            kept = queries.request_keys(state, event.request_id)
+            self._named[event.request_id] = [min(n, len(k)) for n, k in zip(self._named[event.request_id], kept)]
+        elif isinstance(event, ev.CacheReset) and event.rekeyed:  # every request's keys start again
+            self._named = {r: [0] * len(self.groups) for r in self._named}
+        for effect in effects:
+            self._fact(seq, effect, effects, state)
+        if isinstance(event, (ev.StoreCompleted, ev.StoreFailed, ev.LoadCompleted, ev.LoadFailed)):
+            job = self._jobs.get(event.job_id)
+            if job is not None:
+                rid = job[1]
+                if queries.job_view(state, event.job_id) is None:
+                    self._job_ended(seq, event.job_id, state)
+        if rid:
+            status = queries.request_status(state, rid)
+            if status is None:
+                self._status.pop(rid, None)
+                self._named.pop(rid, None)
+            else:
+                self._status[rid] = status
+
+    def _name(self, seq: int, rid: str, state: State) -> None:
+        named = self._named.setdefault(rid, [0] * len(self.groups))
+        for group_id, keys in enumerate(queries.request_keys(state, rid)):
+            for key in keys[named[group_id]:]:
+                if key not in self.keys:
+                    self.keys[key] = _Key(rid, seq)
+            named[group_id] = len(keys)
+
+    def _fact(self, seq: int, effect: fx.Effect, effects: tuple[fx.Effect, ...], state: State) -> None:
+        if isinstance(effect, fx.KeysLoadable):
+            for key in effect.keys:
+                facts = self._key(key, seq)
+                facts.loadable[effect.tier] = seq
+        elif isinstance(effect, fx.KeysUnloadable):
+            job, room = _room(effects)
+            for key in effect.keys:
+                facts = self._key(key, seq)
+                facts.loadable.pop(effect.tier, None)
+                facts.gone = (effect.tier, seq, effect.reason, job, room)
+        elif isinstance(effect, fx.StartStore):
+            keys = tuple(k for group in effect.keys for k in group)
+            self._jobs[effect.job_id] = ("store", effect.request_id, keys)
+            for key in keys:
+                self._key(key, seq).storing = (seq, effect.job_id, effect.request_id)
+        elif isinstance(effect, fx.StartLoad):
+            self._jobs[effect.job_id] = ("load", effect.request_id, ())
+        elif isinstance(effect, fx.KeysNotAdmitted):
+            for key in effect.keys:
+                self._key(key, seq).refused = seq
+        elif isinstance(effect, fx.TransferFailed):
+            if effect.kind == "store":
+                for key in effect.keys:
+                    self._key(key, seq).store_failed = (seq, effect.job_id)
+            elif effect.kind == "load":
+                seen = self._load_failures.get(effect.job_id)
+                keys = set(effect.keys) if seen is None else seen[1] | set(effect.keys)
+                self._load_failures[effect.job_id] = (seq if seen is None else seen[0], keys, effect.worker_index)
+
+    def _key(self, key: bytes, seq: int) -> _Key:
+        facts = self.keys.get(key)
+        if facts is None:  # a key no request named: found in a lower tier, say
+            facts = self.keys[key] = _Key("", seq)
+        return facts
+
+    def _job_ended(self, seq: int, job_id: int, state: State) -> None:
+        kind, _, keys = self._jobs.pop(job_id)
+        if kind == "store":
+            for key in keys:
+                facts = self.keys.get(key)
+                if facts is not None and facts.storing is not None and facts.storing[1] == job_id:
+                    facts.storing = None
+            for run in self._late.pop(job_id, ()):
+                run.detail = f"its store ended at seq {seq}"
+        else:
+            self._load_ended(seq, job_id, state)
+
+    def _load_ended(self, seq: int, job_id: int, state: State) -> None:
+        """A load's end: with a failure, its request either recomputes from the
+        first failed block or, sent back to waiting, is admitted again."""
+        admission = self._loads.pop(job_id, None)
+        failure = self._load_failures.pop(job_id, None)
+        if admission is None or failure is None:
+            return
+        failed_seq, failed, worker = failure
+        if queries.request_status(state, admission.request_id) in _ADMITTING:
+            admission.superseded_at = seq  # its next admission counts instead
+            return
+        every_group = queries.request_keys(state, admission.request_id)
+        if not every_group:  # aborted while loading: nothing was computed after all
+            return
+        keys = every_group[self.axis]
+        split: list[Run] = []
+        for run in admission.runs:
+            bad = [p for p in range(run.first_block, run.last_block + 1) if p < len(keys) and keys[p] in failed]
+            if run.outcome != "restored" or not bad:
+                split.append(run)
+                continue
+            first = min(bad)  # the engine recomputes from the first failed block on
+            if first > run.first_block:
+                split.append(attrs.evolve(run, last_block=first - 1, end_token=first * self.block_size))
+            split.append(attrs.evolve(run, first_block=first, first_token=first * self.block_size,
+                                      outcome="missed", cause="load_failed", seq=failed_seq, job_id=job_id,
+                                      detail=f"worker {worker} reported it failed"))
+        admission.runs = split
+
+    # An admission, classified before this event's own effects are folded in.
+
+    def _admit(self, seq: int, event: ev.BlocksAllocated, state: State, effects: tuple[fx.Effect, ...]) -> None:
+        rid = event.request_id
+        view = queries.request_view(state, rid)
+        assert view is not None
+        keys = queries.request_keys(state, rid)
+        ext = event.num_external_tokens
+        local = view.num_computed_tokens - ext
+        n = view.num_tokens
+        most = (n - 1) // self.alignment * self.alignment
+        size = self.block_size
+        self._attempts[rid] = attempt = self._attempts.get(rid, 0) + 1
+        admission = Admission(rid, seq, queries.position(state).step_index, n, attempt)
+        runs: list[Run] = []
+        load = next((e for e in effects if isinstance(e, fx.StartLoad)), None)
+        promoted: dict[bytes, int] = {}
+        if load is not None:
+            admission.load_job = load.job_id
+            self._loads[load.job_id] = admission
+            for tiers, group_keys in zip(load.promote_tiers, load.keys):
+                promoted.update((k, t) for k, t in zip(group_keys, tiers) if t)
+        axis_keys = keys[self.axis]
+        for p in range(local // size):
+            _add(runs, Run(p, p, p * size, (p + 1) * size, "device"))
+        for p in range(local // size, (local + ext) // size):
+            key = axis_keys[p]
+            _add(runs, Run(p, p, p * size, (p + 1) * size, "restored", tier=promoted.get(key, HOST), seq=seq,
+                           job_id=-1 if load is None else load.job_id))
+        gap = -1
+        for p in range((local + ext) // size, most // size):
+            key = axis_keys[p] if p < len(axis_keys) else b""
+            run = Run(p, p, p * size, (p + 1) * size, "missed")
+            facts = self.keys.get(key)
+            if facts is not None and facts.loadable:
+                if gap < 0:
+                    self._bounded(run, keys, p, facts)
+                else:
+                    run.cause, run.detail = "after_gap", f"block {gap} was not restorable"
+            else:
+                self._why_not(run, key, facts, rid, self.groups[self.axis].kind)
+            if gap < 0:
+                gap = p
+            _add(runs, run)
+        start = max(most, local + ext)
+        if n > start:
+            _add(runs, Run(start // size, (n - 1) // size, start, n, "missed", cause="partial_block"))
+        admission.runs = runs
+        self.admissions.append(admission)
+        for run in runs:
+            if run.cause == "stored_too_late":
+                self._late.setdefault(run.job_id, []).append(run)
+
+    def _why_not(self, run: Run, key: bytes, facts: _Key | None, rid: str, kind: GroupKind) -> None:
+        """A key loadable nowhere: the latest fact about it."""
+        if facts is None:
+            run.cause = "first_seen" if key else "unexplained"
+            return
+        if facts.storing is not None:
+            run.cause = "stored_too_late"
+            run.seq, run.job_id, run.other_request = facts.storing
+            return
+        latest = max(facts.gone[1] if facts.gone else -1, facts.store_failed[0] if facts.store_failed else -1,
+                     facts.refused)
+        if facts.gone is not None and facts.gone[1] == latest:
+            tier, seq, reason, job, room = facts.gone
+            run.tier, run.seq = tier, seq
+            if reason is fx.Reason.EVICTED:
+                run.cause, run.job_id, run.other_request = "evicted", job, room
+                run.detail = f"policy {self.config.policy.value}" if tier == HOST else "by the tier's own eviction"
+            elif reason is fx.Reason.RESET:
+                run.cause = "reset"
+            else:
+                run.cause = "transfer_failed"
+        elif facts.store_failed is not None and facts.store_failed[0] == latest:
+            run.cause = "store_failed"
+            run.seq, run.job_id = facts.store_failed
+        elif facts.refused >= 0:
+            run.cause, run.seq = "not_admitted", facts.refused
+        elif facts.named_by in ("", rid):
+            run.cause = "first_seen"
+        elif kind is not GroupKind.FULL:
+            run.cause = "never kept by its group"
+        elif self.lazy:
+            run.cause = "lazy_not_offloaded"
+        elif facts.named_by in self._ended:
+            run.cause, run.other_request, run.seq = "request_ended", facts.named_by, self._ended[facts.named_by]
+        else:
+            run.cause, run.other_request = "not_computed_yet", facts.named_by
+
+    def _bounded(self, run: Run, keys: tuple[tuple[bytes, ...], ...], position: int, facts: _Key) -> None:
+        """The first missed block's key was loadable: what else stopped the hit."""
+        end = (position + 1) * self.block_size
+        for group in self.groups:
+            if group.group_id == self.axis:
+                continue
+            for p in _needed(group, end):
+                key = keys[group.group_id][p] if p < len(keys[group.group_id]) else b""
+                other = self.keys.get(key)
+                if other is None or not other.loadable:
+                    why = Run(p, p, 0, 0, "missed")
+                    self._why_not(why, key, other, "", group.kind)
+                    run.cause, run.seq, run.other_request = "bounded_by_group", why.seq, why.other_request
+                    run.detail = f"group {group.group_id} ({group.kind.value}) block {p}: {why.cause}"
+                    return
+        if end % self.alignment:
+            run.cause = "bounded_by_group"
+            run.detail = f"a hit must end on a multiple of {self.alignment} tokens (every group's block)"
+        elif self.config.lower_tiers:
+            run.cause, run.tier = "no_host_slot", min(facts.loadable)
+            run.detail = f"host memory has {self.config.num_tier_slots} slots"
+        else:
+            run.cause = "unexplained"
+
+
+def _needed(group, end: int) -> range:
+    """The positions of `group` a hit ending at `end` tokens needs (engine/hma.py's rule)."""
+    from kvledger.engine import hma
+
+    return hma.needed_range(group, 0, end)
+
+
+def _room(effects: tuple[fx.Effect, ...]) -> tuple[int, str]:
+    """The job an eviction made room for: the store or load started with it."""
+    for effect in effects:
+        if isinstance(effect, (fx.StartStore, fx.StartLoad)):
+            return effect.job_id, effect.request_id
+    return -1, ""
+
+
+def _add(runs: list[Run], run: Run) -> None:
+    last = runs[-1] if runs else None
+    if last is not None and last.same_as(run) and last.last_block + 1 == run.first_block:
+        last.last_block, last.end_token = run.last_block, run.end_token
+    else:
+        runs.append(run)
+
+
+def totals(admissions: Iterable[Admission]) -> dict:
+    """Tokens by outcome and missed tokens by cause, over admissions that count."""
+    counted = [a for a in admissions if a.superseded_at < 0]
+    by_cause: dict[str, dict[str, int]] = {}
+    for admission in counted:
+        seen: set[str] = set()
+        for run in admission.runs:
+            if run.outcome != "missed":
+                continue
+            entry = by_cause.setdefault(run.cause, {"tokens": 0, "blocks": 0, "admissions": 0})
+            entry["tokens"] += run.tokens
+            entry["blocks"] += run.last_block - run.first_block + 1
+            if run.cause not in seen:
+                seen.add(run.cause)
+                entry["admissions"] += 1
+    restored: dict[str, int] = {}
+    for admission in counted:
+        for run in admission.runs:
+            if run.outcome == "restored":
+                name = "host" if run.tier == HOST else f"tier {run.tier}"
+                restored[name] = restored.get(name, 0) + run.tokens
+    superseded = [a for a in admissions if a.superseded_at >= 0]
+    return {
+        "admissions": len(counted),
+        # Admissions whose load failed and sent the request back to waiting: its next one counts
+        # instead; what they restored was recomputed there.
+        "superseded": {"admissions": len(superseded), "restored_tokens": sum(a.tokens("restored") for a in superseded)},
+        "prompt_tokens": sum(a.num_tokens for a in counted),
+        "device_tokens": sum(a.tokens("device") for a in counted),
+        "restored_tokens": sum(a.tokens("restored") for a in counted),
+        "restored_by_tier": dict(sorted(restored.items())),
+        "missed_tokens": sum(a.tokens("missed") for a in counted),
+        "missed_by_cause": dict(sorted(by_cause.items(), key=lambda item: -item[1]["tokens"])),
+    }

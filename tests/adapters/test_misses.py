@@ -1,0 +1,152 @@
+"""`kvledger explain`'s account of each admission against what the simulator,
+which played vLLM, knows of it: which prompt blocks were restorable when the
+request was admitted, which keys it named first, which stores it failed and
+which resets it made. Every generated workload; every cause reached."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.adapters.cli.main import main
+from kvledger.adapters.log_files import open_log
+from kvledger.adapters.misses import CAUSES, MissLedger, totals
+from kvledger.adapters.testing.simulator import Simulator, run_random
+from kvledger.engine import queries
+from kvledger.engine.replay import replay
+from kvledger.events.config import EngineConfig, GroupSpec
+from tests.engine.builders import SIMULATED_CONFIGS
+
+# Said of a block that was not restorable when its request was admitted.
+NOT_RESTORABLE = {"first_seen", "evicted", "reset", "transfer_failed", "store_failed", "not_admitted",
+                  "stored_too_late", "not_computed_yet", "request_ended", "lazy_not_offloaded"}
+# Said of a block that was.
+RESTORABLE = {"after_gap", "bounded_by_group", "no_host_slot"}
+LATER = {"load_failed", "partial_block"}  # decided after the admission, or by the prompt's length
+assert NOT_RESTORABLE | RESTORABLE | LATER == set(CAUSES) - {"unexplained"}
+
+
+def _run(config: EngineConfig, seed: int, *, prefix_caching: bool, **rates: float) -> tuple[Simulator, MissLedger]:
+    ledger = MissLedger(config)
+    sim = Simulator(config, prefix_caching=prefix_caching, observe=ledger.observe, record_truth=True)
+    run_random(sim, random.Random(seed), steps=120, arrivals=0.8, max_tokens=12, **rates)
+    return sim, ledger
+
+
+def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
+    """Every admission explained consistently with the simulator's truth; the causes seen."""
+    assert sim.truth is not None
+    admissions = ledger.admissions
+    assert [(a.request_id, a.seq) for a in admissions] == [(t["request_id"], t["seq"]) for t in sim.truth]
+    size = ledger.block_size
+    seen: set[str] = set()
+    for admission, truth in zip(admissions, sim.truth):
+        where = f"{admission.request_id} admitted at seq {admission.seq}"
+        runs = admission.runs
+        # The runs tile the tokens, in order: vLLM's cache, then kvledger's hit, then the computed rest.
+        assert runs[0].first_token == 0 and runs[-1].end_token == truth["num_tokens"], where
+        assert all(a.end_token == b.first_token for a, b in zip(runs, runs[1:])), where
+        assert admission.tokens("device") == truth["local"], where
+        assert admission.tokens("restored") + admission.tokens("missed", "load_failed") == truth["ext"], where
+        for run in runs:
+            if run.outcome != "missed":
+                continue
+            seen.add(run.cause)
+            assert run.cause != "unexplained", (where, run)
+            blocks = range(run.first_block, run.last_block + 1)
+            if run.cause in NOT_RESTORABLE:
+                assert not any(truth["loadable"][p] for p in blocks), (where, run)
+            elif run.cause in RESTORABLE:
+                assert all(truth["loadable"][p] for p in blocks), (where, run)
+            if run.cause == "first_seen":
+                assert all(truth["named_first"][p] for p in blocks), (where, run)
+            elif run.cause in ("not_computed_yet", "request_ended"):
+                assert run.other_request != admission.request_id, (where, run)
+                assert not any(truth["named_first"][p] for p in blocks), (where, run)
+            elif run.cause == "stored_too_late":
+                assert all(truth["storing"][p] for p in blocks), (where, run)
+            elif run.cause == "store_failed":
+                assert run.job_id in sim.failed_jobs and run.seq < admission.seq, (where, run)
+            elif run.cause == "reset":
+                assert run.seq in sim.reset_seqs and run.seq < admission.seq, (where, run)
+            elif run.cause in ("evicted", "transfer_failed", "not_admitted"):
+                assert 0 <= run.seq < admission.seq, (where, run)
+            elif run.cause == "load_failed":
+                assert run.job_id == admission.load_job and run.job_id in sim.failed_jobs, (where, run)
+            elif run.cause == "partial_block":
+                assert run.end_token == truth["num_tokens"] and run.tokens <= sim.config.alignment_tokens, (where, run)
+            if run.cause != "partial_block":
+                assert run.first_token == run.first_block * size and run.end_token == (run.last_block + 1) * size
+    # Restored tokens add up to what the engine counts as hits (a failed load's included).
+    assert sum(a.tokens("restored") + a.tokens("missed", "load_failed") for a in admissions) == \
+        queries.stats(sim.state)["hit_tokens"]
+    counted = totals(admissions)
+    assert counted["prompt_tokens"] == counted["device_tokens"] + counted["restored_tokens"] + counted["missed_tokens"]
+    return seen
+
+
+@pytest.mark.slow
+@settings(deadline=None)
+@given(config=st.sampled_from(SIMULATED_CONFIGS), seed=st.integers(0, 2**16), prefix_caching=st.booleans(),
+       fail_rate=st.sampled_from([0.0, 0.1]), reset_rate=st.sampled_from([0.0, 0.03]))
+def test_every_admission_is_explained_as_the_simulator_saw_it(config, seed, prefix_caching, fail_rate, reset_rate):
+    sim, ledger = _run(config, seed, prefix_caching=prefix_caching, fail_rate=fail_rate, reset_rate=reset_rate,
+                       damage_rate=0.05, foreign_rate=0.05)
+    _check(sim, ledger)
+
+
+# Workloads chosen to reach every cause: a tier too small to keep the documents
+# (evictions, refusals), failures, resets, lazy stores, window and Mamba groups,
+# a disk below a small host tier.
+SMALL = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),), hash_block_size=16,
+                     num_device_blocks=24, num_tier_slots=6, protection="pin")
+
+
+def test_every_cause_is_reached_and_checked():
+    seen: set[str] = set()
+    for config in (*SIMULATED_CONFIGS, SMALL):
+        for seed in range(6):
+            sim, ledger = _run(config, seed, prefix_caching=seed % 2 == 0, fail_rate=0.1, reset_rate=0.03,
+                               damage_rate=0.05, foreign_rate=0.05)
+            seen |= _check(sim, ledger)
+    assert seen == set(CAUSES) - {"unexplained"}, f"never reached: {set(CAUSES) - seen - {'unexplained'}}"
+
+
+# The command, on a simulated log written as vLLM's would be.
+
+@pytest.fixture(scope="module")
+def log(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("explain") / "events.log"
+    assert main(["simulate", "--scenario", "hybrid", "--steps", "300", "--seed", "3", "--out", str(path)]) == 0
+    return path
+
+
+@pytest.mark.fast
+def test_the_command_counts_what_the_replay_counts(log, capsys) -> None:
+    assert main(["explain", str(log), "--json", "--window", "100"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    header, records = open_log(log)
+    stats = queries.stats(replay(header.config, records).state)
+    assert data["restored_tokens"] + data["missed_by_cause"].get("load_failed", {}).get("tokens", 0) \
+        + data["superseded"]["restored_tokens"] == stats["hit_tokens"]
+    assert data["prompt_tokens"] == data["device_tokens"] + data["restored_tokens"] + data["missed_tokens"]
+    assert sum(entry["tokens"] for entry in data["missed_by_cause"].values()) == data["missed_tokens"]
+    assert {"first_seen", "evicted", "partial_block"} <= set(data["missed_by_cause"])
+    assert sum(row["missed_tokens"] for row in data["windows"]) == data["missed_tokens"]
+    assert [row["steps"][0] for row in data["windows"]] == [0, 100, 200]
+
+
+@pytest.mark.fast
+def test_one_request_block_by_block(log, capsys) -> None:
+    assert main(["explain", str(log), "--json"]) == 0
+    assert main(["explain", str(log), "--request", "req-20"]) == 0
+    text = capsys.readouterr().out
+    lines = [line for line in text.splitlines() if line.startswith("  block")]
+    assert text.count("request req-20, admission 1 at seq") == 1 and lines
+    assert "partial_block" in lines[-1]
+    assert main(["explain", str(log), "--request", "nobody"]) == 2
+    assert "admits no request 'nobody'" in capsys.readouterr().err
