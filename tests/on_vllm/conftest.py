@@ -66,7 +66,27 @@ def replay_summary(log: Path) -> dict:
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, f"replay --check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout)
+    summary = json.loads(proc.stdout)
+    summary["explained"] = explained(log, summary["stats"]["hit_tokens"])
+    return summary
+
+
+def explained(log: Path, hit_tokens: int) -> list:
+    """`kvledger explain`'s admissions of a real vLLM log: every computed block
+    has a cause, and what was restored adds up to the engine's hits."""
+    from kvledger.adapters.log_files import open_log
+    from kvledger.adapters.misses import MissLedger, totals
+    from kvledger.engine.replay import replay
+
+    header, records = open_log(log)
+    ledger = MissLedger(header.config)
+    replay(header.config, records, observe=ledger.observe)
+    unexplained = [(a.request_id, a.seq, r) for a in ledger.admissions for r in a.runs if r.cause == "unexplained"]
+    assert not unexplained, unexplained
+    counted = totals(ledger.admissions)
+    assert counted["restored_tokens"] + counted["missed_by_cause"].get("load_failed", {}).get("tokens", 0) \
+        + counted["superseded"]["restored_tokens"] == hit_tokens
+    return ledger.admissions
 
 
 def loads_in_log(log: Path) -> tuple[object, list]:

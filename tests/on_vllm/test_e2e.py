@@ -51,6 +51,23 @@ def test_restored_prefixes_give_the_recomputed_output(models, tmp_path, model):
     assert summary["violations"] == 0
     if model == "tiny-gemma3":
         _sliding_loads_stay_inside_the_window(tmp_path / "events.log")
+    _explained_by_the_reset(tmp_path / "events.log", summary["explained"])
+
+
+def _explained_by_the_reset(log, admissions) -> None:
+    """`kvledger explain`: the first phase's prompts were first seen, and after
+    the reset the prefixes restored before are computed again, said to be
+    dropped by the reset at its seq."""
+    from kvledger.adapters.log_files import open_log
+
+    _, records = open_log(log)
+    (reset,) = [r.seq for r in records if getattr(getattr(r, "event", None), "kind", "") == "cache_reset"]
+    first = admissions[0]
+    assert {run.cause for run in first.runs} <= {"first_seen", "partial_block"}
+    after = [a for a in admissions if a.seq > reset]
+    dropped = [run for a in after for run in a.runs if run.cause == "reset"]
+    assert dropped and all(run.seq == reset for run in dropped)
+    assert not any(run.outcome == "restored" for run in after[0].runs)
 
 
 def _sliding_loads_stay_inside_the_window(log) -> None:
@@ -116,6 +133,13 @@ def test_failed_loads_are_recomputed(models, tmp_path, model):
     for line in seen + applied:
         assert line["request_id"] and line["keys"]
         assert all(len(bytes.fromhex(k)) == 36 for k in line["keys"] if not k.startswith("+"))
+    # `kvledger explain` names each failed load: its blocks recomputed from the first failed
+    # one (one KV group), or the request admitted again (two), the failed keys then gone.
+    hit_by_failure = [a for a in summary["explained"]
+                      if a.superseded_at >= 0 or any(r.cause == "load_failed" for r in a.runs)]
+    assert len(hit_by_failure) == stats["load_failures"]
+    if model == "tiny-gemma3":
+        assert all(a.superseded_at >= 0 for a in hit_by_failure)
 
 
 SLOW_STORES = dict(count=16, prefix_words=90, tail_words=40,
@@ -234,6 +258,23 @@ def test_two_tensor_parallel_workers_restore_the_recomputed_output(models, tmp_p
     assert result["kv_events"]["stored"] == stats["keys_stored"]
     if model == "tiny-gemma3":
         _sliding_loads_stay_inside_the_window(tmp_path / "events.log")
+    _explained_by_the_reset(tmp_path / "events.log", summary["explained"])
+
+
+def _explained_by_the_reset(log, admissions) -> None:
+    """`kvledger explain`: the first phase's prompts were first seen, and after
+    the reset the prefixes restored before are computed again, said to be
+    dropped by the reset at its seq."""
+    from kvledger.adapters.log_files import open_log
+
+    _, records = open_log(log)
+    (reset,) = [r.seq for r in records if getattr(getattr(r, "event", None), "kind", "") == "cache_reset"]
+    first = admissions[0]
+    assert {run.cause for run in first.runs} <= {"first_seen", "partial_block"}
+    after = [a for a in admissions if a.seq > reset]
+    dropped = [run for a in after for run in a.runs if run.cause == "reset"]
+    assert dropped and all(run.seq == reset for run in dropped)
+    assert not any(run.outcome == "restored" for run in after[0].runs)
 
 
 def test_a_load_failing_on_one_rank_is_recomputed_on_every_rank(models, tmp_path):
