@@ -49,6 +49,8 @@ CAUSES: Final[dict[str, str]] = {
     "no_host_slot": "restorable, but a longer hit would promote more blocks than host memory holds",
     "load_failed": "restored, then its load failed: recomputed",
     "partial_block": "the prompt's partial last block and last token: always computed, by design",
+    "log_table": "what-if only: the log's block table, allocated for a shorter hit, lacks window blocks "
+                 "this longer one needs",
     "unexplained": "the log holds no fact that explains this miss",
 }
 HOST: Final = 0
@@ -152,6 +154,7 @@ class MissLedger:
         self._loads: dict[int, Admission] = {}  # load job -> the admission it restores
         self._late: dict[int, list[Run]] = {}  # store job -> runs "stored_too_late" waiting for its end
         self._load_failures: dict[int, tuple[int, set[bytes], int]] = {}  # load job -> first seq, keys, worker
+        self.cut: dict[str, int] = {}  # what-if: request -> the hit its lookup offered, cut to fit the log's table
 
     # The fold.
 
@@ -304,7 +307,9 @@ class MissLedger:
             run = Run(p, p, p * size, (p + 1) * size, "missed")
             facts = self.keys.get(key)
             if facts is not None and facts.loadable:
-                if gap < 0:
+                if gap < 0 and self.cut.get(rid, -1) > ext:
+                    run.cause, run.detail = "log_table", f"its lookup offered {self.cut[rid]} tokens"
+                elif gap < 0:
                     self._bounded(run, keys, p, facts)
                 else:
                     run.cause, run.detail = "after_gap", f"block {gap} was not restorable"
@@ -317,6 +322,7 @@ class MissLedger:
         if n > start:
             _add(runs, Run(start // size, (n - 1) // size, start, n, "missed", cause="partial_block"))
         admission.runs = runs
+        self.cut.pop(rid, None)
         self.admissions.append(admission)
         for run in runs:
             if run.cause == "stored_too_late":

@@ -9,6 +9,7 @@ engine's tables alive or lets a caller change them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from operator import attrgetter
 from typing import Final, NamedTuple, cast
 
@@ -206,6 +207,13 @@ def num_jobs_in_flight(state: State) -> int:
 
 def job_ids(state: State) -> list[int]:
     return sorted(state.core.jobs)
+
+
+def jobs_on_blocks(state: State, block_ids: Iterable[int]) -> list[int]:
+    """The jobs in flight that read or write any of these device blocks, in job order."""
+    wanted = set(block_ids)
+    return [j.job_id for j in state.core.jobs.values()
+            if any(not wanted.isdisjoint(group) for group in j.block_ids)]
 
 
 def job_view(state: State, job_id: int) -> JobView | None:

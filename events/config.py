@@ -76,6 +76,7 @@ class PolicyName(enum.Enum):
 LIMITS = {
     "block_size": 1 << 20, "window": 1 << 30, "hash_block_size": 1 << 20, "group_id": 1 << 10,
     "num_device_blocks": 1 << 24, "num_tier_slots": 1 << 28, "num_blocks": 1 << 40, "world_size": 1 << 12,
+    "slot_bytes": 1 << 40,
 }
 
 
@@ -88,6 +89,12 @@ def _bounded(_inst: object, attribute: attrs.Attribute, value: int) -> None:
 def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+    _bounded(_inst, attribute, value)
+
+
+def _not_negative(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{attribute.name} must be an int of 0 or more, got {value!r}")
     _bounded(_inst, attribute, value)
 
 
@@ -141,6 +148,9 @@ class EngineConfig:
     store_mode: StoreMode = attrs.field(default=StoreMode.EAGER, converter=StoreMode)
     lower_tiers: tuple[LowerTierSpec, ...] = attrs.field(default=(), converter=_lower_tiers)
     store_jobs: StoreJobs = attrs.field(default=StoreJobs.STEP, converter=StoreJobs)
+    # Bytes of one tier slot (a block of every layer of a KV group), for reading a
+    # log in bytes (`kvledger whatif --capacity-bytes`); 0 where not known.
+    slot_bytes: int = attrs.field(default=0, validator=_not_negative)
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -185,6 +195,8 @@ class EngineConfig:
             data["lower_tiers"] = [t.to_dict() for t in self.lower_tiers]
         if self.store_jobs is not StoreJobs.REQUEST:  # absent means REQUEST: older logs keep their digests
             data["store_jobs"] = self.store_jobs.value
+        if self.slot_bytes:  # absent means not known
+            data["slot_bytes"] = self.slot_bytes
         return data
 
     @classmethod

@@ -14,6 +14,7 @@ from kvledger.events.log_records import LogError
 from . import log_commands
 from .bisect import cmd_bisect
 from .explain import cmd_explain
+from .whatif import cmd_whatif
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -98,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until", type=SEQ, metavar="SEQ", help="stop after this sequence number")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_explain)
+    p = sub.add_parser("whatif", help="the log's traffic under another host capacity, policy or lower tiers")
+    p.add_argument("log")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--capacity-bytes", type=_at_least(1), metavar="N", help="host memory for the tier, in bytes")
+    size.add_argument("--capacity-blocks", type=_at_least(1), metavar="N", help="host memory for the tier, in slots")
+    p.add_argument("--policy", choices=["lru", "arc"], help="the host tier's eviction policy")
+    p.add_argument("--secondary-tiers", metavar="JSON", help='tiers below host memory, as vLLM 0.33 takes them: '
+                   '[{"type": "fs", "capacity_bytes": N}, ...] ([] for none)')
+    p.add_argument("--sweep", action="store_true", help="hit tokens against host capacity, 1/8x to 8x")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_whatif)
     p = sub.add_parser("inspect", help="show the state at a point in a log")
     p.add_argument("log")
     p.add_argument("--at", type=SEQ, required=True, metavar="SEQ")

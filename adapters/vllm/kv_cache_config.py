@@ -107,14 +107,16 @@ def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: Poli
                   lower_tiers: tuple[LowerTierSpec, ...] = ()) -> EngineConfig:
     groups = tuple(_engine_group(i, g.kv_cache_spec) for i, g in enumerate(config.kv_cache_groups))
     hash_block_size = config.hash_block_size or block_size
+    transfer = transfer_config(config)
     return EngineConfig(
         groups=groups,
         hash_block_size=hash_block_size,
         num_device_blocks=config.num_blocks,
-        num_tier_slots=num_tier_slots(capacity_bytes, transfer_config(config)),
+        num_tier_slots=num_tier_slots(capacity_bytes, transfer),
         policy=policy,
         protection=protection,
         world_size=world_size,
         store_mode=store_mode,
         lower_tiers=lower_tiers,
+        slot_bytes=slot_bytes(transfer),
     )

@@ -1,0 +1,434 @@
+"""What a log's traffic would have hit under another configuration (`kvledger whatif`).
+
+The log's requests, their keys and vLLM's own choices (what it scheduled, its
+prefix-cache hits, its block tables) are driven again through the engine under
+the other configuration. Only kvledger's decisions are made anew: each
+admission's hit comes from the engine's lookup, its stores, loads, spills and
+evictions from the engine's admission, so the misses are explained by the same
+fold as the log's own (`misses.py`).
+
+What it cannot model, and keeps as recorded:
+- vLLM's schedule: a longer hit would leave compute to other requests, and a
+  shorter one take more (the steps, their order and chunking stay the log's);
+- the timing of transfers: every store, load and spill ends as it starts, so a
+  block is loadable from the step its store starts, and no transfer fails (the
+  log's own failures are dropped);
+- a lower tier's lookups: the engine knows what it spilled itself, and the
+  keys the log's lookups found, if the tier exists in both configurations.
+Run against the log's own configuration, the difference from what the log
+recorded measures these (`self_check`).
+
+The LRU curve (`lru_curve`) needs one run: under LRU, a host tier of C slots
+holds a key exactly when fewer than C other keys were stored or loaded since it
+last was (the stack distance), whatever C is, if every block an admission
+restores or computes is stored or loaded. The run is the re-drive with room for
+every key; a hit at capacity C is the admission's leading blocks (of its full
+attention group) whose keys all lie within distance C.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+import attrs
+
+from kvledger.engine import effects as fx
+from kvledger.engine import hma, queries
+from kvledger.engine.lookup import lookup
+from kvledger.engine.reducer import reduce
+from kvledger.engine.replay import replay
+from kvledger.engine.state import RequestStatus, State, initial_state
+from kvledger.events import types as ev
+from kvledger.events.config import EngineConfig, GroupKind, Protection
+from kvledger.events.types import NULL_BLOCK_ID
+
+from .misses import MissLedger, totals
+
+_ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_TRANSFER_REPORTS = (ev.StoreCompleted, ev.StoreFailed, ev.LoadCompleted, ev.LoadFailed)
+_ADMISSION_EVENTS = (ev.RequestAdded, ev.BlocksTouched, ev.BlocksAllocated)
+
+
+@attrs.define
+class Outcome:
+    """One run of the traffic: the log's, or another configuration's."""
+
+    config: EngineConfig
+    stats: dict[str, int]
+    misses: dict  # `misses.totals`
+    moved: dict[str, int]  # blocks stored to host memory, loaded from it, spilled and promoted per lower tier
+    not_applied: int = 0  # events the other configuration's engine refused (a violation)
+
+    def as_dict(self) -> dict:
+        slot = self.config.slot_bytes
+        data = {"num_tier_slots": self.config.num_tier_slots, "policy": self.config.policy.value,
+                "lower_tiers": [t.to_dict() for t in self.config.lower_tiers],
+                "hit_tokens": self.stats["hit_tokens"], "loads": self.stats["loads"],
+                "evictions": self.stats["evictions"], "store_rejections": self.stats["store_rejections"],
+                "blocks_moved": self.moved, "misses": self.misses, "not_applied": self.not_applied}
+        if slot:
+            data["capacity_bytes"] = self.config.num_tier_slots * slot
+            data["bytes_moved"] = {name: count * slot for name, count in self.moved.items()}
+        return data
+
+
+def _moved(counts: dict[str, int], effects: Iterable[fx.Effect]) -> None:
+    for effect in effects:
+        if isinstance(effect, fx.StartStore):
+            counts["stored"] = counts.get("stored", 0) + sum(map(len, effect.keys))
+        elif isinstance(effect, fx.StartLoad):
+            counts["loaded"] = counts.get("loaded", 0) + sum(map(len, effect.keys))
+            for tiers in effect.promote_tiers:
+                for tier in tiers:
+                    if tier:
+                        name = f"promoted from tier {tier}"
+                        counts[name] = counts.get(name, 0) + 1
+        elif isinstance(effect, fx.StartSpill):
+            name = f"spilled to tier {effect.tier}"
+            counts[name] = counts.get(name, 0) + sum(map(len, effect.keys))
+
+
+def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
+    """The log as it happened."""
+    ledger = MissLedger(config)
+    moved: dict[str, int] = {}
+
+    def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
+        ledger.observe(seq, event, state, effects)
+        _moved(moved, effects)
+
+    result = replay(config, records, observe=observe)
+    return Outcome(config, queries.stats(result.state), totals(ledger.admissions), moved,
+                   not_applied=len(result.violations))
+
+
+class Redrive:
+    """The log's events through an engine of `config`, kvledger's decisions made anew.
+
+    Transfers take the log's time: a job this engine starts where the log's
+    engine started one of the same kind (same event, same order) ends where the
+    log's did, each worker's report where the log has it (a failure read as an
+    end: none fails here). One with no such twin ends after the next step."""
+
+    def __init__(self, recorded: EngineConfig, config: EngineConfig, *, on_admission=None, on_effects=None) -> None:
+        self.config = config
+        # The log's own engine, in step: for the twins, and because where a load of the log
+        # failed vLLM admitted its request again, so one this engine loaded for is sent
+        # back to waiting first.
+        self.recorded = initial_state(recorded)
+        self.state = initial_state(config)
+        self.ledger = MissLedger(config)
+        self.moved: dict[str, int] = {}
+        self.not_applied = 0
+        self.readmitted = 0  # requests sent back to waiting, as the log's failed loads did
+        self.seq = 0
+        self.steps = 0
+        self.twins: dict[int, int] = {}  # the log's job -> this engine's
+        self.untimed: dict[int, tuple[bool, int]] = {}  # this engine's job with no twin -> (is a load, step)
+        self.started: list[fx.Effect] = []  # the jobs the event being fed started
+        self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
+        self.on_effects = on_effects  # (effects) after each event
+
+    def feed(self, event: ev.Event) -> None:
+        readmitted = (isinstance(event, (ev.BlocksTouched, ev.BlocksAllocated))
+                      and queries.request_status(self.recorded, event.request_id) in _ADMITTING
+                      and queries.request_status(self.state, event.request_id) not in _ADMITTING)
+        self.recorded, recorded_effects = reduce(self.recorded, event)
+        if isinstance(event, _TRANSFER_REPORTS):
+            twin = self.twins.get(event.job_id)
+            self.started = []
+            if twin is not None and queries.job_view(self.state, twin) is not None:
+                load = isinstance(event, (ev.LoadCompleted, ev.LoadFailed))
+                report = ev.LoadCompleted if load else ev.StoreCompleted
+                self._apply(report(job_id=twin, worker_index=event.worker_index))
+            self._pair(recorded_effects)  # the spills a store's end starts, twinned with the log's
+            self._adopt()
+            for effect in recorded_effects:  # a failed load sent its request back to waiting: its blocks
+                if isinstance(effect, fx.TransferFailed) and effect.kind == "load":  # are vLLM's again
+                    self._send_back(effect.request_id)
+            return
+        if isinstance(event, ev.TierKeysFound) and event.tier > len(self.config.lower_tiers):
+            return
+        if readmitted:
+            self._send_back(event.request_id, as_the_log=False)
+        if isinstance(event, ev.BlocksAllocated):
+            if self.config.protection is Protection.PIN:
+                self._unpin([b for ids in event.block_ids for b in ids if b != NULL_BLOCK_ID])
+            if queries.request_status(self.state, event.request_id) in _ADMITTING:
+                event = self._admission(event)
+        step = isinstance(event, ev.StepScheduled)
+        if not isinstance(event, _ADMISSION_EVENTS):  # a load with no twin ends before anything else
+            self._end_untimed(loads=True)  # happens to its request: the log's schedule runs it
+        self.started = []
+        self._apply(event)
+        self._pair(recorded_effects)
+        self._adopt()
+        if step:
+            self.steps += 1
+            self._end_untimed(loads=False)
+
+    def outcome(self) -> Outcome:
+        return Outcome(self.config, queries.stats(self.state), totals(self.ledger.admissions), self.moved,
+                       self.not_applied)
+
+    def _pair(self, recorded_effects: tuple[fx.Effect, ...]) -> None:
+        """The jobs just started, each the twin of the log's started by the same event, or untimed."""
+        started, self.started = self.started, []
+        for kind in (fx.StartStore, fx.StartLoad, fx.StartSpill):
+            mine = [e for e in started if isinstance(e, kind)]
+            theirs = [e for e in recorded_effects if isinstance(e, kind)]
+            for own, twin in zip(mine, theirs):
+                self.twins[twin.job_id] = own.job_id  # type: ignore[attr-defined]
+            for own in mine[len(theirs):]:
+                self.untimed[own.job_id] = (kind is fx.StartLoad, self.steps)  # type: ignore[attr-defined]
+        if self.config.protection is Protection.PIN and self.untimed:
+            # A store with no twin pins blocks the log's vLLM was free to reuse at once: it ends now.
+            self._end_untimed(loads=False, every=True)
+
+    def _end_untimed(self, *, loads: bool, every: bool = False) -> None:
+        """Jobs with no twin: a load ends before the next event that is not an admission, a store or
+        spill after the step after the one that started it."""
+        due = [job for job, (load, step) in self.untimed.items()
+               if load == loads and (loads or every or step < self.steps - 1)]
+        self.started = []
+        for job in due:
+            load, _ = self.untimed.pop(job)
+            report = ev.LoadCompleted if load else ev.StoreCompleted
+            for worker in range(self.config.world_size):
+                if queries.job_view(self.state, job) is not None:
+                    self._apply(report(job_id=job, worker_index=worker))
+        self._adopt()
+
+    def _send_back(self, rid: str, *, as_the_log: bool = True) -> None:
+        """The log's engine has this request waiting again (its load failed): so has this one."""
+        if as_the_log and queries.request_status(self.recorded, rid) not in _ADMITTING:
+            return
+        if queries.request_status(self.state, rid) in (RequestStatus.RUNNING, RequestStatus.LOADING):
+            self._end_jobs_on(rid, loads_only=True)
+            self.readmitted += 1
+            self._apply(ev.RequestPreempted(request_id=rid))
+            self._apply(ev.RequestResumed(request_id=rid))
+
+    def _end_jobs_on(self, rid: str, *, loads_only: bool = False) -> None:
+        keys = {k for group in queries.request_keys(self.state, rid) for k in group}
+        self.started = []
+        for job in queries.job_ids(self.state):
+            view = queries.job_view(self.state, job)
+            if view is None or view.kind not in ("store", "load") or keys.isdisjoint(view.keys):
+                continue
+            if loads_only and (view.kind != "load" or view.request_id != rid):
+                continue
+            report = ev.LoadCompleted if view.kind == "load" else ev.StoreCompleted
+            for worker in range(self.config.world_size):
+                if view.pending_workers >> worker & 1:
+                    self._apply(report(job_id=job, worker_index=worker))
+            self.untimed.pop(job, None)
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Jobs started by ending others (a store's spills): they have no twin."""
+        for effect in self.started:
+            job_id = effect.job_id  # type: ignore[attr-defined]
+            if queries.job_view(self.state, job_id) is not None:
+                self.untimed[job_id] = (isinstance(effect, fx.StartLoad), self.steps)
+        self.started = []
+
+    def _unpin(self, blocks: list[int]) -> None:
+        """The log's vLLM reuses these blocks, so no job of its held them pinned: a job of
+        this engine that does (it stored what the log's did not) ends first."""
+        for job in queries.jobs_on_blocks(self.state, blocks):
+            view = queries.job_view(self.state, job)
+            if view is None or view.kind != "store":
+                continue
+            for worker in range(self.config.world_size):
+                if view.pending_workers >> worker & 1:
+                    self._apply(ev.StoreCompleted(job_id=job, worker_index=worker))
+            self.untimed.pop(job, None)
+        self._adopt()
+
+    def _admission(self, event: ev.BlocksAllocated) -> ev.BlocksAllocated:
+        view = queries.request_view(self.state, event.request_id)
+        assert view is not None
+        local = view.num_computed_tokens  # what vLLM's own cache held (touched before)
+        if self.on_admission is not None:
+            self.on_admission(self.state, event.request_id, local)
+        answer = lookup(self.state, event.request_id, local)
+        if not answer.ready:
+            # A key it needs is still being stored, or loaded for another request: vLLM would
+            # have waited for that transfer, which the log's schedule did not; it ends now.
+            self._end_jobs_on(event.request_id)
+            answer = lookup(self.state, event.request_id, local)
+        hit = answer.num_hit_tokens if answer.ready else 0
+        # The log's block table is the one vLLM allocated for the recorded hit: a window
+        # group leaves null the blocks before that hit's end it did not need. A hit here
+        # is cut to what the table can take (only ever shorter than the recorded one).
+        alignment = self.config.alignment_tokens
+        offered = hit
+        while hit and not _table_takes(self.config, event.block_ids, view.table_positions, local, hit):
+            hit -= alignment
+        if hit < offered:
+            self.ledger.cut[event.request_id] = offered
+        return attrs.evolve(event, num_external_tokens=hit)
+
+    def _apply(self, event: ev.Event) -> None:
+        self.state, effects = reduce(self.state, event)
+        self.ledger.observe(self.seq, event, self.state, effects)
+        self.seq += 1
+        _moved(self.moved, effects)
+        if self.on_effects is not None:
+            self.on_effects(effects)
+        for effect in effects:
+            if isinstance(effect, fx.ReportViolation):
+                self.not_applied += 1
+            elif isinstance(effect, (fx.StartStore, fx.StartSpill, fx.StartLoad)):
+                self.started.append(effect)
+
+
+def _table_takes(config: EngineConfig, block_ids: tuple[tuple[int, ...], ...], first: tuple[int, ...],
+                 local: int, hit: int) -> bool:
+    """Every block the hit [local, local + hit) loads is in the allocation (not null)."""
+    for group, ids, start in zip(config.groups, block_ids, first):
+        for position in hma.needed_range(group, local, local + hit):
+            index = position - start
+            if not 0 <= index < len(ids) or ids[index] == NULL_BLOCK_ID:
+                return False
+    return True
+
+
+def predict(recorded_config: EngineConfig, config: EngineConfig, records: Iterable[object]) -> Outcome:
+    drive = Redrive(recorded_config, config)
+    for record in records:
+        event = getattr(record, "event", None)
+        if event is not None:
+            drive.feed(event)
+    return drive.outcome()
+
+
+def distinct_keys_bound(config: EngineConfig, records: Iterable[object]) -> int:
+    """At most how many keys the log's requests name (a host tier this large never evicts)."""
+    hashes = 0
+    for record in records:
+        event = getattr(record, "event", None)
+        if isinstance(event, (ev.RequestAdded, ev.BlockHashesAppended)):
+            hashes += len(event.block_hashes)
+    return max(1, hashes * len(config.groups))
+
+
+class _Distances:
+    """LRU stack distances: how many distinct keys were accessed since a key last was."""
+
+    def __init__(self) -> None:
+        self.tree: list[int] = [0]
+        self.last: dict[bytes, int] = {}
+        self.now = 0
+        self.live = 0
+
+    def _add(self, index: int, delta: int) -> None:
+        while index < len(self.tree):
+            self.tree[index] += delta
+            index += index & -index
+
+    def _prefix(self, index: int) -> int:
+        total = 0
+        while index > 0:
+            total += self.tree[index]
+            index -= index & -index
+        return total
+
+    def distance(self, key: bytes) -> float:
+        last = self.last.get(key)
+        return float("inf") if last is None else self.live - self._prefix(last)
+
+    def access(self, key: bytes) -> None:
+        self.now += 1
+        self.tree.append(0)  # the Fenwick tree grows by one slot per access (index = time)
+        index = self.now
+        parent_span = index & -index  # fill the new node with what it covers
+        self.tree[index] = self._prefix(index - 1) - self._prefix(index - parent_span)
+        last = self.last.get(key)
+        if last is not None:
+            self._add(last, -1)
+        else:
+            self.live += 1
+        self._add(index, 1)
+        self.last[key] = index
+
+
+def lru_curve(config: EngineConfig, records: Iterable[object], bound: int) -> list[tuple[list[float], list[int]]]:
+    """For each admission, the capacities (in slots) a hit needs, from one
+    re-drive with room for every key: `hits_at` reads them at any capacity.
+
+    A hit ending at token e needs every key the engine's lookup needs for it
+    (all of a full-attention group's blocks before e, a window group's blocks
+    near e) within the capacity; each such end is listed with that largest
+    distance (plus one), sorted, beside the longest hit any end so far gives."""
+    roomy = attrs.evolve(config, num_tier_slots=bound, policy="lru", lower_tiers=())
+    alignment = config.alignment_tokens
+    distances = _Distances()
+    admissions: list[tuple[list[float], list[int]]] = []
+
+    def on_admission(state: State, rid: str, local: int) -> None:
+        view = queries.request_view(state, rid)
+        assert view is not None
+        keys = queries.request_keys(state, rid)
+        most = (view.num_tokens - 1) // alignment * alignment
+        full_worst = 0.0
+        full_seen = [local // g.block_size for g in config.groups]
+        ends: list[tuple[float, int]] = []
+        for end in range(local + alignment, most + 1, alignment):
+            worst = 0.0
+            for group in config.groups:
+                group_keys = keys[group.group_id]
+                if group.kind is GroupKind.FULL:  # a prefix: only the new positions
+                    for position in range(full_seen[group.group_id], end // group.block_size):
+                        full_worst = max(full_worst, _distance(distances, group_keys, position))
+                    full_seen[group.group_id] = end // group.block_size
+                    continue
+                for position in hma.needed_range(group, local, end):
+                    worst = max(worst, _distance(distances, group_keys, position))
+            needed = max(worst, full_worst) + 1  # a capacity of this many slots holds them all
+            if full_worst == float("inf"):
+                break
+            ends.append((needed, end - local))
+        ends.sort()
+        longest: list[int] = []
+        for _, tokens in ends:
+            longest.append(max(tokens, longest[-1]) if longest else tokens)
+        admissions.append(([needed for needed, _ in ends], longest))
+
+    def on_effects(effects: tuple[fx.Effect, ...]) -> None:
+        # A key is in host memory from its store's end (as the engine's index has it), and a
+        # load refreshes it.
+        for effect in effects:
+            if isinstance(effect, fx.KeysLoadable) and effect.tier == 0:
+                for key in effect.keys:
+                    distances.access(key)
+            elif isinstance(effect, fx.StartLoad):
+                for group in effect.keys:
+                    for key in group:
+                        distances.access(key)
+
+    drive = Redrive(config, roomy, on_admission=on_admission, on_effects=on_effects)
+    for record in records:
+        event = getattr(record, "event", None)
+        if event is not None:
+            drive.feed(event)
+    return admissions
+
+
+def _distance(distances: _Distances, keys: tuple[bytes, ...], position: int) -> float:
+    return distances.distance(keys[position]) if position < len(keys) else float("inf")
+
+
+def hits_at(admissions: list[tuple[list[float], list[int]]], capacities: list[int]) -> list[int]:
+    """Hit tokens at each capacity (in slots), from `lru_curve`'s admissions."""
+    out = []
+    for capacity in capacities:
+        total = 0
+        for needs, longest in admissions:
+            fits = bisect.bisect_right(needs, capacity)
+            if fits:
+                total += longest[fits - 1]
+        out.append(total)
+    return out
