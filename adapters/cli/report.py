@@ -315,6 +315,7 @@ def _figures(full: dict, series: dict, k: int) -> dict[str, object]:
         drawn_end = max(position(s["end"], s["end_seq"]) for t in timelines for s in t["segments"])
         requests_range = [x_range[0], min(x_range[1], drawn_end + 0.5)]
     figures["requests"] = figure
+    figures["misses"] = _misses_figure(full)
     for index, tier in enumerate(series.get("lower_tiers", ()), start=1):
         full_tier = full["lower_tiers"][index - 1]
         figures[f"tier-{index}"] = _tier_figure(tier, full_tier, steps, full["steps"])
@@ -335,6 +336,37 @@ TIER_BARS = (("keys_written", "written (write-through)", "#1f77b4"),
              ("evictions", "evicted (capacity, or a reset)", "#ff7f0e"),
              ("read_failures", "failed reads (recomputed)", "#d62728"),
              ("write_failures", "failed writes", "#8c564b"))
+
+
+# A color per cause, the same on every page; computed-by-design last, in grey.
+MISS_COLORS = {
+    "first_seen": "#1f77b4", "evicted": "#ff7f0e", "reset": "#9467bd", "transfer_failed": "#d62728",
+    "store_failed": "#e377c2", "not_admitted": "#8c564b", "stored_too_late": "#bcbd22",
+    "not_computed_yet": "#17becf", "request_ended": "#aec7e8", "lazy_not_offloaded": "#ffbb78",
+    "after_gap": "#98df8a", "bounded_by_group": "#c5b0d5", "no_host_slot": "#c49c94", "load_failed": "#ff9896",
+    "log_table": "#dbdb8d", "unexplained": "#000000", "partial_block": "#c7c7c7",
+}
+
+
+def _misses_figure(full: dict) -> object:
+    """Computed prompt tokens by cause, in bins of steps, stacked."""
+    import plotly.graph_objects as go
+
+    by_cause = full["misses"]["by_cause"]
+    causes = sorted(by_cause, key=lambda c: (c == "partial_block", -sum(by_cause[c])))
+    width = bar_bin(full["steps"], 1)
+    centres, spans, sums = binned(full["steps"], width, by_cause)
+    what = "%{y} tokens" if width == 1 else "%{y} tokens in steps %{customdata[0]} to %{customdata[1]}"
+    figure = go.Figure()
+    for cause in causes:
+        figure.add_trace(go.Bar(x=centres, y=sums[cause], customdata=spans, name=f"{cause} ({sum(by_cause[cause])})",
+                                marker_color=MISS_COLORS.get(cause, "#7f7f7f"),
+                                hovertemplate=f"{cause}: {what}<extra></extra>"))
+    bar_word = "step" if width == 1 else f"{width} steps"
+    figure.update_layout(barmode="stack", bargap=0.15, xaxis_title=_bar_axis(width),
+                         yaxis_title=f"computed prompt tokens per {bar_word}",
+                         **_layout("Why prompt tokens were computed, not restored", HEIGHT))
+    return figure
 
 
 def _tier_figure(tier: dict, full_tier: dict, steps: list[int], all_steps: list[int]) -> object:
@@ -441,6 +473,11 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
                      f"{totals['preemptions']} preemptions"),
         ("digests", f"{outcome['digests_checked']} checked"),
     ]
+    missed = series["misses"]["totals"]
+    if missed["missed_by_cause"]:
+        causes = ", ".join(f"{cause} {entry['tokens']}" for cause, entry in missed["missed_by_cause"].items())
+        rows.insert(4, ("computed", f"{missed['missed_tokens']} prompt tokens of {missed['admissions']} admissions "
+                                    f"were computed: {causes}"))
     for tier in series.get("lower_tiers", ()):
         rows.insert(-1, (f"tier {tier['name']}", (
             f"{tier['held'][-1] if tier['held'] else 0}/{tier['capacity_blocks']} blocks held; "
@@ -471,6 +508,10 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
         "incidents": "One mark per step with at least one; its size grows with the count (hover for it).",
         "requests": "Each bar is a request's state in the engine; transitions within one step are spread "
                     "over it in event order. " + drawn,
+        "misses": "Each admission's computed prompt tokens (vLLM's own prefix cache and kvledger's hits "
+                  "aside), by the fact that kept them from being restored, counted at the step the request "
+                  "was admitted: `kvledger explain LOG` names each block's cause with its seq; partial_block "
+                  "is computed by design (the prompt's partial last block and last token).",
     }
     bucket_note = (f'<p class="note">This log has {len(series["steps"])} steps: the step plots sum them in '
                    f'buckets of {k} steps. The embedded series keep every step.</p>' if k > 1 else "")

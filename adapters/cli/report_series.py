@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from kvledger.adapters.misses import MissLedger, totals
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.replay import ReplayResult, replay
@@ -51,6 +52,8 @@ class SeriesFold:
         self.num_requests = 0
         # Per tier below host memory, per column: its usage after the column's last event.
         self._lower: list[list[queries.LowerTierUsage]] = []
+        self._misses = MissLedger(config)  # why each admission's computed tokens were not restored
+        self._admitted_in: list[int] = []  # each admission's column
 
     def records(self, records: Iterable[object]) -> Iterator[object]:
         """Pass the records through, noting each one's step index for `observe`."""
@@ -68,6 +71,8 @@ class SeriesFold:
             self._used_slots.append(0)
             self._seq_ranges.append([seq, seq])
         self._seq_ranges[-1][1] = seq
+        self._misses.observe(seq, event, state, effects)
+        self._admitted_in.extend([len(self.steps) - 1] * (len(self._misses.admissions) - len(self._admitted_in)))
         self._stats_end[-1] = queries.stats(state)
         self._used_slots[-1] = queries.tier_usage(state).used_slots
         if self.config.lower_tiers:
@@ -182,7 +187,20 @@ class SeriesFold:
         }
         if self.config.lower_tiers:
             series["lower_tiers"] = self._lower_series()
+        series["misses"] = self._miss_series()
         return series
+
+    def _miss_series(self) -> dict:
+        """Per cause, the computed prompt tokens of the admissions of each step (`kvledger explain`)."""
+        admissions = self._misses.admissions
+        by_cause: dict[str, list[int]] = {}
+        for admission, column in zip(admissions, self._admitted_in):
+            if admission.superseded_at >= 0:
+                continue
+            for run in admission.runs:
+                if run.outcome == "missed":
+                    by_cause.setdefault(run.cause, [0] * len(self.steps))[column] += run.tokens
+        return {"by_cause": by_cause, "totals": totals(admissions)}
 
     def _lower_series(self) -> list[dict]:
         """Per tier below host memory: blocks held after each step, and per step the

@@ -24,7 +24,7 @@ LOGS = {
     "hybrid_failures_reset": GOLDEN / "hybrid_failures_reset.jsonl",  # store and load failures, resets, aborts
     "full_flush": GOLDEN / "full_flush.jsonl",
 }
-FIGURES = ("occupancy", "hits", "transfers", "incidents", "requests")
+FIGURES = ("occupancy", "hits", "transfers", "incidents", "requests", "misses")
 VOID = {"meta", "link", "br", "hr", "img", "input", "area", "base", "col", "embed", "source", "track", "wbr"}
 
 
@@ -188,6 +188,10 @@ def test_page_is_html_and_embeds_the_series(name: str) -> None:
     assert hits["y"][-1] == stats["hit_tokens"] and sum(hits["customdata"]) == stats["hit_tokens"]
     transfers = _figure(parser, "transfers")
     assert "no byte sizes" in transfers["layout"]["yaxis"]["title"]["text"]
+    # Why tokens were computed: the stacked bars add up to what `kvledger explain` counts.
+    misses = _figure(parser, "misses")
+    assert sum(sum(t["y"]) for t in misses["data"]) == series["misses"]["totals"]["missed_tokens"] > 0
+    assert {t["name"].split(" ")[0] for t in misses["data"]} == set(series["misses"]["totals"]["missed_by_cause"])
     assert sum(_trace(transfers, "loaded")["y"]) == stats["keys_loaded"]
     incidents = _figure(parser, "incidents")
     failures = [_trace(incidents, "store failures"), _trace(incidents, "load failures")]
@@ -435,6 +439,8 @@ def _stretched(series: dict, steps: int) -> dict:
     for name in ("used_slots", "hit_tokens", "prompt_tokens_computed", "tokens_computed", "store_blocks",
                  "load_blocks", "keys_failed", *(name for name, _, _ in report.INCIDENTS)):
         out[name] = [series[name][i % n] for i in range(steps)]
+    out["misses"] = dict(series["misses"], by_cause={cause: [tokens[i % n] for i in range(steps)]
+                                                     for cause, tokens in series["misses"]["by_cause"].items()})
     return out
 
 
