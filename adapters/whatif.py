@@ -127,10 +127,29 @@ class Redrive:
         self.twins: dict[int, int] = {}  # the log's job -> this engine's
         self.untimed: dict[int, tuple[bool, int]] = {}  # this engine's job with no twin -> (is a load, step)
         self.started: list[fx.Effect] = []  # the jobs the event being fed started
+        self._events: list[ev.Event] = []
+        self._later: dict[str, list[int]] = {}  # request -> the indices of its allocations (`run`)
+        self._index = -1
+        self._pulled: set[int] = set()  # the indices of allocations taken early by a longer hit
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
         self.on_effects = on_effects  # (effects) after each event
 
+    def run(self, events: list[ev.Event]) -> None:
+        """Feed every event. With the whole list, a longer hit than the log's can take the blocks
+        its request was allocated in later steps (`_admission`)."""
+        self._later = {}
+        for index, event in enumerate(events):
+            if isinstance(event, ev.BlocksAllocated):
+                self._later.setdefault(event.request_id, []).append(index)
+        self._events = events
+        for index, event in enumerate(events):
+            self._index = index
+            self.feed(event)
+
     def feed(self, event: ev.Event) -> None:
+        if self._index in self._pulled:  # an allocation an earlier, longer hit took at once
+            self.recorded, _ = reduce(self.recorded, event)
+            return
         readmitted = (isinstance(event, (ev.BlocksTouched, ev.BlocksAllocated))
                       and queries.request_status(self.recorded, event.request_id) in _ADMITTING
                       and queries.request_status(self.state, event.request_id) not in _ADMITTING)
@@ -234,6 +253,28 @@ class Redrive:
                 self.untimed[job_id] = (isinstance(effect, fx.StartLoad), self.steps)
         self.started = []
 
+    def _pull_forward(self, event: ev.BlocksAllocated, first: tuple[int, ...], local: int,
+                      hit: int) -> ev.BlocksAllocated:
+        """vLLM allocates a new request's blocks for the tokens it computes in its first step
+        (a share of the step's token budget) and for its hit; a longer hit than the log's
+        gets more blocks at once. They are the ones the log shows it allocating in its next
+        steps, taken now while they are free (and left out of those allocations later)."""
+        ids = [list(group) for group in event.block_ids]
+        for index in self._later.get(event.request_id, ()):
+            if index <= self._index or index in self._pulled:
+                continue
+            later = self._events[index]
+            assert isinstance(later, ev.BlocksAllocated)
+            if not queries.blocks_free(self.state, [b for group in later.block_ids for b in group if b]):
+                break
+            for group, more in zip(ids, later.block_ids):
+                group.extend(more)
+            self._pulled.add(index)
+            event = attrs.evolve(event, block_ids=tuple(tuple(group) for group in ids))
+            if _table_takes(self.config, event.block_ids, first, local, hit):
+                break
+        return event
+
     def _unpin(self, blocks: list[int]) -> None:
         """The log's vLLM reuses these blocks, so no job of its held them pinned: a job of
         this engine that does (it stored what the log's did not) ends first."""
@@ -265,6 +306,8 @@ class Redrive:
         # is cut to what the table can take (only ever shorter than the recorded one).
         alignment = self.config.alignment_tokens
         offered = hit
+        if hit and not _table_takes(self.config, event.block_ids, view.table_positions, local, hit):
+            event = self._pull_forward(event, view.table_positions, local, hit)
         while hit and not _table_takes(self.config, event.block_ids, view.table_positions, local, hit):
             hit -= alignment
         if hit < offered:
@@ -298,10 +341,7 @@ def _table_takes(config: EngineConfig, block_ids: tuple[tuple[int, ...], ...], f
 
 def predict(recorded_config: EngineConfig, config: EngineConfig, records: Iterable[object]) -> Outcome:
     drive = Redrive(recorded_config, config)
-    for record in records:
-        event = getattr(record, "event", None)
-        if event is not None:
-            drive.feed(event)
+    drive.run([e for e in (getattr(r, "event", None) for r in records) if e is not None])
     return drive.outcome()
 
 
@@ -410,10 +450,7 @@ def lru_curve(config: EngineConfig, records: Iterable[object], bound: int) -> li
                         distances.access(key)
 
     drive = Redrive(config, roomy, on_admission=on_admission, on_effects=on_effects)
-    for record in records:
-        event = getattr(record, "event", None)
-        if event is not None:
-            drive.feed(event)
+    drive.run([e for e in (getattr(r, "event", None) for r in records) if e is not None])
     return admissions
 
 

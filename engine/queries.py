@@ -209,6 +209,13 @@ def job_ids(state: State) -> list[int]:
     return sorted(state.core.jobs)
 
 
+def blocks_free(state: State, block_ids: Iterable[int]) -> bool:
+    """No request holds any of these device blocks, none is pinned and none is being loaded into."""
+    core = state.core
+    refs, pins, writer = core.block_refs, core.block_pins, core.block_writer
+    return not any(refs[b] or pins[b] or b in writer for b in block_ids)
+
+
 def jobs_on_blocks(state: State, block_ids: Iterable[int]) -> list[int]:
     """The jobs in flight that read or write any of these device blocks, in job order."""
     wanted = set(block_ids)
