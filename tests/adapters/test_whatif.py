@@ -24,9 +24,9 @@ pytestmark = pytest.mark.slow
 
 
 def _trace(config, seed: int, *, fail_rate: float, completion_rate: float = 0.3,
-           reset_rate: float = 0.02) -> tuple[list, dict]:
+           reset_rate: float = 0.02, chunk: int = 0) -> tuple[list, dict]:
     events: list = []
-    sim = Simulator(config, prefix_caching=seed % 2 == 0, record=events.append)
+    sim = Simulator(config, prefix_caching=seed % 2 == 0, record=events.append, chunk_tokens=chunk)
     run_random(sim, random.Random(seed), steps=120, arrivals=0.8, max_tokens=12, fail_rate=fail_rate,
                completion_rate=completion_rate, reset_rate=reset_rate)
     return events, queries.stats(sim.state)
@@ -34,16 +34,15 @@ def _trace(config, seed: int, *, fail_rate: float, completion_rate: float = 0.3,
 
 def _drive(recorded, config, events) -> whatif.Redrive:
     drive = whatif.Redrive(recorded, config)
-    for event in events:
-        drive.feed(event)
+    drive.run(events)
     return drive
 
 
 @settings(deadline=None, max_examples=40)
 @given(config=st.sampled_from(SIMULATED_CONFIGS), seed=st.integers(0, 2**16),
-       completion_rate=st.sampled_from([0.3, 1.0]))
-def test_the_logs_own_configuration_reproduces_its_hits(config, seed, completion_rate):
-    events, stats = _trace(config, seed, fail_rate=0.0, completion_rate=completion_rate)
+       completion_rate=st.sampled_from([0.3, 1.0]), chunk=st.sampled_from([0, 48]))
+def test_the_logs_own_configuration_reproduces_its_hits(config, seed, completion_rate, chunk):
+    events, stats = _trace(config, seed, fail_rate=0.0, completion_rate=completion_rate, chunk=chunk)
     drive = _drive(config, config, events)
     assert drive.not_applied == 0
     predicted = queries.stats(drive.state)
@@ -55,11 +54,12 @@ def test_the_logs_own_configuration_reproduces_its_hits(config, seed, completion
 
 @settings(deadline=None, max_examples=40)
 @given(config=st.sampled_from(SIMULATED_CONFIGS), seed=st.integers(0, 2**16), scale=st.sampled_from([0.25, 0.5, 2, 4]),
-       policy=st.sampled_from(["lru", "arc"]))
-def test_another_configuration_takes_every_event(config, seed, scale, policy):
-    """Failures in the log, another capacity and policy: the other engine accepts the whole log,
-    and its misses are all explained."""
-    events, _ = _trace(config, seed, fail_rate=0.1)
+       policy=st.sampled_from(["lru", "arc"]), chunk=st.sampled_from([0, 48]))
+def test_another_configuration_takes_every_event(config, seed, scale, policy, chunk):
+    """Failures in the log, another capacity and policy, prefills in chunks (a longer hit takes
+    later allocations early): the other engine accepts the whole log, and its misses are all
+    explained."""
+    events, _ = _trace(config, seed, fail_rate=0.1, chunk=chunk)
     other = attrs.evolve(config, num_tier_slots=max(1, int(config.num_tier_slots * scale)), policy=policy)
     drive = _drive(config, other, events)
     assert drive.not_applied == 0
