@@ -100,6 +100,7 @@ class Admission:
     step: int
     num_tokens: int
     attempt: int  # 1 for the first admission; more after preemptions and recomputed loads
+    wall_time_us: int = 0  # the last step's, before the admission (0: the log records no times)
     runs: list[Run] = attrs.field(factory=list)
     load_job: int = -1
     superseded_at: int = -1  # a failed load sent it back to waiting: the next admission counts instead
@@ -108,7 +109,8 @@ class Admission:
         return sum(r.tokens for r in self.runs if r.outcome == outcome and (cause is None or r.cause == cause))
 
     def as_dict(self) -> dict:
-        data = {"request_id": self.request_id, "seq": self.seq, "step": self.step, "attempt": self.attempt,
+        data = {"request_id": self.request_id, "seq": self.seq, "step": self.step, "wall_time_us": self.wall_time_us,
+                "attempt": self.attempt,
                 "num_tokens": self.num_tokens, "device_tokens": self.tokens("device"),
                 "restored_tokens": self.tokens("restored"), "missed_tokens": self.tokens("missed"),
                 "runs": [r.as_dict() for r in self.runs]}
@@ -154,6 +156,7 @@ class MissLedger:
         self._loads: dict[int, Admission] = {}  # load job -> the admission it restores
         self._late: dict[int, list[Run]] = {}  # store job -> runs "stored_too_late" waiting for its end
         self._load_failures: dict[int, tuple[int, set[bytes], int]] = {}  # load job -> first seq, keys, worker
+        self._wall_us = 0
         self.cut: dict[str, int] = {}  # what-if: request -> the hit its lookup offered, cut to fit the log's table
 
     # The fold.
@@ -169,6 +172,8 @@ class MissLedger:
         elif isinstance(event, ev.BlockHashesRewound):
             kept = queries.request_keys(state, event.request_id)
             self._named[event.request_id] = [min(n, len(k)) for n, k in zip(self._named[event.request_id], kept)]
+        elif isinstance(event, ev.StepScheduled):
+            self._wall_us = event.wall_time_us
         elif isinstance(event, ev.CacheReset) and event.rekeyed:  # every request's keys start again
             self._named = {r: [0] * len(self.groups) for r in self._named}
         for effect in effects:
@@ -285,7 +290,7 @@ class MissLedger:
         most = (n - 1) // self.alignment * self.alignment
         size = self.block_size
         self._attempts[rid] = attempt = self._attempts.get(rid, 0) + 1
-        admission = Admission(rid, seq, queries.position(state).step_index, n, attempt)
+        admission = Admission(rid, seq, queries.position(state).step_index, n, attempt, self._wall_us)
         runs: list[Run] = []
         load = next((e for e in effects if isinstance(e, fx.StartLoad)), None)
         promoted: dict[bytes, int] = {}

@@ -129,22 +129,47 @@ class Redrive:
         self.started: list[fx.Effect] = []  # the jobs the event being fed started
         self._events: list[ev.Event] = []
         self._later: dict[str, list[int]] = {}  # request -> the indices of its allocations (`run`)
+        # Where a request's admission may end: its preemption, end or prefix touch (an admission
+        # again), and any failed load (its request may be admitted again).
+        self._breaks: dict[str, list[int]] = {}
+        self._load_failures: list[int] = []
+        self._mentions: dict[int, list[int]] = {}  # device block -> the indices of the events that name it
         self._index = -1
         self._pulled: set[int] = set()  # the indices of allocations taken early by a longer hit
+        self._promoted: dict[int, list[tuple[bytes, int]]] = {}  # load job -> (key, block) read from tier 1
+        self.shared: SharedTier | None = None  # tier 1, when several replicas share it (`fleet.py`)
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
         self.on_effects = on_effects  # (effects) after each event
 
     def run(self, events: list[ev.Event]) -> None:
         """Feed every event. With the whole list, a longer hit than the log's can take the blocks
         its request was allocated in later steps (`_admission`)."""
+        self.prepare(events)
+        for index in range(len(events)):
+            self.feed_at(index)
+
+    def prepare(self, events: list[ev.Event]) -> None:
+        """The log's events, to be fed in order by `feed_at` (several logs' in turn: `fleet.py`)."""
         self._later = {}
+        self._breaks = {}
+        self._load_failures = []
+        self._mentions = {}
         for index, event in enumerate(events):
             if isinstance(event, ev.BlocksAllocated):
                 self._later.setdefault(event.request_id, []).append(index)
+            if isinstance(event, (ev.RequestPreempted, ev.RequestFinished, ev.RequestAborted, ev.BlocksTouched)):
+                self._breaks.setdefault(event.request_id, []).append(index)
+            elif isinstance(event, ev.LoadFailed):
+                self._load_failures.append(index)
+            ids = getattr(event, "block_ids", ())
+            for block in (b for group in ids for b in (group if isinstance(group, tuple) else (group,))):
+                if block:
+                    self._mentions.setdefault(block, []).append(index)
         self._events = events
-        for index, event in enumerate(events):
-            self._index = index
-            self.feed(event)
+
+    def feed_at(self, index: int) -> None:
+        self._index = index
+        self.feed(self._events[index])
 
     def feed(self, event: ev.Event) -> None:
         if self._index in self._pulled:  # an allocation an earlier, longer hit took at once
@@ -158,9 +183,7 @@ class Redrive:
             twin = self.twins.get(event.job_id)
             self.started = []
             if twin is not None and queries.job_view(self.state, twin) is not None:
-                load = isinstance(event, (ev.LoadCompleted, ev.LoadFailed))
-                report = ev.LoadCompleted if load else ev.StoreCompleted
-                self._apply(report(job_id=twin, worker_index=event.worker_index))
+                self._complete(twin, event.worker_index, isinstance(event, (ev.LoadCompleted, ev.LoadFailed)))
             self._pair(recorded_effects)  # the spills a store's end starts, twinned with the log's
             self._adopt()
             for effect in recorded_effects:  # a failed load sent its request back to waiting: its blocks
@@ -213,10 +236,9 @@ class Redrive:
         self.started = []
         for job in due:
             load, _ = self.untimed.pop(job)
-            report = ev.LoadCompleted if load else ev.StoreCompleted
             for worker in range(self.config.world_size):
                 if queries.job_view(self.state, job) is not None:
-                    self._apply(report(job_id=job, worker_index=worker))
+                    self._complete(job, worker, load)
         self._adopt()
 
     def _send_back(self, rid: str, *, as_the_log: bool = True) -> None:
@@ -238,12 +260,27 @@ class Redrive:
                 continue
             if loads_only and (view.kind != "load" or view.request_id != rid):
                 continue
-            report = ev.LoadCompleted if view.kind == "load" else ev.StoreCompleted
             for worker in range(self.config.world_size):
                 if view.pending_workers >> worker & 1:
-                    self._apply(report(job_id=job, worker_index=worker))
+                    self._complete(job, worker, view.kind == "load")
             self.untimed.pop(job, None)
         self._adopt()
+
+    def _complete(self, job: int, worker: int, load: bool) -> None:
+        """A worker's report that the job ended: a load whose promoted blocks a shared tier no
+        longer holds (another replica's writes evicted them) fails for those."""
+        if not load:
+            self._apply(ev.StoreCompleted(job_id=job, worker_index=worker))
+            return
+        promoted = self._promoted.get(job, ())
+        gone = [(key, block) for key, block in promoted if self.shared is not None and not self.shared.holds(key)]
+        if gone:
+            self._apply(ev.LoadFailed(job_id=job, worker_index=worker, block_ids=tuple(b for _, b in gone),
+                                      keys=tuple(k for k, _ in gone)))
+        else:
+            self._apply(ev.LoadCompleted(job_id=job, worker_index=worker))
+        if queries.job_view(self.state, job) is None:
+            self._promoted.pop(job, None)
 
     def _adopt(self) -> None:
         """Jobs started by ending others (a store's spills): they have no twin."""
@@ -260,12 +297,23 @@ class Redrive:
         gets more blocks at once. They are the ones the log shows it allocating in its next
         steps, taken now while they are free (and left out of those allocations later)."""
         ids = [list(group) for group in event.block_ids]
+        breaks = self._breaks.get(event.request_id, [])
         for index in self._later.get(event.request_id, ()):
             if index <= self._index or index in self._pulled:
                 continue
+            # Only this admission's own later allocations: none past a break (a new admission's are its own).
+            if (bisect.bisect_right(breaks, index) > bisect.bisect_right(breaks, self._index)
+                    or bisect.bisect_left(self._load_failures, index) > bisect.bisect_right(self._load_failures,
+                                                                                            self._index)):
+                break
             later = self._events[index]
             assert isinstance(later, ev.BlocksAllocated)
-            if not queries.blocks_free(self.state, [b for group in later.block_ids for b in group if b]):
+            blocks = [b for group in later.block_ids for b in group if b]
+            present = {b for group in ids for b in group}
+            # Only blocks no event names until that allocation (another request's use of them, a free,
+            # vLLM naming them near eviction) and free now.
+            if not present.isdisjoint(blocks) or not queries.blocks_free(self.state, blocks) or any(
+                    self._next_mention(block) != index for block in blocks):
                 break
             for group, more in zip(ids, later.block_ids):
                 group.extend(more)
@@ -274,6 +322,11 @@ class Redrive:
             if _table_takes(self.config, event.block_ids, first, local, hit):
                 break
         return event
+
+    def _next_mention(self, block: int) -> int:
+        mentions = self._mentions.get(block, ())
+        at = bisect.bisect_right(mentions, self._index)
+        return mentions[at] if at < len(mentions) else -1
 
     def _unpin(self, blocks: list[int]) -> None:
         """The log's vLLM reuses these blocks, so no job of its held them pinned: a job of
@@ -284,7 +337,7 @@ class Redrive:
                 continue
             for worker in range(self.config.world_size):
                 if view.pending_workers >> worker & 1:
-                    self._apply(ev.StoreCompleted(job_id=job, worker_index=worker))
+                    self._complete(job, worker, False)
             self.untimed.pop(job, None)
         self._adopt()
 
@@ -294,6 +347,12 @@ class Redrive:
         local = view.num_computed_tokens  # what vLLM's own cache held (touched before)
         if self.on_admission is not None:
             self.on_admission(self.state, event.request_id, local)
+        if self.shared is not None:  # what a lookup in the shared tier finds that this engine does not know
+            found = tuple(dict.fromkeys(
+                k for group in queries.request_keys(self.state, event.request_id) for k in group
+                if self.shared.holds(k) and not queries.tier_holds(self.state, 1, k)))
+            if found:
+                self._apply(ev.TierKeysFound(tier=1, keys=found))
         answer = lookup(self.state, event.request_id, local)
         if not answer.ready:
             # A key it needs is still being stored, or loaded for another request: vLLM would
@@ -326,6 +385,49 @@ class Redrive:
                 self.not_applied += 1
             elif isinstance(effect, (fx.StartStore, fx.StartSpill, fx.StartLoad)):
                 self.started.append(effect)
+                if isinstance(effect, fx.StartLoad) and effect.promote_tiers:
+                    promoted = [(key, block) for tiers, keys, blocks in
+                                zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
+                                for tier, key, block in zip(tiers, keys, blocks) if tier == 1]
+                    self._promoted[effect.job_id] = promoted
+                    if self.shared is not None:
+                        self.shared.read([key for key, _ in promoted])
+            elif isinstance(effect, fx.KeysLoadable) and effect.tier == 1 and self.shared is not None:
+                self.shared.write(effect.keys)  # a spill written (or a lookup's find: already there)
+
+
+class SharedTier:
+    """A tier several replicas share (Valkey): blocks in least-recently-used order, as
+    Valkey's `allkeys-lru` keeps them, and what was written to and read from it."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        from collections import OrderedDict
+
+        self.capacity = capacity_blocks
+        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.written = 0
+        self.read_blocks = 0
+        self.evicted = 0
+
+    def holds(self, key: bytes) -> bool:
+        return key in self.blocks
+
+    def write(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+                continue
+            self.written += 1
+            self.blocks[key] = None
+            if len(self.blocks) > self.capacity:
+                self.blocks.popitem(last=False)
+                self.evicted += 1
+
+    def read(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+                self.read_blocks += 1
 
 
 def _table_takes(config: EngineConfig, block_ids: tuple[tuple[int, ...], ...], first: tuple[int, ...],

@@ -49,7 +49,7 @@ _FREED: Final = _setters(ev.BlocksFreed, "request_id", "block_ids")
 _ALLOCATED: Final = _setters(ev.BlocksAllocated, "request_id", "block_ids", "num_external_tokens")
 _TOUCHED: Final = _setters(ev.BlocksTouched, "request_id", "block_ids")
 _STEP: Final = _setters(ev.StepScheduled, "step_index", "request_ids", "num_computed_tokens",
-                        "num_scheduled_tokens")
+                        "num_scheduled_tokens", "wall_time_us")
 _STORE: Final = _setters(fx.StartStore, "job_id", "request_id", "keys", "source_block_ids", "target_slot_ids")
 _LOAD: Final = _setters(fx.StartLoad, "job_id", "request_id", "keys", "source_slot_ids", "target_block_ids",
                         "promote_tiers")
@@ -83,9 +83,10 @@ def blocks_touched(request_id: str, block_ids: ev.BlockIdsByGroup) -> ev.BlocksT
 
 
 def step_scheduled(step_index: int, request_ids: tuple[str, ...], num_computed_tokens: tuple[int, ...],
-                   num_scheduled_tokens: tuple[int, ...]) -> ev.StepScheduled:
+                   num_scheduled_tokens: tuple[int, ...], wall_time_us: int = 0) -> ev.StepScheduled:
     """The columns are aligned by the caller (the class's own check is skipped)."""
-    return _build(_StepScheduled, _STEP, step_index, request_ids, num_computed_tokens, num_scheduled_tokens)
+    return _build(_StepScheduled, _STEP, step_index, request_ids, num_computed_tokens, num_scheduled_tokens,
+                  wall_time_us)
 
 
 def start_store(job_id: int, request_id: str, keys: fx.KeysByGroup, source_block_ids: fx.IdsByGroup,

@@ -204,6 +204,7 @@ def plan_step(
     keys_of: Callable[[Request], Sequence[bytes]] | None = None,  # a request's block keys, if not its hashes
     cached: CachedRequests | None = None,
     sessions: Container[str] = (),
+    wall_time_us: int = 0,  # when the scheduler built the step (the engine only records it)
 ) -> list[ev.Event]:
     """The step's events, in the order above; apply them with `reduce_step`.
 
@@ -311,5 +312,5 @@ def plan_step(
 
     if scheduled:
         events.append(new.step_scheduled(step_index, tuple(scheduled), cast(tuple[int, ...], tuple(computed)),
-                                         tuple(scheduled.values())))
+                                         tuple(scheduled.values()), wall_time_us))
     return events

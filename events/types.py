@@ -159,14 +159,19 @@ class StepScheduled:
 
     `num_computed_tokens` is the count before this step; the KV of
     `num_computed_tokens + num_scheduled_tokens` tokens exists after it.
+    `wall_time_us` is when the scheduler built it, in microseconds since the
+    Unix epoch (0: not recorded; logs before version 2). An input the engine
+    never reads: it places the step in time for readers of the log, and lets
+    the logs of several replicas be interleaved (`kvledger whatif`).
     """
 
     kind: ClassVar[str] = "step_scheduled"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
     step_index: int
     request_ids: tuple[str, ...] = attrs.field(converter=_strs)
     num_computed_tokens: tuple[int, ...] = attrs.field(converter=_ints)
     num_scheduled_tokens: tuple[int, ...] = attrs.field(converter=_ints)
+    wall_time_us: int = 0
 
     def __attrs_post_init__(self) -> None:
         if not len(self.request_ids) == len(self.num_computed_tokens) == len(self.num_scheduled_tokens):

@@ -21,7 +21,13 @@ def upcast_cache_reset_v1_v2(fields: dict) -> dict:
     return {**fields, "forget_device": False, "rekeyed": False}
 
 
+def upcast_step_scheduled_v1_v2(fields: dict) -> dict:
+    """v1 recorded no time: 0 says so."""
+    return {**fields, "wall_time_us": 0}
+
+
 UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {
     ("store_failed", 1): upcast_store_failed_v1_v2,
     ("cache_reset", 1): upcast_cache_reset_v1_v2,
+    ("step_scheduled", 1): upcast_step_scheduled_v1_v2,
 }

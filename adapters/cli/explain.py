@@ -35,6 +35,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         data["problem"] = {"seq": problem.seq, "kind": problem.kind, "detail": problem.detail}
     if args.window:
         data["windows"] = _windows(admissions, args.window)
+    if args.window_seconds:
+        data["windows"] = _time_windows(admissions, args.window_seconds, args.log)
     if args.request is not None:
         data["requests"] = [a.as_dict() for a in admissions]
     if args.json:
@@ -59,6 +61,26 @@ def _windows(admissions: list[Admission], width: int) -> list[dict]:
     for index in sorted(by_window):
         part = totals(by_window[index])
         rows.append({"steps": [index * width, (index + 1) * width - 1], "restored_tokens": part["restored_tokens"],
+                     "missed_tokens": part["missed_tokens"],
+                     "missed_by_cause": {cause: entry["tokens"] for cause, entry in part["missed_by_cause"].items()}})
+    return rows
+
+
+def _time_windows(admissions: list[Admission], seconds: int, log: str) -> list[dict]:
+    """As `_windows`, by the wall time of the steps (which logs record from version 2 of the step event on)."""
+    timed = [a for a in admissions if a.wall_time_us]
+    if admissions and not timed:
+        raise BadArgument(f"{log} records no step times (written before kvledger recorded them): use --window")
+    start = min((a.wall_time_us for a in timed), default=0)
+    width = seconds * 1_000_000
+    by_window: dict[int, list[Admission]] = {}
+    for admission in admissions:
+        since = max(admission.wall_time_us - start, 0) if admission.wall_time_us else 0
+        by_window.setdefault(since // width, []).append(admission)
+    rows = []
+    for index in sorted(by_window):
+        part = totals(by_window[index])
+        rows.append({"seconds": [index * seconds, (index + 1) * seconds], "restored_tokens": part["restored_tokens"],
                      "missed_tokens": part["missed_tokens"],
                      "missed_by_cause": {cause: entry["tokens"] for cause, entry in part["missed_by_cause"].items()}})
     return rows
@@ -119,12 +141,13 @@ def _print(data: dict, admissions: list[Admission]) -> None:
         print(f"{'computed because':<20} {'tokens':>9} {'blocks':>8} {'admissions':>10}  what it means")
         for cause, entry in data["missed_by_cause"].items():
             print(f"{cause:<20} {entry['tokens']:>9} {entry['blocks']:>8} {entry['admissions']:>10}  {CAUSES[cause]}")
-    if "windows" in data:
+    if data.get("windows"):
         causes = list(data["missed_by_cause"])
         print()
-        print(f"{'steps':<13} {'restored':>9} {'computed':>9}  " + " ".join(f"{c:>{max(len(c), 7)}}" for c in causes))
+        unit = "steps" if "steps" in data["windows"][0] else "seconds"
+        print(f"{unit:<13} {'restored':>9} {'computed':>9}  " + " ".join(f"{c:>{max(len(c), 7)}}" for c in causes))
         for row in data["windows"]:
-            span = f"{row['steps'][0]}-{row['steps'][1]}"
+            span = f"{row[unit][0]}-{row[unit][1]}"
             print(f"{span:<13} {row['restored_tokens']:>9} {row['missed_tokens']:>9}  "
                   + " ".join(f"{row['missed_by_cause'].get(c, 0):>{max(len(c), 7)}}" for c in causes))
     for admission in admissions:

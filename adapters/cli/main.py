@@ -95,12 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="why each prompt token was restored or computed: misses by cause")
     p.add_argument("log")
     p.add_argument("--request", metavar="ID", help="each admission of this request, block by block")
-    p.add_argument("--window", type=_at_least(1), metavar="STEPS", help="also the misses by cause per STEPS steps")
+    window = p.add_mutually_exclusive_group()
+    window.add_argument("--window", type=_at_least(1), metavar="STEPS", help="also the misses by cause per STEPS steps")
+    window.add_argument("--window-seconds", type=_at_least(1), metavar="S",
+                        help="also the misses by cause per S seconds of the steps' wall time")
     p.add_argument("--until", type=SEQ, metavar="SEQ", help="stop after this sequence number")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_explain)
-    p = sub.add_parser("whatif", help="the log's traffic under another host capacity, policy or lower tiers")
-    p.add_argument("log")
+    p = sub.add_parser("whatif", help="the log's traffic under another host capacity, policy or lower tiers; "
+                       "several replicas' logs with a tier they would share")
+    p.add_argument("logs", nargs="+", metavar="LOG")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--capacity-bytes", type=_at_least(1), metavar="N", help="host memory for the tier, in bytes")
     size.add_argument("--capacity-blocks", type=_at_least(1), metavar="N", help="host memory for the tier, in slots")
@@ -108,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secondary-tiers", metavar="JSON", help='tiers below host memory, as vLLM 0.33 takes them: '
                    '[{"type": "fs", "capacity_bytes": N}, ...] ([] for none)')
     p.add_argument("--sweep", action="store_true", help="hit tokens against host capacity, 1/8x to 8x")
+    p.add_argument("--shared-tier", metavar="JSON", help='a tier the logs\' replicas would share, e.g. '
+                   '{"type": "valkey", "capacity_bytes": N}: their steps in wall-time order, each finding what '
+                   'the others wrote')
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_whatif)
     p = sub.add_parser("inspect", help="show the state at a point in a log")

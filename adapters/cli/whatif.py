@@ -19,6 +19,11 @@ SWEEP_FACTORS = (0.125, 0.25, 0.5, 1, 2, 4, 8)
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
+    if args.shared_tier is not None:
+        return _fleet(args)
+    if len(args.logs) > 1:
+        raise BadArgument("several logs are the replicas of a fleet: give the tier they would share (--shared-tier)")
+    args.log = args.logs[0]
     header, records = _load(args.log)
     config = header.config
     other = _other_config(args, config)
@@ -38,6 +43,71 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         _print(data)
+    return EXIT_OK
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    """The replicas' logs, recorded apart, run again sharing one tier below host memory."""
+    from kvledger.adapters import fleet
+
+    for flag in ("capacity_bytes", "capacity_blocks", "policy", "secondary_tiers", "sweep"):
+        if getattr(args, flag):
+            raise BadArgument(f"--{flag.replace('_', '-')} does not go with --shared-tier")
+    replicas = []
+    for path in args.logs:
+        header, records = _load(path)
+        cached = list(records)
+        if records.tear is not None:
+            return _report_tear(records)
+        replicas.append(fleet.Replica(path, header, cached))
+    missing = fleet.untimed(replicas)
+    if missing:
+        raise BadArgument(f"{', '.join(missing)} record(s) no step times (written before kvledger recorded them): "
+                          "the replicas' steps cannot be put in order")
+    first = replicas[0].header.config
+    try:
+        value = json.loads(args.shared_tier)
+    except json.JSONDecodeError as exc:
+        raise BadArgument(f"--shared-tier is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise BadArgument('--shared-tier takes one tier, e.g. {"type": "valkey", "capacity_bytes": 10000000000}')
+    (tier,) = _tiers(json.dumps([value]), first, "--shared-tier")
+    outcomes, shared = fleet.predict_fleet(replicas, tier)
+    rows = []
+    for replica, outcome in zip(replicas, outcomes):
+        config = replica.header.config
+        alone = whatif.predict(config, config, replica.records)
+        recorded = whatif.recorded(config, replica.records)
+        (own,), _ = fleet.predict_fleet([replica], tier)  # the same tier, below this replica alone
+        rows.append({"log": replica.name, "recorded_hit_tokens": recorded.stats["hit_tokens"],
+                     "predicted_alone_hit_tokens": alone.stats["hit_tokens"],
+                     "predicted_own_tier_hit_tokens": own.stats["hit_tokens"],
+                     "predicted_shared_hit_tokens": outcome.stats["hit_tokens"],
+                     "blocks_read_from_shared_tier": fleet.promoted_blocks(outcome),
+                     "bytes_read_from_shared_tier": fleet.promoted_blocks(outcome) * config.slot_bytes or None,
+                     "not_applied": outcome.not_applied,
+                     "misses": outcome.misses["missed_by_cause"]})
+    data = {"shared_tier": {"name": tier.name, "num_blocks": tier.num_blocks,
+                            "capacity_bytes": tier.num_blocks * first.slot_bytes or None,
+                            "blocks_written": shared.written, "blocks_read": shared.read_blocks,
+                            "blocks_evicted": shared.evicted},
+            "replicas": rows,
+            "all": {name: sum(row[name] for row in rows) for name in
+                    ("recorded_hit_tokens", "predicted_alone_hit_tokens", "predicted_own_tier_hit_tokens",
+                     "predicted_shared_hit_tokens", "blocks_read_from_shared_tier")}}
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    print(f"shared tier {tier.name}: {tier.num_blocks} blocks" + (
+        f" ({data['shared_tier']['capacity_bytes']} bytes)" if data["shared_tier"]["capacity_bytes"] else "")
+        + f"; {shared.written} written, {shared.read_blocks} read, {shared.evicted} evicted")
+    print(f"{'replica':<40} {'recorded':>9} {'alone':>9} {'own tier':>9} {'shared':>9} {'read from it':>13}")
+    for row in [*rows, {"log": "all", **data["all"]}]:
+        print(f"{row['log']:<40} {row['recorded_hit_tokens']:>9} {row['predicted_alone_hit_tokens']:>9} "
+              f"{row['predicted_own_tier_hit_tokens']:>9} {row['predicted_shared_hit_tokens']:>9} "
+              f"{row['blocks_read_from_shared_tier']:>13}")
+    print("(hit tokens: as recorded; predicted with each one's own configuration; with the tier below it alone; "
+          "with the tier shared by all. Read from it: blocks promoted from the shared tier.)")
     return EXIT_OK
 
 
@@ -72,37 +142,37 @@ def _slots(capacity_bytes: int, config: EngineConfig, flag: str) -> int:
     return slots
 
 
-def _tiers(text: str, config: EngineConfig) -> tuple[LowerTierSpec, ...]:
+def _tiers(text: str, config: EngineConfig, flag: str = "--secondary-tiers") -> tuple[LowerTierSpec, ...]:
     """vLLM 0.33's `secondary_tiers` shape: a list of {"type", "capacity_bytes"}
     (or {"num_blocks"}), in order below host memory."""
     try:
         tiers = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise BadArgument(f"--secondary-tiers is not JSON: {exc}") from None
+        raise BadArgument(f"{flag} is not JSON: {exc}") from None
     if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
-        raise BadArgument('--secondary-tiers takes a JSON list of objects, e.g. [{"type": "fs", '
-                          '"capacity_bytes": 10000000000}]')
+        raise BadArgument(f"{flag} takes a JSON list of objects, e.g. "
+                          '[{"type": "fs", "capacity_bytes": 10000000000}]')
     specs = []
     for index, tier in enumerate(tiers, start=1):
         kind = tier.get("type")
         if not isinstance(kind, str) or not kind:
-            raise BadArgument(f"--secondary-tiers: tier {index} names no type")
+            raise BadArgument(f"{flag}: tier {index} names no type")
         unknown = sorted(set(tier) - {"type", "capacity_bytes", "num_blocks"})
         if unknown:
-            raise BadArgument(f"--secondary-tiers: tier {index}: unknown keys {', '.join(unknown)}")
+            raise BadArgument(f"{flag}: tier {index}: unknown keys {', '.join(unknown)}")
         if "num_blocks" in tier:
             blocks = tier["num_blocks"]
         elif "capacity_bytes" in tier:
             size = tier["capacity_bytes"]
             if not isinstance(size, int) or isinstance(size, bool):
-                raise BadArgument(f"--secondary-tiers: tier {index}: capacity_bytes must be an integer")
-            blocks = _slots(size, config, f"--secondary-tiers tier {index}")
+                raise BadArgument(f"{flag}: tier {index}: capacity_bytes must be an integer")
+            blocks = _slots(size, config, f"{flag} tier {index}")
         else:
-            raise BadArgument(f"--secondary-tiers: tier {index} needs capacity_bytes or num_blocks")
+            raise BadArgument(f"{flag}: tier {index} needs capacity_bytes or num_blocks")
         try:
             specs.append(LowerTierSpec(name=f"{index}:{kind}", num_blocks=blocks))
         except ConfigError as exc:
-            raise BadArgument(f"--secondary-tiers: tier {index}: {exc}") from None
+            raise BadArgument(f"{flag}: tier {index}: {exc}") from None
     return tuple(specs)
 
 

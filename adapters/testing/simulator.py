@@ -76,7 +76,7 @@ class Simulator:
                  check_content: bool = True, host: EngineHost | None = None,
                  lazy_target_blocks: int = 8,
                  observe: Callable[[int, ev.Event, State, tuple[fx.Effect, ...]], None] | None = None,
-                 record_truth: bool = False) -> None:
+                 record_truth: bool = False, start_us: int = 1_800_000_000_000_000, step_us: int = 25_000) -> None:
         self.config = config
         self.groups = config.groups
         self.prefix_caching = prefix_caching
@@ -108,6 +108,9 @@ class Simulator:
         self.events = 0
         self.load_failures = 0
         self.observe = observe  # called after each event, as a replay's `observe` is (seq: the event's count)
+        # A simulated clock for the steps' wall time: a fixed start and a fixed step length.
+        self.start_us = start_us
+        self.step_us = step_us
         # What this simulator knows of its own misses, for `adapters/misses.py`'s tests: at each
         # admission, which prompt blocks were restorable and whose keys this request named first;
         # and the stores it failed and the resets it made.
@@ -497,7 +500,8 @@ class Simulator:
         self.emit(ev.StepScheduled(
             step_index=self.step_index, request_ids=[r.rid for r, _ in scheduled],
             num_computed_tokens=[r.computed for r, _ in scheduled],
-            num_scheduled_tokens=[c for _, c in scheduled]))
+            num_scheduled_tokens=[c for _, c in scheduled],
+            wall_time_us=self.start_us + self.step_index * self.step_us))
         for block in self.dirty:  # the worker zeroes new blocks after handle_preemptions
             self.content[block] = None
         self.dirty.clear()

@@ -182,7 +182,8 @@ class LedgerScheduler:
             self.host.state, step_index=self._position.step_index + 1, preempted=scheduler_output.preempted_req_ids or (),
             scheduled=scheduled, admissions=self._lookups.take_admissions(), requests=self._requests, tables=self._tables,
             near_eviction=self._near_eviction() if self.config.store_mode is StoreMode.LAZY else (),
-            keys_of=self._keys_of, cached=scheduler_output.scheduled_cached_reqs, sessions=self._sessions)
+            keys_of=self._keys_of, cached=scheduler_output.scheduled_cached_reqs, sessions=self._sessions,
+            wall_time_us=time.time_ns() // 1000)
         self._apply(events)
         carried, self._carried = self._carried, []  # this step's, after those of calls since the last
         return KVLedgerMetadata.from_effects(carried)

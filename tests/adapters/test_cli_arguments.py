@@ -38,8 +38,9 @@ def run(*argv: str) -> subprocess.CompletedProcess:
 BAD = {  # subcommand -> flag -> a bad value
     "replay": {"--until": "-5", "--from": "x", "--key": "zz"},
     "requests": {"--until": "-1"},
-    "explain": {"--until": "-1", "--window": "0"},
-    "whatif": {"--capacity-bytes": "0", "--capacity-blocks": "-4", "--policy": "mru", "--secondary-tiers": "[{"},
+    "explain": {"--until": "-1", "--window": "0", "--window-seconds": "-2"},
+    "whatif": {"--capacity-bytes": "0", "--capacity-blocks": "-4", "--policy": "mru", "--secondary-tiers": "[{",
+               "--shared-tier": "{"},
     "inspect": {"--at": "-3"},
     "bisect": {"--jobs": "0"},
     "simulate": {"--steps": "0", "--fail-rate": "2", "--digest-interval": "-1",

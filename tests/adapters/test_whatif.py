@@ -121,3 +121,51 @@ def test_bad_input_is_one_line_and_exit_2(log, capsys, argv, words):
     assert main(["whatif", str(log), *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+# Several replicas, one shared tier.
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """Two replicas of one model on the same documents, recorded apart (each with host memory only)."""
+    folder = tmp_path_factory.mktemp("fleet")
+    paths = []
+    for seed in (1, 2):
+        path = folder / f"replica-{seed}.log"
+        assert main(["simulate", "--scenario", "full", "--steps", "200", "--seed", str(seed), "--fail-rate", "0",
+                     "--out", str(path)]) == 0
+        paths.append(str(path))
+    return paths
+
+
+def test_replicas_sharing_a_tier_find_what_the_others_wrote(replicas, capsys):
+    assert main(["whatif", *replicas, "--shared-tier", '{"type": "valkey", "num_blocks": 4096}', "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = data["replicas"]
+    assert [row["not_applied"] for row in rows] == [0, 0]
+    assert data["shared_tier"]["blocks_written"] > 0 and data["shared_tier"]["blocks_evicted"] == 0
+    # Each replica restores more with the other's blocks below it than alone, and what it
+    # restored from the shared tier is what it gained (its own writes come back through host memory).
+    for row in rows:
+        assert row["predicted_shared_hit_tokens"] > row["predicted_alone_hit_tokens"]
+        assert row["blocks_read_from_shared_tier"] > 0
+    # Sharing is worth more than the same tier below each replica alone, for the two together.
+    assert data["all"]["predicted_shared_hit_tokens"] > data["all"]["predicted_own_tier_hit_tokens"]
+    assert data["all"]["predicted_shared_hit_tokens"] == sum(r["predicted_shared_hit_tokens"] for r in rows)
+    # A shared tier of 8 blocks keeps little: less is found, blocks are evicted, promotions of an
+    # evicted block fail and are recomputed, and nothing is refused.
+    assert main(["whatif", *replicas, "--shared-tier", '{"type": "valkey", "num_blocks": 8}', "--json"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert small["shared_tier"]["blocks_evicted"] > 0
+    assert [row["not_applied"] for row in small["replicas"]] == [0, 0]
+    assert small["all"]["predicted_shared_hit_tokens"] < data["all"]["predicted_shared_hit_tokens"]
+
+
+def test_logs_without_step_times_cannot_be_interleaved(capsys):
+    from pathlib import Path
+
+    old = str(Path(__file__).resolve().parents[1] / "golden" / "full_flush.jsonl")  # written before step times
+    assert main(["whatif", old, old, "--shared-tier", '{"type": "valkey", "num_blocks": 64}']) == 2
+    assert "record(s) no step times" in capsys.readouterr().err
+    assert main(["whatif", old, old]) == 2
+    assert "give the tier they would share" in capsys.readouterr().err

@@ -508,7 +508,7 @@ def test_bad_rows_name_kind_field_and_seq(row: list, message: str) -> None:
 def test_step_scheduled_must_belong_to_its_frames_step() -> None:
     head = header_map()
     code = head["kinds"]["step_scheduled"]
-    data = log(head, [0, 3, [[code, 1, 4, [], [], []]]])
+    data = log(head, [0, 3, [[code, 2, 4, [], [], [], 0]]])
     fails(data, "step_scheduled of step 4 recorded under step_index 3", 0)
 
 

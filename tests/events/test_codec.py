@@ -40,13 +40,21 @@ def test_record_is_json_ready_with_hex_bytes_and_nested_lists() -> None:
     hashes = to_record(EXAMPLE_EVENTS["request_added"])["block_hashes"]
     assert hashes == ["01" * 32, "02" * 32, "03" * 32]
     assert list(to_record(EXAMPLE_EVENTS["step_scheduled"])) == [
-        "kind", "v", "step_index", "request_ids", "num_computed_tokens", "num_scheduled_tokens",
+        "kind", "v", "step_index", "request_ids", "num_computed_tokens", "num_scheduled_tokens", "wall_time_us",
     ]
 
 
 def test_store_failed_v1_upcasts_to_all_keys() -> None:
     event = from_record({"kind": "store_failed", "v": 1, "job_id": 5, "worker_index": 2})
     assert event == ev.StoreFailed(job_id=5, worker_index=2, keys=())
+
+
+def test_step_scheduled_v1_upcasts_to_no_recorded_time() -> None:
+    event = from_record({"kind": "step_scheduled", "v": 1, "step_index": 3, "request_ids": ["a"],
+                         "num_computed_tokens": [0], "num_scheduled_tokens": [16]})
+    assert event == ev.StepScheduled(step_index=3, request_ids=["a"], num_computed_tokens=[0],
+                                     num_scheduled_tokens=[16], wall_time_us=0)
+    assert to_record(event)["v"] == 2
 
 
 def test_upcaster_does_not_mutate_its_argument() -> None:

@@ -1,0 +1,89 @@
+"""What a tier shared between replicas would have saved them, from their logs
+recorded apart (`kvledger whatif LOG1 LOG2 ... --shared-tier JSON`).
+
+Each replica's log is driven through an engine of its own configuration with
+the shared tier below its host memory (replacing any lower tiers it had), as
+`whatif.Redrive` drives one log; the replicas' steps are taken in the order of
+their wall time (`StepScheduled.wall_time_us`), so one replica finds what
+another wrote before. The shared tier is modelled as Valkey keeps it under
+`allkeys-lru`: every block written through, the least recently written or
+read evicted when it is full; a replica's promotion of a block another's
+writes evicted since it was found fails and is recomputed, as it would.
+
+Beyond what `whatif.py` keeps as recorded (each replica's schedule, transfer
+timing), a lookup here finds at once what the shared tier holds, where a real
+one answers a step later.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+import attrs
+
+from kvledger.events.config import EngineConfig, LowerTierSpec
+from kvledger.events.log_records import EventRecord, LogHeader
+
+from .whatif import Outcome, Redrive, SharedTier
+
+
+@attrs.define
+class Replica:
+    name: str
+    header: LogHeader
+    records: list
+
+
+def _steps(records: list) -> Iterator[tuple[int, list[int]]]:
+    """The log's steps in order, each with the wall time of its step event (or the last one
+    known) and the indices of its events (the events leading up to a step carry its index)."""
+    events = [r for r in records if isinstance(r, EventRecord)]
+    clock = 0
+    start = 0
+    for end in range(1, len(events) + 1):
+        if end == len(events) or events[end].step_index != events[start].step_index:
+            last = events[end - 1].event
+            clock = getattr(last, "wall_time_us", 0) or clock
+            yield clock, list(range(start, end))
+            start = end
+
+
+def untimed(replicas: list[Replica]) -> list[str]:
+    """The replicas whose logs record no step times (they cannot be interleaved)."""
+    return [r.name for r in replicas
+            if not any(getattr(rec.event, "wall_time_us", 0) for rec in r.records if isinstance(rec, EventRecord))]
+
+
+def shared_config(config: EngineConfig, tier: LowerTierSpec) -> EngineConfig:
+    return attrs.evolve(config, lower_tiers=(tier,))
+
+
+def predict_fleet(replicas: list[Replica], tier: LowerTierSpec) -> tuple[list[Outcome], SharedTier]:
+    """Every replica's outcome with the shared tier below it, and the tier's counts."""
+    shared = SharedTier(tier.num_blocks)
+    drives = []
+    for replica in replicas:
+        config = replica.header.config
+        drive = Redrive(config, shared_config(config, tier))
+        drive.shared = shared
+        drive.prepare([r.event for r in replica.records if isinstance(r, EventRecord)])
+        drives.append(drive)
+    # The replicas' steps merged by wall time (ties in the order the logs were given).
+    queue = [(clock, index, step_no, events) for index, replica in enumerate(replicas)
+             for step_no, (clock, events) in enumerate(_steps(replica.records))]
+    heapq.heapify(queue)
+    while queue:
+        _, index, _, events = heapq.heappop(queue)
+        for position in events:
+            drives[index].feed_at(position)
+    return [drive.outcome() for drive in drives], shared
+
+
+def hit_tokens(outcome: Outcome) -> int:
+    return outcome.stats["hit_tokens"]
+
+
+def promoted_blocks(outcome: Outcome) -> int:
+    return sum(count for name, count in outcome.moved.items() if name.startswith("promoted from tier 1"))
+
