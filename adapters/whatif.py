@@ -251,12 +251,13 @@ class Redrive:
             self._apply(ev.RequestPreempted(request_id=rid))
             self._apply(ev.RequestResumed(request_id=rid))
 
-    def _end_jobs_on(self, rid: str, *, loads_only: bool = False) -> None:
-        keys = {k for group in queries.request_keys(self.state, rid) for k in group}
+    def _end_jobs_on(self, rid: str | None, *, loads_only: bool = False) -> None:
+        """End the jobs in flight on this request's keys (None: every job, spills too)."""
+        keys = {k for group in queries.request_keys(self.state, rid) for k in group} if rid is not None else None
         self.started = []
         for job in queries.job_ids(self.state):
             view = queries.job_view(self.state, job)
-            if view is None or view.kind not in ("store", "load") or keys.isdisjoint(view.keys):
+            if view is None or keys is not None and (view.kind not in ("store", "load") or keys.isdisjoint(view.keys)):
                 continue
             if loads_only and (view.kind != "load" or view.request_id != rid):
                 continue
@@ -355,10 +356,16 @@ class Redrive:
                 self._apply(ev.TierKeysFound(tier=1, keys=found))
         answer = lookup(self.state, event.request_id, local)
         if not answer.ready:
-            # A key it needs is still being stored, or loaded for another request: vLLM would
-            # have waited for that transfer, which the log's schedule did not; it ends now.
+            # A key it needs is still being stored, or loaded for another request, or the hit's
+            # promotions wait for host slots that transfers hold: vLLM would have waited for
+            # those transfers, which the log's schedule did not; they end now.
             self._end_jobs_on(event.request_id)
             answer = lookup(self.state, event.request_id, local)
+            for _ in range(3):  # (ending a store starts its spills, which hold host slots a moment)
+                if answer.ready or not queries.has_jobs_in_flight(self.state):
+                    break
+                self._end_jobs_on(None)
+                answer = lookup(self.state, event.request_id, local)
         hit = answer.num_hit_tokens if answer.ready else 0
         # The log's block table is the one vLLM allocated for the recorded hit: a window
         # group leaves null the blocks before that hit's end it did not need. A hit here

@@ -40,13 +40,15 @@ WORKLOADS = {
 }
 
 
-def _prompts(spec: dict) -> list[list[str]]:
-    """The workload's batches of prompts, the same in every run."""
+def _prompts(spec: dict, questions: range | None = None) -> list[list[str]]:
+    """The workload's batches of prompts, the same in every run (`questions`: a part of them,
+    as one replica of several gets)."""
     from kvledger.adapters.cli.demo import words
 
     rng = random.Random(7)
     documents = [words(rng, spec["doc_words"]) for _ in range(spec["docs"])]
-    prompts = [f"{doc} {words(rng, 20 + q)}" for q in range(spec["questions"]) for doc in documents]
+    asked = [[f"{doc} {words(rng, 20 + q)}" for doc in documents] for q in range(spec["questions"])]
+    prompts = [p for q in (questions or range(spec["questions"])) for p in asked[q]]
     if spec["batch"] > 1:
         head, tail = prompts[:spec["docs"]], prompts[spec["docs"]:]  # each document computed once first
         rng.shuffle(tail)
@@ -54,8 +56,10 @@ def _prompts(spec: dict) -> list[list[str]]:
     return [prompts[i:i + spec["batch"]] for i in range(0, len(prompts), spec["batch"])]
 
 
-def run_one(workload: str, capacity_bytes: int, log: str, models: str) -> dict:
-    """In its own process: one engine at this host capacity, the workload, its counts."""
+def run_one(workload: str, capacity_bytes: int, log: str, models: str, questions: range | None = None,
+            tiers: list | None = None) -> dict:
+    """In its own process: one engine at this host capacity (and these tiers below it), the
+    workload (or these questions of it), its counts."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
@@ -67,11 +71,12 @@ def run_one(workload: str, capacity_bytes: int, log: str, models: str) -> dict:
     llm = LLM(model=str(model), dtype="float32", max_model_len=spec["doc_words"] + 256, block_size=spec["block"],
               enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
               max_num_seqs=max(4, spec["batch"]), seed=0,
-              kv_transfer_config=kv_transfer_config(capacity_bytes=capacity_bytes, event_log=log))
+              kv_transfer_config=kv_transfer_config(capacity_bytes=capacity_bytes, event_log=log,
+                                                    **({"secondary_tiers": tiers} if tiers else {})))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     cached = 0
     started = time.perf_counter()
-    for batch in _prompts(spec):
+    for batch in _prompts(spec, questions):
         for output in llm.generate(batch, params, use_tqdm=False):
             cached += output.num_cached_tokens or 0
     seconds = time.perf_counter() - started
@@ -94,10 +99,12 @@ def _measured(log: Path) -> int:
     return whatif.recorded(header.config, records).stats["hit_tokens"]
 
 
-def _run(workload: str, capacity_bytes: int, log: Path, models: Path) -> dict:
+def _run(workload: str, capacity_bytes: int, log: Path, models: Path, **more: object) -> dict:
+    """`run_one` in a process of its own; `more`: its `questions` (a range) and `tiers`."""
     log.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, __file__, "--one", workload, str(capacity_bytes), str(log), str(models)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    extra = {k: [v.start, v.stop] if isinstance(v, range) else v for k, v in more.items()}
+    done = subprocess.run([sys.executable, __file__, "--one", workload, str(capacity_bytes), str(log), str(models),
+                           json.dumps(extra)], capture_output=True, text=True, cwd=ROOT, timeout=1800)
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode != 0 or not line:
         raise SystemExit(f"run at {capacity_bytes} bytes failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -143,7 +150,10 @@ def validate(workload: str, out: Path) -> list[dict]:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
         workload, capacity, log, models = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-        print("RESULT " + json.dumps(run_one(workload, capacity, log, models)), flush=True)
+        extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+        questions = range(*extra["questions"]) if "questions" in extra else None
+        print("RESULT " + json.dumps(run_one(workload, capacity, log, models, questions, extra.get("tiers"))),
+              flush=True)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=["demo", "multi", "both"], default="both")

@@ -1,0 +1,107 @@
+"""`kvledger whatif LOG1 LOG2 --shared-tier` against a real shared Valkey tier.
+
+Two replicas of tiny-llama serve the same eight 300-word documents, each its own
+questions (the first three of each document to one, the last three to the
+other), batches of eight prompts, host memory for four documents. First they
+run apart, host memory only, one after the other: their logs. From those logs
+`whatif` predicts the hit tokens of each with one Valkey tier below both. Then
+they run again, one after the other, with a real Valkey server (started here)
+below both, and the hit tokens are measured.
+
+    python bench/fleet_validation.py [--out bench/out/fleet]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.support's Valkey server
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from whatif_validation import WORKLOADS, _measured, _run, _slot_bytes  # noqa: E402
+
+SHARED_BYTES = 256 << 20
+REPLICAS = {"a": range(0, 3), "b": range(3, 6)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "fleet"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models = out / "models"
+    spec = WORKLOADS["multi"]
+
+    probe = out / "probe.log"
+    _run("multi", 1 << 30, probe, models, questions=range(0, 1))
+    slot = _slot_bytes(probe)
+    host = spec["record"] * (spec["doc_words"] // spec["block"]) * slot
+
+    apart = {name: out / f"apart-{name}.log" for name in REPLICAS}
+    for name, questions in REPLICAS.items():
+        _run("multi", host, apart[name], models, questions=questions)
+
+    from kvledger.adapters.cli.main import main as kvledger
+
+    predicted_file = out / "predicted.json"
+    with open(predicted_file, "w") as sink:
+        old = sys.stdout
+        sys.stdout = sink
+        try:
+            status = kvledger(["whatif", *map(str, apart.values()), "--shared-tier",
+                               json.dumps({"type": "valkey", "capacity_bytes": SHARED_BYTES}), "--json"])
+        finally:
+            sys.stdout = old
+    assert status == 0, status
+    predicted = json.loads(predicted_file.read_text())
+
+    from tests.support.valkey_servers import ServerProcess
+
+    server = ServerProcess(maxmemory="512mb", policy="allkeys-lru")
+    try:
+        tiers = [{"type": "valkey", "url": server.url, "capacity_bytes": SHARED_BYTES, "timeout_s": 2.0}]
+        shared = {name: out / f"shared-{name}.log" for name in REPLICAS}
+        for name, questions in REPLICAS.items():
+            _run("multi", host, shared[name], models, questions=questions, tiers=tiers)
+    finally:
+        server.close()
+
+    # Restored tokens: hits that stuck (a load that fails is counted as a hit by the engine when it
+    # starts, and recomputed); the prediction has no failures, so its hits all stick.
+    print(f"{'replica':<8} {'apart':>7} {'predicted alone':>15} {'predicted shared':>16} {'measured restored':>17} "
+          f"{'(engine hits)':>13} {'error':>7}")
+    rows = []
+    for (name, _), row in zip(REPLICAS.items(), predicted["replicas"]):
+        restored = _restored(shared[name])
+        error = (row["predicted_shared_hit_tokens"] - restored) / restored if restored else None
+        rows.append({"replica": name, "apart": _measured(apart[name]),
+                     "predicted_alone": row["predicted_alone_hit_tokens"],
+                     "predicted_shared": row["predicted_shared_hit_tokens"], "measured_restored": restored,
+                     "measured_hits": _measured(shared[name]), "error": None if error is None else round(error, 4)})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    total = {key: sum(r[key] for r in rows) for key in ("apart", "predicted_alone", "predicted_shared",
+                                                        "measured_restored", "measured_hits")}
+    total["error"] = round((total["predicted_shared"] - total["measured_restored"]) / total["measured_restored"], 4)
+    for row in [*rows, {"replica": "both", **total}]:
+        error = f"{row['error']:+.1%}" if row["error"] is not None else "-"
+        print(f"{row['replica']:<8} {row['apart']:>7} {row['predicted_alone']:>15} {row['predicted_shared']:>16} "
+              f"{row['measured_restored']:>17} {row['measured_hits']:>13} {error:>7}")
+    print(f"shared tier: {predicted['shared_tier']}")
+
+
+def _restored(log: Path) -> int:
+    """`kvledger explain`'s restored tokens: hits whose load did not fail."""
+    from kvledger.adapters import whatif
+    from kvledger.adapters.log_files import open_log
+
+    header, records = open_log(log)
+    return whatif.recorded(header.config, records).misses["restored_tokens"]
+
+
+if __name__ == "__main__":
+    main()
