@@ -178,9 +178,6 @@ class LowerTierJobs:
                     continue
                 mine = _own_positions(promotion.positions[tier])
                 promotion.failed.update(mine[position] for position in outcome.failed)
-                if outcome.failed:  # why, per block (the load's own failure line says only which)
-                    _log.warning("tier_read_failed", tier=tier, job_id=outcome.job_id, failed=len(outcome.failed),
-                                 reasons=sorted(set(outcome.reasons)))
                 promotion.waiting.discard(tier)
                 if not promotion.waiting:
                     del self._promotions[outcome.job_id]
