@@ -22,10 +22,11 @@ from collections.abc import Iterator
 
 import attrs
 
-from kvledger.events.config import EngineConfig, LowerTierSpec
+from kvledger.events import types as ev
+from kvledger.events.config import LowerTierSpec
 from kvledger.events.log_records import EventRecord, LogHeader
 
-from .whatif import Outcome, Redrive, SharedTier
+from .whatif import Outcome, Redrive, SharedTier, events_of
 
 
 @attrs.define
@@ -35,18 +36,19 @@ class Replica:
     records: list
 
 
-def _steps(records: list) -> Iterator[tuple[int, list[int]]]:
+def _steps(events: list) -> Iterator[tuple[int, list[int]]]:
     """The log's steps in order, each with the wall time of its step event (or the last one
-    known) and the indices of its events (the events leading up to a step carry its index)."""
-    events = [r for r in records if isinstance(r, EventRecord)]
+    known) and the indices of its events (a step event ends each step)."""
     clock = 0
-    start = 0
-    for end in range(1, len(events) + 1):
-        if end == len(events) or events[end].step_index != events[start].step_index:
-            last = events[end - 1].event
-            clock = getattr(last, "wall_time_us", 0) or clock
-            yield clock, list(range(start, end))
-            start = end
+    step: list[int] = []
+    for index, event in enumerate(events):
+        step.append(index)
+        if isinstance(event, ev.StepScheduled):
+            clock = event.wall_time_us or clock
+            yield clock, step
+            step = []
+    if step:
+        yield clock, step
 
 
 def untimed(replicas: list[Replica]) -> list[str]:
@@ -55,33 +57,23 @@ def untimed(replicas: list[Replica]) -> list[str]:
             if not any(getattr(rec.event, "wall_time_us", 0) for rec in r.records if isinstance(rec, EventRecord))]
 
 
-def shared_config(config: EngineConfig, tier: LowerTierSpec) -> EngineConfig:
-    return attrs.evolve(config, lower_tiers=(tier,))
-
-
 def predict_fleet(replicas: list[Replica], tier: LowerTierSpec) -> tuple[list[Outcome], SharedTier]:
     """Every replica's outcome with the shared tier below it, and the tier's counts."""
     shared = SharedTier(tier.num_blocks)
     drives = []
     for replica in replicas:
         config = replica.header.config
-        drive = Redrive(config, shared_config(config, tier))
+        drive = Redrive(config, attrs.evolve(config, lower_tiers=(tier,)))
         drive.shared = shared
-        drive.prepare([r.event for r in replica.records if isinstance(r, EventRecord)])
+        drive.prepare(events_of(replica.records))
         drives.append(drive)
-    # The replicas' steps merged by wall time (ties in the order the logs were given).
-    queue = [(clock, index, step_no, events) for index, replica in enumerate(replicas)
-             for step_no, (clock, events) in enumerate(_steps(replica.records))]
-    heapq.heapify(queue)
-    while queue:
-        _, index, _, events = heapq.heappop(queue)
-        for position in events:
+    # The replicas' steps merged by wall time (ties in the order the logs were given); each
+    # replica's stay in its log's order, even where its clock stepped back.
+    steps = [[(clock, index, step) for clock, step in _steps(drive.events)] for index, drive in enumerate(drives)]
+    for _, index, step in heapq.merge(*steps, key=lambda item: item[:2]):
+        for position in step:
             drives[index].feed_at(position)
     return [drive.outcome() for drive in drives], shared
-
-
-def hit_tokens(outcome: Outcome) -> int:
-    return outcome.stats["hit_tokens"]
 
 
 def promoted_blocks(outcome: Outcome) -> int:

@@ -24,7 +24,7 @@ from typing import Final
 import attrs
 
 from kvledger.engine import effects as fx
-from kvledger.engine import queries
+from kvledger.engine import hma, queries
 from kvledger.engine.state import RequestStatus, State
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, GroupKind, StoreMode
@@ -54,7 +54,9 @@ CAUSES: Final[dict[str, str]] = {
     "unexplained": "the log holds no fact that explains this miss",
 }
 HOST: Final = 0
-_ADMITTING: Final = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_ADMITTING: Final = queries.ADMITTABLE
+# What makes two neighbouring blocks' outcomes one run.
+_RUN_FIELDS: Final = ("outcome", "cause", "tier", "seq", "job_id", "other_request", "detail")
 
 
 @attrs.define
@@ -78,13 +80,12 @@ class Run:
         return self.end_token - self.first_token
 
     def same_as(self, other: Run) -> bool:
-        return (self.outcome, self.cause, self.tier, self.seq, self.job_id, self.other_request, self.detail) == (
-            other.outcome, other.cause, other.tier, other.seq, other.job_id, other.other_request, other.detail)
+        return all(getattr(self, name) == getattr(other, name) for name in _RUN_FIELDS)
 
     def as_dict(self) -> dict:
         data = {"blocks": [self.first_block, self.last_block], "tokens": [self.first_token, self.end_token],
                 "outcome": self.outcome}
-        for name in ("cause", "tier", "seq", "job_id", "other_request", "detail"):
+        for name in _RUN_FIELDS[1:]:
             value = getattr(self, name)
             if value not in ("", -1) or (name == "tier" and self.outcome == "restored"):
                 data[name] = value
@@ -122,11 +123,10 @@ class Admission:
 class _Key:
     """What the log has said about one key so far."""
 
-    __slots__ = ("named_by", "named_seq", "loadable", "gone", "storing", "store_failed", "refused")
+    __slots__ = ("named_by", "loadable", "gone", "storing", "store_failed", "refused")
 
-    def __init__(self, named_by: str, named_seq: int) -> None:
+    def __init__(self, named_by: str) -> None:
         self.named_by = named_by
-        self.named_seq = named_seq
         self.loadable: dict[int, int] = {}  # tier -> seq it became loadable there
         self.gone: tuple[int, int, fx.Reason, int, str] | None = None  # tier, seq, reason, job, request
         self.storing: tuple[int, int, str] | None = None  # seq, job, request of a store in flight
@@ -197,43 +197,43 @@ class MissLedger:
         for group_id, keys in enumerate(queries.request_keys(state, rid)):
             for key in keys[named[group_id]:]:
                 if key not in self.keys:
-                    self.keys[key] = _Key(rid, seq)
+                    self.keys[key] = _Key(rid)
             named[group_id] = len(keys)
 
     def _fact(self, seq: int, effect: fx.Effect, effects: tuple[fx.Effect, ...], state: State) -> None:
         if isinstance(effect, fx.KeysLoadable):
             for key in effect.keys:
-                facts = self._key(key, seq)
+                facts = self._key(key)
                 facts.loadable[effect.tier] = seq
         elif isinstance(effect, fx.KeysUnloadable):
             job, room = _room(effects)
             for key in effect.keys:
-                facts = self._key(key, seq)
+                facts = self._key(key)
                 facts.loadable.pop(effect.tier, None)
                 facts.gone = (effect.tier, seq, effect.reason, job, room)
         elif isinstance(effect, fx.StartStore):
             keys = tuple(k for group in effect.keys for k in group)
             self._jobs[effect.job_id] = ("store", effect.request_id, keys)
             for key in keys:
-                self._key(key, seq).storing = (seq, effect.job_id, effect.request_id)
+                self._key(key).storing = (seq, effect.job_id, effect.request_id)
         elif isinstance(effect, fx.StartLoad):
             self._jobs[effect.job_id] = ("load", effect.request_id, ())
         elif isinstance(effect, fx.KeysNotAdmitted):
             for key in effect.keys:
-                self._key(key, seq).refused = seq
+                self._key(key).refused = seq
         elif isinstance(effect, fx.TransferFailed):
             if effect.kind == "store":
                 for key in effect.keys:
-                    self._key(key, seq).store_failed = (seq, effect.job_id)
+                    self._key(key).store_failed = (seq, effect.job_id)
             elif effect.kind == "load":
                 seen = self._load_failures.get(effect.job_id)
                 keys = set(effect.keys) if seen is None else seen[1] | set(effect.keys)
                 self._load_failures[effect.job_id] = (seq if seen is None else seen[0], keys, effect.worker_index)
 
-    def _key(self, key: bytes, seq: int) -> _Key:
+    def _key(self, key: bytes) -> _Key:
         facts = self.keys.get(key)
         if facts is None:  # a key no request named: found in a lower tier, say
-            facts = self.keys[key] = _Key("", seq)
+            facts = self.keys[key] = _Key("")
         return facts
 
     def _job_ended(self, seq: int, job_id: int, state: State) -> None:
@@ -376,7 +376,7 @@ class MissLedger:
         for group in self.groups:
             if group.group_id == self.axis:
                 continue
-            for p in _needed(group, end):
+            for p in hma.needed_range(group, 0, end):
                 key = keys[group.group_id][p] if p < len(keys[group.group_id]) else b""
                 other = self.keys.get(key)
                 if other is None or not other.loadable:
@@ -393,13 +393,6 @@ class MissLedger:
             run.detail = f"host memory has {self.config.num_tier_slots} slots"
         else:
             run.cause = "unexplained"
-
-
-def _needed(group, end: int) -> range:
-    """The positions of `group` a hit ending at `end` tokens needs (engine/hma.py's rule)."""
-    from kvledger.engine import hma
-
-    return hma.needed_range(group, 0, end)
 
 
 def _room(effects: tuple[fx.Effect, ...]) -> tuple[int, str]:
@@ -440,6 +433,7 @@ def totals(admissions: Iterable[Admission]) -> dict:
                 name = "host" if run.tier == HOST else f"tier {run.tier}"
                 restored[name] = restored.get(name, 0) + run.tokens
     superseded = [a for a in admissions if a.superseded_at >= 0]
+    missed_load = by_cause.get("load_failed", {}).get("tokens", 0)
     return {
         "admissions": len(counted),
         # Admissions whose load failed and sent the request back to waiting: its next one counts
@@ -451,4 +445,7 @@ def totals(admissions: Iterable[Admission]) -> dict:
         "restored_by_tier": dict(sorted(restored.items())),
         "missed_tokens": sum(a.tokens("missed") for a in counted),
         "missed_by_cause": dict(sorted(by_cause.items(), key=lambda item: -item[1]["tokens"])),
+        # What the engine counts as hit tokens (at each load's start): these restores, those
+        # whose load then failed, and the superseded admissions'.
+        "hit_tokens": sum(a.tokens("restored") for a in admissions) + missed_load,
     }

@@ -9,10 +9,11 @@ fold as the log's own (`misses.py`).
 
 What it cannot model, and keeps as recorded:
 - vLLM's schedule: a longer hit would leave compute to other requests, and a
-  shorter one take more (the steps, their order and chunking stay the log's);
-- the timing of transfers: every store, load and spill ends as it starts, so a
-  block is loadable from the step its store starts, and no transfer fails (the
-  log's own failures are dropped);
+  shorter one take more (the steps, their order and chunking stay the log's;
+  a longer hit takes its request's later allocations early, `_pull_forward`);
+- the timing of transfers: a job takes the time its twin in the log took, one
+  with no twin ends at the next step, and none fails (a failure of the log's
+  is read as an end: `Redrive`);
 - a lower tier's lookups: the engine knows what it spilled itself, and the
   keys the log's lookups found, if the tier exists in both configurations.
 Run against the log's own configuration, the difference from what the log
@@ -29,6 +30,7 @@ attention group) whose keys all lie within distance C.
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import attrs
@@ -45,7 +47,7 @@ from kvledger.events.types import NULL_BLOCK_ID
 
 from .misses import MissLedger, totals
 
-_ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_ADMITTING = queries.ADMITTABLE
 _TRANSFER_REPORTS = (ev.StoreCompleted, ev.StoreFailed, ev.LoadCompleted, ev.LoadFailed)
 _ADMISSION_EVENTS = (ev.RequestAdded, ev.BlocksTouched, ev.BlocksAllocated)
 
@@ -121,7 +123,6 @@ class Redrive:
         self.ledger = MissLedger(config)
         self.moved: dict[str, int] = {}
         self.not_applied = 0
-        self.readmitted = 0  # requests sent back to waiting, as the log's failed loads did
         self.seq = 0
         self.steps = 0
         self.twins: dict[int, int] = {}  # the log's job -> this engine's
@@ -136,7 +137,7 @@ class Redrive:
         self._mentions: dict[int, list[int]] = {}  # device block -> the indices of the events that name it
         self._index = -1
         self._pulled: set[int] = set()  # the indices of allocations taken early by a longer hit
-        self._promoted: dict[int, list[tuple[bytes, int]]] = {}  # load job -> (key, block) read from tier 1
+        self._promoted: dict[int, list[tuple[bytes, int]]] = {}  # shared tier: load job -> (key, block) it reads
         self.shared: SharedTier | None = None  # tier 1, when several replicas share it (`fleet.py`)
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
         self.on_effects = on_effects  # (effects) after each event
@@ -166,6 +167,10 @@ class Redrive:
                 if block:
                     self._mentions.setdefault(block, []).append(index)
         self._events = events
+
+    @property
+    def events(self) -> list[ev.Event]:
+        return self._events
 
     def feed_at(self, index: int) -> None:
         self._index = index
@@ -235,10 +240,7 @@ class Redrive:
                if load == loads and (loads or every or step < self.steps - 1)]
         self.started = []
         for job in due:
-            load, _ = self.untimed.pop(job)
-            for worker in range(self.config.world_size):
-                if queries.job_view(self.state, job) is not None:
-                    self._complete(job, worker, load)
+            self._finish(job)
         self._adopt()
 
     def _send_back(self, rid: str, *, as_the_log: bool = True) -> None:
@@ -247,7 +249,6 @@ class Redrive:
             return
         if queries.request_status(self.state, rid) in (RequestStatus.RUNNING, RequestStatus.LOADING):
             self._end_jobs_on(rid, loads_only=True)
-            self.readmitted += 1
             self._apply(ev.RequestPreempted(request_id=rid))
             self._apply(ev.RequestResumed(request_id=rid))
 
@@ -261,11 +262,18 @@ class Redrive:
                 continue
             if loads_only and (view.kind != "load" or view.request_id != rid):
                 continue
-            for worker in range(self.config.world_size):
-                if view.pending_workers >> worker & 1:
-                    self._complete(job, worker, view.kind == "load")
-            self.untimed.pop(job, None)
+            self._finish(job)
         self._adopt()
+
+    def _finish(self, job: int) -> None:
+        """Every worker yet to report on the job reports its end now."""
+        self.untimed.pop(job, None)
+        view = queries.job_view(self.state, job)
+        if view is None:
+            return
+        for worker in range(self.config.world_size):
+            if view.pending_workers >> worker & 1:
+                self._complete(job, worker, view.kind == "load")
 
     def _complete(self, job: int, worker: int, load: bool) -> None:
         """A worker's report that the job ended: a load whose promoted blocks a shared tier no
@@ -273,8 +281,8 @@ class Redrive:
         if not load:
             self._apply(ev.StoreCompleted(job_id=job, worker_index=worker))
             return
-        promoted = self._promoted.get(job, ())
-        gone = [(key, block) for key, block in promoted if self.shared is not None and not self.shared.holds(key)]
+        shared = self.shared
+        gone = [(key, block) for key, block in self._promoted.get(job, ()) if shared is not None and not shared.holds(key)]
         if gone:
             self._apply(ev.LoadFailed(job_id=job, worker_index=worker, block_ids=tuple(b for _, b in gone),
                                       keys=tuple(k for k, _ in gone)))
@@ -334,12 +342,8 @@ class Redrive:
         this engine that does (it stored what the log's did not) ends first."""
         for job in queries.jobs_on_blocks(self.state, blocks):
             view = queries.job_view(self.state, job)
-            if view is None or view.kind != "store":
-                continue
-            for worker in range(self.config.world_size):
-                if view.pending_workers >> worker & 1:
-                    self._complete(job, worker, False)
-            self.untimed.pop(job, None)
+            if view is not None and view.kind == "store":
+                self._finish(job)
         self._adopt()
 
     def _admission(self, event: ev.BlocksAllocated) -> ev.BlocksAllocated:
@@ -392,13 +396,12 @@ class Redrive:
                 self.not_applied += 1
             elif isinstance(effect, (fx.StartStore, fx.StartSpill, fx.StartLoad)):
                 self.started.append(effect)
-                if isinstance(effect, fx.StartLoad) and effect.promote_tiers:
+                if self.shared is not None and isinstance(effect, fx.StartLoad) and effect.promote_tiers:
                     promoted = [(key, block) for tiers, keys, blocks in
                                 zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
                                 for tier, key, block in zip(tiers, keys, blocks) if tier == 1]
                     self._promoted[effect.job_id] = promoted
-                    if self.shared is not None:
-                        self.shared.read([key for key, _ in promoted])
+                    self.shared.read([key for key, _ in promoted])
             elif isinstance(effect, fx.KeysLoadable) and effect.tier == 1 and self.shared is not None:
                 self.shared.write(effect.keys)  # a spill written (or a lookup's find: already there)
 
@@ -408,8 +411,6 @@ class SharedTier:
     Valkey's `allkeys-lru` keeps them, and what was written to and read from it."""
 
     def __init__(self, capacity_blocks: int) -> None:
-        from collections import OrderedDict
-
         self.capacity = capacity_blocks
         self.blocks: OrderedDict[bytes, None] = OrderedDict()
         self.written = 0
@@ -448,9 +449,14 @@ def _table_takes(config: EngineConfig, block_ids: tuple[tuple[int, ...], ...], f
     return True
 
 
+def events_of(records: Iterable[object]) -> list[ev.Event]:
+    """A log's events, its digest records left out."""
+    return [event for event in (getattr(record, "event", None) for record in records) if event is not None]
+
+
 def predict(recorded_config: EngineConfig, config: EngineConfig, records: Iterable[object]) -> Outcome:
     drive = Redrive(recorded_config, config)
-    drive.run([e for e in (getattr(r, "event", None) for r in records) if e is not None])
+    drive.run(events_of(records))
     return drive.outcome()
 
 
@@ -468,9 +474,8 @@ class _Distances:
     """LRU stack distances: how many distinct keys were accessed since a key last was."""
 
     def __init__(self) -> None:
-        self.tree: list[int] = [0]
+        self.tree: list[int] = [0]  # a Fenwick tree over access times (1, 2, ...): 1 where a key's last access is
         self.last: dict[bytes, int] = {}
-        self.now = 0
         self.live = 0
 
     def _add(self, index: int, delta: int) -> None:
@@ -490,11 +495,8 @@ class _Distances:
         return float("inf") if last is None else self.live - self._prefix(last)
 
     def access(self, key: bytes) -> None:
-        self.now += 1
-        self.tree.append(0)  # the Fenwick tree grows by one slot per access (index = time)
-        index = self.now
-        parent_span = index & -index  # fill the new node with what it covers
-        self.tree[index] = self._prefix(index - 1) - self._prefix(index - parent_span)
+        index = len(self.tree)  # this access's time: the tree grows by one node per access
+        self.tree.append(self._prefix(index - 1) - self._prefix(index - (index & -index)))  # what it covers
         last = self.last.get(key)
         if last is not None:
             self._add(last, -1)
@@ -559,7 +561,7 @@ def lru_curve(config: EngineConfig, records: Iterable[object], bound: int) -> li
                         distances.access(key)
 
     drive = Redrive(config, roomy, on_admission=on_admission, on_effects=on_effects)
-    drive.run([e for e in (getattr(r, "event", None) for r in records) if e is not None])
+    drive.run(events_of(records))
     return admissions
 
 

@@ -14,6 +14,7 @@ below both, and the hit tokens are measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -49,14 +50,9 @@ def main() -> None:
     from kvledger.adapters.cli.main import main as kvledger
 
     predicted_file = out / "predicted.json"
-    with open(predicted_file, "w") as sink:
-        old = sys.stdout
-        sys.stdout = sink
-        try:
-            status = kvledger(["whatif", *map(str, apart.values()), "--shared-tier",
-                               json.dumps({"type": "valkey", "capacity_bytes": SHARED_BYTES}), "--json"])
-        finally:
-            sys.stdout = old
+    with open(predicted_file, "w") as sink, contextlib.redirect_stdout(sink):
+        status = kvledger(["whatif", *map(str, apart.values()), "--shared-tier",
+                           json.dumps({"type": "valkey", "capacity_bytes": SHARED_BYTES}), "--json"])
     assert status == 0, status
     predicted = json.loads(predicted_file.read_text())
 

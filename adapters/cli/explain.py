@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from kvledger.adapters.misses import CAUSES, HOST, Admission, MissLedger, Run, totals
 from kvledger.engine.replay import replay
@@ -54,33 +55,30 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _windows(admissions: list[Admission], width: int) -> list[dict]:
-    by_window: dict[int, list[Admission]] = {}
-    for admission in admissions:  # (one admitted before the first step counts in the first window)
-        by_window.setdefault(max(admission.step, 0) // width, []).append(admission)
-    rows = []
-    for index in sorted(by_window):
-        part = totals(by_window[index])
-        rows.append({"steps": [index * width, (index + 1) * width - 1], "restored_tokens": part["restored_tokens"],
-                     "missed_tokens": part["missed_tokens"],
-                     "missed_by_cause": {cause: entry["tokens"] for cause, entry in part["missed_by_cause"].items()}})
-    return rows
+    # (one admitted before the first step counts in the first window)
+    return _window_rows(admissions, lambda a: max(a.step, 0) // width, "steps", width, width - 1)
 
 
 def _time_windows(admissions: list[Admission], seconds: int, log: str) -> list[dict]:
     """As `_windows`, by the wall time of the steps (which logs record from version 2 of the step event on)."""
-    timed = [a for a in admissions if a.wall_time_us]
+    timed = [a.wall_time_us for a in admissions if a.wall_time_us]
     if admissions and not timed:
         raise BadArgument(f"{log} records no step times (written before kvledger recorded them): use --window")
-    start = min((a.wall_time_us for a in timed), default=0)
+    start = min(timed, default=0)
     width = seconds * 1_000_000
+    return _window_rows(admissions, lambda a: max(a.wall_time_us - start, 0) // width, "seconds", seconds, seconds)
+
+
+def _window_rows(admissions: list[Admission], window: Callable[[Admission], int], unit: str, width: int,
+                 last: int) -> list[dict]:
+    """Each window's restored and computed tokens, and the computed by cause; `[first, first + last]` its span."""
     by_window: dict[int, list[Admission]] = {}
     for admission in admissions:
-        since = max(admission.wall_time_us - start, 0) if admission.wall_time_us else 0
-        by_window.setdefault(since // width, []).append(admission)
+        by_window.setdefault(window(admission), []).append(admission)
     rows = []
     for index in sorted(by_window):
         part = totals(by_window[index])
-        rows.append({"seconds": [index * seconds, (index + 1) * seconds], "restored_tokens": part["restored_tokens"],
+        rows.append({unit: [index * width, index * width + last], "restored_tokens": part["restored_tokens"],
                      "missed_tokens": part["missed_tokens"],
                      "missed_by_cause": {cause: entry["tokens"] for cause, entry in part["missed_by_cause"].items()}})
     return rows

@@ -12,8 +12,9 @@ import attrs
 
 from kvledger.adapters import whatif
 from kvledger.events.config import ConfigError, EngineConfig, LowerTierSpec
+from kvledger.events.log_records import LogHeader
 
-from .log_commands import EXIT_OK, BadArgument, _load, _report_tear
+from .log_commands import EXIT_OK, BadArgument, _load
 
 SWEEP_FACTORS = (0.125, 0.25, 0.5, 1, 2, 4, 8)
 
@@ -24,12 +25,9 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     if len(args.logs) > 1:
         raise BadArgument("several logs are the replicas of a fleet: give the tier they would share (--shared-tier)")
     args.log = args.logs[0]
-    header, records = _load(args.log)
+    header, cached = _read(args.log)
     config = header.config
     other = _other_config(args, config)
-    cached = list(records)  # read once: each run below goes over it again
-    if records.tear is not None:
-        return _report_tear(records)
     outcome = whatif.recorded(config, cached)
     same = whatif.predict(config, config, cached)
     data = {"log": args.log, "events": len(cached), "slot_bytes": config.slot_bytes,
@@ -53,13 +51,7 @@ def _fleet(args: argparse.Namespace) -> int:
     for flag in ("capacity_bytes", "capacity_blocks", "policy", "secondary_tiers", "sweep"):
         if getattr(args, flag):
             raise BadArgument(f"--{flag.replace('_', '-')} does not go with --shared-tier")
-    replicas = []
-    for path in args.logs:
-        header, records = _load(path)
-        cached = list(records)
-        if records.tear is not None:
-            return _report_tear(records)
-        replicas.append(fleet.Replica(path, header, cached))
+    replicas = [fleet.Replica(path, *_read(path)) for path in args.logs]
     missing = fleet.untimed(replicas)
     if missing:
         raise BadArgument(f"{', '.join(missing)} record(s) no step times (written before kvledger recorded them): "
@@ -109,6 +101,16 @@ def _fleet(args: argparse.Namespace) -> int:
     print("(hit tokens: as recorded; predicted with each one's own configuration; with the tier below it alone; "
           "with the tier shared by all. Read from it: blocks promoted from the shared tier.)")
     return EXIT_OK
+
+
+def _read(path: str) -> tuple[LogHeader, list]:
+    """The log's header and records, read once (each run of it goes over them again); a torn
+    log is refused: a prediction from part of one would read as the whole."""
+    header, records = _load(path)
+    cached = list(records)
+    if records.tear is not None:
+        raise records.tear
+    return header, cached
 
 
 def _error(predicted: int, recorded: int) -> dict:

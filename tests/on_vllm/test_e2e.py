@@ -261,22 +261,6 @@ def test_two_tensor_parallel_workers_restore_the_recomputed_output(models, tmp_p
     _explained_by_the_reset(tmp_path / "events.log", summary["explained"])
 
 
-def _explained_by_the_reset(log, admissions) -> None:
-    """`kvledger explain`: the first phase's prompts were first seen, and after
-    the reset the prefixes restored before are computed again, said to be
-    dropped by the reset at its seq."""
-    from kvledger.adapters.log_files import open_log
-
-    _, records = open_log(log)
-    (reset,) = [r.seq for r in records if getattr(getattr(r, "event", None), "kind", "") == "cache_reset"]
-    first = admissions[0]
-    assert {run.cause for run in first.runs} <= {"first_seen", "partial_block"}
-    after = [a for a in admissions if a.seq > reset]
-    dropped = [run for a in after for run in a.runs if run.cause == "reset"]
-    assert dropped and all(run.seq == reset for run in dropped)
-    assert not any(run.outcome == "restored" for run in after[0].runs)
-
-
 def test_a_load_failing_on_one_rank_is_recomputed_on_every_rank(models, tmp_path):
     # Rank 1 alone fails half its loads; rank 0 loads every block. A load is
     # good only if every rank loaded it, so each of those requests must be
