@@ -18,7 +18,8 @@ event records that lookup.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Final
 
 import attrs
@@ -55,7 +56,7 @@ CAUSES: Final[dict[str, str]] = {
 }
 HOST: Final = 0
 _ADMITTING: Final = queries.ADMITTABLE
-# What makes two neighbouring blocks' outcomes one run.
+# A run's fields after its blocks, as JSON gives them.
 _RUN_FIELDS: Final = ("outcome", "cause", "tier", "seq", "job_id", "other_request", "detail")
 
 
@@ -78,9 +79,6 @@ class Run:
     @property
     def tokens(self) -> int:
         return self.end_token - self.first_token
-
-    def same_as(self, other: Run) -> bool:
-        return all(getattr(self, name) == getattr(other, name) for name in _RUN_FIELDS)
 
     def as_dict(self) -> dict:
         data = {"blocks": [self.first_block, self.last_block], "tokens": [self.first_token, self.end_token],
@@ -127,7 +125,7 @@ class _Key:
 
     def __init__(self, named_by: str) -> None:
         self.named_by = named_by
-        self.loadable: dict[int, int] = {}  # tier -> seq it became loadable there
+        self.loadable = 0  # the tiers that hold it now, one bit each (bit 0: host memory)
         self.gone: tuple[int, int, fx.Reason, int, str] | None = None  # tier, seq, reason, job, request
         self.storing: tuple[int, int, str] | None = None  # seq, job, request of a store in flight
         self.store_failed: tuple[int, int] | None = None  # seq, job
@@ -136,17 +134,27 @@ class _Key:
 
 class MissLedger:
     """The fold. Feed it `observe(seq, event, state, effects)` from a replay,
-    then read `admissions`."""
+    then read `admissions`.
 
-    def __init__(self, config: EngineConfig) -> None:
+    Live (`on_admission` given), no admission is kept: each goes to
+    `on_admission` once it can no longer change (at once, or when its load
+    ends), and at most about `max_keys` keys' facts are remembered, the
+    oldest-named forgotten first; a key forgotten and named again counts as
+    first seen if nothing newer is known about it.
+    """
+
+    def __init__(self, config: EngineConfig, *, on_admission: Callable[[Admission], None] | None = None,
+                 max_keys: int = 0) -> None:
         self.config = config
+        self.on_admission = on_admission
+        self.max_keys = max_keys
         self.groups = config.groups
         axis = [g for g in config.groups if g.kind is GroupKind.FULL]
         self.axis = axis[0].group_id if axis else 0  # blocks are counted in this group's size
         self.block_size = config.groups[self.axis].block_size
         self.alignment = config.alignment_tokens
         self.lazy = config.store_mode is StoreMode.LAZY
-        self.keys: dict[bytes, _Key] = {}
+        self.keys: dict[bytes, _Key | str] = {}  # a key only named: the request that named it first
         self.admissions: list[Admission] = []
         self._status: dict[str, RequestStatus] = {}
         self._named: dict[str, list[int]] = {}  # request -> keys named so far, per group
@@ -189,27 +197,37 @@ class MissLedger:
             if status is None:
                 self._status.pop(rid, None)
                 self._named.pop(rid, None)
+                self._attempts.pop(rid, None)
             else:
                 self._status[rid] = status
+        if self.max_keys and len(self.keys) > self.max_keys:
+            self._forget()
 
     def _name(self, seq: int, rid: str, state: State) -> None:
         named = self._named.setdefault(rid, [0] * len(self.groups))
         for group_id, keys in enumerate(queries.request_keys(state, rid)):
+            setdefault = self.keys.setdefault
             for key in keys[named[group_id]:]:
-                if key not in self.keys:
-                    self.keys[key] = _Key(rid)
+                setdefault(key, rid)
             named[group_id] = len(keys)
+
+    def _forget(self) -> None:
+        """Live: drop the oldest-named quarter of the keys' facts, and the
+        oldest ends of requests with them."""
+        for memory in (self.keys, self._ended):
+            for key in list(islice(memory, len(memory) // 4)):
+                del memory[key]
 
     def _fact(self, seq: int, effect: fx.Effect, effects: tuple[fx.Effect, ...], state: State) -> None:
         if isinstance(effect, fx.KeysLoadable):
             for key in effect.keys:
                 facts = self._key(key)
-                facts.loadable[effect.tier] = seq
+                facts.loadable |= 1 << effect.tier
         elif isinstance(effect, fx.KeysUnloadable):
             job, room = _room(effects)
             for key in effect.keys:
                 facts = self._key(key)
-                facts.loadable.pop(effect.tier, None)
+                facts.loadable &= ~(1 << effect.tier)
                 facts.gone = (effect.tier, seq, effect.reason, job, room)
         elif isinstance(effect, fx.StartStore):
             keys = tuple(k for group in effect.keys for k in group)
@@ -232,16 +250,16 @@ class MissLedger:
 
     def _key(self, key: bytes) -> _Key:
         facts = self.keys.get(key)
-        if facts is None:  # a key no request named: found in a lower tier, say
-            facts = self.keys[key] = _Key("")
-        return facts
+        if facts is None or facts.__class__ is str:  # unnamed (found in a lower tier, say), or only named
+            facts = self.keys[key] = _Key(facts or "")  # type: ignore[arg-type]
+        return facts  # type: ignore[return-value]
 
     def _job_ended(self, seq: int, job_id: int, state: State) -> None:
         kind, _, keys = self._jobs.pop(job_id)
         if kind == "store":
             for key in keys:
                 facts = self.keys.get(key)
-                if facts is not None and facts.storing is not None and facts.storing[1] == job_id:
+                if isinstance(facts, _Key) and facts.storing is not None and facts.storing[1] == job_id:
                     facts.storing = None
             for run in self._late.pop(job_id, ()):
                 run.detail = f"its store ended at seq {seq}"
@@ -249,12 +267,19 @@ class MissLedger:
             self._load_ended(seq, job_id, state)
 
     def _load_ended(self, seq: int, job_id: int, state: State) -> None:
-        """A load's end: with a failure, its request either recomputes from the
-        first failed block or, sent back to waiting, is admitted again."""
         admission = self._loads.pop(job_id, None)
         failure = self._load_failures.pop(job_id, None)
-        if admission is None or failure is None:
+        if admission is None:
             return
+        if failure is not None:
+            self._load_failed(seq, job_id, admission, failure, state)
+        if self.on_admission is not None:
+            self.on_admission(admission)
+
+    def _load_failed(self, seq: int, job_id: int, admission: Admission, failure: tuple[int, set[bytes], int],
+                     state: State) -> None:
+        """With a failure, the request either recomputes from the first failed
+        block or, sent back to waiting, is admitted again."""
         failed_seq, failed, worker = failure
         if queries.request_status(state, admission.request_id) in _ADMITTING:
             admission.superseded_at = seq  # its next admission counts instead
@@ -291,86 +316,85 @@ class MissLedger:
         size = self.block_size
         self._attempts[rid] = attempt = self._attempts.get(rid, 0) + 1
         admission = Admission(rid, seq, queries.position(state).step_index, n, attempt, self._wall_us)
-        runs: list[Run] = []
         load = next((e for e in effects if isinstance(e, fx.StartLoad)), None)
         promoted: dict[bytes, int] = {}
+        job = -1
         if load is not None:
-            admission.load_job = load.job_id
-            self._loads[load.job_id] = admission
+            admission.load_job = job = load.job_id
+            self._loads[job] = admission
             for tiers, group_keys in zip(load.promote_tiers, load.keys):
                 promoted.update((k, t) for k, t in zip(group_keys, tiers) if t)
         axis_keys = keys[self.axis]
-        for p in range(local // size):
-            _add(runs, Run(p, p, p * size, (p + 1) * size, "device"))
-        for p in range(local // size, (local + ext) // size):
-            key = axis_keys[p]
-            _add(runs, Run(p, p, p * size, (p + 1) * size, "restored", tier=promoted.get(key, HOST), seq=seq,
-                           job_id=-1 if load is None else load.job_id))
-        gap = -1
-        for p in range((local + ext) // size, most // size):
+        runs = admission.runs
+        if local >= size:
+            runs.append(Run(0, local // size - 1, 0, local // size * size, "device"))
+        restored = [(promoted.get(axis_keys[p], HOST), seq, job) for p in range(local // size, (local + ext) // size)]
+        _merge(runs, local // size, size, "restored", restored)
+        whys: list[_Why] = []
+        first_missed = (local + ext) // size
+        for p in range(first_missed, most // size):
             key = axis_keys[p] if p < len(axis_keys) else b""
-            run = Run(p, p, p * size, (p + 1) * size, "missed")
             facts = self.keys.get(key)
-            if facts is not None and facts.loadable:
-                if gap < 0 and self.cut.get(rid, -1) > ext:
-                    run.cause, run.detail = "log_table", f"its lookup offered {self.cut[rid]} tokens"
-                elif gap < 0:
-                    self._bounded(run, keys, p, facts)
+            if facts is not None and facts.__class__ is _Key and facts.loadable:
+                if p == first_missed and self.cut.get(rid, -1) > ext:
+                    why = ("log_table", -1, -1, -1, "", f"its lookup offered {self.cut[rid]} tokens")
+                elif p == first_missed:
+                    why = self._bounded(keys, p, facts)
                 else:
-                    run.cause, run.detail = "after_gap", f"block {gap} was not restorable"
+                    why = ("after_gap", -1, -1, -1, "", f"block {first_missed} was not restorable")
             else:
-                self._why_not(run, key, facts, rid, self.groups[self.axis].kind)
-            if gap < 0:
-                gap = p
-            _add(runs, run)
+                why = self._why_not(key, facts, rid, self.groups[self.axis].kind)
+            whys.append(why)
+        _merge(runs, first_missed, size, "missed", whys)
         start = max(most, local + ext)
         if n > start:
-            _add(runs, Run(start // size, (n - 1) // size, start, n, "missed", cause="partial_block"))
-        admission.runs = runs
+            runs.append(Run(start // size, (n - 1) // size, start, n, "missed", cause="partial_block"))
         self.cut.pop(rid, None)
-        self.admissions.append(admission)
-        for run in runs:
-            if run.cause == "stored_too_late":
-                self._late.setdefault(run.job_id, []).append(run)
+        if self.on_admission is None:
+            self.admissions.append(admission)  # in order of admission; a load's end only amends it
+            for run in runs:
+                if run.cause == "stored_too_late":
+                    self._late.setdefault(run.job_id, []).append(run)
+        elif load is None:
+            self.on_admission(admission)
 
-    def _why_not(self, run: Run, key: bytes, facts: _Key | None, rid: str, kind: GroupKind) -> None:
+    def _why_not(self, key: bytes, facts: _Key | str | None, rid: str, kind: GroupKind) -> _Why:
         """A key loadable nowhere: the latest fact about it."""
         if facts is None:
-            run.cause = "first_seen" if key else "unexplained"
-            return
+            return ("first_seen" if key else "unexplained", -1, -1, -1, "", "")
+        if facts.__class__ is str:  # named, and nothing since
+            return self._never_stored(facts, rid, kind)  # type: ignore[arg-type]
+        assert isinstance(facts, _Key)
         if facts.storing is not None:
-            run.cause = "stored_too_late"
-            run.seq, run.job_id, run.other_request = facts.storing
-            return
+            seq, job, other = facts.storing
+            return ("stored_too_late", -1, seq, job, other, "")
         latest = max(facts.gone[1] if facts.gone else -1, facts.store_failed[0] if facts.store_failed else -1,
                      facts.refused)
         if facts.gone is not None and facts.gone[1] == latest:
             tier, seq, reason, job, room = facts.gone
-            run.tier, run.seq = tier, seq
             if reason is fx.Reason.EVICTED:
-                run.cause, run.job_id, run.other_request = "evicted", job, room
-                run.detail = f"policy {self.config.policy.value}" if tier == HOST else "by the tier's own eviction"
-            elif reason is fx.Reason.RESET:
-                run.cause = "reset"
-            else:
-                run.cause = "transfer_failed"
-        elif facts.store_failed is not None and facts.store_failed[0] == latest:
-            run.cause = "store_failed"
-            run.seq, run.job_id = facts.store_failed
-        elif facts.refused >= 0:
-            run.cause, run.seq = "not_admitted", facts.refused
-        elif facts.named_by in ("", rid):
-            run.cause = "first_seen"
-        elif kind is not GroupKind.FULL:
-            run.cause = "never kept by its group"
-        elif self.lazy:
-            run.cause = "lazy_not_offloaded"
-        elif facts.named_by in self._ended:
-            run.cause, run.other_request, run.seq = "request_ended", facts.named_by, self._ended[facts.named_by]
-        else:
-            run.cause, run.other_request = "not_computed_yet", facts.named_by
+                return ("evicted", tier, seq, job, room,
+                        f"policy {self.config.policy.value}" if tier == HOST else "by the tier's own eviction")
+            return ("reset" if reason is fx.Reason.RESET else "transfer_failed", tier, seq, -1, "", "")
+        if facts.store_failed is not None and facts.store_failed[0] == latest:
+            seq, job = facts.store_failed
+            return ("store_failed", -1, seq, job, "", "")
+        if facts.refused >= 0:
+            return ("not_admitted", -1, facts.refused, -1, "", "")
+        return self._never_stored(facts.named_by, rid, kind)
 
-    def _bounded(self, run: Run, keys: tuple[tuple[bytes, ...], ...], position: int, facts: _Key) -> None:
+    def _never_stored(self, named_by: str, rid: str, kind: GroupKind) -> _Why:
+        if named_by in ("", rid):
+            return ("first_seen", -1, -1, -1, "", "")
+        if kind is not GroupKind.FULL:
+            return ("never kept by its group", -1, -1, -1, "", "")
+        if self.lazy:
+            return ("lazy_not_offloaded", -1, -1, -1, "", "")
+        if named_by in self._ended:
+            return ("request_ended", -1, self._ended[named_by], -1, named_by, "")
+        return ("not_computed_yet", -1, -1, -1, named_by, "")
+
+    def _bounded(self, keys: tuple[tuple[bytes, ...], ...], position: int, facts: _Key) -> _Why:
         """The first missed block's key was loadable: what else stopped the hit."""
         end = (position + 1) * self.block_size
         for group in self.groups:
@@ -379,20 +403,41 @@ class MissLedger:
             for p in hma.needed_range(group, 0, end):
                 key = keys[group.group_id][p] if p < len(keys[group.group_id]) else b""
                 other = self.keys.get(key)
-                if other is None or not other.loadable:
-                    why = Run(p, p, 0, 0, "missed")
-                    self._why_not(why, key, other, "", group.kind)
-                    run.cause, run.seq, run.other_request = "bounded_by_group", why.seq, why.other_request
-                    run.detail = f"group {group.group_id} ({group.kind.value}) block {p}: {why.cause}"
-                    return
+                if other is None or other.__class__ is not _Key or not other.loadable:  # type: ignore[union-attr]
+                    cause, _, seq, _, request, _ = self._why_not(key, other, "", group.kind)
+                    return ("bounded_by_group", -1, seq, -1, request,
+                            f"group {group.group_id} ({group.kind.value}) block {p}: {cause}")
         if end % self.alignment:
-            run.cause = "bounded_by_group"
-            run.detail = f"a hit must end on a multiple of {self.alignment} tokens (every group's block)"
-        elif self.config.lower_tiers:
-            run.cause, run.tier = "no_host_slot", min(facts.loadable)
-            run.detail = f"host memory has {self.config.num_tier_slots} slots"
-        else:
-            run.cause = "unexplained"
+            return ("bounded_by_group", -1, -1, -1, "",
+                    f"a hit must end on a multiple of {self.alignment} tokens (every group's block)")
+        if self.config.lower_tiers:
+            return ("no_host_slot", (facts.loadable & -facts.loadable).bit_length() - 1, -1, -1, "",
+                    f"host memory has {self.config.num_tier_slots} slots")
+        return ("unexplained", -1, -1, -1, "", "")
+
+
+# Why a block was computed, or where it was restored from: a run's fields after its outcome.
+_Why = tuple[str, int, int, int, str, str]
+
+
+def _merge(runs: list[Run], first: int, size: int, outcome: str, whys: list) -> None:
+    """Runs of consecutive blocks from `first` on with equal whys (for
+    restored blocks: tier, seq, job)."""
+    start, last = first, None
+    for p, why in enumerate(whys, first):
+        if why != last:
+            if last is not None:
+                runs.append(_run(start, p - 1, size, outcome, last))
+            start, last = p, why
+    if last is not None:
+        runs.append(_run(start, first + len(whys) - 1, size, outcome, last))
+
+
+def _run(first: int, last: int, size: int, outcome: str, why: tuple) -> Run:
+    if outcome == "restored":
+        tier, seq, job = why
+        return Run(first, last, first * size, (last + 1) * size, outcome, tier=tier, seq=seq, job_id=job)
+    return Run(first, last, first * size, (last + 1) * size, outcome, *why)
 
 
 def _room(effects: tuple[fx.Effect, ...]) -> tuple[int, str]:
@@ -401,14 +446,6 @@ def _room(effects: tuple[fx.Effect, ...]) -> tuple[int, str]:
         if isinstance(effect, (fx.StartStore, fx.StartLoad)):
             return effect.job_id, effect.request_id
     return -1, ""
-
-
-def _add(runs: list[Run], run: Run) -> None:
-    last = runs[-1] if runs else None
-    if last is not None and last.same_as(run) and last.last_block + 1 == run.first_block:
-        last.last_block, last.end_token = run.last_block, run.end_token
-    else:
-        runs.append(run)
 
 
 def totals(admissions: Iterable[Admission]) -> dict:

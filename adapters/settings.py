@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from kvledger.adapters.engine_host import SNAPSHOT_INTERVAL_EVENTS
+from kvledger.adapters.miss_counter import MAX_KEYS
 from kvledger.adapters.tier_settings import (
     FsTierSettings,
     TierSettings,
@@ -72,6 +73,8 @@ class ConnectorSettings:
     secondary_tiers: tuple[TierSettings, ...] = ()  # below host memory, in order
     weights_version: str | None = None  # names the weights in the tiers' namespace (lower tiers)
     key_generations: str = "private"  # or "counted": see `_FIELDS`
+    miss_metrics: bool = False  # count missed tokens by cause live (`adapters.miss_counter`)
+    miss_memory_keys: int = MAX_KEYS
 
 
 _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -97,6 +100,9 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "key_generations": (str, "'private' (each cache reset starts block keys no other process shares) or "
                              "'counted' (every replica's Nth reset shares keys: only for a fleet that loads the "
                              "same new weights through one reset each)"),
+    "miss_metrics": (bool, "count missed prompt tokens by cause (vllm:kvledger_missed_tokens) on a thread of "
+                           "its own, from a twin of the engine's state"),
+    "miss_memory_keys": (int, "keys whose history the miss counter remembers (the oldest-named are forgotten)"),
 }
 
 _FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -199,6 +205,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     generations = extra.get("key_generations", "private")
     if generations not in ("private", "counted"):
         raise ConfigError(f"key_generations must be 'private' or 'counted', got {generations!r}")
+    memory_keys = extra.get("miss_memory_keys", MAX_KEYS)
+    if memory_keys < 1:
+        raise ConfigError(f"miss_memory_keys must be >= 1, got {memory_keys}")
 
     return ConnectorSettings(
         capacity_bytes=capacity,
@@ -218,6 +227,8 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         secondary_tiers=parse_tiers(extra.get("secondary_tiers", ())),
         weights_version=weights_version,
         key_generations=generations,
+        miss_metrics=extra.get("miss_metrics", False),
+        miss_memory_keys=memory_keys,
     )
 
 

@@ -35,6 +35,11 @@ the log costs the scheduler:
 
     python bench/scheduler_overhead.py --connectors kvledger,kvledger-logged
 
+`kvledger-counted` is kvledger with its live miss counter (`miss_metrics:
+true`); beside `kvledger`, what the counter costs:
+
+    python bench/scheduler_overhead.py --connectors kvledger,kvledger-counted
+
     python bench/scheduler_overhead.py [--requests 256] [--steps 1000] [--seed 0] [--out PATH]
 
 `--async-scheduling` builds vLLM's `AsyncScheduler` and schedules each step
@@ -548,6 +553,7 @@ def connector_configs(capacity_bytes: int, event_log: str) -> dict[str, tuple[di
     return {
         "kvledger": (kv_transfer_config(**ledger), LedgerWorker),
         "kvledger-logged": (kv_transfer_config(**ledger, event_log=event_log), LedgerWorker),
+        "kvledger-counted": (kv_transfer_config(**ledger, miss_metrics=True), LedgerWorker),
         "vllm-offloading": ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                              "kv_connector_extra_config": {"cpu_bytes_to_use": capacity_bytes}}, OffloadingWorker),
         "vllm-simple-cpu": ({"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
@@ -678,6 +684,20 @@ def main() -> None:
             logged_run["log_writer_cpu_ms_per_step"] = writer_s * 1e3 / args.steps
             logged_run["log_cost"]["mean_with_writer_cpu"] = (
                 (logged["mean"] + writer_s * 1e3 / args.steps) / plain["mean"] - 1)
+    for run in runs:
+        misses = getattr(getattr(run.scheduler.connector, "scheduler", None), "_misses", None)
+        if misses is not None:
+            misses.settle()
+            summaries[run.name]["miss_counter_stopped"] = misses.stopped
+            if misses.stopped:
+                print(f"{run.name}: its miss counter stopped: {misses.stopped}")
+    counter_s = thread_cpu_seconds("kvledger-misses")
+    if "kvledger" in summaries and "kvledger-counted" in summaries:
+        uncounted, counted = (summaries[n]["connector_ms_per_step"] for n in ("kvledger", "kvledger-counted"))
+        summaries["kvledger-counted"]["miss_counter_cost"] = {
+            k: counted[k] / uncounted[k] - 1 for k in ("median", "p99", "mean")}
+        if counter_s is not None:
+            summaries["kvledger-counted"]["miss_counter_cpu_ms_per_step"] = counter_s * 1e3 / args.steps
     report = {
         "args": vars(args), "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(), "wall_seconds": elapsed, "not_built": failed,
@@ -700,6 +720,13 @@ def main() -> None:
         if "mean_with_writer_cpu" in cost:
             print(f"  the log writer's thread used {summaries['kvledger-logged']['log_writer_cpu_ms_per_step']:.3f} "
                   f"ms CPU per step: mean {cost['mean_with_writer_cpu']:+.1%} counting it too")
+    cost = summaries.get("kvledger-counted", {}).get("miss_counter_cost")
+    if cost:
+        print(f"miss counter cost (kvledger-counted / kvledger - 1): median {cost['median']:+.1%}, "
+              f"p99 {cost['p99']:+.1%}, mean {cost['mean']:+.1%}")
+        if "miss_counter_cpu_ms_per_step" in summaries["kvledger-counted"]:
+            print(f"  the counter's thread used {summaries['kvledger-counted']['miss_counter_cpu_ms_per_step']:.3f} "
+                  "ms CPU per step")
     print(f"wall {elapsed:.0f} s; raw numbers in {out}")
 
 

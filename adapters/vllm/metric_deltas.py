@@ -64,8 +64,10 @@ class MetricDeltas:
     def lookup_delay(self, seconds: float) -> None:
         self._lookup_seconds.append(seconds)
 
-    def take(self, state: State, *, log_failed: bool, tiers: SchedulerTiers | None) -> m.KVLedgerStats | None:
-        """What moved since the last report, or None when nothing did."""
+    def take(self, state: State, *, log_failed: bool, tiers: SchedulerTiers | None,
+             misses: dict[str, int] | None = None) -> m.KVLedgerStats | None:
+        """What moved since the last report, or None when nothing did.
+        `misses`: missed tokens by cause since then (`MissCounter.take`)."""
         totals = queries.totals(state)
         tier = queries.tier_usage(state)
         # Slots a transfer holds (vLLM 0.33's "pinned"): every used one but the evictable,
@@ -76,7 +78,7 @@ class MetricDeltas:
         gauged = gauges != self._gauges
         log_failed = log_failed and not self._log_failure_reported
         if not (counted or gauged or log_failed or self._violations or self._lookup_seconds or self._dropped
-                or tiers is not None or self.tier_names):
+                or misses or tiers is not None or self.tier_names):
             return None
         stats = m.KVLedgerStats()
         if counted:
@@ -85,6 +87,8 @@ class MetricDeltas:
                 if change:
                     stats.add(metric, change)
             self._reported = totals
+        for cause, tokens in (misses or {}).items():
+            stats.add(m.MISSED_TOKENS, tokens, cause)
         for (metric, tier_label), count in self._dropped.items():
             stats.add(metric, count, tier_label)
         self._dropped.clear()

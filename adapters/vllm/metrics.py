@@ -8,8 +8,9 @@ evictions, flushes, failures, tier usage). vLLM merges both halves with
 Where a meaning matches vLLM's own offloading connector, the name is its
 `vllm:kv_offload_*` name, so dashboards built for it keep working; the rest
 are `vllm:kvledger_*`. Tiers below host memory report under vLLM 0.33's
-`vllm:kv_offload_tiering_*` names, labelled `tier` ("1:fs"); in the stats
-such a value travels as `name|tier`.
+`vllm:kv_offload_tiering_*` names, labelled `tier` ("1:fs"); missed prompt
+tokens are labelled by `cause` (`misses.CAUSES`). In the stats such a value
+travels as `name|tier` or `name|cause`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Metric:
     kind: str
     documentation: str
     buckets: tuple[float, ...] = ()
-    tiered: bool = False  # labelled by `tier`
+    label: str = ""  # the label of its own, if any: "tier" ("1:fs") or "cause" (a miss's)
 
 
 LOAD_BYTES = Metric("vllm:kv_offload_load_bytes", COUNTER, "Total bytes loaded from offload storage to GPU.")
@@ -53,6 +54,9 @@ ALLOCATION_FAILURE = Metric("vllm:kv_offload_allocation_failure", COUNTER,
 LOOKUP_DELAY = Metric("vllm:kv_offload_lookup_sync_delay_seconds", HISTOGRAM,
                       "Histogram of the time spent in a single offload lookup call, in seconds.", _LOOKUP_BUCKETS)
 HIT_TOKENS = Metric("vllm:kvledger_hit_tokens", COUNTER, "Tokens restored from the tier instead of computed.")
+MISSED_TOKENS = Metric("vllm:kvledger_missed_tokens", COUNTER,
+                       "Prompt tokens computed because neither vLLM's prefix cache nor a tier held them, by why "
+                       "(kvledger explain's causes).", label="cause")
 LOADS = Metric("vllm:kvledger_loads", COUNTER, "Load jobs started.")
 STORES = Metric("vllm:kvledger_stores", COUNTER, "Store jobs started.")
 LOAD_FAILURES = Metric("vllm:kvledger_load_failures", COUNTER, "Load jobs that failed, in whole or in part.")
@@ -89,61 +93,61 @@ CPU_READ_USAGE = Metric("vllm:kv_offload_cpu_cache_read_usage_perc", GAUGE,
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TIER_READ_BYTES = Metric("vllm:kv_offload_tiering_read_bytes", COUNTER,
-                         "Bytes promoted from a secondary tier into host memory.", tiered=True)
+                         "Bytes promoted from a secondary tier into host memory.", label="tier")
 TIER_READ_TIME = Metric("vllm:kv_offload_tiering_read_time", COUNTER,
-                        "Time the tier's I/O threads spent on promotions, in seconds.", tiered=True)
+                        "Time the tier's I/O threads spent on promotions, in seconds.", label="tier")
 TIER_WRITE_BYTES = Metric("vllm:kv_offload_tiering_write_bytes", COUNTER,
-                          "Bytes written from host memory to a secondary tier.", tiered=True)
+                          "Bytes written from host memory to a secondary tier.", label="tier")
 TIER_WRITE_TIME = Metric("vllm:kv_offload_tiering_write_time", COUNTER,
-                         "Time the tier's I/O threads spent on writes, in seconds.", tiered=True)
+                         "Time the tier's I/O threads spent on writes, in seconds.", label="tier")
 TIER_PROMOTION_FAILURES = Metric("vllm:kv_offload_tiering_promotion_job_failures", COUNTER,
-                                 "Promotions (reads) from a secondary tier that failed in whole or part.", tiered=True)
+                                 "Promotions (reads) from a secondary tier that failed in whole or part.", label="tier")
 TIER_CASCADE_FAILURES = Metric("vllm:kv_offload_tiering_cascade_job_failures", COUNTER,
-                               "Writes to a secondary tier that failed in whole or part.", tiered=True)
+                               "Writes to a secondary tier that failed in whole or part.", label="tier")
 TIER_PROMOTION_LATENCY = Metric("vllm:kv_offload_tiering_promotion_latency_seconds", HISTOGRAM,
                                 "I/O time of a promotion from a secondary tier, in seconds.", _LATENCY_BUCKETS,
-                                tiered=True)
-TIER_HELD = Metric("vllm:kvledger_tiering_held_blocks", GAUGE, "Blocks a secondary tier holds.", tiered=True)
+                                label="tier")
+TIER_HELD = Metric("vllm:kvledger_tiering_held_blocks", GAUGE, "Blocks a secondary tier holds.", label="tier")
 TIER_BLOCKS_CAPACITY = Metric("vllm:kvledger_tiering_capacity_blocks", GAUGE,
-                              "Blocks a secondary tier can hold.", tiered=True)
+                              "Blocks a secondary tier can hold.", label="tier")
 TIER_KEYS_READ = Metric("vllm:kvledger_tiering_promoted_blocks", COUNTER,
-                        "Blocks promoted from a secondary tier towards the device.", tiered=True)
+                        "Blocks promoted from a secondary tier towards the device.", label="tier")
 TIER_KEYS_WRITTEN = Metric("vllm:kvledger_tiering_written_blocks", COUNTER,
-                           "Blocks written to a secondary tier.", tiered=True)
+                           "Blocks written to a secondary tier.", label="tier")
 TIER_EVICTIONS = Metric("vllm:kvledger_tiering_evictions", COUNTER,
                         "Blocks removed from a secondary tier to make room (not those a cache reset dropped: "
-                        "vllm:kvledger_tiering_reset_dropped_blocks).", tiered=True)
+                        "vllm:kvledger_tiering_reset_dropped_blocks).", label="tier")
 TIER_RESET_DROPPED = Metric("vllm:kvledger_tiering_reset_dropped_blocks", COUNTER,
                             "Blocks a cache reset removed from a secondary tier: those it held, and those a "
-                            "write in flight at the reset put there.", tiered=True)
+                            "write in flight at the reset put there.", label="tier")
 TIER_FOUND = Metric("vllm:kvledger_tiering_found_blocks", COUNTER,
                     "Blocks found in a secondary tier at start or by a lookup (written by another process).",
-                    tiered=True)
+                    label="tier")
 TIER_UNREACHABLE = Metric("vllm:kvledger_tiering_unreachable_blocks", COUNTER,
                           "Blocks a tier job failed because the tier's server was down or slower than its timeout.",
-                          tiered=True)
+                          label="tier")
 TIER_FORGED = Metric("vllm:kvledger_tiering_forged_blocks", COUNTER,
                      "Blocks a tier with a secret refused to load: not sealed with its secret (written by someone "
-                     "without it). Recomputed, never served.", tiered=True)
+                     "without it). Recomputed, never served.", label="tier")
 TIER_LOOKUP_KEYS = Metric("vllm:kvledger_tiering_lookup_blocks", COUNTER,
                           "Blocks looked up in a shared tier (found ones: vllm:kvledger_tiering_found_blocks).",
-                          tiered=True)
+                          label="tier")
 TIER_LOOKUP_TIMEOUTS = Metric("vllm:kvledger_tiering_lookup_timeouts", COUNTER,
-                              "Lookups in a shared tier not answered in time (the request computed).", tiered=True)
+                              "Lookups in a shared tier not answered in time (the request computed).", label="tier")
 TIER_UP = Metric("vllm:kvledger_tiering_up", GAUGE,
-                 "1 while a shared tier's server answers the scheduler's lookups, 0 while it is down.", tiered=True)
+                 "1 while a shared tier's server answers the scheduler's lookups, 0 while it is down.", label="tier")
 # vLLM 0.33's (vllm/v1/kv_offload/tiering/spec.py). kvledger sends lookups only to shared tiers, and only
 # for blocks no tier is known to hold: it knows what host memory and its own writes hold.
 TIER_CHUNK_QUERIES = Metric("vllm:kv_offload_tiering_chunk_queries", COUNTER,
                             "Number of chunk lookup queries sent to a tier, labeled by tier: blocks a shared "
                             "tier answered a lookup about (asks it could not answer are not counted).",
-                            tiered=True)
+                            label="tier")
 TIER_CHUNK_HITS = Metric("vllm:kv_offload_tiering_chunk_hits", COUNTER,
                          "Number of chunk lookup hits in a tier, labeled by tier: blocks a shared tier's "
-                         "answer said it holds.", tiered=True)
+                         "answer said it holds.", label="tier")
 
 METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE, ALLOCATION_FAILURE,
-           LOOKUP_DELAY, HIT_TOKENS, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
+           LOOKUP_DELAY, HIT_TOKENS, MISSED_TOKENS, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
            EVICTIONS, RESET_DROPPED, FLUSHES, FLUSHED_JOBS, VIOLATIONS, LOG_FAILURES, TIER_USED, TIER_CAPACITY,
            JOBS_IN_FLIGHT, CPU_USAGE, CPU_WRITE_USAGE, CPU_READ_USAGE,
            TIER_READ_BYTES, TIER_READ_TIME, TIER_WRITE_BYTES, TIER_WRITE_TIME, TIER_PROMOTION_FAILURES,
@@ -165,9 +169,9 @@ class KVLedgerStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {COUNTER: {}, GAUGE: {}, HISTOGRAM: {}}
 
-    def add(self, metric: Metric, value: float, tier: str = "") -> None:
-        assert bool(tier) == metric.tiered, f"{metric.name}: tier {tier!r}"
-        name = f"{metric.name}|{tier}" if tier else metric.name
+    def add(self, metric: Metric, value: float, label: str = "") -> None:
+        assert bool(label) == bool(metric.label), f"{metric.name}: {metric.label or 'label'} {label!r}"
+        name = f"{metric.name}|{label}" if label else metric.name
         if metric.kind == COUNTER:
             if value:
                 self.data[COUNTER][name] = self.data[COUNTER].get(name, 0) + value
@@ -208,7 +212,7 @@ class KVLedgerPromMetrics(KVConnectorPromMetrics):
         self._families: dict[str, Any] = {}
         self._engine_labels = per_engine_labelvalues
         for metric in METRICS:
-            names = [*labelnames, "tier"] if metric.tiered else labelnames
+            names = [*labelnames, metric.label] if metric.label else labelnames
             if metric.kind == COUNTER:
                 family = self._counter_cls(name=metric.name, documentation=metric.documentation,
                                            labelnames=names)
@@ -219,7 +223,7 @@ class KVLedgerPromMetrics(KVConnectorPromMetrics):
                 family = self._histogram_cls(name=metric.name, documentation=metric.documentation,
                                              labelnames=names, buckets=list(metric.buckets))
             self._families[metric.name] = family
-            if not metric.tiered:  # a tier's children appear with its first value
+            if not metric.label:  # a tier's or a cause's children appear with its first value
                 for engine, values in per_engine_labelvalues.items():
                     self._children[(engine, metric.name)] = family.labels(*values)
 
@@ -237,10 +241,10 @@ class KVLedgerPromMetrics(KVConnectorPromMetrics):
         child = self._children.get((engine_idx, name))
         if child is not None:
             return child
-        base, _, tier = name.partition("|")
+        base, _, label = name.partition("|")
         metric = _BY_NAME.get(base)
-        if metric is None or metric.tiered != bool(tier):
+        if metric is None or bool(metric.label) != bool(label):
             raise KeyError(f"kvledger stats carry an unknown metric {name!r}")
         child = self._children[(engine_idx, name)] = self._families[base].labels(
-            *self._engine_labels[engine_idx], tier)
+            *self._engine_labels[engine_idx], label)
         return child

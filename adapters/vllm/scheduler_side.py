@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from kvledger.adapters.engine_host import EngineHost
+from kvledger.adapters.miss_counter import MissCounter
 from kvledger.adapters.settings import ConnectorSettings
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
@@ -85,6 +86,8 @@ class LedgerScheduler:
         self._metrics = MetricDeltas(self._tier_names)
         self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
         self._tiers = tiers
+        self._misses = (MissCounter(config, max_keys=settings.miss_memory_keys)
+                        if settings.miss_metrics else None)
         self._lookups = HitLookups(lambda: self.host.state, self._apply, tiers)
         self._chain = self._chain_keys(tiers.key_root) if tiers is not None else None
         self._keys_of = self._chain.keys if self._chain is not None else None
@@ -96,6 +99,8 @@ class LedgerScheduler:
     def _apply(self, events: list[ev.Event]) -> tuple[fx.Effect, ...]:
         """Apply one step's (or one call's) events; carry out what is the scheduler's."""
         effects = self.host.apply_step(events)
+        if self._misses is not None:
+            self._misses.feed(events)
         if effects:
             self._carry_out(effects)
         return effects
@@ -211,7 +216,8 @@ class LedgerScheduler:
 
     def take_stats(self) -> m.KVLedgerStats | None:
         """What moved since the last report (`MetricDeltas`); None when nothing did."""
-        return self._metrics.take(self.host.state, log_failed=self.host.log_failure is not None, tiers=self._tiers)
+        return self._metrics.take(self.host.state, log_failed=self.host.log_failure is not None, tiers=self._tiers,
+                                  misses=self._misses.take() if self._misses is not None else None)
 
     def take_events(self) -> list:
         return [] if self.tier_events is None else self.tier_events.take()
@@ -254,6 +260,8 @@ class LedgerScheduler:
     def shutdown(self) -> None:
         if self._tiers is not None:
             self._tiers.close()
+        if self._misses is not None:
+            self._misses.close()
         self.host.close()
 
     def _near_eviction(self) -> tuple[int, ...]:

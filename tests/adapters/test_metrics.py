@@ -213,7 +213,7 @@ def test_blocks_a_reset_drops_are_not_counted_as_evictions():
     from tests.engine.builders import FULL, make_config
 
     config = make_config(groups=(FULL,), num_tier_slots=4)
-    scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
+    scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20, "miss_metrics": True}))
     registry, prom = _registry_and_prom()
     try:
         _stored_request(scheduler, "a", (1, 2, 3, 4), step=1)  # the tier is full
@@ -234,7 +234,15 @@ def test_blocks_a_reset_drops_are_not_counted_as_evictions():
         assert queries.stats(scheduler.host.state)["evictions"] == 6
         assert registry.get_sample_value("vllm:kvledger_evictions_total", LABELS) == 2
         assert registry.get_sample_value("vllm:kvledger_reset_dropped_blocks_total", LABELS) == 4
+        scheduler._misses.settle()  # the missed tokens, counted on the counter's thread, come with some step
+        prom.observe(scheduler.take_stats().data)
         assert scheduler.take_stats() is None  # reported once
+        # The requests' prompts were new: 4 + 2 blocks missed for want of an earlier request, by cause
+        # (each prompt's last block holds its last token, which vLLM always computes).
+        block = scheduler.config.groups[0].block_size
+        missed = {cause: registry.get_sample_value("vllm:kvledger_missed_tokens_total", {**LABELS, "cause": cause})
+                  for cause in ("first_seen", "partial_block")}
+        assert missed == {"first_seen": 4 * block, "partial_block": 2 * block}
     finally:
         scheduler.shutdown()
 

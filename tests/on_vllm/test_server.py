@@ -52,7 +52,7 @@ def test_two_identical_completions_the_second_restored(models, tmp_path):
     forked from the zygote (its engine core from the forkserver)."""
     port = _free_port()
     log = tmp_path / "server-events.log"
-    transfer = kv_transfer_config(capacity_bytes=32 << 20, event_log=str(log))
+    transfer = kv_transfer_config(capacity_bytes=32 << 20, event_log=str(log), miss_metrics=True)
     argv = ["--model", str(models["tiny-llama"]), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", "512", "--block-size", "32", "--enforce-eager", "--no-enable-prefix-caching",
             "--kv-cache-memory-bytes", str(64 << 20), "--enable-prompt-tokens-details",
@@ -68,7 +68,7 @@ def test_two_identical_completions_the_second_restored(models, tmp_path):
         body = {"model": str(models["tiny-llama"]), "prompt": prompt, "max_tokens": 8, "temperature": 0}
         first = _post(f"{base}/v1/completions", body)
         second = _post(f"{base}/v1/completions", body)
-        metrics = _metrics_once_loaded(f"{base}/metrics")
+        metrics = _metrics_once_loaded(f"{base}/metrics", missed_tokens=80 + 16)
     finally:
         os.kill(pid, signal.SIGINT)
         try:
@@ -93,11 +93,34 @@ def test_two_identical_completions_the_second_restored(models, tmp_path):
     assert metrics["vllm:kvledger_tier_used_blocks"] == summary["tier"]["used_slots"]
     assert metrics["vllm:kvledger_tier_capacity_blocks"] == summary["tier"]["capacity_slots"]
     assert metrics["vllm:kvledger_load_failures_total"] == 0
+    # The live count of missed tokens by cause is explain's count over the log: the first request's
+    # two blocks were new, and each request computed its last, partial block.
+    explained = _explain(log)
+    missed = {name.split("|")[1]: value for name, value in metrics.items() if name.startswith(MISSED + "|")}
+    assert missed == {cause: entry["tokens"] for cause, entry in explained["missed_by_cause"].items()}
+    assert missed == {"first_seen": 64, "partial_block": 32}
 
 
-def _metrics_once_loaded(url: str, timeout_s: float = 30) -> dict[str, float]:
-    """kvledger's samples from /metrics, once the load's stats arrived (stats
-    reach the front end with the steps after the response)."""
+MISSED = "vllm:kvledger_missed_tokens_total"
+
+
+def _explain(log) -> dict:
+    import contextlib
+    import io
+
+    from kvledger.adapters.cli.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["explain", str(log), "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def _metrics_once_loaded(url: str, timeout_s: float = 30, missed_tokens: int = 0) -> dict[str, float]:
+    """kvledger's samples from /metrics, once the load's stats and `missed_tokens`
+    arrived (stats reach the front end with the steps after the response; the
+    miss counter's, a step or so after its admission's end). A sample labelled
+    `cause` is named `name|cause`."""
     deadline = time.monotonic() + timeout_s
     while True:
         with urllib.request.urlopen(url, timeout=10) as response:
@@ -106,7 +129,12 @@ def _metrics_once_loaded(url: str, timeout_s: float = 30) -> dict[str, float]:
         for line in text.splitlines():
             if line.startswith(("vllm:kv_offload_", "vllm:kvledger_")):
                 name_labels, value = line.rsplit(" ", 1)
-                samples[name_labels.split("{")[0]] = float(value)
-        if samples.get("vllm:kv_offload_load_bytes_total") or time.monotonic() > deadline:
+                name = name_labels.split("{")[0]
+                if 'cause="' in name_labels:
+                    name += "|" + name_labels.split('cause="')[1].split('"')[0]
+                samples[name] = float(value)
+        missed = sum(value for name, value in samples.items() if name.startswith(MISSED + "|"))
+        loaded = samples.get("vllm:kv_offload_load_bytes_total")
+        if (loaded and missed >= missed_tokens) or time.monotonic() > deadline:
             return samples
         time.sleep(0.5)
