@@ -40,6 +40,7 @@ class LookupResult:
     num_hit_tokens: int
     ready: bool = True
     slots_taken: int = 0  # with lower tiers: host slots the hit's load takes from the evictable pool
+    promotions: int = 0  # of those, the slots of keys promoted from a lower tier (the rest are read in place)
     # What the answer rests on (`_basis`), None if it is not to be given back;
     # and the missing keys whose arrival would lengthen it.
     basis: tuple | None = attrs.field(default=None, eq=False, repr=False)
@@ -51,9 +52,10 @@ LATER: Final = LookupResult(0, ready=False)
 
 
 def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised: int = 0,
-           previous: LookupResult | None = None) -> LookupResult:
+           previous: LookupResult | None = None, promotions_promised: int = 0) -> LookupResult:
     """`slots_promised`: host slots earlier hits of this step will take (the sum of
-    their `slots_taken`): vLLM admits several requests before the engine sees any.
+    their `slots_taken`): vLLM admits several requests before the engine sees any;
+    `promotions_promised`, the sum of their `promotions`.
     `previous`: this request's last answer, returned again if its basis holds."""
     core = state.core
     request = core.requests.get(request_id)
@@ -89,19 +91,19 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
     # whose keys from lower tiers fit in host memory on their way to the device.
     end = best
     partial = [g for g in core.groups if g.kind is not GroupKind.FULL]
-    taken = 0
+    taken = promotions = 0
     while end > num_local_tokens:
         if all(_covers(core, request, g, num_local_tokens, end, known) for g in partial):
-            slots = _slots_taken(core, request, num_local_tokens, end, slots_promised)
+            slots = _slots_taken(core, request, num_local_tokens, end, slots_promised, promotions_promised)
             if slots is None:
                 return LATER
-            if slots >= 0:
-                taken = slots
+            if slots[0] >= 0:
+                taken, promotions = slots
                 break
         end -= alignment
     hit = max(end - num_local_tokens, 0)
     if core.lower:
-        return LookupResult(hit, slots_taken=taken)
+        return LookupResult(hit, slots_taken=taken, promotions=promotions)
     # Only the missing keys the full walks stopped at can lengthen a hit that no
     # window group shortened; a shortened one, any store.
     stores_matter = end < best
@@ -118,13 +120,19 @@ def _basis(core: Core, request: RequestState, local: int, promised: int, stores_
             core.epoch, stats.evictions, stats.keys_failed, stats.loads, stats.stores if stores_matter else -1)
 
 
-def _slots_taken(core: Core, request: RequestState, start: int, end: int, promised: int) -> int | None:
+def _slots_taken(core: Core, request: RequestState, start: int, end: int, promised: int,
+                 promoting: int) -> tuple[int, int] | None:
     """With lower tiers, the host slots the hit [start, end) takes from the
     evictable pool: a slot for each key a lower tier holds (a promotion), and
-    each evictable host key it reads (pinned while it does); 0 without. None if
-    a host key is still being stored or another request is loading it (ask
-    again later), and also when the promotions need more slots than are free or
-    evictable now but no more than host memory holds; -1 if they need more."""
+    each evictable host key it reads (pinned while it does); 0 without. With
+    the promotions among them: (slots, promotions). None if a host key is still
+    being stored or another request is loading it (ask again later), and also
+    when the hit needs more slots than are free or evictable now, but no more
+    than host memory holds; (-1, 0) if it needs more.
+
+    Earlier hits of the step that promote more keys than slots are free evict
+    idle host keys when they are admitted, which may be the very keys this hit
+    reads in place: then it too must fit in what their promises leave."""
     slot_of_key = core.slot_of_key
     slot_state = core.slot_state
     slot_loads = core.slot_loads
@@ -147,14 +155,16 @@ def _slots_taken(core: Core, request: RequestState, start: int, end: int, promis
                 return None
             if core.lower:
                 pinned += key in policy
-    if promotions and promotions > core.num_free_slots() + len(policy) - pinned - promised:
+    free = core.num_free_slots()
+    evicting = promoting > free
+    if (promotions or (pinned and evicting)) and promotions + pinned > free + len(policy) - promised:
         # The slots transfers in flight hold, and those this step's earlier hits will,
         # come back as they end: a hit that fits in host memory waits for them rather
         # than being cut short (recomputed). One larger than host memory takes what fits.
         if promotions + pinned <= core.config.num_tier_slots:
             return None
-        return -1
-    return promotions + pinned
+        return -1, 0
+    return promotions + pinned, promotions
 
 
 def _covers(core: Core, request: RequestState, group: GroupSpec, start: int, end: int,

@@ -8,8 +8,10 @@ outlive one call, each dropped as soon as it stops being true:
 - each waiting request's last answer, handed back to the next lookup
   (`engine.lookup` returns it unwalked while what it rests on holds);
 - the host slots each request's last hit would take from the evictable pool
-  to promote its keys from a lower tier, and the sum of those admitted this
-  step: a later lookup in the same step must not count them free.
+  to promote its keys from a lower tier (or to read idle host keys in place),
+  and the sums of those admitted this step: a later lookup in the same step
+  must not count them free, nor count on idle host keys their promotions
+  will evict.
 
 With a shared tier below host memory, keys no tier is known to hold are
 first looked up there (`SchedulerTiers.ask`), and the answer is "ask again"
@@ -41,8 +43,9 @@ class HitLookups:
         self._tiers = tiers if tiers is not None and tiers.shared else None  # only shared tiers are asked
         self._local_hit: dict[str, int] = {}
         self._last_answer: dict[str, LookupResult] = {}
-        self._pending_promotions: dict[str, int] = {}
+        self._pending_promotions: dict[str, tuple[int, int]] = {}  # slots taken, of them promotions
         self._promised = 0
+        self._promoting = 0  # of the slots promised, those of promotions
         self._admitted: list[Admission] = []  # this step's, in vLLM's order
 
     def hit(self, rid: str, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -51,7 +54,8 @@ class HitLookups:
         tiers = self._tiers
         if tiers is not None:
             self._enter(tiers.answers())
-        result = lookup(self._state(), rid, num_computed_tokens, self._promised, self._last_answer.get(rid))
+        result = lookup(self._state(), rid, num_computed_tokens, self._promised, self._last_answer.get(rid),
+                        self._promoting)
         self._last_answer[rid] = result
         if result.ready and tiers is not None:
             # Keys beyond the hit that another process may have written: look once.
@@ -59,10 +63,11 @@ class HitLookups:
             if tiers.ask(rid, wanted):
                 return None, False  # the lookup's answer enters the log before the next try
             if self._enter(tiers.answers()):
-                result = lookup(self._state(), rid, num_computed_tokens, self._promised)
+                result = lookup(self._state(), rid, num_computed_tokens, self._promised,
+                                promotions_promised=self._promoting)
         if not result.ready:
             return None, False  # a needed key is still being stored or loaded: ask next step
-        self._pending_promotions[rid] = result.slots_taken
+        self._pending_promotions[rid] = (result.slots_taken, result.promotions)
         return result.num_hit_tokens, result.num_hit_tokens > 0  # loads are asynchronous (WAITING_FOR_REMOTE_KVS)
 
     def _enter(self, found: list[ev.TierKeysFound]) -> bool:
@@ -76,12 +81,14 @@ class HitLookups:
         if queries.request_status(self._state(), request_id) in queries.ADMITTABLE:
             self._admitted.append(Admission(request_id, self._local_hit.pop(request_id, 0), num_external_tokens))
             if num_external_tokens:  # admitted with its hit: its promotions are spoken for
-                self._promised += self._pending_promotions.pop(request_id, 0)
+                slots, promotions = self._pending_promotions.pop(request_id, (0, 0))
+                self._promised += slots
+                self._promoting += promotions
 
     def take_admissions(self) -> list[Admission]:
         """This step's admissions, for the step planner; the step's promises end with it."""
         admitted, self._admitted = self._admitted, []
-        self._promised = 0
+        self._promised = self._promoting = 0
         self._pending_promotions.clear()
         return admitted
 

@@ -221,6 +221,28 @@ def test_a_lookup_counts_the_slots_earlier_hits_of_the_step_will_take() -> None:
         assert not waits.ready and waits.num_hit_tokens == 0
 
 
+def test_a_hit_read_in_place_waits_while_earlier_promotions_of_the_step_would_evict_it() -> None:
+    e = tiered(slots=4)
+    stored_and_spilled(e)  # a's three blocks, on disk
+    evict_host(e, blocks=(10, 11, 12, 13))  # host memory: the filler's four, idle (and on disk)
+    e.add("b", 100)  # a's document: three promotions
+    e.add("x", 140, tag="z")  # the filler's document: read where it is
+    first = lookup(e.state, "b", 0)
+    assert first.num_hit_tokens == 96 and first.slots_taken == first.promotions == 3
+    alone = lookup(e.state, "x", 0)
+    assert alone.num_hit_tokens == 128 and alone.slots_taken == 4 and alone.promotions == 0
+    # b is admitted first in the step: its promotions will evict three of the keys x reads.
+    assert not lookup(e.state, "x", 0, slots_promised=3, promotions_promised=3).ready
+    # Hits that only read in place evict nothing: x need not wait for them.
+    assert lookup(e.state, "x", 0, slots_promised=4).num_hit_tokens == 128
+    # What the wait avoids: admitted after b anyway, x finds three of its keys evicted by
+    # b's promotions, and no slot left to promote them back into (recomputed).
+    e.alloc("b", (20, 21, 22, 23), ext=96)
+    (load,) = only(e.alloc("x", (30, 31, 32, 33, 34), ext=128), fx.StartLoad)
+    assert load.promote_tiers == ((1, 1, 1, 0),) and load.source_slot_ids[0][:3] == (-1, -1, -1)
+    check(e.state)
+
+
 def test_a_hit_larger_than_host_memory_takes_what_fits() -> None:
     e = tiered(slots=4)
     stored_and_spilled(e, "a", 160, (1, 2, 3, 4, 5))  # five blocks on disk, four host slots

@@ -75,3 +75,7 @@ def test_a_server_killed_mid_run_costs_recomputes_not_wrong_output(models, tmp_p
     assert lower["read_failures"] > 0 or lower["write_failures"] > 0
     events = [line.get("event") for line in result["logs"]]
     assert events.count("valkey_tier_down") >= 1
+    # `kvledger explain` names the server's death: blocks recomputed because their transfer
+    # to or from the Valkey tier failed (at the seq of the failure, as replay_summary checks).
+    failed = [run for admission in summary["explained"] for run in admission.runs if run.cause == "transfer_failed"]
+    assert any(run.tier == 1 for run in failed)
