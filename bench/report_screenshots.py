@@ -25,7 +25,10 @@ Chromium: `chromium`, `chromium-browser` or `google-chrome` on the PATH
     line up one under another; "Flushes and failures" showing all its rows
     and the whole run even with a single mark;
   - each cache reset a dashed brown line, labelled "reset, step N", on every
-    step plot (and on the requests' timelines).
+    step plot (and on the requests' timelines);
+  - "Why prompt tokens were computed, not restored": stacked bars of computed
+    tokens by cause (`kvledger explain`'s), summed per window as "Blocks
+    moved" is, each cause's total in its legend entry.
 """
 
 from __future__ import annotations
