@@ -168,6 +168,18 @@ def test_without_the_flush_slow_stores_restore_wrong_kv(models, tmp_path):
     assert any(restored != recomputed for restored, recomputed in pairs)
 
 
+def test_a_small_tier_refuses_stores_and_explain_names_each_refusal(models, tmp_path):
+    # Host memory for eight blocks and stores four steps late: sixteen prompts offer far
+    # more blocks than the slots that are not being stored into, so the tier refuses
+    # most, and each later miss on a refused block is `not_admitted`, at the refusal.
+    spec = {**SLOW_STORES, "extra": {**SLOW_STORES["extra"], "capacity_bytes": 8 * 32768}}
+    result, summary = _run(models, tmp_path, "tiny-llama", **spec)
+    _restored_equal_recomputed(result)
+    assert summary["stats"]["store_rejections"] > 0
+    causes = {run.cause for admission in summary["explained"] for run in admission.runs}
+    assert {"not_admitted", "first_seen", "partial_block"} <= causes, causes
+
+
 def test_pin_mode_holds_store_sources_instead_of_flushing(models, tmp_path):
     # Pin mode: a store takes a block-pool reference on its sources, so vLLM
     # never reuses them mid-copy and no flush is ever needed; each reference
