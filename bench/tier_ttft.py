@@ -62,14 +62,26 @@ def run_phase(args) -> dict:
     first = [f"{d} {words(rng, 20)}" for d in documents]
     second = [f"{d} {words(rng, 24)}" for d in documents]
     out: dict = {}
+    stages: dict[str, list[dict]] = {}
+    restores = _restores(llm)
     if args.phase == "one":
         out["recompute"] = [ask(llm, p, params) for p in first]
         time.sleep(1.0)  # let the spills of the documents finish before the host questions
+        restores.clear()
         out["host"] = [ask(llm, p, params) for p in second]
+        stages["host"] = list(restores)
     else:
         out[args.label] = [ask(llm, p, params) for p in second]
-    return {name: {"tokens": [r[0] for r in rows], "cached": [r[1] for r in rows], "ttft": [r[2] for r in rows]}
+        stages[args.label] = list(restores)
+    return {name: {"tokens": [r[0] for r in rows], "cached": [r[1] for r in rows], "ttft": [r[2] for r in rows],
+                   "stages": stages.get(name, [])}
             for name, rows in out.items()}
+
+
+def _restores(llm):
+    """The scheduler's record of each restore's stages (`RestoreTimes.recent`):
+    in this process, as vLLM's multiprocessing is off."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.restores.recent
 
 
 def main() -> None:
@@ -123,7 +135,15 @@ def main() -> None:
         print(f"{name:<12}{statistics.median(row['ttft']) * 1000:>16.0f}{statistics.median(row['cached']):>16.0f}")
     same = all(results[name]["tokens"] == results["host"]["tokens"] for name in tiered)
     print(f"outputs from the {args.store} tier equal those from host memory: {same}")
-    print("JSON " + json.dumps({n: {"ttft_ms": [round(t * 1000, 1) for t in r["ttft"]], "cached": r["cached"]}
+    print("where a restore's time goes, median ms per stage (the scheduler's clock; see adapters/vllm/restore_timing.py):")
+    for name in ("host", *tiered):
+        rows = results[name]["stages"]
+        cells = ", ".join(f"{stage} {statistics.median(r[stage] for r in rows if stage in r) * 1000:.1f}"
+                          for stage in ("lookup", "admission", "load_host", "load_promoted", "first_step")
+                          if any(stage in r for r in rows))
+        print(f"  {name:<12}{cells or 'no restore recorded'}")
+    print("JSON " + json.dumps({n: {"ttft_ms": [round(t * 1000, 1) for t in r["ttft"]], "cached": r["cached"],
+                                    "stages_ms": [{k: round(v * 1000, 2) for k, v in row.items()} for row in r["stages"]]}
                                 for n, r in results.items()} | {"tier_equals_host": same, "store": args.store}))
 
 

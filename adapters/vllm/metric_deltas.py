@@ -65,9 +65,11 @@ class MetricDeltas:
         self._lookup_seconds.append(seconds)
 
     def take(self, state: State, *, log_failed: bool, tiers: SchedulerTiers | None,
-             misses: dict[str, int] | None = None) -> m.KVLedgerStats | None:
+             misses: dict[str, int] | None = None,
+             restores: list[tuple[str, float]] | None = None) -> m.KVLedgerStats | None:
         """What moved since the last report, or None when nothing did.
-        `misses`: missed tokens by cause since then (`MissCounter.take`)."""
+        `misses`: missed tokens by cause since then (`MissCounter.take`);
+        `restores`: the stages of restores completed since then (`RestoreTimes.take`)."""
         totals = queries.totals(state)
         tier = queries.tier_usage(state)
         # Slots a transfer holds (vLLM 0.33's "pinned"): every used one but the evictable,
@@ -78,7 +80,7 @@ class MetricDeltas:
         gauged = gauges != self._gauges
         log_failed = log_failed and not self._log_failure_reported
         if not (counted or gauged or log_failed or self._violations or self._lookup_seconds or self._dropped
-                or misses or tiers is not None or self.tier_names):
+                or misses or restores or tiers is not None or self.tier_names):
             return None
         stats = m.KVLedgerStats()
         if counted:
@@ -89,6 +91,8 @@ class MetricDeltas:
             self._reported = totals
         for cause, tokens in (misses or {}).items():
             stats.add(m.MISSED_TOKENS, tokens, cause)
+        for stage, seconds in restores or ():
+            stats.add(m.RESTORE_STAGE, seconds, stage)
         for (metric, tier_label), count in self._dropped.items():
             stats.add(metric, count, tier_label)
         self._dropped.clear()

@@ -9,8 +9,8 @@ Where a meaning matches vLLM's own offloading connector, the name is its
 `vllm:kv_offload_*` name, so dashboards built for it keep working; the rest
 are `vllm:kvledger_*`. Tiers below host memory report under vLLM 0.33's
 `vllm:kv_offload_tiering_*` names, labelled `tier` ("1:fs"); missed prompt
-tokens are labelled by `cause` (`misses.CAUSES`). In the stats such a value
-travels as `name|tier` or `name|cause`.
+tokens are labelled by `cause` (`misses.CAUSES`), restore stages by `stage`.
+In the stats such a value travels as `name|tier`, `name|cause` or `name|stage`.
 """
 
 from __future__ import annotations
@@ -54,6 +54,11 @@ ALLOCATION_FAILURE = Metric("vllm:kv_offload_allocation_failure", COUNTER,
 LOOKUP_DELAY = Metric("vllm:kv_offload_lookup_sync_delay_seconds", HISTOGRAM,
                       "Histogram of the time spent in a single offload lookup call, in seconds.", _LOOKUP_BUCKETS)
 HIT_TOKENS = Metric("vllm:kvledger_hit_tokens", COUNTER, "Tokens restored from the tier instead of computed.")
+RESTORE_STAGE = Metric("vllm:kvledger_restore_stage_seconds", HISTOGRAM,
+                       "Time a restore waited at each stage, on the scheduler's clock: lookup, admission, "
+                       "load_host or load_promoted (the load, with promotions from a lower tier or not), "
+                       "first_step (from the load's end to the step that computes the rest).",
+                       (1e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), label="stage")
 MISSED_TOKENS = Metric("vllm:kvledger_missed_tokens", COUNTER,
                        "Prompt tokens computed because neither vLLM's prefix cache nor a tier held them, by why "
                        "(kvledger explain's causes).", label="cause")
@@ -147,7 +152,7 @@ TIER_CHUNK_HITS = Metric("vllm:kv_offload_tiering_chunk_hits", COUNTER,
                          "answer said it holds.", label="tier")
 
 METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE, ALLOCATION_FAILURE,
-           LOOKUP_DELAY, HIT_TOKENS, MISSED_TOKENS, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
+           LOOKUP_DELAY, HIT_TOKENS, MISSED_TOKENS, RESTORE_STAGE, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
            EVICTIONS, RESET_DROPPED, FLUSHES, FLUSHED_JOBS, VIOLATIONS, LOG_FAILURES, TIER_USED, TIER_CAPACITY,
            JOBS_IN_FLIGHT, CPU_USAGE, CPU_WRITE_USAGE, CPU_READ_USAGE,
            TIER_READ_BYTES, TIER_READ_TIME, TIER_WRITE_BYTES, TIER_WRITE_TIME, TIER_PROMOTION_FAILURES,

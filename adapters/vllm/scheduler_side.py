@@ -39,6 +39,7 @@ from kvledger.adapters.vllm.kv_events import TierEvents
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.adapters.vllm.metric_deltas import MetricDeltas
+from kvledger.adapters.vllm.restore_timing import RestoreTimes
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.planner import new_hashes, plan_step
@@ -84,6 +85,7 @@ class LedgerScheduler:
         self.tier_events = tier_events
         self._tier_names = tuple(tier.name for tier in config.lower_tiers)
         self._metrics = MetricDeltas(self._tier_names)
+        self.restores = RestoreTimes()
         self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
         self._tiers = tiers
         self._misses = (MissCounter(config, max_keys=settings.miss_memory_keys)
@@ -112,6 +114,10 @@ class LedgerScheduler:
         routed = fx.route(effects)
         for phase in fx.WORKER_PHASES:
             self._carried.extend(routed[phase])
+            for effect in routed[phase]:
+                if type(effect) is fx.StartLoad:
+                    self.restores.load_started(effect.job_id, effect.request_id,
+                                               any(t for group in effect.promote_tiers for t in group))
         for effect in routed[fx.Phase.SCHEDULER]:
             if isinstance(effect, fx.PinDeviceBlocks):
                 self._block_pool.touch(effect.block_ids)
@@ -127,6 +133,8 @@ class LedgerScheduler:
                 if effect.tier and self._tiers is not None:
                     self._tiers.removed(effect.tier, effect.keys)
             elif isinstance(effect, fx.TransferFailed):
+                if effect.kind == "load":
+                    self.restores.load_ended(effect.job_id, ok=False)
                 if effect.tier and self._tiers is not None:  # a copy that failed to write may be partly there
                     self._tiers.removed(effect.tier, effect.keys)
                 _log.warning(f"{effect.kind}_failed", request_id=effect.request_id or None, job_id=effect.job_id,
@@ -173,16 +181,20 @@ class LedgerScheduler:
             if type(changed[0]) is ev.BlockHashesRewound:
                 self._lookups.rewound(rid)
             self._apply(list(changed))
+        self.restores.asked(rid)
         answer = self._lookups.hit(rid, num_computed_tokens)
+        self.restores.answered(rid, answer[0])
         self._metrics.lookup_delay(time.perf_counter() - started)
         return answer
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         self._lookups.admitted(request.request_id, num_external_tokens)
+        self.restores.admitted(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLedgerMetadata:
         assert self._tables, "bind_kv_cache_manager was not called"
         scheduled = scheduler_output.num_scheduled_tokens
+        self.restores.scheduled(scheduled)
         events = plan_step(
             self.host.state, step_index=self._position.step_index + 1, preempted=scheduler_output.preempted_req_ids or (),
             scheduled=scheduled, admissions=self._lookups.take_admissions(), requests=self._requests, tables=self._tables,
@@ -197,6 +209,9 @@ class LedgerScheduler:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVLedgerWorkerMetadata) and meta.events:
             self._apply(list(meta.events))
+            for event in meta.events:
+                if type(event) is ev.LoadCompleted and queries.job_view(self.host.state, event.job_id) is None:
+                    self.restores.load_ended(event.job_id, ok=True)
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, None]:
         rid = request.request_id
@@ -208,6 +223,7 @@ class LedgerScheduler:
         self._requests.pop(rid, None)
         self._sessions.discard(rid)
         self._lookups.forget(rid)
+        self.restores.forget(rid)
         if self._chain is not None:
             self._chain.forget(rid)
         if self._tiers is not None:
@@ -217,7 +233,8 @@ class LedgerScheduler:
     def take_stats(self) -> m.KVLedgerStats | None:
         """What moved since the last report (`MetricDeltas`); None when nothing did."""
         return self._metrics.take(self.host.state, log_failed=self.host.log_failure is not None, tiers=self._tiers,
-                                  misses=self._misses.take() if self._misses is not None else None)
+                                  misses=self._misses.take() if self._misses is not None else None,
+                                  restores=self.restores.take())
 
     def take_events(self) -> list:
         return [] if self.tier_events is None else self.tier_events.take()

@@ -99,6 +99,10 @@ def test_two_identical_completions_the_second_restored(models, tmp_path):
     missed = {name.split("|")[1]: value for name, value in metrics.items() if name.startswith(MISSED + "|")}
     assert missed == {cause: entry["tokens"] for cause, entry in explained["missed_by_cause"].items()}
     assert missed == {"first_seen": 64, "partial_block": 32}
+    # The restore's stages, each observed once (a host-tier restore: no promotion).
+    stages = {name.split("|")[1]: value for name, value in metrics.items()
+              if name.startswith("vllm:kvledger_restore_stage_seconds_count|")}
+    assert stages == {"lookup": 1, "admission": 1, "load_host": 1, "first_step": 1}
 
 
 MISSED = "vllm:kvledger_missed_tokens_total"
@@ -130,8 +134,9 @@ def _metrics_once_loaded(url: str, timeout_s: float = 30, missed_tokens: int = 0
             if line.startswith(("vllm:kv_offload_", "vllm:kvledger_")):
                 name_labels, value = line.rsplit(" ", 1)
                 name = name_labels.split("{")[0]
-                if 'cause="' in name_labels:
-                    name += "|" + name_labels.split('cause="')[1].split('"')[0]
+                for label in ('cause="', 'stage="'):
+                    if label in name_labels:
+                        name += "|" + name_labels.split(label)[1].split('"')[0]
                 samples[name] = float(value)
         missed = sum(value for name, value in samples.items() if name.startswith(MISSED + "|"))
         loaded = samples.get("vllm:kv_offload_load_bytes_total")
