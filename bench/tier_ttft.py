@@ -12,6 +12,9 @@ Usage: python bench/tier_ttft.py [--store fs|valkey] [--phase ...]. Without
                process with the files in the page cache (as after a restart of
                vLLM alone). With `--store valkey` (a local valkey-server): once,
                as a second replica sharing the store would.
+Each "two" phase runs again as "..., spinning": with the worker's empty steps
+not waiting for the loads in flight (`worker_side.IDLE_WAIT_S` = 0), as
+kvledger ran before that wait, side by side.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ def run_phase(args) -> dict:
 
     from kvledger.adapters.cli.demo import ask, words
 
+    if args.spinning:  # the worker's empty steps do not wait for loads (as before IDLE_WAIT_S)
+        from kvledger.adapters.vllm import worker_side
+
+        worker_side.IDLE_WAIT_S = 0.0
     llm = engine(args.model_dir, tier_config(args.store, args.tier), args.log, args.doc_words)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     rng = random.Random(0)
@@ -94,6 +101,8 @@ def main() -> None:
     parser.add_argument("--label", default="disk")
     parser.add_argument("--docs", type=int, default=3)
     parser.add_argument("--doc-words", type=int, default=2000)
+    parser.add_argument("--spinning", action="store_true",
+                        help="(a phase) empty steps do not wait for the loads in flight")
     args = parser.parse_args()
     if args.phase:
         print("RESULT " + json.dumps(run_phase(args)), flush=True)
@@ -108,18 +117,21 @@ def main() -> None:
         from tests.support.valkey_servers import ServerProcess
 
         server = ServerProcess(maxmemory="2gb")
-        where, phases = server.url, (("one", ""), ("two", "valkey"))
+        where, phases = server.url, (("one", ""), ("two", "valkey"), ("two", "valkey, spinning"))
     else:
-        where, phases = str(work / "tier"), (("one", ""), ("two", "disk, cold"), ("two", "disk, warm"))
+        where, phases = str(work / "tier"), (("one", ""), ("two", "disk, cold"), ("two", "disk, warm"),
+                                             ("two", "disk, cold, spinning"), ("two", "disk, warm, spinning"))
     results = {}
     try:
         for phase, label in phases:
-            if label == "disk, cold" and not drop_caches():
+            if label.startswith("disk, cold") and not drop_caches():
                 sys.exit("dropping the page cache needs root")
             proc = subprocess.run(
                 [sys.executable, __file__, "--store", args.store, "--phase", phase, "--model-dir", model_dir,
-                 "--tier", where, "--log", str(work / f"{phase}{label[-4:]}.log"), "--docs", str(args.docs),
-                 "--label", label or "disk", "--doc-words", str(args.doc_words)],
+                 "--tier", where, "--log", str(work / f"{phase}-{label.replace(', ', '-') or 'one'}.log"),
+                 "--docs", str(args.docs),
+                 "--label", label or "disk", "--doc-words", str(args.doc_words),
+                 *(["--spinning"] if label.endswith("spinning") else [])],
                 capture_output=True, text=True, timeout=900)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
@@ -129,10 +141,10 @@ def main() -> None:
         if server is not None:
             server.close()
     tiered = [label for _, label in phases[1:]]
-    print(f"{'source':<12}{'median TTFT ms':>16}{'cached tokens':>16}")
+    print(f"{'source':<24}{'median TTFT ms':>16}{'cached tokens':>16}")
     for name in ("recompute", "host", *tiered):
         row = results[name]
-        print(f"{name:<12}{statistics.median(row['ttft']) * 1000:>16.0f}{statistics.median(row['cached']):>16.0f}")
+        print(f"{name:<24}{statistics.median(row['ttft']) * 1000:>16.0f}{statistics.median(row['cached']):>16.0f}")
     same = all(results[name]["tokens"] == results["host"]["tokens"] for name in tiered)
     print(f"outputs from the {args.store} tier equal those from host memory: {same}")
     print("where a restore's time goes, median ms per stage (the scheduler's clock; see adapters/vllm/restore_timing.py):")
@@ -141,7 +153,7 @@ def main() -> None:
         cells = ", ".join(f"{stage} {statistics.median(r[stage] for r in rows if stage in r) * 1000:.1f}"
                           for stage in ("lookup", "admission", "load_host", "load_promoted", "first_step")
                           if any(stage in r for r in rows))
-        print(f"  {name:<12}{cells or 'no restore recorded'}")
+        print(f"  {name:<24}{cells or 'no restore recorded'}")
     print("JSON " + json.dumps({n: {"ttft_ms": [round(t * 1000, 1) for t in r["ttft"]], "cached": r["cached"],
                                     "stages_ms": [{k: round(v * 1000, 2) for k, v in row.items()} for row in r["stages"]]}
                                 for n, r in results.items()} | {"tier_equals_host": same, "store": args.store}))

@@ -293,6 +293,25 @@ class TransferRunner:
         blocks = tuple(effect.target_block_ids[g][i] for g, i in outcome.failed)
         return LoadFailed(job_id=job_id, worker_index=worker, block_ids=blocks, keys=keys)
 
+    def wait_loads(self, timeout_s: float) -> None:
+        """Block, up to `timeout_s` and without raising, until every load in
+        flight has ended: its promotions' reads, then its device copy, which
+        starts here rather than at the next `poll`. For a step with nothing to
+        compute: vLLM steps again at once while loads are in flight, and those
+        empty steps would take the interpreter from the tiers' I/O threads for
+        nothing. The outcomes come with the next `poll`."""
+        deadline = time.monotonic() + timeout_s
+        if not self._lower.wait_reads(deadline):
+            return
+        self._ready = self.poll()  # the promotions' copies start; what ended so far waits for the next poll
+        copies = tuple(job_id for job_id, job in self._jobs.items() if isinstance(job.effect, StartLoad))
+        remaining = deadline - time.monotonic()
+        if copies and remaining > 0:
+            try:
+                self._backend.wait(copies, remaining)
+            except TransferTimeout:
+                pass
+
     def wait(self, job_ids: Iterable[int], timeout_s: float | None = None, what: str = "jobs") -> None:
         """Block until these jobs finished (a flush of stores, or loads a caller must see done)."""
         self._bounded(self._backend.wait, job_ids, self.timeout_s if timeout_s is None else timeout_s,

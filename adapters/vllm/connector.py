@@ -128,7 +128,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_stores(self._step_meta())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        finished, failed = self.worker.transfer_results()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        finished, failed = self.worker.transfer_results(idle=isinstance(meta, KVLedgerMetadata) and meta.idle)
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -32,17 +32,19 @@ class KVLedgerMetadata(KVConnectorMetadata):
     before_step: tuple[fx.Effect, ...] = ()
     loads: tuple[fx.Effect, ...] = ()
     after_forward: tuple[fx.Effect, ...] = ()
+    idle: bool = False  # the step computes nothing: vLLM stepped only to hear of transfers
 
     @classmethod
-    def from_effects(cls, effects: Sequence[fx.Effect]) -> KVLedgerMetadata:
+    def from_effects(cls, effects: Sequence[fx.Effect], *, idle: bool = False) -> KVLedgerMetadata:
         if not effects:  # most decode steps: one shared empty value (it is frozen)
-            return _NO_WORK
+            return _IDLE if idle else _NO_WORK
         routed = fx.route(effects)
         return cls(before_step=tuple(routed[fx.Phase.BEFORE_STEP]), loads=tuple(routed[fx.Phase.LOADS]),
-                   after_forward=tuple(routed[fx.Phase.AFTER_FORWARD]))
+                   after_forward=tuple(routed[fx.Phase.AFTER_FORWARD]), idle=idle)
 
 
 _NO_WORK = KVLedgerMetadata()
+_IDLE = KVLedgerMetadata(idle=True)
 
 
 @attrs.frozen(kw_only=True)

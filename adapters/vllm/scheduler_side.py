@@ -203,7 +203,7 @@ class LedgerScheduler:
             wall_time_us=time.time_ns() // 1000)
         self._apply(events)
         carried, self._carried = self._carried, []  # this step's, after those of calls since the last
-        return KVLedgerMetadata.from_effects(carried)
+        return KVLedgerMetadata.from_effects(carried, idle=not scheduler_output.total_num_scheduled_tokens)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta

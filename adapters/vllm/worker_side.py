@@ -41,6 +41,13 @@ from .store_timing import StoreQueue, store_timing, uses_v2_model_runner
 
 _log = structlog.get_logger("kvledger.adapters.vllm.worker")
 
+IDLE_WAIT_S = 0.02
+"""How long a step with nothing to compute waits for the loads in flight (it
+ends as soon as they do). vLLM steps again at once while a load is under way;
+without the wait those empty steps spin, and take the interpreter from the
+I/O threads reading a lower tier. A request arriving meanwhile waits at most
+this long to be scheduled."""
+
 
 def fault_plans(settings: ConnectorSettings, worker_index: int = 0) -> tuple[FaultPlan, ...]:
     """This worker's injected faults: none where `ranks` leaves it out."""
@@ -152,11 +159,15 @@ class LedgerWorker:
             raise RuntimeError("register_kv_caches was not called before the first step")
         return self._stores
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
-        """(finished_recving, failed_recving) since the last call."""
+    def transfer_results(self, *, idle: bool = False) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving) since the last call. In an `idle`
+        step (nothing to compute: vLLM steps only to hear of transfers) it
+        first waits up to `IDLE_WAIT_S` for the loads in flight to end."""
         finished: set[str] = set()
         failed: set[str] = set()
         multi_group = len(self.config.kv_cache_groups) > 1
+        if idle and IDLE_WAIT_S > 0 and self._load_requests:
+            self._runner.wait_loads(IDLE_WAIT_S)
         for event in self._runner.poll():
             self._events.append(event)
             if not isinstance(event, (LoadCompleted, LoadFailed)):

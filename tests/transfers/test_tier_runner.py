@@ -193,3 +193,43 @@ def test_a_tier_read_stuck_past_the_load_timeout_fails_and_its_slot_waits_until_
     finally:
         stuck.release()
         runner.shutdown(drain=False, timeout_s=10)
+
+
+def test_an_idle_step_waits_for_a_promoted_load_and_the_next_poll_reports_it(tmp_path) -> None:
+    """`wait_loads` blocks until the promotion's reads and then its device copy
+    end, so one poll reports the load: no empty steps spinning in between."""
+    runner, blocks, slots, keys = _spilled(tmp_path, layouts.cpu_attention(packing="layer"))
+    runner.submit([StartLoad(job_id=3, request_id="r", keys=keys, source_slot_ids=((8, 9),),
+                             target_block_ids=((4, 5),), promote_tiers=((1, 1),))])
+    runner.wait_loads(10.0)
+    assert runner.poll() == [LoadCompleted(job_id=3, worker_index=1)]
+    runner.wait_loads(10.0)  # nothing in flight: returns at once
+    assert runner.poll() == []
+
+
+def test_an_idle_step_waits_no_longer_than_asked_for_a_read_that_hangs(tmp_path) -> None:
+    from tests.transfers.test_fs_tier import StuckRows
+
+    case = layouts.cpu_attention(packing="layer")
+    layout = canonicalize(case.kv_caches, case.config)
+    tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=False)
+    stuck = StuckRows(num_slots=16, row_bytes=4096)
+    io = FsTierIO(root=str(tmp_path), namespace=NAMESPACE, rows=stuck.rows,
+                  payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)), threads=2)
+    runner = make_runner(layout, tier, CpuBackend(layout, tier), worker_index=1, lower_tiers={1: io})
+    try:
+        keys = keys_for(1, ((1, 2),))
+        io.write(1, keys, ((1, 2),))
+        io.wait([1], 10)
+        io.poll()
+        runner.submit([StartLoad(job_id=3, request_id="r", keys=keys, source_slot_ids=((0, 3),),
+                                 target_block_ids=((1, 2),), promote_tiers=((1, 1),))])
+        started = time.monotonic()
+        runner.wait_loads(0.2)  # slot 0's read is stuck: the wait gives up, without raising
+        assert 0.15 < time.monotonic() - started < 5
+        assert runner.poll() == []
+        stuck.release()
+        assert _poll_until(runner, 1) == [LoadCompleted(job_id=3, worker_index=1)]
+    finally:
+        stuck.release()
+        runner.shutdown(drain=False, timeout_s=10)

@@ -20,6 +20,7 @@ import structlog
 from kvledger.engine.effects import DropTierKeys, IdsByGroup, KeysByGroup, StartLoad, StartSpill
 from kvledger.events.keys import hex_keys
 from kvledger.events.types import StoreCompleted, StoreFailed
+from kvledger.transfers.copies.backend import TransferTimeout
 
 _log = structlog.get_logger("kvledger.transfers.tier_jobs")
 
@@ -31,6 +32,7 @@ class TierIO(Protocol):
     def read(self, job_id: int, keys: KeysByGroup, slot_ids: IdsByGroup) -> None: ...
     def delete(self, keys: tuple[bytes, ...]) -> None: ...
     def poll(self) -> list: ...
+    def wait(self, job_ids: tuple[int, ...], timeout_s: float) -> None: ...
     def shutdown(self, *, drain: bool = True, timeout_s: float = 30.0) -> None: ...
 
 
@@ -147,6 +149,17 @@ class LowerTierJobs:
                           for group in range(groups))
             self._tiers[tier].read(effect.job_id, keys, slots)
         return None
+
+    def wait_reads(self, deadline: float) -> bool:
+        """Block until every promotion's reads ended, or the monotonic `deadline`
+        passed (False); `poll` then hands the loads back."""
+        for job_id, promotion in list(self._promotions.items()):
+            for tier in tuple(promotion.waiting):
+                try:
+                    self._tiers[tier].wait((job_id,), max(0.0, deadline - time.monotonic()))
+                except TransferTimeout:
+                    return False
+        return True
 
     def poll(self) -> tuple[list[StoreCompleted | StoreFailed], list[tuple[StartLoad, set[Position]]]]:
         """(spill outcomes, promoted loads whose reads all ended with their failed positions)."""
