@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.adapters.vllm.restore_timing import RestoreTimes
+pytest.importorskip("vllm", reason="needs the vllm package")  # the adapter's package checks vLLM's version
+from kvledger.adapters.vllm.restore_timing import RestoreTimes  # noqa: E402
 
-pytestmark = pytest.mark.vllm  # the adapter's package checks vLLM's version on import
+pytestmark = pytest.mark.vllm  # not in the fast subset, which runs without vLLM
 
 
 class Clock:
