@@ -56,8 +56,6 @@ CAUSES: Final[dict[str, str]] = {
 }
 HOST: Final = 0
 _ADMITTING: Final = queries.ADMITTABLE
-# A run's fields after its blocks, as JSON gives them.
-_RUN_FIELDS: Final = ("outcome", "cause", "tier", "seq", "job_id", "other_request", "detail")
 
 
 @attrs.define
@@ -83,7 +81,7 @@ class Run:
     def as_dict(self) -> dict:
         data = {"blocks": [self.first_block, self.last_block], "tokens": [self.first_token, self.end_token],
                 "outcome": self.outcome}
-        for name in _RUN_FIELDS[1:]:
+        for name in ("cause", "tier", "seq", "job_id", "other_request", "detail"):
             value = getattr(self, name)
             if value not in ("", -1) or (name == "tier" and self.outcome == "restored"):
                 data[name] = value
@@ -200,8 +198,9 @@ class MissLedger:
                 self._attempts.pop(rid, None)
             else:
                 self._status[rid] = status
-        if self.max_keys and len(self.keys) > self.max_keys:
-            self._forget()
+        if self.max_keys:
+            _bound(self.keys, self.max_keys)
+            _bound(self._ended, self.max_keys)  # many requests may name few keys
 
     def _name(self, seq: int, rid: str, state: State) -> None:
         named = self._named.setdefault(rid, [0] * len(self.groups))
@@ -210,13 +209,6 @@ class MissLedger:
             for key in keys[named[group_id]:]:
                 setdefault(key, rid)
             named[group_id] = len(keys)
-
-    def _forget(self) -> None:
-        """Live: drop the oldest-named quarter of the keys' facts, and the
-        oldest ends of requests with them."""
-        for memory in (self.keys, self._ended):
-            for key in list(islice(memory, len(memory) // 4)):
-                del memory[key]
 
     def _fact(self, seq: int, effect: fx.Effect, effects: tuple[fx.Effect, ...], state: State) -> None:
         if isinstance(effect, fx.KeysLoadable):
@@ -438,6 +430,13 @@ def _run(first: int, last: int, size: int, outcome: str, why: tuple) -> Run:
         tier, seq, job = why
         return Run(first, last, first * size, (last + 1) * size, outcome, tier=tier, seq=seq, job_id=job)
     return Run(first, last, first * size, (last + 1) * size, outcome, *why)
+
+
+def _bound(memory: dict, most: int) -> None:
+    """Live: past `most` entries, forget the oldest until a quarter of it is free again."""
+    if len(memory) > most:
+        for key in list(islice(memory, len(memory) - most * 3 // 4)):
+            del memory[key]
 
 
 def _room(effects: tuple[fx.Effect, ...]) -> tuple[int, str]:

@@ -147,11 +147,13 @@ def main() -> None:
         print(f"{name:<24}{statistics.median(row['ttft']) * 1000:>16.0f}{statistics.median(row['cached']):>16.0f}")
     same = all(results[name]["tokens"] == results["host"]["tokens"] for name in tiered)
     print(f"outputs from the {args.store} tier equal those from host memory: {same}")
+    from kvledger.adapters.vllm.restore_timing import STAGES
+
     print("where a restore's time goes, median ms per stage (the scheduler's clock; see adapters/vllm/restore_timing.py):")
     for name in ("host", *tiered):
         rows = results[name]["stages"]
         cells = ", ".join(f"{stage} {statistics.median(r[stage] for r in rows if stage in r) * 1000:.1f}"
-                          for stage in ("lookup", "admission", "load_host", "load_promoted", "first_step")
+                          for stage in STAGES
                           if any(stage in r for r in rows))
         print(f"  {name:<24}{cells or 'no restore recorded'}")
     print("JSON " + json.dumps({n: {"ttft_ms": [round(t * 1000, 1) for t in r["ttft"]], "cached": r["cached"],

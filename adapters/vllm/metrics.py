@@ -36,7 +36,7 @@ class Metric:
     kind: str
     documentation: str
     buckets: tuple[float, ...] = ()
-    label: str = ""  # the label of its own, if any: "tier" ("1:fs") or "cause" (a miss's)
+    label: str = ""  # the label of its own, if any: "tier" ("1:fs"), "cause" (a miss's) or "stage" (a restore's)
 
 
 LOAD_BYTES = Metric("vllm:kv_offload_load_bytes", COUNTER, "Total bytes loaded from offload storage to GPU.")

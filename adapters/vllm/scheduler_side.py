@@ -114,10 +114,8 @@ class LedgerScheduler:
         routed = fx.route(effects)
         for phase in fx.WORKER_PHASES:
             self._carried.extend(routed[phase])
-            for effect in routed[phase]:
-                if type(effect) is fx.StartLoad:
-                    self.restores.load_started(effect.job_id, effect.request_id,
-                                               any(t for group in effect.promote_tiers for t in group))
+        for load in routed[fx.Phase.LOADS]:  # StartLoad's phase
+            self.restores.load_started(load.job_id, load.request_id, any(t for g in load.promote_tiers for t in g))
         for effect in routed[fx.Phase.SCHEDULER]:
             if isinstance(effect, fx.PinDeviceBlocks):
                 self._block_pool.touch(effect.block_ids)

@@ -71,9 +71,19 @@ def test_a_small_memory_forgets_keys_but_counts_every_missed_token() -> None:
         largest = max(largest, len(counter._ledger.keys))
         for cause, tokens in counter.take().items():
             counts[cause] = counts.get(cause, 0) + tokens
-    assert largest <= 16 + max(len(events) for events in steps) * 8  # bounded between two trims
+    assert largest <= 16  # after every event
     assert sum(counts.values()) == sum(expected.values())  # some causes may differ: their facts were forgotten
     assert counts["first_seen"] > expected["first_seen"]  # what it forgot, it takes for new
+
+
+@pytest.mark.fast
+def test_the_memory_bounds_the_ends_of_requests_too_where_they_name_few_keys() -> None:
+    steps, _ = _steps(SMALL, seed=3)  # 35 keys named, 67 requests ended
+    counter = MissCounter(SMALL, max_keys=40, background=False)
+    for events in steps:
+        counter.feed(events)
+        assert len(counter._ledger.keys) <= 40 and len(counter._ledger._ended) <= 40
+    assert len(counter._ledger.keys) == 35 and len(counter._ledger._ended) > 20
 
 
 @pytest.mark.fast
