@@ -59,8 +59,10 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter, deque
 from pathlib import Path
@@ -323,7 +325,8 @@ class LedgerWorker(SimulatedWorker):
     finished load also names its request in `finished_recving`."""
 
     def started(self, meta):
-        return ([("store", s.job_id, ()) for s in meta.after_forward]
+        # Stores and spills to a lower tier end with a StoreCompleted; a DropTierKeys needs no report.
+        return ([("store", s.job_id, ()) for s in meta.after_forward if hasattr(s, "job_id")]
                 + [("load", load.job_id, (load.request_id,)) for load in meta.loads])
 
     def flushed(self, meta):
@@ -546,12 +549,24 @@ def percentile(ordered: list[float], q: float) -> float:
 
 # The three connectors.
 
-def connector_configs(capacity_bytes: int, event_log: str) -> dict[str, tuple[dict, type]]:
+def connector_configs(capacity_bytes: int, event_log: str, disk: Path,
+                      disk_bytes: int) -> dict[str, tuple[dict, type]]:
+    """Each connector's kv_transfer_config and simulated worker. The `-fs` rows add
+    a file-system tier below host memory, each in its own folder under `disk`."""
     from kvledger.adapters.settings import kv_transfer_config
 
     ledger = {"capacity_bytes": capacity_bytes, "log_level": "warning"}
+    ledger_fs = {"type": "fs", "path": str(disk / "kvledger"), "capacity_bytes": disk_bytes}
+    # vLLM 0.33's tiering: its fs tier keeps every file (no capacity); 4 I/O threads of each kind
+    # instead of 16 + 16, as its threads share these 2 cores with the scheduler they serve.
+    tiering_fs = {"type": "fs", "root_dir": str(disk / "vllm"), "n_read_threads": 4, "n_write_threads": 4}
     return {
         "kvledger": (kv_transfer_config(**ledger), LedgerWorker),
+        "kvledger-fs": (kv_transfer_config(**ledger, secondary_tiers=[ledger_fs]), LedgerWorker),
+        "vllm-tiering-fs": ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                             "kv_connector_extra_config": {"cpu_bytes_to_use": capacity_bytes,
+                                                           "spec_name": "TieringOffloadingSpec",
+                                                           "secondary_tiers": [tiering_fs]}}, OffloadingWorker),
         "kvledger-logged": (kv_transfer_config(**ledger, event_log=event_log), LedgerWorker),
         "kvledger-counted": (kv_transfer_config(**ledger, miss_metrics=True), LedgerWorker),
         "vllm-offloading": ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -561,19 +576,26 @@ def connector_configs(capacity_bytes: int, event_log: str) -> dict[str, tuple[di
     }
 
 
-def thread_cpu_seconds(name: str) -> float | None:
-    """CPU time of this process's thread `name` so far (Linux), or None."""
+def thread_cpu_seconds(name: str, prefix: bool = False) -> float | None:
+    """CPU time so far of this process's thread `name` (Linux), or summed over the
+    live threads whose names start with it; None when there is none."""
     import threading
 
+    total, found = 0.0, False
     for thread in threading.enumerate():
-        if thread.name == name and thread.native_id is not None:
+        if (thread.name.startswith(name) if prefix else thread.name == name) and thread.native_id is not None:
             try:
                 stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
             except OSError:
-                return None
+                continue
             fields = stat.rsplit(")", 1)[1].split()  # from field 3 (state) on
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return None
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            found = True
+    return total if found else None
+
+
+# The threads each connector's lower tier runs in the scheduler's process.
+TIER_THREADS = {"kvledger-fs": ("kvledger-lookups",), "vllm-tiering-fs": ("vllm_kv_py_fs", "vllm_offloading_lookup")}
 
 
 def tier_slots(name: str, connector) -> int | None:
@@ -582,6 +604,8 @@ def tier_slots(name: str, connector) -> int | None:
         return connector.scheduler.config.num_tier_slots
     if name == "vllm-offloading":
         return getattr(connector.scheduler.manager, "_num_chunks", None)
+    if name == "vllm-tiering-fs":
+        return getattr(connector.scheduler.manager.primary_tier, "_num_chunks", None)
     manager = getattr(connector, "scheduler_manager", None)
     return manager.num_cpu_blocks if manager is not None else None
 
@@ -609,6 +633,10 @@ def main() -> None:
     parser.add_argument("--connectors", default="kvledger,vllm-offloading,vllm-simple-cpu")
     parser.add_argument("--event-log", default=str(HERE / "out" / "scheduler_overhead.kvlog"),
                         help="where kvledger-logged writes its event log (replaced if there)")
+    parser.add_argument("--disk-dir", default=str(HERE / "out"),
+                        help="where the -fs connectors' file-system tiers go (a fresh folder in it, removed after)")
+    parser.add_argument("--disk-blocks", type=int, default=None,
+                        help="kvledger-fs's disk tier in blocks (default 8x device); vLLM's fs tier has no bound")
     parser.add_argument("--out", default=str(HERE / "out" / "scheduler_overhead.json"))
     args = parser.parse_args()
     low, _, high = args.prompt_tokens.partition("-")
@@ -622,12 +650,23 @@ def main() -> None:
     model = build_model("tiny-gemma3", HERE / "out" / "models")
     capacity_bytes = tier_bytes(args.tier_blocks or 4 * args.device_blocks)
     trace = Trace(args.seed, prompt_tokens)
-    runs: list[Run] = []
-    failed: dict[str, str] = {}
     if "kvledger-logged" in args.connectors.split(","):
         Path(args.event_log).parent.mkdir(parents=True, exist_ok=True)
         Path(args.event_log).unlink(missing_ok=True)
-    for name, (kv_transfer, worker_cls) in connector_configs(capacity_bytes, args.event_log).items():
+    Path(args.disk_dir).mkdir(parents=True, exist_ok=True)
+    disk = Path(tempfile.mkdtemp(prefix="scheduler-overhead-tiers-", dir=args.disk_dir))
+    try:
+        measure(args, model, capacity_bytes, trace, disk, prompt_tokens)
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def measure(args, model: Path, capacity_bytes: int, trace: Trace, disk: Path, prompt_tokens: tuple[int, int]) -> None:
+    runs: list[Run] = []
+    failed: dict[str, str] = {}
+    disk_bytes = tier_bytes(args.disk_blocks or 8 * args.device_blocks)
+    configs = connector_configs(capacity_bytes, args.event_log, disk, disk_bytes)
+    for name, (kv_transfer, worker_cls) in configs.items():
         if name not in args.connectors.split(","):
             continue
         try:
@@ -669,6 +708,12 @@ def main() -> None:
     elapsed = time.perf_counter() - start
 
     summaries = {run.name: run.summary() for run in runs}
+    for name, prefixes in TIER_THREADS.items():
+        if name in summaries:
+            seconds = [thread_cpu_seconds(prefix, prefix=True) for prefix in prefixes]
+            summaries[name]["tier_threads_cpu_ms_per_step"] = sum(s or 0.0 for s in seconds) * 1e3 / args.steps
+    for run in runs:  # vLLM 0.33's tiering removes its shared-memory region and stops its threads here
+        run.scheduler.shutdown()
     base = summaries.get("vllm-offloading")
     if base is not None:
         for summary in summaries.values():
@@ -727,6 +772,14 @@ def main() -> None:
         if "miss_counter_cpu_ms_per_step" in summaries["kvledger-counted"]:
             print(f"  the counter's thread used {summaries['kvledger-counted']['miss_counter_cpu_ms_per_step']:.3f} "
                   "ms CPU per step")
+    if "kvledger-fs" in summaries and "vllm-tiering-fs" in summaries:
+        ours, theirs = (summaries[n]["connector_ms_per_step"] for n in ("kvledger-fs", "vllm-tiering-fs"))
+        print(f"with a disk tier, kvledger-fs / vllm-tiering-fs: median {ours['median'] / theirs['median']:.2f}x, "
+              f"mean {ours['mean'] / theirs['mean']:.2f}x (target <= 0.5x)")
+    for name in TIER_THREADS:
+        if name in summaries:
+            print(f"  {name}: its tier's threads in the scheduler's process used "
+                  f"{summaries[name]['tier_threads_cpu_ms_per_step']:.3f} ms CPU per step")
     print(f"wall {elapsed:.0f} s; raw numbers in {out}")
 
 

@@ -49,7 +49,9 @@ _log = structlog.get_logger("kvledger.adapters.vllm.lower_tiers")
 LOOKUP_TIMEOUT_S = 5.0
 """A lookup not answered by then counts as finding nothing (a hung network file system)."""
 LOOKUP_WAIT_S = 0.002
-"""How long a lookup may hold the scheduler's call, so a fast disk answers at once."""
+"""How long lookups may hold the scheduler's calls in one step, all requests together, so a
+fast disk answers at once: past it a request's ask is sent and answered at a later step (with
+64 requests arriving together, a wait per request held one step for 128 ms)."""
 LOOKUP_KEYS_MAX = 4096
 TOMBSTONES_MAX = 1 << 16
 """Keys this process removed, remembered so a lookup that raced the removal cannot bring them back."""
@@ -130,6 +132,7 @@ class SchedulerTiers:
             if tier.shared}
         self._answered: set[str] = set()
         self._found: list[ev.TierKeysFound] = []
+        self._wait_left = LOOKUP_WAIT_S  # of this step's
         # Per tier, keys this process asked its workers to remove, oldest first. A lookup can see
         # such a file before the worker has removed it: finding it would offer a block that is gone.
         # A Valkey tier deletes nothing (the store is shared), so it needs none (`TierType.tombstones`).
@@ -179,11 +182,12 @@ class SchedulerTiers:
             for index, lookups in self._lookups.items():
                 lookups.submit(request_id, tuple(keys[:LOOKUP_KEYS_MAX]))
                 self.counts[index]["lookup_keys"] += min(len(keys), LOOKUP_KEYS_MAX)
-        deadline = time.monotonic() + LOOKUP_WAIT_S
+        self._collect()
+        deadline = time.monotonic() + self._wait_left
         while request_id in self._asked and time.monotonic() < deadline:
+            time.sleep(0.0002)
             self._collect()
-            if request_id in self._asked:
-                time.sleep(0.0002)
+        self._wait_left = max(0.0, deadline - time.monotonic())
         if request_id in self._asked and time.monotonic() - self._asked[request_id] > LOOKUP_TIMEOUT_S:
             _log.warning("tier_lookup_timed_out", request_id=request_id, timeout_s=LOOKUP_TIMEOUT_S)
             for counts in self.counts.values():
@@ -192,6 +196,10 @@ class SchedulerTiers:
             for lookups in self._lookups.values():
                 lookups.cancel(request_id)
         return request_id in self._asked
+
+    def new_step(self) -> None:
+        """The scheduler's step ended: the next one may wait `LOOKUP_WAIT_S` again."""
+        self._wait_left = LOOKUP_WAIT_S
 
     def answered(self) -> dict[int, tuple[int, int]]:
         """Per shared tier: (keys asked, keys found) over the lookups it answered."""

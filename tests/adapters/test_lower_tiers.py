@@ -7,6 +7,7 @@ from __future__ import annotations
 import grp
 import os
 import stat
+import threading
 import time
 
 import pytest
@@ -54,6 +55,32 @@ def test_the_scan_finds_what_is_there_and_lookups_what_came_later(tmp_path) -> N
         assert answer.keys == (b"b" * 20,)
         assert not tiers.ask("r1", [b"b" * 20])  # asked once per request
     finally:
+        tiers.close()
+
+
+def test_lookups_hold_one_step_for_at_most_the_wait_all_requests_together(tmp_path) -> None:
+    """Many requests arriving together: the first ask waits, the rest are sent and
+    answered at a later step, and the next step may wait again."""
+    from kvledger.adapters.vllm.lower_tiers import LOOKUP_WAIT_S
+
+    tiers = _tiers(tmp_path)
+    release = threading.Event()
+    slow_find = tiers._lookups[1].find
+    tiers._lookups[1].find = lambda keys: (release.wait(5), slow_find(keys))[1]  # a stat that hangs
+    try:
+        _store(tiers, tmp_path, b"e" * 20)
+        assert tiers.ask("r1", [b"e" * 20])  # waited its share and more: not answered
+        assert tiers._wait_left == 0.0
+        for n in range(2, 10):
+            assert tiers.ask(f"r{n}", [b"e" * 20])  # sent, waited for no longer
+            assert tiers._wait_left == 0.0
+        tiers.new_step()
+        assert tiers._wait_left == LOOKUP_WAIT_S
+        release.set()
+        found = _ask_until_answered(tiers, "r1", [b"e" * 20])  # the other asks' answers too
+        assert found and {answer.keys for answer in found} == {(b"e" * 20,)}
+    finally:
+        release.set()
         tiers.close()
 
 
