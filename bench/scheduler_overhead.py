@@ -42,6 +42,19 @@ true`); beside `kvledger`, what the counter costs:
 
     python bench/scheduler_overhead.py [--requests 256] [--steps 1000] [--seed 0] [--out PATH]
 
+With a tier below host memory: `kvledger-fs` is kvledger over a disk tier
+(`--disk-blocks`), `vllm-tiering-fs` is vLLM 0.33's `OffloadingConnector`
+with `TieringOffloadingSpec` and its `fs` secondary tier, both in a fresh
+folder under `--disk-dir`. vLLM 0.33's tiers do their I/O and lookups on
+threads of the scheduler's process (the simulated worker writes nothing, so
+its files are the only ones written); kvledger's worker does the I/O, and
+only its lookups run in the scheduler's process. The CPU those threads use is
+printed per step. Make `--tier-blocks` smaller than the workload so blocks
+come back from the disk. Run it where vLLM 0.33 is installed:
+
+    VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python bench/scheduler_overhead.py \
+        --connectors kvledger,kvledger-fs,vllm-offloading,vllm-tiering-fs --tier-blocks 48000
+
 `--async-scheduling` builds vLLM's `AsyncScheduler` and schedules each step
 before the previous step's output is processed, with two batches in flight,
 as a GPU server runs by default; `--early-stops` ends every other request on
