@@ -12,7 +12,9 @@ completions, greedy, seeded, until `--minutes` have passed.
 Faults, one every `--fault-every-s`, in turn: Valkey killed and restarted
 empty; Valkey paused (SIGSTOP) for 4x its `timeout_s`; Valkey's memory
 filled by another writer; the disk tier's file system filled and freed (a
-tmpfs of its own, as root); `reset_prefix_cache` through the server's API; clients
+tmpfs of its own, as root); `reset_prefix_cache` through the server's API (the
+clients held back and their requests drained first: vLLM refuses a reset while
+requests hold blocks); clients
 that drop their stream after its first chunk; and, last, the event log's
 file system filled (after which the log stops and vLLM serves on).
 
@@ -65,10 +67,11 @@ def words(rng: random.Random, n: int) -> str:
 class Workload:
     """Seeded system prompts and documents every session draws from."""
 
-    def __init__(self, seed: int, systems: int = 3, documents: int = 40) -> None:
+    def __init__(self, seed: int, systems: int = 3, documents: int = 12) -> None:
         rng = random.Random(seed)
         self.systems = [words(rng, 40) for _ in range(systems)]
-        # 40 documents of 200 words: more than vLLM's device cache and host memory hold together
+        # 12 documents of 200 words: more than vLLM's device cache and host memory hold together,
+        # so sessions that come back to a document find it in the tiers below
         self.documents = [words(rng, 200) for _ in range(documents)]
 
     def session(self, rng: random.Random) -> tuple[str, list[str]]:
@@ -88,7 +91,7 @@ def free_port() -> int:
 def server_args(model: Path, port: int, transfer: dict | None) -> list[str]:
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
-            "--enforce-eager", "--kv-cache-memory-bytes", str(16 << 20), "--enable-prompt-tokens-details",
+            "--enforce-eager", "--kv-cache-memory-bytes", str(4 << 20), "--enable-prompt-tokens-details",
             "--max-num-seqs", "8", "--seed", "0"]
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer)]
@@ -197,13 +200,43 @@ def fill(folder: Path) -> Path:
     return filler
 
 
+class Traffic:
+    """The clients' gate and how many of their requests are in flight: vLLM refuses a cache
+    reset while running requests hold blocks, so the reset fault stops new requests, waits
+    for those in flight (an operator draining a server), resets, and lets them go again."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.drop = threading.Event()  # set: clients drop streams after their first chunk
+        self._cond = threading.Condition()
+        self._in_flight = 0
+
+    @contextlib.contextmanager
+    def request(self):
+        self.open.wait()
+        with self._cond:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        self.open.clear()
+        with self._cond:
+            return self._cond.wait_for(lambda: self._in_flight == 0, timeout_s)
+
+
 class Faults:
     """The schedule, each fault's window, and what it did."""
 
-    def __init__(self, valkey, base: str, disk: Path | None, log_dir: Path | None, clients_drop: threading.Event,
+    def __init__(self, valkey, base: str, disk: Path | None, log_dir: Path | None, traffic: Traffic,
                  timeout_s: float) -> None:
         self.valkey, self.base, self.disk, self.log_dir = valkey, base, disk, log_dir
-        self.drop = clients_drop
+        self.traffic = traffic
         self.timeout_s = timeout_s
         self.windows: list[dict] = []
         kinds = ["valkey_killed", "valkey_paused", "valkey_filled", "disk_filled", "reset", "clients_dropped"]
@@ -230,17 +263,19 @@ class Faults:
             filler = fill(self.disk if kind == "disk_filled" else self.log_dir)
             time.sleep(hold_s)
             filler.unlink()
-        elif kind == "reset":  # refused while blocks are held by running requests or transfers: retried
+        elif kind == "reset":  # refused while blocks are held by running requests or transfers
+            drained = self.traffic.drain(120)
             attempts, answer = 0, {}
             while attempts < 100 and not answer.get("success"):
                 attempts += 1
                 answer = post(f"{self.base}/reset_prefix_cache?reset_external=true", {})
                 time.sleep(0 if answer.get("success") else 0.1)
-            note = f"{json.dumps(answer)} after {attempts} attempt(s)"
+            self.traffic.open.set()
+            note = f"{json.dumps(answer)} after {attempts} attempt(s), {'drained' if drained else 'NOT drained'}"
         elif kind == "clients_dropped":
-            self.drop.set()
+            self.traffic.drop.set()
             time.sleep(hold_s)
-            self.drop.clear()
+            self.traffic.drop.clear()
         self.windows.append({"kind": kind, "start": started, "end": time.monotonic(), "note": note})
         print(f"fault {kind}: {time.monotonic() - started:.1f} s {note}", flush=True)
 
@@ -291,7 +326,7 @@ def slope_mb_per_min(points: list[tuple[float, float]]) -> float | None:
 
 # -- the run --------------------------------------------------------------------------------------------
 
-def client(index: int, args, base: str, model: str, workload: Workload, deadline: float, drop: threading.Event,
+def client(index: int, args, base: str, model: str, workload: Workload, deadline: float, traffic: Traffic,
            records: list, lock: threading.Lock) -> None:
     rng = random.Random(args.seed * 1000 + index)
     while time.monotonic() < deadline:
@@ -301,14 +336,15 @@ def client(index: int, args, base: str, model: str, workload: Workload, deadline
             if time.monotonic() >= deadline:
                 return
             prompt = f"{history}Q: {question}\nA:"
-            dropped = drop.is_set() and rng.random() < 0.5
-            at = time.monotonic()
-            record = {"client": index, "at": at, "prompt": prompt, "dropped": dropped}
-            try:
-                record.update(stream(base, model, prompt, args.max_tokens, drop_after_first=dropped))
-                record["ok"] = True
-            except Exception as exc:  # counted: a failed request is a finding, not a crash of the bench
-                record.update(ok=False, error=repr(exc)[:300])
+            with traffic.request():
+                dropped = traffic.drop.is_set() and rng.random() < 0.5
+                at = time.monotonic()
+                record = {"client": index, "at": at, "prompt": prompt, "dropped": dropped}
+                try:
+                    record.update(stream(base, model, prompt, args.max_tokens, drop_after_first=dropped))
+                    record["ok"] = True
+                except Exception as exc:  # counted: a failed request is a finding, not a crash of the bench
+                    record.update(ok=False, error=repr(exc)[:300])
             with lock:
                 records.append(record)
             if dropped or not record["ok"]:
@@ -327,6 +363,10 @@ def main() -> None:
     parser.add_argument("--hold-s", type=float, default=15.0, help="how long a full disk or dropping clients last")
     parser.add_argument("--sample-every-s", type=float, default=5.0)
     parser.add_argument("--check-sample", type=int, default=40, help="requests run again without kvledger")
+    parser.add_argument("--compare-by", choices=("server", "reset"), default="server",
+                        help="server: the sample runs on a second server with no connector; reset: on the same "
+                             "server, each request after reset_prefix_cache empties every tier (one server start "
+                             "less, for the suite's short form)")
     parser.add_argument("--out", default=str(HERE / "out" / "soak"))
     args = parser.parse_args()
     for name in ("minutes", "sample_every_s"):
@@ -373,16 +413,17 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
     records: list[dict] = []
     samples: list[dict] = []
     lock = threading.Lock()
-    drop = threading.Event()
-    faults = Faults(valkey, base, disk, log_fs, drop, timeout_s)
+    traffic = Traffic()
+    faults = Faults(valkey, base, disk, log_fs, traffic, timeout_s)
+    compared: dict = {}
     try:
         wait_healthy(base, server)
         print(f"server up on {base}; {args.clients} clients for {args.minutes} min", flush=True)
         started = time.monotonic()
         deadline = started + args.minutes * 60
         workload = Workload(args.seed)
-        threads = [threading.Thread(target=client, args=(i, args, base, str(model), workload, deadline, drop, records,
-                                                         lock), daemon=True) for i in range(args.clients)]
+        threads = [threading.Thread(target=client, args=(i, args, base, str(model), workload, deadline, traffic,
+                                                         records, lock), daemon=True) for i in range(args.clients)]
         for thread in threads:
             thread.start()
         roots = [psutil.Process(server.pid), psutil.Process(valkey.process.pid)]
@@ -406,13 +447,17 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
         for thread in threads:
             thread.join(timeout=180)
         final_metrics = scrape(base)
+        if args.compare_by == "reset":
+            compared = compare(args, base, str(model), records, reset=True)
     finally:
         stop_server(server)
     (out / "samples.json").write_text(json.dumps(samples))
     (out / "requests.json").write_text(json.dumps(records))
     summary = summarise(args, records, samples, faults, started, final_metrics)
     summary["replay_check"] = replay_check(log)
-    summary["compared"] = compare_without_kvledger(args, model, records, out)
+    if args.compare_by == "server":
+        compared = compare_without_kvledger(args, model, records, out)
+    summary["compared"] = compared
     return summary
 
 
@@ -470,25 +515,33 @@ def replay_check(log: Path) -> dict:
 def compare_without_kvledger(args, model: Path, records: list[dict], out: Path) -> dict:
     """A seeded sample of the whole requests served, run again greedy on a server with no
     connector: each output must be the same text."""
-    done = [r for r in records if r["ok"] and not r["dropped"]]
-    sample_ = random.Random(args.seed).sample(done, min(args.check_sample, len(done)))
-    if not sample_:
-        return {"compared": 0}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = start_server(server_args(model, port, None), out / "reference.out")
-    wrong = []
     try:
         wait_healthy(base, server)
-        for record in sample_:
-            answer = post(f"{base}/v1/completions", {"model": str(model), "prompt": record["prompt"],
-                                                     "max_tokens": args.max_tokens, "temperature": 0})
-            if answer["choices"][0]["text"] != record["text"]:
-                wrong.append({"at": record["at"], "served": record["text"], "recomputed": answer["choices"][0]["text"]})
+        return compare(args, base, str(model), records, reset=False)
     finally:
         stop_server(server)
-    print(f"compared {len(sample_)} requests with a server without kvledger: {len(wrong)} differ", flush=True)
-    return {"compared": len(sample_), "wrong": len(wrong), "first_wrong": wrong[:3]}
+
+
+def compare(args, base: str, model: str, records: list[dict], *, reset: bool) -> dict:
+    """Each request of a seeded sample run again, greedy: the same text as served. With
+    `reset`, every cache and tier is emptied first, so it is computed from scratch."""
+    done = [r for r in records if r["ok"] and not r["dropped"]]
+    chosen = random.Random(args.seed).sample(done, min(args.check_sample, len(done)))
+    wrong = []
+    for record in chosen:
+        while reset and not post(f"{base}/reset_prefix_cache?reset_external=true", {}).get("success"):
+            time.sleep(0.1)  # refused while a transfer still holds blocks
+        answer = post(f"{base}/v1/completions", {"model": model, "prompt": record["prompt"],
+                                                 "max_tokens": args.max_tokens, "temperature": 0})
+        if answer["choices"][0]["text"] != record["text"]:
+            wrong.append({"at": record["at"], "served": record["text"], "recomputed": answer["choices"][0]["text"]})
+    how = "after emptying every cache" if reset else "on a server without kvledger"
+    print(f"compared {len(chosen)} requests, recomputed {how}: {len(wrong)} differ", flush=True)
+    return {"compared": len(chosen), "by": "reset" if reset else "server", "wrong": len(wrong),
+            "first_wrong": wrong[:3]}
 
 
 if __name__ == "__main__":
