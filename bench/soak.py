@@ -10,13 +10,12 @@ questions that each carry the answers before them) through streamed
 completions, greedy, seeded, until `--minutes` have passed.
 
 Faults, one every `--fault-every-s`, in turn: Valkey killed and restarted
-empty; Valkey paused (SIGSTOP) for 4x its `timeout_s`; Valkey's memory
+empty; `reset_prefix_cache` through the server's API (the clients held back
+and their requests drained first: vLLM refuses a reset while requests hold
+blocks); Valkey paused (SIGSTOP) for 4x its `timeout_s`; Valkey's memory
 filled by another writer; the disk tier's file system filled and freed (a
-tmpfs of its own, as root); `reset_prefix_cache` through the server's API (the
-clients held back and their requests drained first: vLLM refuses a reset while
-requests hold blocks); clients
-that drop their stream after its first chunk; and, last, the event log's
-file system filled (after which the log stops and vLLM serves on).
+tmpfs of its own, as root); clients that drop their stream after its first
+chunk; and, last, the event log's file system filled (after which the log stops and vLLM serves on).
 
 Sampled every `--sample-every-s`: resident memory, open descriptors, threads
 and sockets of every process of the server and of Valkey, the log's size,
@@ -239,7 +238,8 @@ class Faults:
         self.traffic = traffic
         self.timeout_s = timeout_s
         self.windows: list[dict] = []
-        kinds = ["valkey_killed", "valkey_paused", "valkey_filled", "disk_filled", "reset", "clients_dropped"]
+        # The reset second: a short run (the suite's minute) has room for a few faults before the last
+        kinds = ["valkey_killed", "reset", "valkey_paused", "valkey_filled", "disk_filled", "clients_dropped"]
         self.kinds = [k for k in kinds if k != "disk_filled" or disk is not None]
 
     def run(self, kind: str, hold_s: float) -> None:

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_minute_of_serving_under_faults_fails_nothing_outside_them_and_serves_nothing_wrong(tmp_path):
     out = tmp_path / "soak"
     proc = subprocess.run(
-        [sys.executable, "bench/soak.py", "--minutes", "1", "--clients", "2", "--fault-every-s", "7",
+        [sys.executable, "bench/soak.py", "--minutes", "1", "--clients", "2", "--fault-every-s", "6",
          "--hold-s", "3", "--sample-every-s", "2", "--check-sample", "8", "--compare-by", "reset", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
