@@ -318,10 +318,10 @@ def sample(roots: list[psutil.Process]) -> dict[str, dict]:
 def slope_mb_per_min(points: list[tuple[float, float]]) -> float | None:
     if len(points) < 3:
         return None
-    xs, ys = [p[0] / 60 for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else None
+    try:
+        return statistics.linear_regression([p[0] / 60 for p in points], [p[1] for p in points]).slope
+    except statistics.StatisticsError:  # every sample at one time
+        return None
 
 
 # -- the run --------------------------------------------------------------------------------------------

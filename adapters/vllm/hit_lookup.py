@@ -90,8 +90,6 @@ class HitLookups:
         admitted, self._admitted = self._admitted, []
         self._promised = self._promoting = 0
         self._pending_promotions.clear()
-        if self._tiers is not None:
-            self._tiers.new_step()
         return admitted
 
     def rewound(self, request_id: str) -> None:

@@ -200,6 +200,8 @@ class LedgerScheduler:
             keys_of=self._keys_of, cached=scheduler_output.scheduled_cached_reqs, sessions=self._sessions,
             wall_time_us=time.time_ns() // 1000)
         self._apply(events)
+        if self._tiers is not None:  # the next step's lookups may wait their budget again
+            self._tiers.new_step()
         carried, self._carried = self._carried, []  # this step's, after those of calls since the last
         return KVLedgerMetadata.from_effects(carried, idle=not scheduler_output.total_num_scheduled_tokens)
 

@@ -49,6 +49,7 @@ from kvledger.transfers.lower_tiers.block_file import (
     aside_path,
     block_path,
     create_aside,
+    key_tail,
     read_block_into,
     write_block,
 )
@@ -334,13 +335,11 @@ def scan_keys(root: str, namespace: bytes) -> list[bytes]:
 
 
 def files_present(root: str, namespaces: tuple[bytes, ...], keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
-    """The keys with a block file in every namespace (one per tensor-parallel rank).
-    Paths are built as strings: `block_path`'s pathlib took most of a lookup's time."""
+    """The keys with a block file in every namespace (one per tensor-parallel rank)."""
     tops = [os.path.join(os.fspath(root), space.hex()) + os.sep for space in namespaces]
     found = []
     for key in keys:
-        text = key.hex()
-        tail = text[:2] + os.sep + text + SUFFIX
+        tail = key_tail(key)
         if all(_present(top + tail) for top in tops):
             found.append(key)
     return tuple(found)
