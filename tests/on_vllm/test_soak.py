@@ -1,32 +1,66 @@
 """The soak's short form: a minute of vLLM's OpenAI server under concurrent
 clients with every tier, while Valkey is killed, paused and filled, the cache
 is reset through the API, clients drop their streams and (as root) the disk
-tier's and the log's file systems fill. `bench/soak.py` runs the long form."""
+tier's and the log's file systems fill. `bench/soak.py` runs the long form; here
+its server is forked from the suite's vLLM zygote (its engine core and worker
+from the zygote's forkserver), which spares three imports of vLLM."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
+import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .conftest import zygote
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _soak_module():
+    spec = importlib.util.spec_from_file_location("kvledger_soak", REPO / "bench" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _ForkedServer:
+    """`bench/soak.py`'s server, forked from the zygote: the interface of the Popen it would start."""
+
+    def __init__(self, soak, args: list[str], log: Path) -> None:
+        self._zygote = zygote()
+        saved = {name: os.environ.get(name) for name in soak.SERVER_ENV}
+        os.environ.update(soak.SERVER_ENV)  # a run takes the environment as it is at its start
+        try:
+            self.pid = self._zygote.start({"module": soak.SERVER_MODULE, "argv": args, "multiprocess": True}, log)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    def poll(self) -> int | None:
+        return self._zygote.poll()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self._zygote.wait(timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired("vLLM's API server", timeout) from None
+
+
 def test_a_minute_of_serving_under_faults_fails_nothing_outside_them_and_serves_nothing_wrong(tmp_path):
-    out = tmp_path / "soak"
-    proc = subprocess.run(
-        [sys.executable, "bench/soak.py", "--minutes", "1", "--clients", "2", "--fault-every-s", "6",
-         "--hold-s", "3", "--sample-every-s", "2", "--check-sample", "8", "--compare-by", "reset", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-    assert proc.returncode == 0, tail
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["served"] > 20, tail
+    soak = _soak_module()
+    summary = soak.main(
+        ["--minutes", "1", "--clients", "2", "--fault-every-s", "6", "--hold-s", "3", "--sample-every-s", "2",
+         "--check-sample", "8", "--compare-by", "reset", "--out", str(tmp_path / "soak")],
+        start=lambda args, log: _ForkedServer(soak, args, log))
+    assert summary["served"] > 20, summary
     assert summary["failed_outside_faults"] == 0, summary["failures_outside_faults"]
     kinds = {fault["kind"] for fault in summary["faults"]}
     assert {"valkey_killed", "valkey_paused", "valkey_filled", "reset"} <= kinds, kinds
@@ -35,13 +69,13 @@ def test_a_minute_of_serving_under_faults_fails_nothing_outside_them_and_serves_
     assert summary["compared"]["compared"] == 8 and summary["compared"]["wrong"] == 0, summary["compared"]
     # The log replays with every invariant checked (it stops, whole, where its disk filled).
     assert summary["replay_check"]["exit"] == 0, summary["replay_check"]
-    # Every fault left serving going: requests were served after the last one.
-    last = max(fault["end"] for fault in summary["faults"])
-    requests = json.loads((out / "requests.json").read_text())
-    first = min(r["at"] for r in requests)
-    assert any(r["ok"] and r["at"] - first > last for r in requests)
-    # Descriptors and threads of the server's processes stay bounded through the faults.
-    for kind, entry in summary["processes_after_warmup"].items():
+    # Every fault left serving going: requests sent after the last one ended were served.
+    assert summary["served_after_last_fault"] > 0, summary["faults"]
+    # Descriptors and threads of the server's processes stay bounded through the faults;
+    # the engine core and its worker are sampled too.
+    processes = summary["processes_after_warmup"]
+    assert {"api_server", "VLLM::EngineCore", "VLLM::Worker"} <= processes.keys(), processes.keys()
+    for kind, entry in processes.items():
         if kind in ("api_server", "VLLM::EngineCore", "VLLM::Worker"):
             assert entry["fds_range"][1] - entry["fds_range"][0] < 64, (kind, entry)
             assert entry["threads_range"][1] - entry["threads_range"][0] < 32, (kind, entry)

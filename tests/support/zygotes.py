@@ -109,6 +109,9 @@ def _tail(out: Path, err: Path) -> str:
 
 
 def close_all() -> None:
+    for one in _ZYGOTES.values():  # every one told first, then each waited for
+        if one.process.stdin is not None:
+            one.process.stdin.close()
     for one in _ZYGOTES.values():
         one.close()
     _ZYGOTES.clear()
