@@ -13,6 +13,7 @@ killed run takes its engine core and workers with it).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import socket
@@ -43,6 +44,8 @@ def start() -> None:
         _server._forkserver_address = _server._forkserver_alive_fd = _server._forkserver_pid = None
     for name in PRELOAD:
         importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # as the zygote did after its own imports (`engine_zygote.main`)
     if threading.active_count() != 1:
         raise RuntimeError("threads in the zygote: forking the forkserver would not be safe")
     resource_tracker.ensure_running()
