@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -247,14 +248,15 @@ class Faults:
     """The schedule, each fault's window, and what it did."""
 
     def __init__(self, valkey, base: str, disk: Path | None, log_dir: Path | None, traffic: Traffic,
-                 timeout_s: float) -> None:
+                 timeout_s: float, *, server_only: bool = False) -> None:
         self.valkey, self.base, self.disk, self.log_dir = valkey, base, disk, log_dir
         self.traffic = traffic
         self.timeout_s = timeout_s
         self.windows: list[dict] = []
         # The reset second: a short run (the suite's minute) has room for a few faults before the last
         kinds = ["valkey_killed", "reset", "valkey_paused", "valkey_filled", "disk_filled", "clients_dropped"]
-        self.kinds = [k for k in kinds if k != "disk_filled" or disk is not None]
+        self.kinds = [k for k in kinds if (k != "disk_filled" or disk is not None)
+                      and (not server_only or k in ("reset", "clients_dropped"))]
 
     def run(self, kind: str, hold_s: float) -> None:
         started = time.monotonic()
@@ -267,12 +269,16 @@ class Faults:
             self.valkey.resume()
         elif kind == "valkey_filled":
             blob = os.urandom(1 << 20)
-            with contextlib.suppress(Exception):
+            written, error = 0, ""
+            try:
                 for n in range(10_000):  # another tenant's keys until the server evicts for them
                     self.valkey.cli("SET", f"other-tenant:{n}", blob)
-                    if n % 16 == 0 and int(self.valkey.cli("INFO", "memory").split("used_memory:")[1].split()[0]) \
-                            > 0.95 * 64 * (1 << 20):
+                    written += 1
+                    if n % 16 == 0 and self.valkey_used() > 0.95 * 64 * (1 << 20):
                         break
+            except Exception as exc:  # a full server that evicts nothing refuses writes: filled all the same
+                error = f", then {type(exc).__name__}"
+            note = f"filled: {written} MiB written{error}, used_memory {self.valkey_used() >> 20} MiB"
         elif kind in ("disk_filled", "log_filled"):
             filler = fill(self.disk if kind == "disk_filled" else self.log_dir)
             time.sleep(hold_s)
@@ -292,6 +298,11 @@ class Faults:
             self.traffic.drop.clear()
         self.windows.append({"kind": kind, "start": started, "end": time.monotonic(), "note": note})
         print(f"fault {kind}: {time.monotonic() - started:.1f} s {note}", flush=True)
+
+    def valkey_used(self) -> int:
+        """`used_memory` from INFO (the client returns the reply unparsed)."""
+        found = re.search(r"used_memory:(\d+)", self.valkey.cli("INFO", "memory"))
+        return int(found.group(1)) if found else 0
 
     def in_window(self, at: float, grace_s: float = 15.0) -> bool:
         return any(w["start"] - 1 <= at <= w["end"] + grace_s for w in self.windows)
@@ -391,6 +402,9 @@ def main(argv: list[str] | None = None, start=start_server) -> dict:
                         help="server: the sample runs on a second server with no connector; reset: on the same "
                              "server, each request after reset_prefix_cache empties every tier (one server start "
                              "less, for the suite's short form)")
+    parser.add_argument("--without-kvledger", action="store_true",
+                        help="the same server and traffic with no connector: the memory baseline kvledger's "
+                             "slopes are weighed against (faults: the reset and dropped streams alone)")
     parser.add_argument("--out", default=str(HERE / "out" / "soak"))
     args = parser.parse_args(argv)
     for name in ("minutes", "sample_every_s"):
@@ -430,9 +444,10 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
 
     timeout_s = 0.5
     log = log_dir / "events.kvlog"
-    transfer = kv_transfer_config(capacity_bytes=2 << 20, event_log=str(log), log_json=True, secondary_tiers=[
-        {"type": "fs", "path": str(disk or log_dir.parent / "disk"), "capacity_bytes": 64 << 20},
-        {"type": "valkey", "url": valkey.url, "capacity_bytes": 48 << 20, "timeout_s": timeout_s}])
+    transfer = None if args.without_kvledger else kv_transfer_config(
+        capacity_bytes=2 << 20, event_log=str(log), log_json=True, secondary_tiers=[
+            {"type": "fs", "path": str(disk or log_dir.parent / "disk"), "capacity_bytes": 64 << 20},
+            {"type": "valkey", "url": valkey.url, "capacity_bytes": 48 << 20, "timeout_s": timeout_s}])
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = start(server_args(model, port, transfer), out / "server.out")
@@ -440,7 +455,8 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
     samples: list[dict] = []
     lock = threading.Lock()
     traffic = Traffic()
-    faults = Faults(valkey, base, disk, log_fs, traffic, timeout_s)
+    faults = Faults(valkey, base, disk, None if args.without_kvledger else log_fs, traffic, timeout_s,
+                    server_only=args.without_kvledger)
     compared: dict = {}
     try:
         wait_healthy(base, server)
@@ -473,18 +489,54 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
         for thread in threads:
             thread.join(timeout=180)
         final_metrics = scrape(base)
-        if args.compare_by == "reset":
+        if args.compare_by == "reset" and not args.without_kvledger:
             compared = compare(args, base, str(model), records, reset=True)
     finally:
         stop_server(server)
     (out / "samples.json").write_text(json.dumps(samples))
     (out / "requests.json").write_text(json.dumps(records))
     summary = summarise(args, records, samples, faults, started, final_metrics)
+    if args.without_kvledger:  # no log to replay, nothing restored to compare
+        return summary
     summary["replay_check"] = replay_check(log)
     if args.compare_by == "server":
         compared = compare_without_kvledger(args, model, records, out, start)
     summary["compared"] = compared
     return summary
+
+
+def valkey_recovery(records: list[dict], samples: list[dict], faults: Faults, started: float) -> list[dict]:
+    """After each Valkey fault: how soon the tier is up again (its health gauge), writes to it
+    resume and it serves a hit again (from the samples' counters), and the restored tokens per
+    request in the minute before the fault against the minute after it."""
+    def series(name: str) -> list[tuple[float, float]]:
+        return [(x["t"], value) for x in samples for key, value in x.get("metrics", {}).items()
+                if key.startswith(name + "|") and "valkey" in key]
+
+    def first_after(points: list[tuple[float, float]], after: float, test) -> float | None:
+        return next((round(t - after, 1) for t, value in points if t >= after and test(value)), None)
+
+    def cached_per_request(lo: float, hi: float) -> float | None:
+        window = [r.get("cached", 0) for r in records if r["ok"] and lo <= r["at"] - started < hi]
+        return round(statistics.fmean(window), 1) if window else None
+
+    up = series("vllm:kvledger_tiering_up")
+    writes = series("vllm:kv_offload_tiering_write_bytes_total")
+    hits = series("vllm:kv_offload_tiering_chunk_hits_total")
+    rows = []
+    for window in faults.windows:
+        if not window["kind"].startswith("valkey"):
+            continue
+        start, end = window["start"] - started, window["end"] - started
+        written = max((value for t, value in writes if t <= end), default=0.0)
+        hit = max((value for t, value in hits if t <= end), default=0.0)
+        rows.append({"kind": window["kind"], "end": round(end, 1),
+                     "up_after_s": first_after(up, end, lambda v: v == 1),
+                     "writing_after_s": first_after(writes, end, lambda v, w=written: v > w),
+                     "hit_after_s": first_after(hits, end, lambda v, h=hit: v > h),
+                     "cached_per_request_minute_before": cached_per_request(start - 60, start),
+                     "cached_per_request_minute_after": cached_per_request(end, end + 60)})
+    return rows
 
 
 def summarise(args, records: list[dict], samples: list[dict], faults: Faults, started: float, metrics: dict) -> dict:
@@ -528,6 +580,7 @@ def summarise(args, records: list[dict], samples: list[dict], faults: Faults, st
         "faults": [{**w, "start": round(w["start"] - started, 1), "end": round(w["end"] - started, 1)}
                    for w in faults.windows],
         "per_minute": per_minute, "processes_after_warmup": growth,
+        "valkey_recovery": valkey_recovery(records, samples, faults, started),
         "metrics_at_end": {k: v for k, v in metrics.items() if "kvledger" in k or "tiering" in k},
     }
 

@@ -65,6 +65,8 @@ def test_a_minute_of_serving_under_faults_fails_nothing_outside_them_and_serves_
     kinds = {fault["kind"] for fault in summary["faults"]}
     assert {"valkey_killed", "valkey_paused", "valkey_filled", "reset"} <= kinds, kinds
     assert all("true" in fault["note"] for fault in summary["faults"] if fault["kind"] == "reset")
+    filled = [fault["note"] for fault in summary["faults"] if fault["kind"] == "valkey_filled"]
+    assert all(note.startswith("filled:") and int(note.split()[1]) >= 32 for note in filled), filled
     # Outputs: a sample recomputed from empty caches gives the text served, restored or not.
     assert summary["compared"]["compared"] == 8 and summary["compared"]["wrong"] == 0, summary["compared"]
     # The log replays with every invariant checked (it stops, whole, where its disk filled).
