@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import socket
 import statistics
 import subprocess
@@ -43,17 +42,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))  # `tests.support` from this checkout
+from tier_ttft import prompts  # noqa: E402  (the sibling script: bench/ is on sys.path when run)
+
+from tests.support.valkey_servers import free_port  # noqa: E402
+
 ENGINE = dict(dtype="float32", block_size=32, enforce_eager=True, enable_prefix_caching=False,
               kv_cache_memory_bytes=256 << 20, max_num_seqs=4, seed=0, disable_log_stats=False)
-
-
-def prompts(docs: int, doc_words: int) -> tuple[list[str], list[str]]:
-    """As `bench/tier_ttft.py` asks them: per document a first question, then a second."""
-    from kvledger.adapters.cli.demo import words
-
-    rng = random.Random(0)
-    documents = [words(rng, doc_words) for _ in range(docs)]
-    return [f"{d} {words(rng, 20)}" for d in documents], [f"{d} {words(rng, 24)}" for d in documents]
 
 
 def lmcache_transfer(port: int) -> dict:
@@ -104,12 +98,6 @@ def run_phase(args) -> dict:
         rows["tier"] = [ask(llm, p, params) for p in second]
     return {name: {"tokens": [r[0] for r in got], "cached": [r[1] for r in got], "ttft": [r[2] for r in got]}
             for name, got in rows.items()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LMCacheServer:

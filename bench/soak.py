@@ -39,7 +39,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,8 @@ import psutil
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))  # `tests.support` from this checkout
+from tests.support.valkey_servers import ServerProcess, free_port  # noqa: E402
+
 WARMUP_S = 60.0
 
 
@@ -81,12 +82,6 @@ class Workload:
 
 
 # -- the server and its HTTP --------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}  # dev mode: /reset_prefix_cache
@@ -412,7 +407,6 @@ def main(argv: list[str] | None = None, start=start_server) -> dict:
             parser.error(f"--{name.replace('_', '-')} must be positive")
 
     from kvledger.adapters.testing.tiny_models import build_model
-    from tests.support.valkey_servers import ServerProcess
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

@@ -53,10 +53,20 @@ def engine(model_dir: str, tier: dict, log: str, doc_words: int):
                    secondary_tiers=[tier]))
 
 
+def prompts(docs: int, doc_words: int) -> tuple[list[str], list[str]]:
+    """Per document a first question (computed and stored), then a second one sharing it
+    (restored); seeded, so `bench/peer_ttft.py` asks LMCache the same."""
+    from kvledger.adapters.cli.demo import words
+
+    rng = random.Random(0)
+    documents = [words(rng, doc_words) for _ in range(docs)]
+    return [f"{d} {words(rng, 20)}" for d in documents], [f"{d} {words(rng, 24)}" for d in documents]
+
+
 def run_phase(args) -> dict:
     from vllm import SamplingParams
 
-    from kvledger.adapters.cli.demo import ask, words
+    from kvledger.adapters.cli.demo import ask
 
     if args.spinning:  # the worker's empty steps do not wait for loads (as before IDLE_WAIT_S)
         from kvledger.adapters.vllm import worker_side
@@ -64,10 +74,7 @@ def run_phase(args) -> dict:
         worker_side.IDLE_WAIT_S = 0.0
     llm = engine(args.model_dir, tier_config(args.store, args.tier), args.log, args.doc_words)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    rng = random.Random(0)
-    documents = [words(rng, args.doc_words) for _ in range(args.docs)]
-    first = [f"{d} {words(rng, 20)}" for d in documents]
-    second = [f"{d} {words(rng, 24)}" for d in documents]
+    first, second = prompts(args.docs, args.doc_words)
     out: dict = {}
     stages: dict[str, list[dict]] = {}
     restores = _restores(llm)

@@ -114,8 +114,8 @@ def main() -> None:
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
         print(json.dumps({"status": code}), flush=True)
-    # No interpreter teardown: finalising torch and vLLM took 3.5-7 s per zygote at the end of every
-    # worker's run, and no state here needs it (the forkserver ends when its last client closes).
+    # No interpreter teardown: finalising torch and vLLM took 3.5 s per zygote (7.4 s for a worker's
+    # two) at the end of every run, and no state here needs it (the forkserver ends with its last client).
     os._exit(0)
 
 

@@ -8,7 +8,6 @@ from the zygote's forkserver), which spares three imports of vLLM."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 from pathlib import Path
 
@@ -29,20 +28,12 @@ def _soak_module():
 
 
 class _ForkedServer:
-    """`bench/soak.py`'s server, forked from the zygote: the interface of the Popen it would start."""
+    """`bench/soak.py`'s server, forked from the zygote (with the test's environment, which
+    holds `SERVER_ENV`): the interface of the Popen it would start."""
 
     def __init__(self, soak, args: list[str], log: Path) -> None:
         self._zygote = zygote()
-        saved = {name: os.environ.get(name) for name in soak.SERVER_ENV}
-        os.environ.update(soak.SERVER_ENV)  # a run takes the environment as it is at its start
-        try:
-            self.pid = self._zygote.start({"module": soak.SERVER_MODULE, "argv": args, "multiprocess": True}, log)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        self.pid = self._zygote.start({"module": soak.SERVER_MODULE, "argv": args, "multiprocess": True}, log)
 
     def poll(self) -> int | None:
         return self._zygote.poll()
@@ -54,8 +45,10 @@ class _ForkedServer:
             raise subprocess.TimeoutExpired("vLLM's API server", timeout) from None
 
 
-def test_a_minute_of_serving_under_faults_fails_nothing_outside_them_and_serves_nothing_wrong(tmp_path):
+def test_a_minute_of_serving_under_faults_fails_nothing_outside_them_and_serves_nothing_wrong(tmp_path, monkeypatch):
     soak = _soak_module()
+    for name, value in soak.SERVER_ENV.items():  # a forked run takes the environment as it is at its start
+        monkeypatch.setenv(name, value)
     summary = soak.main(
         ["--minutes", "1", "--clients", "2", "--fault-every-s", "6", "--hold-s", "3", "--sample-every-s", "2",
          "--check-sample", "8", "--compare-by", "reset", "--out", str(tmp_path / "soak")],
