@@ -53,8 +53,13 @@ LOOKUP_WAIT_S = 0.002
 fast disk answers at once: past it a request's ask is sent and answered at a later step (with
 64 requests arriving together, a wait per request held one step for 128 ms)."""
 LOOKUP_KEYS_MAX = 4096
+TOMBSTONE_S = 30.0
+"""How long a key this process removed is remembered, so a lookup that raced the removal cannot
+bring it back: past a lookup's life (`LOOKUP_TIMEOUT_S`) after the worker removed the file, with
+room for a slow step. A lookup that still finds a key removed later only costs a failed
+promotion, which is recomputed. Remembered for ever, they were 11 MB after 65,536 evictions."""
 TOMBSTONES_MAX = 1 << 16
-"""Keys this process removed, remembered so a lookup that raced the removal cannot bring them back."""
+"""A bound on them all the same, should a tier evict faster than 2,000 keys a second."""
 
 
 def chain_secret(tiers: Sequence[TierSettings]) -> bytes | None:
@@ -133,10 +138,11 @@ class SchedulerTiers:
         self._answered: set[str] = set()
         self._found: list[ev.TierKeysFound] = []
         self._wait_left = LOOKUP_WAIT_S  # of this step's
+        self.clock = time.monotonic  # for tombstones' age; a test's own clock in tests
         # Per tier, keys this process asked its workers to remove, oldest first. A lookup can see
         # such a file before the worker has removed it: finding it would offer a block that is gone.
         # A Valkey tier deletes nothing (the store is shared), so it needs none (`TierType.tombstones`).
-        self._tombstones: dict[int, dict[bytes, None]] = {
+        self._tombstones: dict[int, dict[bytes, float]] = {  # key -> when removed
             index: {} for index in self._lookups if tier_type(self.tiers[index - 1]).tombstones}
 
     def _finder(self, index: int, tier: TierSettings) -> Find:
@@ -211,15 +217,17 @@ class SchedulerTiers:
         tombstones = self._tombstones.get(tier)
         if tombstones is None:
             return
+        now = self.clock()
         for key in keys:
             tombstones.pop(key, None)
-            tombstones[key] = None
-        while len(tombstones) > TOMBSTONES_MAX:
-            del tombstones[next(iter(tombstones))]
+            tombstones[key] = now
+        _expire(tombstones, now - TOMBSTONE_S)
 
     def _collect(self) -> None:
         for index, lookups in self._lookups.items():
             tombstones = self._tombstones.get(index, {})
+            if tombstones:
+                _expire(tombstones, self.clock() - TOMBSTONE_S)
             for request_id, found in lookups.poll():
                 found = tuple(k for k in found if k not in tombstones)
                 if found:
@@ -255,6 +263,15 @@ class SchedulerTiers:
             lookups.close()
         for close in self._closes:
             close()
+
+
+def _expire(tombstones: dict[bytes, float], before: float) -> None:
+    """Forget the oldest tombstones: those removed before `before`, and any past the bound."""
+    while tombstones:
+        oldest = next(iter(tombstones))
+        if tombstones[oldest] >= before and len(tombstones) <= TOMBSTONES_MAX:
+            return
+        del tombstones[oldest]
 
 
 def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any, *, rank: int,

@@ -96,6 +96,32 @@ def test_a_key_this_process_removed_is_not_found_again(tmp_path) -> None:
         tiers.close()
 
 
+def test_removed_keys_are_remembered_for_a_while_not_for_ever(tmp_path) -> None:
+    """Tombstones age out (a soak's disk tier evicting all day held 11 MB of them): past
+    `TOMBSTONE_S` a file that is still there, written again by another process, is found."""
+    from kvledger.adapters.vllm.lower_tiers import TOMBSTONE_S
+
+    tiers = _tiers(tmp_path)
+    now = [1000.0]
+    tiers.clock = lambda: now[0]
+    try:
+        _store(tiers, tmp_path, b"f" * 20)
+        tiers.removed(1, [b"f" * 20, b"g" * 20])
+        now[0] += TOMBSTONE_S - 1
+        tiers.removed(1, [b"h" * 20])
+        assert _ask_until_answered(tiers, "r1", [b"f" * 20]) == []
+        assert list(tiers._tombstones[1]) == [b"f" * 20, b"g" * 20, b"h" * 20]
+        now[0] += 2  # f and g aged out, h not yet
+        (answer,) = _ask_until_answered(tiers, "r2", [b"f" * 20])
+        assert answer.keys == (b"f" * 20,)
+        assert list(tiers._tombstones[1]) == [b"h" * 20]
+        now[0] += TOMBSTONE_S
+        tiers.answers()
+        assert tiers._tombstones[1] == {}
+    finally:
+        tiers.close()
+
+
 def _valkey_tiers(url: str, **more) -> SchedulerTiers:
     settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [
         {"type": "valkey", "url": url, "capacity_bytes": 1 << 20, "timeout_s": 0.5, **more}]})
