@@ -67,6 +67,7 @@ class FsTierSettings:
     path: str  # absolute, normalised
     capacity_bytes: int
     threads: int = 16  # I/O threads per worker (bench/fs_tier_io.py: reads 10% faster than 8, 32 no faster)
+    pack_bytes: int = 2 << 20  # a write job's small blocks go in files of up to this (`block_pack`); 0: a file each
     shared: bool = True  # other processes may write this directory: look up keys this process does not know
     gid: int | None = None  # the `group` setting's id: replicas running as other users of that group share the tier
     secret: TierSecret = TierSecret()
@@ -153,6 +154,9 @@ def parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
         raise ConfigError(f"{where} needs 'capacity_bytes': bytes of block files the tier may hold")
     capacity = _positive_int(f"{where}.capacity_bytes", entry["capacity_bytes"])
     threads = _positive_int(f"{where}.threads", entry.get("threads", attrs.fields(FsTierSettings).threads.default))
+    pack_bytes = entry.get("pack_bytes", attrs.fields(FsTierSettings).pack_bytes.default)
+    if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, int) or pack_bytes < 0:
+        raise ConfigError(f"{where}.pack_bytes must be an int >= 0 (0: a file per block), got {pack_bytes!r}")
     shared = entry.get("shared", True)
     if not isinstance(shared, bool):
         raise ConfigError(f"{where}.shared must be a bool, got {shared!r}")
@@ -165,7 +169,8 @@ def parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
         raise ConfigError(
             f"{where}.capacity_bytes {capacity} does not fit in {path!r}: the file system has {free} bytes "
             f"free, and block files already there take {reusable}")
-    return FsTierSettings(path=path, capacity_bytes=capacity, threads=threads, shared=shared, gid=gid)
+    return FsTierSettings(path=path, capacity_bytes=capacity, threads=threads, pack_bytes=pack_bytes, shared=shared,
+                          gid=gid)
 
 
 def _group_id(where: str, value: Any) -> int:
@@ -400,9 +405,10 @@ def _free_bytes(path: str) -> int:
 def block_file_bytes(root: str) -> int:
     """Disk space kvledger block files (`*.kvb`, regular files) take anywhere
     under `root`: allocated bytes, not sizes, so a sparse file of any size
-    frees no room. Files that vanish while it looks (another process evicting)
-    are not counted."""
+    frees no room, and a pack (`block_pack`) once, whatever keys name it. Files
+    that vanish while it looks (another process evicting) are not counted."""
     total = 0
+    seen: set[tuple[int, int]] = set()
     pending = [root]
     while pending:
         try:
@@ -415,7 +421,12 @@ def block_file_bytes(root: str) -> int:
                     if entry.is_dir(follow_symlinks=False):
                         pending.append(entry.path)
                     elif entry.name.endswith(BLOCK_FILE_SUFFIX) and entry.is_file(follow_symlinks=False):
-                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                        info = entry.stat(follow_symlinks=False)
+                        if info.st_nlink > 1:
+                            if (info.st_dev, info.st_ino) in seen:
+                                continue
+                            seen.add((info.st_dev, info.st_ino))
+                        total += info.st_blocks * 512
                 except FileNotFoundError:
                     continue
     return total

@@ -94,7 +94,7 @@ def _fs_scan(tier: FsTierSettings, namespace: bytes) -> list[bytes]:
 def _fs_open(tier: FsTierSettings, site: WorkerSite) -> TierIO:
     site.write_identity(tier.path, site.namespace, site.identity, gid=tier.gid)
     io = FsTierIO(root=tier.path, namespace=site.namespace, rows=site.rows, payload_bytes=site.payload_bytes,
-                  threads=tier.threads, seal=tier.secret.seal(), gid=tier.gid)
+                  threads=tier.threads, seal=tier.secret.seal(), gid=tier.gid, pack_bytes=tier.pack_bytes)
     if site.writes:  # the namespace's writer clears what its crashed predecessors left
         io.remove_leftovers()
     return io
@@ -123,7 +123,7 @@ def _valkey_open(tier: ValkeyTierSettings, site: WorkerSite) -> TierIO:
 
 TIER_TYPES: dict[str, TierType] = {
     FsTierSettings.kind: TierType(
-        settings=FsTierSettings, keys=("path", "root_dir", "capacity_bytes", "threads", "shared", "group"),
+        settings=FsTierSettings, keys=("path", "root_dir", "capacity_bytes", "threads", "pack_bytes", "shared", "group"),
         parse=parse_fs_tier, header_bytes=lambda tier: HEADER_BYTES, where=lambda tier: {"path": tier.path},
         lookup=_fs_lookup, scan=_fs_scan, open_io=_fs_open, tombstones=True),
     ValkeyTierSettings.kind: TierType(

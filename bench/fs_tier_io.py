@@ -4,7 +4,9 @@ For each block size, N blocks (about `--total-mib` in all) of a host-tier-like i
 
   raw write   the same bytes into one file, 16 MiB writes, then `os.sync()`
   tier write  `FsTierIO.write` of the N blocks as `--jobs` jobs, then `os.sync()`; per thread count,
-              with O_DIRECT writes and through the page cache (`direct_writes=False`)
+              with O_DIRECT writes and through the page cache (`direct_writes=False`), and per
+              layout (`--pack-kib`): a file per block ("files", 0) or a job's blocks in packs
+              of up to that many KiB (`block_pack`)
   raw read    the one file, 16 MiB reads, from a dropped page cache
   tier read   `FsTierIO.read` of the N blocks into their rows, from a dropped page cache
   direct read the same block files read with O_DIRECT (each thread its page-aligned bounce buffer,
@@ -19,7 +21,7 @@ theirs while we run: kernel writeback), to tell a shared machine. tmpfs and ramf
 numbers would be memory's.
 
     python bench/fs_tier_io.py [--dir DIR] [--total-mib 1024] [--block-kib 256 2048] [--threads 4 8 16]
-                               [--jobs 4] [--rounds 3]
+                               [--jobs 4] [--rounds 3] [--pack-kib 0 2048]
 """
 
 from __future__ import annotations
@@ -159,6 +161,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--jobs", type=int, default=4, help="the tier's N blocks go as this many jobs")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pack-kib", type=int, nargs="+", default=[0, 2048],
+                        help="the tier's layouts: 0 a file per block, else packs of up to this many KiB")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     os.makedirs(args.dir, exist_ok=True)
@@ -183,58 +187,66 @@ def main() -> None:
             rows = torch.from_numpy(flat_array[: count * size]).view(count, size)
             samples = {i: xxhash.xxh3_64_intdigest(flat_array[i * size : (i + 1) * size])
                        for i in range(0, count, max(1, count // 64))}
-            names = (["raw write"] + [f"tier write {t}t {m}" for t in args.threads for m in ("direct", "buffered")]
-                     + ["raw read"] + [f"tier read {t}t" for t in args.threads]
-                     + [f"direct read {t}t" for t in args.threads])
+            layouts = {kib: "files" if kib == 0 else f"packs{kib}k" for kib in args.pack_kib}
+            names = (["raw write"] + [f"tier write {t}t {m} {lay}" for lay in layouts.values() for t in args.threads
+                                      for m in ("direct", "buffered")]
+                     + ["raw read"] + [f"tier read {t}t {lay}" for lay in layouts.values() for t in args.threads]
+                     + ([f"direct read {t}t files" for t in args.threads] if 0 in layouts else []))
             runs: dict[str, list[float]] = {name: [] for name in names}
             raw_path, root = os.path.join(base, "raw.bin"), os.path.join(base, "tier")
             job_id = 0
             for _ in range(args.rounds):
                 runs["raw write"].append(raw_write(raw_path, flat[: count * size]))
-                for threads in args.threads:
-                    for mode in ("direct", "buffered"):
-                        shutil.rmtree(root, ignore_errors=True)
-                        os.sync()
-                        io = FsTierIO(root=root, namespace=NAMESPACE, rows=rows, payload_bytes=(size,),
-                                      threads=threads, direct_writes=mode == "direct")
-                        runs[f"tier write {threads}t {mode}"].append(tier_job(io, "write", count, args.jobs, job_id))
-                        assert io.direct_writes == (mode == "direct"), "O_DIRECT was refused here"
-                        io.shutdown()
-                        job_id += args.jobs
                 drop_caches()
                 runs["raw read"].append(raw_read(raw_path, flat[: count * size]))
-                for threads in args.threads:
-                    io = FsTierIO(root=root, namespace=NAMESPACE, rows=rows, payload_bytes=(size,), threads=threads)
-                    rows.zero_()
-                    drop_caches()
-                    runs[f"tier read {threads}t"].append(tier_job(io, "read", count, args.jobs, job_id))
-                    io.shutdown()
-                    job_id += args.jobs
-                    assert all(xxhash.xxh3_64_intdigest(flat_array[i * size : (i + 1) * size]) == digest
-                               for i, digest in samples.items()), "a tier read returned other bytes"
-                for threads in args.threads:
-                    rows.zero_()
-                    drop_caches()
-                    runs[f"direct read {threads}t"].append(direct_read(root, rows, threads))
-                    assert all(xxhash.xxh3_64_intdigest(flat_array[i * size : (i + 1) * size]) == digest
-                               for i, digest in samples.items()), "a direct read returned other bytes"
+                for kib, lay in layouts.items():
+                    for threads in args.threads:
+                        for mode in ("direct", "buffered"):
+                            shutil.rmtree(root, ignore_errors=True)
+                            os.sync()
+                            io = FsTierIO(root=root, namespace=NAMESPACE, rows=rows, payload_bytes=(size,),
+                                          threads=threads, direct_writes=mode == "direct", pack_bytes=kib << 10)
+                            runs[f"tier write {threads}t {mode} {lay}"].append(
+                                tier_job(io, "write", count, args.jobs, job_id))
+                            assert io.direct_writes == (mode == "direct"), "O_DIRECT was refused here"
+                            io.shutdown()
+                            job_id += args.jobs
+                    for threads in args.threads:
+                        io = FsTierIO(root=root, namespace=NAMESPACE, rows=rows, payload_bytes=(size,),
+                                      threads=threads, pack_bytes=kib << 10)
+                        rows.zero_()
+                        drop_caches()
+                        runs[f"tier read {threads}t {lay}"].append(tier_job(io, "read", count, args.jobs, job_id))
+                        io.shutdown()
+                        job_id += args.jobs
+                        assert all(xxhash.xxh3_64_intdigest(flat_array[i * size : (i + 1) * size]) == digest
+                                   for i, digest in samples.items()), "a tier read returned other bytes"
+                    if kib == 0:
+                        for threads in args.threads:
+                            rows.zero_()
+                            drop_caches()
+                            runs[f"direct read {threads}t files"].append(direct_read(root, rows, threads))
+                            assert all(xxhash.xxh3_64_intdigest(flat_array[i * size : (i + 1) * size]) == digest
+                                       for i, digest in samples.items()), "a direct read returned other bytes"
                 os.unlink(raw_path)
                 shutil.rmtree(root)
             nbytes = count * size
             gbps = {name: [nbytes / s / 1e9 for s in seconds] for name, seconds in runs.items()}
             median = {name: statistics.median(values) for name, values in gbps.items()}
             print(f"\n{block_kib} KiB blocks x {count}")
-            print(f"  {'measurement':<28} {'GB/s':>6}  {'vs raw':>6}   runs")
+            print(f"  {'measurement':<36} {'GB/s':>6}  {'vs raw':>6}   runs")
             for name in names:
                 raw = median["raw write" if "write" in name else "raw read"]
                 ratio = median[name] / raw
-                print(f"  {name:<28} {median[name]:6.2f}  {ratio:5.2f}x   "
+                print(f"  {name:<36} {median[name]:6.2f}  {ratio:5.2f}x   "
                       + ", ".join(f"{x:.2f}" for x in gbps[name]))
                 parts = name.split()
                 results.append({
                     "block_bytes": size, "blocks": count, "op": parts[1], "side": parts[0],
                     "threads": int(parts[2][:-1]) if parts[0] != "raw" else None,
-                    "direct": {"raw": None, "direct": True}.get(parts[0], parts[-1] == "direct"),
+                    "direct": {"raw": None, "direct": True}.get(parts[0], "direct" in parts[3:]),
+                    "pack_kib": None if parts[0] == "raw" else next(
+                        (kib for kib, lay in layouts.items() if lay == parts[-1]), None),
                     "gbps_median": round(median[name], 3), "ratio_to_raw": round(ratio, 3),
                     "gbps_runs": [round(x, 3) for x in gbps[name]],
                 })

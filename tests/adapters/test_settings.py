@@ -206,7 +206,7 @@ def test_parsing_twice_as_the_worker_does_gives_the_same_settings(tmp_path):
     ([{"path": "/tmp/x", "capacity_bytes": 1}], "secondary_tiers[0] needs a 'type': one of 'fs'"),
     ([{"type": "nfs"}], "secondary_tiers[0].type 'nfs' is not supported; supported types: 'fs'"),
     ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "size": 2}],
-     "unknown secondary_tiers[0] key(s) 'size'; a 'fs' tier knows: capacity_bytes, encrypt, group, path, "
+     "unknown secondary_tiers[0] key(s) 'size'; a 'fs' tier knows: capacity_bytes, encrypt, group, pack_bytes, path, "
      "previous_secret_env, root_dir, secret_env, shared, threads, type"),
     ([{"type": "fs", "capacity_bytes": 1}], "secondary_tiers[0] needs 'path'"),
     ([{"type": "fs", "path": ""}], "secondary_tiers[0].path must be a non-empty str, got ''"),
@@ -224,6 +224,10 @@ def test_parsing_twice_as_the_worker_does_gives_the_same_settings(tmp_path):
      "secondary_tiers[0].capacity_bytes must be a positive int, got 1.5"),
     ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "threads": 0}],
      "secondary_tiers[0].threads must be a positive int, got 0"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "pack_bytes": -1}],
+     "secondary_tiers[0].pack_bytes must be an int >= 0 (0: a file per block), got -1"),
+    ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "pack_bytes": "2MB"}],
+     "secondary_tiers[0].pack_bytes must be an int >= 0 (0: a file per block), got '2MB'"),
     ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "shared": "yes"}],
      "secondary_tiers[0].shared must be a bool, got 'yes'"),
 ])
@@ -293,6 +297,7 @@ def test_block_file_bytes_walks_the_tree_and_counts_only_block_files(tmp_path):
     (outside / "far.kvb").write_bytes(bytes(5000))
     (tmp_path / "link").symlink_to(outside)  # not followed
     (tmp_path / "a" / "far.kvb").symlink_to(outside / "far.kvb")  # nor this one
+    os.link(tmp_path / "a" / "b" / "k.kvb", tmp_path / "a" / "k2.kvb")  # a pack's second name: counted once
     allocated = sum(os.stat(tmp_path / "a" / name).st_blocks * 512 for name in ("b/k.kvb", "j.kvb"))
     assert allocated >= 12288 and block_file_bytes(str(tmp_path)) == allocated
     assert block_file_bytes(str(tmp_path / "missing")) == 0

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
+from kvledger.transfers.lower_tiers.block_pack import decode_table, is_pack, table_namespace
+
 from .conftest import replay_summary, run_engine, worker_reports
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -115,13 +118,21 @@ def test_corrupted_block_files_are_recomputed(models, tmp_path, model):
     first, _ = _engine(models, model, tmp_path / "one.log", tier, hash_seed=None)
     files = _block_files(tier)
     assert files
+    packed = 0
     for index, path in enumerate(files):  # every block damaged: a flipped payload byte, or a cut file
         data = bytearray(path.read_bytes())
-        if index % 2:
+        if is_pack(data):  # a pack every key of a write job names: flip a byte of this key's block, in place
+            offset, size = decode_table(path, data, table_namespace(data))[bytes.fromhex(path.stem)]
+            with open(path, "r+b") as file:
+                file.seek(offset + HEADER_BYTES + size - 1)
+                file.write(bytes([data[offset + HEADER_BYTES + size - 1] ^ 0x5A]))
+            packed += 1
+        elif index % 2:
             data[-1] ^= 0x5A
             path.write_bytes(bytes(data))
         else:
             path.write_bytes(bytes(data[: len(data) // 2]))
+    assert packed  # small blocks: written in packs
     second, two = _engine(models, model, tmp_path / "two.log", tier, hash_seed="4242")
     assert second["first"]["tokens"] == first["first"]["tokens"]
     lower = two["lower_tiers"][0]

@@ -155,12 +155,6 @@ def test_writers_of_one_key_in_several_processes_never_tear_it(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
-@pytest.fixture
-def small_tmpfs(mount):
-    """A real 1 MiB tmpfs."""
-    return mount("tmpfs", "size=1m")
-
-
 def test_a_full_disk_fails_the_write_and_leaves_nothing_torn(small_tmpfs):
     data = payload(300 << 10)
     stored = []

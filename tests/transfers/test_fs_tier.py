@@ -55,12 +55,14 @@ def random_rows(num_slots: int, row_bytes: int = ROW_BYTES, seed: int = 0) -> to
 
 @pytest.fixture
 def tiers():
-    """Makes tiers and shuts each down after the test, so no thread outlives it."""
+    """Makes tiers and shuts each down after the test, so no thread outlives it. One file
+    per block unless `pack_bytes` (packs: tests/transfers/test_block_pack.py)."""
     made: list[FsTierIO] = []
 
-    def make(root, *, rows=None, sizes=SIZES, threads=4, direct_writes=True, gid=None) -> FsTierIO:
+    def make(root, *, rows=None, sizes=SIZES, threads=4, direct_writes=True, gid=None, pack_bytes=0) -> FsTierIO:
         io = FsTierIO(root=str(root), namespace=NS, rows=random_rows(16) if rows is None else rows,
-                      payload_bytes=sizes, threads=threads, direct_writes=direct_writes, gid=gid)
+                      payload_bytes=sizes, threads=threads, direct_writes=direct_writes, gid=gid,
+                      pack_bytes=pack_bytes)
         made.append(io)
         return io
 
@@ -80,12 +82,6 @@ def run(io: FsTierIO, kind: str, job_id: int, keys, slots) -> TierIoOutcome:
 
 def payload(io: FsTierIO, slot: int, group: int) -> bytes:
     return io.rows[slot, : io.payload_bytes[group]].numpy().tobytes()
-
-
-@pytest.fixture
-def small_tmpfs(mount):
-    """A real 1 MiB tmpfs."""
-    return mount("tmpfs", "size=1m")
 
 
 def leftovers(root: Path) -> list[Path]:

@@ -47,9 +47,10 @@ def made():
             io.shutdown(drain=False, timeout_s=10)
 
 
-def fs_tier(made, root, rows, seal, direct_writes=True) -> FsTierIO:
+def fs_tier(made, root, rows, seal, direct_writes=True, pack_bytes=0) -> FsTierIO:
+    """One file per block unless `pack_bytes`: these tests forge and damage a block's file."""
     made.append(FsTierIO(root=str(root), namespace=NS, rows=rows, payload_bytes=SIZES, threads=2,
-                         direct_writes=direct_writes, seal=seal))
+                         direct_writes=direct_writes, seal=seal, pack_bytes=pack_bytes))
     return made[-1]
 
 

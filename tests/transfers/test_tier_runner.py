@@ -28,7 +28,8 @@ def _rig(tmp_path, case):
     layout = canonicalize(case.kv_caches, case.config)
     tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=False)
     io = FsTierIO(root=str(tmp_path), namespace=NAMESPACE, rows=tier.rows,
-                  payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)), threads=2)
+                  payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)), threads=2,
+                  pack_bytes=0)  # a file per block: a test damages one
     runner = make_runner(layout, tier, CpuBackend(layout, tier), worker_index=1, lower_tiers={1: io})
     return layout, tier, runner
 
@@ -160,7 +161,8 @@ def test_a_tier_read_stuck_past_the_load_timeout_fails_and_its_slot_waits_until_
     tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=False)
     stuck = StuckRows(num_slots=16, row_bytes=4096)  # a page per row: userfaultfd registers pages
     io = FsTierIO(root=str(tmp_path), namespace=NAMESPACE, rows=stuck.rows,
-                  payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)), threads=2)
+                  payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)), threads=2,
+                  pack_bytes=0)  # a file per block: a test damages one
     now = [0.0]
     runner = TransferRunner(CpuBackend(layout, tier), num_groups=layout.num_groups, num_device_blocks=layout.num_blocks,
                             num_slots=tier.num_slots, worker_index=1, load_timeout_s=5.0, lower_tiers={1: io},
@@ -215,7 +217,8 @@ def test_an_idle_step_waits_no_longer_than_asked_for_a_read_that_hangs(tmp_path)
     tier = HostTier(capacity_bytes=16 * -(-layout.slot_bytes // 64) * 64, slot_bytes=layout.slot_bytes, pin=False)
     stuck = StuckRows(num_slots=16, row_bytes=4096)
     io = FsTierIO(root=str(tmp_path), namespace=NAMESPACE, rows=stuck.rows,
-                  payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)), threads=2)
+                  payload_bytes=tuple(layout.payload_bytes(g) for g in range(layout.num_groups)), threads=2,
+                  pack_bytes=0)  # a file per block: a test damages one
     runner = make_runner(layout, tier, CpuBackend(layout, tier), worker_index=1, lower_tiers={1: io})
     try:
         keys = keys_for(1, ((1, 2),))

@@ -203,22 +203,29 @@ def read_block_into(path: str | os.PathLike, namespace: bytes, key: bytes, out: 
                     seal: BlockSeal | None = None) -> None:
     """Fill `out` (a writable buffer of the block's size) from the file, or
     raise `BlockFileError` naming why the file cannot be served."""
-    target = memoryview(out).cast("B")  # type: ignore[arg-type]
     fd = open_block(path)
     try:
-        with os.fdopen(fd, "rb", buffering=0, closefd=True) as file:
-            header = file.read(HEADER_BYTES)
-            fields = check_header(path, header, namespace, key, target.nbytes, sealed=seal is not None)
-            got = 0
-            while got < target.nbytes:
-                count = file.readinto(target[got:])
-                if not count:
-                    break
-                got += count
-            if got != target.nbytes:
-                raise BlockFileError("truncated", path, f"{got} of {target.nbytes} payload bytes")
-            if file.read(1):
-                raise BlockFileError("corrupt", path, "bytes after the payload")
+        read_block_at(fd, path, 0, namespace, key, out, seal, whole_file=True)
+    finally:
+        os.close(fd)
+
+
+def read_block_at(fd: int, path: str | os.PathLike, offset: int, namespace: bytes, key: bytes, out: object,
+                  seal: BlockSeal | None = None, *, whole_file: bool) -> None:
+    """Fill `out` with the block whose header starts at `offset` of the open
+    file `fd`: a block file's (`whole_file`: nothing may follow the payload) or
+    one inside a pack (`block_pack`). Header, checksum and seal are checked."""
+    target = memoryview(out).cast("B")  # type: ignore[arg-type]
+    header = bytearray(HEADER_BYTES)
+    try:
+        got = os.preadv(fd, [header, target], offset)
+        if got < HEADER_BYTES:
+            check_header(path, bytes(header[:got]), namespace, key, target.nbytes, sealed=seal is not None)
+        fields = check_header(path, bytes(header), namespace, key, target.nbytes, sealed=seal is not None)
+        if got != HEADER_BYTES + target.nbytes:
+            raise BlockFileError("truncated", path, f"{got - HEADER_BYTES} of {target.nbytes} payload bytes")
+        if whole_file and os.pread(fd, 1, offset + got):
+            raise BlockFileError("corrupt", path, "bytes after the payload")
     except OSError as exc:
         raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
     if xxhash.xxh3_64_intdigest(target) != payload_checksum(header):

@@ -1,10 +1,13 @@
 """The file-system tier's I/O: host slots to block files and back, on threads.
 
-Every block is one file (`block_file`), so a job's blocks go to a pool of
-threads: each waits on the disk for one block, and the disk is kept busy
-only with many in flight. Errors are per block and end as failed positions
-of the job's outcome, never as exceptions: the caller drops a key that
-failed to read and recomputes it.
+A write job's consecutive blocks go into packs of up to `PACK_BYTES`
+(`block_pack`: one file, each key's name a hard link to it), a lone block
+or one of 2 MiB into a file of its own (`block_file`); packs and files go
+to a pool of threads, so the disk has many in flight. A read job is shared
+out in runs over the threads; a run opens its first key's file and reads
+the run's other blocks that file holds through the same descriptor. Errors
+are per block and end as failed positions of the job's outcome, never as
+exceptions: the caller drops a key that failed to read and recomputes it.
 
 Numbers from `bench/fs_tier_io.py` on this project's VM (ext4 on a virtio
 disk, 2 cores): 1 GiB per measurement, writes timed to the end of
@@ -50,7 +53,9 @@ from kvledger.transfers.lower_tiers.block_file import (
     block_path,
     create_aside,
     key_tail,
-    read_block_into,
+    make_dirs,
+    open_block,
+    read_block_at,
     write_block,
 )
 from kvledger.transfers.lower_tiers.block_header import (
@@ -59,11 +64,23 @@ from kvledger.transfers.lower_tiers.block_header import (
     BlockFileError,
     seal_block,
 )
+from kvledger.transfers.lower_tiers.block_pack import (
+    BLOCKS_MAX,
+    decode_table,
+    encode_table,
+    is_pack,
+    punch_block,
+    round_up,
+    table_size,
+)
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal
 from kvledger.transfers.lower_tiers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
 
 DIRECT_ALIGN = 4096
 """Address, offset and length alignment that O_DIRECT accepts on any common device."""
+PACK_BYTES = 2 << 20
+"""Payload bytes a pack (`block_pack`) gathers from a write job's consecutive blocks: 2 MiB
+blocks already read and write at the disk's speed one file each, smaller ones do in packs."""
 LEFTOVER_GRACE_S = 600.0
 """How long an aside or probe file is left to its writer: one on another host
 sharing the directory may still be writing it (a write takes milliseconds)."""
@@ -78,10 +95,6 @@ __all__ = ["FsTierIO", "IdsByGroup", "KeysByGroup", "TierIoOutcome", "files_pres
 
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 class _DirectUnsupported(Exception):
     """This file system refuses O_DIRECT (EINVAL on open or an aligned write)."""
 
@@ -94,7 +107,7 @@ class FsTierIO(ThreadedTierIO):
 
     def __init__(self, *, root: str, namespace: bytes, rows: torch.Tensor, payload_bytes: tuple[int, ...],
                  threads: int = 16, direct_writes: bool = True, seal: BlockSeal | None = None,
-                 gid: int | None = None) -> None:
+                 gid: int | None = None, pack_bytes: int = PACK_BYTES) -> None:
         if len(namespace) != NAMESPACE_BYTES:
             raise ValueError(f"a namespace is {NAMESPACE_BYTES} bytes, not {len(namespace)}")
         self.root = os.fspath(root)
@@ -102,21 +115,43 @@ class FsTierIO(ThreadedTierIO):
         self.direct_writes = direct_writes
         self.seal = seal
         self.gid = gid  # the tier's group (`block_file.file_mode`), None: this user's alone
-        self._bounce_bytes = _round_up(HEADER_BYTES + max(payload_bytes, default=0), DIRECT_ALIGN)
+        self.pack_bytes = pack_bytes  # 0: a file per block; turned off where hard links are refused
+        self._bounce_bytes = round_up(HEADER_BYTES + max(payload_bytes, default=0), DIRECT_ALIGN)
         # Removals not yet carried out, per key. A write of a key first carries out the removals
         # queued before it, so a removal that a slower thread reaches later never deletes the new
         # file; removals and those writes' first step hold `_removing`, so they cannot interleave.
         self._removals: dict[bytes, int] = {}
         self._removing = threading.Lock()
+        self._item = threading.local()  # per thread: the positions its current item settled
         super().__init__(rows=rows, payload_bytes=payload_bytes, threads=threads, name="fs")
 
     def _items(self, job: TierJob, blocks: list[Block]) -> list:
-        return [(job, g, i, k, s) for g, i, k, s in blocks]
+        """A write job's consecutive blocks go in packs of up to `pack_bytes`; a read
+        job's blocks are shared out in runs over the threads, so that a run whose
+        blocks one pack holds opens it once."""
+        if job.kind == "write":
+            return [("write", job, run) for run in self._packs(blocks)]
+        step = max(1, -(-len(blocks) // len(self._threads)))
+        return [("read", job, blocks[n:n + step]) for n in range(0, len(blocks), step)]
+
+    def _packs(self, blocks: list[Block]) -> list[list[Block]]:
+        runs: list[list[Block]] = []
+        size = self.pack_bytes
+        for block in blocks:
+            nbytes = self.payload_bytes[block[0]]
+            if runs and size + nbytes <= self.pack_bytes and len(runs[-1]) < BLOCKS_MAX:
+                runs[-1].append(block)
+                size += nbytes
+            else:
+                runs.append([block])
+                size = nbytes
+        return runs
 
     def _cancel(self, item) -> None:
         if item[0] != "delete":  # queued deletes are dropped
-            job, g, i, key, _slot = item
-            self._settle(job, g, i, "cancelled", block_path(self.root, self.namespace, key), 0, None)
+            _kind, job, blocks = item
+            for g, i, key, _slot in blocks:
+                self._settle(job, g, i, "cancelled", block_path(self.root, self.namespace, key), 0, None)
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """Best effort, after the work already queued; ignored once shut down."""
@@ -136,30 +171,162 @@ class FsTierIO(ThreadedTierIO):
         return []  # this thread's page-aligned staging buffer, made on first use
 
     def _run(self, item, bounce: list[mmap.mmap]) -> None:
-        if item[0] == "delete":
+        kind = item[0]
+        if kind == "delete":
             self._delete(item[1])
-        else:
-            self._run_block(*item, bounce)
-
-    def _run_block(self, job: TierJob, g: int, i: int, key: bytes, slot: int, bounce: list[mmap.mmap]) -> None:
-        started = time.perf_counter()
-        reason: str | None = None
-        nbytes = 0
-        path = block_path(self.root, self.namespace, key)
+            return
+        _kind, job, blocks = item
+        self._item.settled = settled = set()
         try:
-            payload = self._array[slot, : self.payload_bytes[g]]
-            if job.kind == "read":
-                read_block_into(path, self.namespace, key, payload, self.seal)
+            if kind == "read":
+                self._read_run(job, blocks)
+            elif len(blocks) == 1 or not self.pack_bytes:
+                for block in blocks:
+                    self._write_one(job, *block, bounce)
             else:
-                self._remove_before_write(key, path)
-                self._write(path, key, payload, bounce)
-            nbytes = payload.nbytes
+                self._write_pack(job, blocks, bounce)
+        except Exception as exc:  # a bug: it fails the blocks left, never kills the thread or hangs a waiter
+            _log.error("tier_block_crashed", job_id=job.job_id, root=self.root, error=repr(exc))
+            for g, i, key, _slot in blocks:
+                if (g, i) not in settled:
+                    self._settle(job, g, i, "unreadable" if kind == "read" else "unwritable",
+                                 block_path(self.root, self.namespace, key), 0, None)
+
+    # Reads.
+
+    def _read_run(self, job: TierJob, blocks: list[Block]) -> None:
+        """Each block from its key's file; where that file is a pack, the run's other
+        blocks the pack holds are read through the same descriptor."""
+        left = list(blocks)
+        while left:
+            g, i, key, slot = left.pop(0)
+            started = time.perf_counter()
+            path = block_path(self.root, self.namespace, key)
+            try:
+                fd = open_block(path)
+            except BlockFileError as error:
+                self._settle(job, g, i, error.reason, path, 0, (started, time.perf_counter()))
+                continue
+            try:
+                try:
+                    first = os.pread(fd, HEADER_BYTES, 0)
+                    if not is_pack(first):
+                        self._read_at(job, (g, i, key, slot), fd, path, 0, started, whole_file=True)
+                        continue
+                    size = table_size(first)
+                    table = first if size <= len(first) else first + os.pread(fd, size - len(first), len(first))
+                    entries = decode_table(path, table, self.namespace)
+                    if key not in entries:
+                        raise BlockFileError("foreign", path, f"the pack at its name holds no key {key.hex()}")
+                except OSError as exc:
+                    raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
+                mine = [(g, i, key, slot)] + [block for block in left if block[2] in entries]
+                left = [block for block in left if block[2] not in entries]
+                for block in sorted(mine, key=lambda block: entries[block[2]][0]):
+                    self._read_at(job, block, fd, path, entries[block[2]][0], started, whole_file=False)
+                    started = time.perf_counter()
+            except BlockFileError as error:
+                self._settle(job, g, i, error.reason, path, 0, (started, time.perf_counter()))
+            finally:
+                os.close(fd)
+
+    def _read_at(self, job: TierJob, block: Block, fd: int, path: Path, offset: int, started: float, *,
+                 whole_file: bool) -> None:
+        g, i, key, slot = block
+        payload = self._array[slot, : self.payload_bytes[g]]
+        try:
+            read_block_at(fd, path, offset, self.namespace, key, payload, self.seal, whole_file=whole_file)
         except BlockFileError as error:
             reason = error.reason
-        except Exception as exc:  # a bug: it fails the block, never kills the thread or hangs a waiter
-            reason = "unreadable" if job.kind == "read" else "unwritable"
-            _log.error("tier_block_crashed", job_id=job.job_id, path=str(path), error=repr(exc))
-        self._settle(job, g, i, reason, path, nbytes, (started, time.perf_counter()))
+            if reason == "foreign" and not whole_file and _punched(fd, offset):
+                reason = "missing"  # removed: its extent was punched out of the pack
+            self._settle(job, g, i, reason, path, 0, (started, time.perf_counter()))
+            return
+        self._settle(job, g, i, None, path, payload.nbytes, (started, time.perf_counter()))
+
+    # Writes.
+
+    def _write_one(self, job: TierJob, g: int, i: int, key: bytes, slot: int, bounce: list[mmap.mmap]) -> None:
+        started = time.perf_counter()
+        reason: str | None = None
+        path = block_path(self.root, self.namespace, key)
+        payload = self._array[slot, : self.payload_bytes[g]]
+        try:
+            self._remove_before_write(key, path)
+            self._write(path, key, payload, bounce)
+        except BlockFileError as error:
+            reason = error.reason
+        self._settle(job, g, i, reason, path, 0 if reason else payload.nbytes, (started, time.perf_counter()))
+
+    def _write_pack(self, job: TierJob, blocks: list[Block], bounce: list[mmap.mmap]) -> None:
+        """The blocks into one file written aside, then each key's name linked to it."""
+        started = time.perf_counter()
+        keys = [key for _g, _i, key, _slot in blocks]
+        sizes = [self.payload_bytes[g] for g, _i, _key, _slot in blocks]
+        paths = [block_path(self.root, self.namespace, key) for key in keys]
+        for key, path in zip(keys, paths):
+            self._remove_before_write(key, path)
+        table, offsets, total = encode_table(self.namespace, keys, sizes)
+        aside = aside_path(paths[0])
+        try:
+            self._write_pack_file(aside, table, offsets, total, blocks, bounce)
+        except BlockFileError as error:  # a full disk, mostly: what fits may still go, a file each
+            _log.debug("tier_pack_unwritable", path=error.path, error=error.detail, blocks=len(blocks))
+            for block in blocks:
+                self._write_one(job, *block, bounce)
+            return
+        reasons: list[str | None] = []
+        try:
+            for path in paths:
+                try:
+                    _link_into_place(aside, path, self.gid)
+                    reasons.append(None)
+                except _LinksUnsupported as exc:
+                    with self._cond:
+                        was, self.pack_bytes = self.pack_bytes, 0
+                    if was:
+                        _log.info("tier_packs_off", root=self.root, error=str(exc))
+                    break
+                except OSError as exc:
+                    reasons.append("unwritable")
+                    _log.debug("tier_link_failed", path=str(path), error=repr(exc))
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(aside)  # before the job ends: its blocks' files hold nothing else
+        ended = time.perf_counter()
+        for (g, i, _key, _slot), path, size, reason in zip(blocks, paths, sizes, reasons):
+            self._settle(job, g, i, reason, path, 0 if reason else size, (started, ended))
+        for block in blocks[len(reasons):]:  # links refused: one file per block from here on
+            self._write_one(job, *block, bounce)
+
+    def _write_pack_file(self, aside: Path, table: bytes, offsets: list[int], total: int,
+                         blocks: list[Block], bounce: list[mmap.mmap]) -> None:
+        """The pack at `aside`, from the page-aligned bounce buffer (O_DIRECT), or
+        through the page cache where direct I/O is off or refused."""
+        if len(bounce) and len(bounce[0]) < total:
+            bounce.pop().close()
+        if not bounce:
+            bounce.append(mmap.mmap(-1, max(total, self._bounce_bytes)))
+        staged = memoryview(bounce[0])
+        staged[: len(table)] = table
+        for (g, _i, key, slot), offset in zip(blocks, offsets):
+            payload = memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B")
+            start, end = offset + HEADER_BYTES, offset + HEADER_BYTES + payload.nbytes
+            header, stored = seal_block(self.namespace, key, payload, self.seal, out=staged[start:end])
+            staged[offset:start] = header
+            if self.seal is None or not self.seal.encrypt:  # else the seal wrote its ciphertext there
+                staged[start:end] = stored
+            staged[end:offset + HEADER_BYTES + round_up(payload.nbytes)] = bytes(round_up(payload.nbytes) - payload.nbytes)
+        if self.direct_writes:
+            try:
+                _write_file(aside, staged[:total], self.gid, direct=True)
+                return
+            except _DirectUnsupported as exc:
+                with self._cond:
+                    was, self.direct_writes = self.direct_writes, False
+                if was:
+                    _log.info("tier_direct_io_off", root=self.root, error=str(exc))
+        _write_file(aside, staged[:total], self.gid, direct=False)
 
     def _write(self, path: Path, key: bytes, payload, bounce: list[mmap.mmap]) -> None:
         if self.direct_writes:
@@ -190,17 +357,24 @@ class FsTierIO(ThreadedTierIO):
                     del self._removals[key]
                 else:
                     self._removals[key] = pending - 1
-            self._unlink(block_path(self.root, self.namespace, key))
+            self._remove(key, block_path(self.root, self.namespace, key))
 
     def _remove_before_write(self, key: bytes, path: Path) -> None:
         with self._removing:
             with self._cond:
                 pending = self._removals.pop(key, 0)
             if pending:
-                self._unlink(path)
+                self._remove(key, path)
 
-    @staticmethod
-    def _unlink(path: Path) -> None:
+    def _remove(self, key: bytes, path: Path) -> None:
+        """Unlink the key's name; where it names a pack, punch the key's block out of it
+        first, so its space is free though other keys keep the pack."""
+        try:
+            self._punch(key, path)
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            _log.warning("tier_punch_failed", path=str(path), error=repr(exc))
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -208,8 +382,27 @@ class FsTierIO(ThreadedTierIO):
         except Exception as exc:
             _log.warning("tier_delete_failed", path=str(path), error=repr(exc))
 
+    def _punch(self, key: bytes, path: Path) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return
+            first = os.pread(fd, HEADER_BYTES, 0)
+            if not is_pack(first):
+                return
+            size = table_size(first)
+            table = first if size <= len(first) else first + os.pread(fd, size - len(first), len(first))
+            entry = decode_table(path, table, self.namespace).get(key)
+            if entry is not None:
+                punch_block(fd, *entry)
+        finally:
+            os.close(fd)
+
     def _settle(self, job: TierJob, g: int, i: int, reason: str | None, path: Path, nbytes: int,
                 span: tuple[float, float] | None) -> None:
+        settled = getattr(self._item, "settled", None)
+        if settled is not None:
+            settled.add((g, i))
         with self._cond:
             outcome = job.settle([(g, i, reason, str(path))] if reason else [], 0 if reason else 1, nbytes, span)
             if not self._settled(job, outcome):
@@ -217,12 +410,78 @@ class FsTierIO(ThreadedTierIO):
         job.finished(outcome)
 
 
+def _punched(fd: int, offset: int) -> bool:
+    try:
+        return not any(os.pread(fd, 64, offset))
+    except OSError:
+        return False
+
+
+class _LinksUnsupported(Exception):
+    """This file system refuses hard links (EPERM, EOPNOTSUPP): no packs on it."""
+
+
+def _link_into_place(aside: Path, path: Path, gid: int | None = None) -> None:
+    """`path` becomes a name of the file at `aside`, replacing whatever was there:
+    linked under an unpredictable name, then renamed (a link cannot replace)."""
+    link = aside_path(path)
+    try:
+        try:
+            os.link(aside, link, follow_symlinks=False)
+        except FileNotFoundError:  # the key's fan-out directory is not there yet
+            make_dirs(link.parent, gid, levels=3)
+            os.link(aside, link, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+            raise _LinksUnsupported(f"link: {exc}") from exc
+        raise
+    try:
+        os.replace(link, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(link)
+        raise
+
+
+def _write_file(aside: Path, data: memoryview, gid: int | None, *, direct: bool, size: int | None = None,
+                where: Path | None = None) -> None:
+    """A new file at `aside` holding `data` (page-aligned and padded where
+    `direct`), cut to `size` bytes if given; `BlockFileError("unwritable")`
+    naming `where` (default `aside`) on an error, leaving no file."""
+    try:
+        try:
+            fd = create_aside(aside, gid, os.O_DIRECT if direct else 0)
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:  # ramfs, some FUSE: and ramfs creates the file first
+                raise _DirectUnsupported(f"open: {exc}") from exc
+            raise
+        try:
+            done = 0
+            while done < data.nbytes:
+                try:
+                    done += os.write(fd, data[done:])  # after a short write (a full disk) the next raises
+                except OSError as exc:
+                    if direct and exc.errno == errno.EINVAL and done == 0:
+                        raise _DirectUnsupported(f"write: {exc}") from exc
+                    raise
+            if size is not None and size != data.nbytes:
+                os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(aside)
+        if isinstance(exc, OSError):
+            raise BlockFileError("unwritable", where or aside, f"{exc.strerror or exc} (errno {exc.errno})") from exc
+        raise
+
+
 def _write_direct(path: Path, namespace: bytes, key: bytes, payload: memoryview, bounce: mmap.mmap,
                   seal: BlockSeal | None = None, *, gid: int | None = None) -> None:
     """`block_file.write_block`'s file (written aside under an unpredictable
     name, renamed into place), with O_DIRECT from the page-aligned `bounce`."""
     total = HEADER_BYTES + payload.nbytes
-    padded = _round_up(total, DIRECT_ALIGN)
+    padded = round_up(total, DIRECT_ALIGN)
     staged = memoryview(bounce)
     header, stored = seal_block(namespace, key, payload, seal, out=staged[HEADER_BYTES:total])
     staged[:HEADER_BYTES] = header
@@ -230,33 +489,13 @@ def _write_direct(path: Path, namespace: bytes, key: bytes, payload: memoryview,
         staged[HEADER_BYTES:total] = stored
     staged[total:padded] = bytes(padded - total)
     aside = aside_path(path)
+    _write_file(aside, staged[:padded], gid, direct=True, size=total, where=path)
     try:
-        try:
-            fd = create_aside(aside, gid, os.O_DIRECT)
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:  # ramfs, some FUSE: and ramfs creates the file first
-                raise _DirectUnsupported(f"open: {exc}") from exc
-            raise
-        try:
-            done = 0
-            while done < padded:
-                try:
-                    done += os.write(fd, staged[done:padded])  # after a short write (a full disk) the next raises
-                except OSError as exc:
-                    if exc.errno == errno.EINVAL and done == 0:
-                        raise _DirectUnsupported(f"write: {exc}") from exc
-                    raise
-            if padded != total:
-                os.ftruncate(fd, total)
-        finally:
-            os.close(fd)
         os.replace(aside, path)
-    except BaseException as exc:
+    except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(aside)
-        if isinstance(exc, OSError):
-            raise BlockFileError("unwritable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
-        raise
+        raise BlockFileError("unwritable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
 
 
 def remove_leftovers(root: str, namespace: bytes, *, grace_s: float = LEFTOVER_GRACE_S) -> int:
