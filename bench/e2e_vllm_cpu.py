@@ -8,17 +8,24 @@
    batches, and paired (each round's median of the batch-by-batch ratios,
    then their median); the do-nothing connector's ratio to none likewise,
    since kvledger pays vLLM's connector plumbing as well as its own time.
+   With --before TREE, a fourth engine takes the same turns with kvledger
+   imported from TREE, another checkout of it, already built (an older
+   commit, say): kvledger-before, reported against none and against kvledger.
 2. Time to first token of a 2k-token prompt restored from the tier against
    the same prompt recomputed (target <= 0.3x), on a model whose prefill
    costs real time on a CPU.
 
-Usage: python bench/e2e_vllm_cpu.py [--quick] [--rounds N] [--out bench/out]
+Usage: python bench/e2e_vllm_cpu.py [--quick] [--rounds N] [--out bench/out] [--before TREE]
+e.g.   git worktree add /tmp/kvledger-before 78a04d3
+       (cd /tmp/kvledger-before && /work/main/.venv/bin/python setup.py build_ext --inplace)
+       .venv/bin/python bench/e2e_vllm_cpu.py --quick --before /tmp/kvledger-before
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -30,6 +37,33 @@ from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # noop_connector, loaded by module name
+BEFORE = "KVLEDGER_E2E_BEFORE"  # set only for kvledger-before's engine process: the tree its kvledger comes from
+
+
+def _check_from(tree: Path) -> None:
+    """Fail unless every kvledger module loaded came from `tree`."""
+    stray = [name for name, module in list(sys.modules.items()) if (name == "kvledger" or name.startswith("kvledger."))
+             and getattr(module, "__file__", None) and not Path(module.__file__).resolve().is_relative_to(tree)]
+    if stray:
+        raise SystemExit(f"kvledger-before: {', '.join(stray)} not loaded from {tree}")
+
+
+def _import_kvledger_from(tree: Path) -> None:
+    """Load the package from `tree`, before anything imports it: the editable
+    install maps the name `kvledger` to this checkout; submodules then follow
+    the package's path."""
+    spec = importlib.util.spec_from_file_location("kvledger", tree / "__init__.py",
+                                                  submodule_search_locations=[str(tree)])
+    assert spec is not None and spec.loader is not None, tree
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kvledger"] = module
+    spec.loader.exec_module(module)
+    _check_from(tree)
+    print(f"kvledger-before: kvledger from {module.__file__}, {module.BUILD}", flush=True)
+
+
+if os.environ.get(BEFORE):
+    _import_kvledger_from(Path(os.environ[BEFORE]).resolve())
 
 from kvledger.adapters.cli.demo import ask, words  # noqa: E402
 from kvledger.adapters.settings import kv_transfer_config  # noqa: E402
@@ -55,6 +89,7 @@ def _llm(model: Path, max_model_len: int, transfer: dict | None):
 
 NOOP = {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector", "kv_role": "kv_both"}
 CONFIGS = {"none": None, "noop": NOOP, "kvledger": _connector(None, 1 << 30)}
+CONFIGS["kvledger-before"] = CONFIGS["kvledger"]  # the same settings, to the kvledger of --before's tree
 
 
 class OwnTime:
@@ -107,6 +142,8 @@ def _engine_process(conn, model: str, max_model_len: int, name: str) -> None:
 
     own = OwnTime() if name.startswith("kvledger") else None
     llm = _llm(Path(model), max_model_len, CONFIGS[name])
+    if name == "kvledger-before":
+        _check_from(Path(os.environ[BEFORE]).resolve())  # the connector and engine too, now that vLLM loaded them
     conn.send("ready")
     while (job := conn.recv()) is not None:
         prompts, out_tokens = job
@@ -126,17 +163,23 @@ def _engine_process(conn, model: str, max_model_len: int, name: str) -> None:
 
 
 class Engines:
-    """The three engines, alive side by side; only one runs at a time."""
+    """The engines, alive side by side; only one runs at a time."""
 
-    def __init__(self, model: Path, max_model_len: int) -> None:
+    def __init__(self, model: Path, max_model_len: int, names: list[str], before: Path | None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.pipes = {}
         self.procs = []
-        for name in CONFIGS:  # one at a time: loading three at once only thrashes two cores
+        for name in names:  # one at a time: loading them all at once only thrashes two cores
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_engine_process, args=(child, str(model), max_model_len, name),
                                name=f"engine-{name}", daemon=True)
-            proc.start()
+            if name == "kvledger-before":  # read by the child as it imports this module, before kvledger
+                os.environ[BEFORE] = str(before)
+            try:
+                proc.start()
+            finally:
+                os.environ.pop(BEFORE, None)
+            child.close()  # the child holds its end now: if it dies, recv raises instead of waiting
             if parent.recv() != "ready":
                 raise RuntimeError(f"engine {name} did not start")
             self.pipes[name] = parent
@@ -154,7 +197,7 @@ class Engines:
 
 
 def throughput(model: Path, rounds: int, batches: int, prompts: int, prompt_words: int, out_tokens: int,
-               by_method: dict[str, float]) -> dict:
+               by_method: dict[str, float], before: Path | None = None) -> dict:
     """Tokens per second over unique prompts: kvledger stores, never hits.
 
     Three engines on the same batches: no connector, a connector that does
@@ -164,24 +207,27 @@ def throughput(model: Path, rounds: int, batches: int, prompts: int, prompt_word
     that rotates. Both matter on a shared guest: its speed drifts over
     seconds, so engines are compared batch against batch; and one engine
     instance can run several percent faster or slower than another for its
-    whole life, so the instances change every round.
+    whole life, so the instances change every round. With `before`, a fourth
+    engine, kvledger-before, runs kvledger from that tree in the same turns.
     """
     rng = random.Random(1)
-    names = list(CONFIGS)
+    names = [name for name in CONFIGS if before is not None or name != "kvledger-before"]
     times: dict[str, list[float]] = {name: [] for name in names}
     outputs: dict[str, list] = {name: [] for name in names}
     own_ms: list[float] = []  # kvledger's own time per step, per timed batch
     own_share: list[float] = []  # and as a share of that batch's wall time
     per_round: list[float] = []  # each round's median of none / kvledger, batch by batch
     noop_per_round: list[float] = []  # and of none / do-nothing: what vLLM's connector plumbing costs alone
+    before_per_round: list[float] = []  # and of none / kvledger-before
+    before_to_after_per_round: list[float] = []  # and of kvledger / kvledger-before
     turn = 0
     for _round in range(rounds):
-        engines = Engines(model, prompt_words + out_tokens + 32)
+        engines = Engines(model, prompt_words + out_tokens + 32, names, before)
         try:
             warmup = [words(rng, prompt_words) for _p in range(prompts)]
             for name in names:
                 engines.run(name, warmup, out_tokens)
-            ratios, noop_ratios = [], []
+            ratios, noop_ratios, before_ratios, before_to_after = [], [], [], []
             for _batch in range(batches):
                 batch = [words(rng, prompt_words) for _p in range(prompts)]  # fresh: no hits
                 order = names[turn % len(names):] + names[:turn % len(names)]
@@ -197,12 +243,27 @@ def throughput(model: Path, rounds: int, batches: int, prompts: int, prompt_word
                             by_method[method] = by_method.get(method, 0.0) + seconds
                 ratios.append(times["none"][-1] / times["kvledger"][-1])
                 noop_ratios.append(times["none"][-1] / times["noop"][-1])
+                if before is not None:
+                    before_ratios.append(times["none"][-1] / times["kvledger-before"][-1])
+                    before_to_after.append(times["kvledger"][-1] / times["kvledger-before"][-1])
             per_round.append(statistics.median(ratios))
             noop_per_round.append(statistics.median(noop_ratios))
+            if before is not None:
+                before_per_round.append(statistics.median(before_ratios))
+                before_to_after_per_round.append(statistics.median(before_to_after))
         finally:
             engines.close()
     tokens = prompts * (prompt_words + out_tokens)
     rate = {name: tokens / statistics.median(t) for name, t in times.items()}
+    compared = {}
+    if before is not None:
+        compared = {
+            "before": str(before), "before_ratio": rate["kvledger-before"] / rate["none"],
+            "before_per_round": before_per_round, "before_paired": statistics.median(before_per_round),
+            "before_to_after": rate["kvledger-before"] / rate["kvledger"],
+            "before_to_after_per_round": before_to_after_per_round,
+            "before_to_after_paired": statistics.median(before_to_after_per_round),
+        }
     return {
         "model": model.name, "prompts": prompts, "prompt_tokens": prompt_words, "output_tokens": out_tokens,
         "rounds": rounds, "batches_per_round": batches, "seconds": times, "tokens_per_s": rate,
@@ -211,7 +272,7 @@ def throughput(model: Path, rounds: int, batches: int, prompts: int, prompt_word
         "noop_per_round": noop_per_round, "noop_paired": statistics.median(noop_per_round),
         "ratio_per_round": per_round, "ratio_paired": statistics.median(per_round),
         "kvledger_own_ms_per_step": statistics.median(own_ms), "kvledger_own_share": statistics.median(own_share),
-        "outputs_equal": outputs["none"] == outputs["kvledger"] == outputs["noop"],
+        "outputs_equal": all(outputs[name] == outputs["none"] for name in names), **compared,
     }
 
 
@@ -247,10 +308,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, for a smoke run")
     parser.add_argument("--rounds", type=int, default=4,
-                        help="rounds, each with three engines built anew (3 batches each on tiny-llama, 2 on "
+                        help="rounds, each with its engines built anew (3 batches each on tiny-llama, 2 on "
                              "small-llama)")
     parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--before", type=Path, metavar="TREE",
+                        help="another checkout of kvledger, already built: a fourth engine runs its kvledger")
     args = parser.parse_args()
+    before = args.before.resolve() if args.before else None
+    if before is not None and not (before / "__init__.py").is_file():
+        parser.error(f"--before {args.before}: no kvledger package there")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tiny = build_model("tiny-llama", out / "models")
@@ -259,9 +325,9 @@ def main() -> None:
     by_method: dict[str, float] = {}  # kvledger's own seconds by method, timed batches of both models
     result = {
         "throughput_tiny": throughput(tiny, rounds=rounds, batches=3, prompts=64, prompt_words=480, out_tokens=64,
-                                      by_method=by_method),
+                                      by_method=by_method, before=before),
         "throughput_small": throughput(small, rounds=rounds, batches=2, prompts=16, prompt_words=480, out_tokens=32,
-                                       by_method=by_method),
+                                       by_method=by_method, before=before),
         "kvledger_own_seconds_by_method": by_method,
         "ttft": ttft(small, docs=2 if args.quick else 4, doc_words=2048, log=out / "e2e-ttft.log"),
     }
@@ -278,6 +344,11 @@ def main() -> None:
         print(f"            the do-nothing connector alone: {t['noop_to_none']:.3f}x of no connector, paired "
               f"{t['noop_paired']:.3f}x ({', '.join(f'{r:.3f}' for r in t['noop_per_round'])}): "
               f"vLLM's connector plumbing, which kvledger pays too")
+        if before is not None:
+            print(f"            kvledger-before {rate['kvledger-before']:.0f} tok/s: {t['before_ratio']:.3f}x of no "
+                  f"connector, paired {t['before_paired']:.3f}x ({', '.join(f'{r:.3f}' for r in t['before_per_round'])}); "
+                  f"{t['before_to_after']:.3f}x of kvledger, paired {t['before_to_after_paired']:.3f}x "
+                  f"({', '.join(f'{r:.3f}' for r in t['before_to_after_per_round'])}); kvledger from {before}")
     f = result["ttft"]
     print(f"ttft        2048-token prompt restored {statistics.median(f['restored_s']) * 1000:.0f} ms vs "
           f"recomputed {statistics.median(f['recomputed_s']) * 1000:.0f} ms: {f['ratio']:.3f}x (target <= 0.3); "

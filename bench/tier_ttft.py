@@ -15,6 +15,10 @@ Usage: python bench/tier_ttft.py [--store fs|valkey] [--phase ...]. Without
 Each "two" phase runs again as "..., spinning": with the worker's empty steps
 not waiting for the loads in flight (`worker_side.IDLE_WAIT_S` = 0), as
 kvledger ran before that wait, side by side.
+
+`--layouts files,packs` (the disk tier): the phases once per layout, each on a
+directory of its own, a file per block (`pack_bytes` 0) beside packs (the
+default), the spinning rows left out.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from pathlib import Path
 from fs_block_io import drop_caches  # the sibling script (bench/ is on sys.path when run)
 
 
-def tier_config(store: str, where: str) -> dict:
+def tier_config(store: str, where: str, pack_bytes: int | None = None) -> dict:
     if store == "valkey":
         return {"type": "valkey", "url": where, "capacity_bytes": 2 << 30}
-    return {"type": "fs", "path": where, "capacity_bytes": 2 << 30}
+    return {"type": "fs", "path": where, "capacity_bytes": 2 << 30,
+            **({} if pack_bytes is None else {"pack_bytes": pack_bytes})}
 
 
 def engine(model_dir: str, tier: dict, log: str, doc_words: int):
@@ -72,7 +77,7 @@ def run_phase(args) -> dict:
         from kvledger.adapters.vllm import worker_side
 
         worker_side.IDLE_WAIT_S = 0.0
-    llm = engine(args.model_dir, tier_config(args.store, args.tier), args.log, args.doc_words)
+    llm = engine(args.model_dir, tier_config(args.store, args.tier, args.pack_bytes), args.log, args.doc_words)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     first, second = prompts(args.docs, args.doc_words)
     out: dict = {}
@@ -108,6 +113,8 @@ def main() -> None:
     parser.add_argument("--label", default="disk")
     parser.add_argument("--docs", type=int, default=3)
     parser.add_argument("--doc-words", type=int, default=2000)
+    parser.add_argument("--pack-bytes", type=int, help="(a phase) the disk tier's pack_bytes")
+    parser.add_argument("--layouts", default="", help="the disk tier's layouts side by side: files,packs")
     parser.add_argument("--spinning", action="store_true",
                         help="(a phase) empty steps do not wait for the loads in flight")
     args = parser.parse_args()
@@ -125,19 +132,28 @@ def main() -> None:
 
         server = ServerProcess(maxmemory="2gb")
         where, phases = server.url, (("one", ""), ("two", "valkey"), ("two", "valkey, spinning"))
+    elif args.layouts:
+        where, phases = None, tuple((phase, f"disk {layout}{label}") for layout in args.layouts.split(",")
+                                    for phase, label in (("one", ""), ("two", ", cold"), ("two", ", warm")))
     else:
         where, phases = str(work / "tier"), (("one", ""), ("two", "disk, cold"), ("two", "disk, warm"),
                                              ("two", "disk, cold, spinning"), ("two", "disk, warm, spinning"))
     results = {}
     try:
         for phase, label in phases:
-            if label.startswith("disk, cold") and not drop_caches():
+            layout = label.split(",")[0].removeprefix("disk ") if args.layouts else None
+            if layout is not None and layout not in ("files", "packs"):
+                sys.exit(f"--layouts takes files and packs, not {layout!r}")
+            if layout is not None:
+                where = str(work / f"tier-{layout}")
+            if ", cold" in label and not drop_caches():
                 sys.exit("dropping the page cache needs root")
             proc = subprocess.run(
                 [sys.executable, __file__, "--store", args.store, "--phase", phase, "--model-dir", model_dir,
                  "--tier", where, "--log", str(work / f"{phase}-{label.replace(', ', '-') or 'one'}.log"),
                  "--docs", str(args.docs),
                  "--label", label or "disk", "--doc-words", str(args.doc_words),
+                 *(["--pack-bytes", "0" if layout == "files" else str(2 << 20)] if layout else []),
                  *(["--spinning"] if label.endswith("spinning") else [])],
                 capture_output=True, text=True, timeout=900)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -147,7 +163,7 @@ def main() -> None:
     finally:
         if server is not None:
             server.close()
-    tiered = [label for _, label in phases[1:]]
+    tiered = [label for phase, label in phases if phase == "two"]
     print(f"{'source':<24}{'median TTFT ms':>16}{'cached tokens':>16}")
     for name in ("recompute", "host", *tiered):
         row = results[name]

@@ -166,6 +166,19 @@ def test_a_forged_block_in_a_sealed_pack_is_never_served(tmp_path, tiers):
     assert dict(zip(outcome.failed, outcome.reasons)) == {(0, 2): "corrupt"}  # its checksum first
 
 
+@pytest.mark.parametrize("direct_writes", [True, False])
+def test_an_encrypted_pack_round_trips_and_holds_no_plaintext(tmp_path, tiers, direct_writes):
+    io = tiers(tmp_path, sizes=(ROW_BYTES,), seal=BlockSeal(b"s" * 32, encrypt=True), direct_writes=direct_writes)
+    keys = (tuple(key(n) for n in range(4)),)
+    assert run(io, "write", 1, keys, ((0, 1, 2, 3),)).ok
+    good = [payload(io, s, 0) for s in range(4)]
+    raw = block_path(tmp_path, NS, key(0)).read_bytes()
+    assert all(block[:4096] not in raw for block in good)
+    io.rows.zero_()
+    assert run(io, "read", 2, keys, ((4, 5, 6, 7),)).ok
+    assert [payload(io, s, 0) for s in (4, 5, 6, 7)] == good
+
+
 def test_removing_a_key_punches_its_block_out_and_the_last_name_frees_the_pack(tmp_path, tiers):
     io = tiers(tmp_path, sizes=(ROW_BYTES,))
     keys = (tuple(key(n) for n in range(4)),)

@@ -29,7 +29,7 @@ from kvledger.transfers.lower_tiers.block_header import (
     payload_checksum,
     seal_block,
 )
-from kvledger.transfers.lower_tiers.block_seal import BlockSeal
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal, SealFields
 
 SUFFIX = ".kvb"
 
@@ -219,15 +219,26 @@ def read_block_at(fd: int, path: str | os.PathLike, offset: int, namespace: byte
     header = bytearray(HEADER_BYTES)
     try:
         got = os.preadv(fd, [header, target], offset)
-        if got < HEADER_BYTES:
-            check_header(path, bytes(header[:got]), namespace, key, target.nbytes, sealed=seal is not None)
-        fields = check_header(path, bytes(header), namespace, key, target.nbytes, sealed=seal is not None)
-        if got != HEADER_BYTES + target.nbytes:
+        fields = check_header(path, bytes(header[:got]), namespace, key, target.nbytes, sealed=seal is not None)
+        if got < HEADER_BYTES + target.nbytes:
             raise BlockFileError("truncated", path, f"{got - HEADER_BYTES} of {target.nbytes} payload bytes")
         if whole_file and os.pread(fd, 1, offset + got):
             raise BlockFileError("corrupt", path, "bytes after the payload")
     except OSError as exc:
         raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
+    _check_payload(path, header, namespace, key, target, seal, fields)
+
+
+def check_block(path: str | os.PathLike, header: bytes | bytearray, namespace: bytes, key: bytes,
+                target: memoryview, seal: BlockSeal | None = None) -> None:
+    """Raise `BlockFileError` unless `header` and the payload read into `target`
+    are this key's block, whole; decrypt a sealed one in place."""
+    fields = check_header(path, bytes(header), namespace, key, target.nbytes, sealed=seal is not None)
+    _check_payload(path, header, namespace, key, target, seal, fields)
+
+
+def _check_payload(path: str | os.PathLike, header: bytes | bytearray, namespace: bytes, key: bytes,
+                   target: memoryview, seal: BlockSeal | None, fields: SealFields | None) -> None:
     if xxhash.xxh3_64_intdigest(target) != payload_checksum(header):
         raise BlockFileError("corrupt", path, "payload checksum mismatch")
     if seal is not None:

@@ -51,6 +51,7 @@ from kvledger.transfers.lower_tiers.block_file import (
     SUFFIX,
     aside_path,
     block_path,
+    check_block,
     create_aside,
     key_tail,
     make_dirs,
@@ -62,6 +63,7 @@ from kvledger.transfers.lower_tiers.block_header import (
     HEADER_BYTES,
     NAMESPACE_BYTES,
     BlockFileError,
+    check_header,
     seal_block,
 )
 from kvledger.transfers.lower_tiers.block_pack import (
@@ -131,7 +133,7 @@ class FsTierIO(ThreadedTierIO):
         blocks one pack holds opens it once."""
         if job.kind == "write":
             return [("write", job, run) for run in self._packs(blocks)]
-        step = max(1, -(-len(blocks) // len(self._threads)))
+        step = max(1, -(-len(blocks) // len(self._threads)), self.pack_bytes // max(self.payload_bytes))
         return [("read", job, blocks[n:n + step]) for n in range(0, len(blocks), step)]
 
     def _packs(self, blocks: list[Block]) -> list[list[Block]]:
@@ -222,13 +224,66 @@ class FsTierIO(ThreadedTierIO):
                     raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
                 mine = [(g, i, key, slot)] + [block for block in left if block[2] in entries]
                 left = [block for block in left if block[2] not in entries]
-                for block in sorted(mine, key=lambda block: entries[block[2]][0]):
-                    self._read_at(job, block, fd, path, entries[block[2]][0], started, whole_file=False)
+                for segment in self._segments(mine, entries):
+                    self._read_segment(job, segment, entries, fd, path, started)
                     started = time.perf_counter()
             except BlockFileError as error:
                 self._settle(job, g, i, error.reason, path, 0, (started, time.perf_counter()))
             finally:
                 os.close(fd)
+
+    def _segments(self, blocks: list[Block], entries: dict[bytes, tuple[int, int]]) -> list[list[Block]]:
+        """The blocks in the pack's order, cut where one does not follow the last
+        (or its size in the table is not the size this tier reads)."""
+        segments: list[list[Block]] = []
+        end = -1
+        for block in sorted(blocks, key=lambda block: entries[block[2]][0]):
+            offset, nbytes = entries[block[2]]
+            if segments and offset == end and nbytes == self.payload_bytes[block[0]]:
+                segments[-1].append(block)
+            else:
+                segments.append([block])
+            end = offset + HEADER_BYTES + round_up(nbytes) if nbytes == self.payload_bytes[block[0]] else -1
+        return segments
+
+    def _read_segment(self, job: TierJob, blocks: list[Block], entries: dict[bytes, tuple[int, int]], fd: int,
+                      path: Path, started: float) -> None:
+        """Consecutive blocks of a pack in one read; then each block checked alone."""
+        if len(blocks) == 1:
+            self._read_at(job, blocks[0], fd, path, entries[blocks[0][2]][0], started, whole_file=False)
+            return
+        buffers: list = []
+        parts: list[tuple[bytearray, memoryview]] = []
+        for g, _i, _key, slot in blocks:
+            header, target = bytearray(HEADER_BYTES), memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B")
+            pad = round_up(target.nbytes) - target.nbytes
+            buffers += [header, target, bytearray(pad)] if pad else [header, target]
+            parts.append((header, target))
+        start = entries[blocks[0][2]][0]
+        try:
+            got = os.preadv(fd, buffers, start)
+        except OSError as exc:
+            for g, i, _key, _slot in blocks:
+                self._settle(job, g, i, "unreadable", path, 0, (started, time.perf_counter()))
+            _log.debug("tier_read_failed", path=str(path), error=repr(exc))
+            return
+        ended = time.perf_counter()
+        at = 0
+        for (g, i, key, _slot), (header, target) in zip(blocks, parts):
+            reason: str | None = None
+            try:
+                if got < at + HEADER_BYTES + target.nbytes:
+                    check_header(path, bytes(header[: max(0, got - at)]), self.namespace, key, target.nbytes,
+                                 sealed=self.seal is not None)
+                    raise BlockFileError("truncated", path, f"{max(0, got - at - HEADER_BYTES)} of {target.nbytes} "
+                                         f"payload bytes")
+                check_block(path, header, self.namespace, key, target, self.seal)
+            except BlockFileError as error:
+                reason = error.reason
+                if reason == "foreign" and not any(header[:64]):
+                    reason = "missing"  # removed: its extent was punched out of the pack
+            self._settle(job, g, i, reason, path, 0 if reason else target.nbytes, (started, ended))
+            at += HEADER_BYTES + round_up(target.nbytes)
 
     def _read_at(self, job: TierJob, block: Block, fd: int, path: Path, offset: int, started: float, *,
                  whole_file: bool) -> None:
