@@ -242,9 +242,19 @@ def _tamper(spec: dict) -> int:
     sealed = spec.get("tamper_sealed", True)  # False: the blocks of a tier without a secret
     count = 0
     if spec.get("tamper_dir"):
+        from kvledger.transfers.lower_tiers.block_pack import decode_table, is_pack
+
         for path in Path(spec["tamper_dir"]).rglob("*.kvb"):
             namespace, key = bytes.fromhex(path.parent.parent.name), bytes.fromhex(path.stem)
-            path.write_bytes(forged(path.read_bytes(), bh.HEADER_BYTES, namespace, key))
+            raw = path.read_bytes()
+            if is_pack(raw):  # the key's block inside the pack its name links to, rewritten in place
+                offset, size = decode_table(path, raw, namespace)[key]
+                block = forged(raw[offset:offset + bh.HEADER_BYTES + size], bh.HEADER_BYTES, namespace, key)
+                with open(path, "r+b") as file:
+                    file.seek(offset)
+                    file.write(block)
+            else:
+                path.write_bytes(forged(raw, bh.HEADER_BYTES, namespace, key))
             count += 1
     if spec.get("tamper_url"):
         import valkey
