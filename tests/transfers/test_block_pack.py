@@ -135,6 +135,19 @@ def test_a_table_that_lies_fails_its_blocks_and_serves_nothing(tmp_path, tiers):
     assert all(payload(io, s, 0) == bytes([7]) * ROW_BYTES for s in (3, 4, 5))
 
 
+def test_a_table_claiming_a_huge_size_is_refused_before_anything_is_read(tmp_path, tiers):
+    io = tiers(tmp_path, sizes=(ROW_BYTES,))
+    keys = (tuple(key(n) for n in range(2)),)
+    assert run(io, "write", 1, keys, ((0, 1),)).ok
+    fd = os.open(block_path(tmp_path, NS, key(0)), os.O_RDWR)
+    try:
+        os.pwrite(fd, (0xFFFFFFFF).to_bytes(4, "little"), 10)  # the table's size field: 4 GiB
+    finally:
+        os.close(fd)
+    outcome = run(io, "read", 2, keys, ((2, 3),))
+    assert outcome.reasons == ("corrupt", "corrupt")
+
+
 def test_a_name_replaced_by_anothers_file_is_read_from_the_pack_or_fails_when_opened(tmp_path, tiers):
     """The first key of a run is opened by its name: another namespace's file there
     fails it. A key the opened pack holds is read from it, checked as ever."""

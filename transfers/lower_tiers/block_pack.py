@@ -118,6 +118,8 @@ def decode_table(path: str | os.PathLike, data: bytes, namespace: bytes) -> dict
         for _ in range(count):
             offset, nbytes, key_length = _ENTRY.unpack_from(data, at)
             at += _ENTRY.size
+            if not size <= offset < 1 << 62 or nbytes >= 1 << 40:
+                raise BlockFileError("corrupt", path, f"a pack entry at {offset} of {nbytes} bytes")
             entries[bytes(data[at:at + key_length])] = (offset, nbytes)
             at += key_length
         (checksum,) = _CHECKSUM.unpack_from(data, at)
@@ -126,6 +128,20 @@ def decode_table(path: str | os.PathLike, data: bytes, namespace: bytes) -> dict
     if at + _CHECKSUM.size > size or checksum != xxhash.xxh3_64_intdigest(bytes(data[:at])):
         raise BlockFileError("corrupt", path, "pack table checksum mismatch")
     return entries
+
+
+TABLE_BYTES_MAX = round_up(_TABLE_HEAD.size + BLOCKS_MAX * (_ENTRY.size + KEY_BYTES_MAX) + _CHECKSUM.size)
+"""The largest table a pack can have: a bigger size in a first page is a lie, never read."""
+
+
+def read_table(fd: int, path: str | os.PathLike, first_page: bytes, namespace: bytes) -> dict[bytes, tuple[int, int]]:
+    """`decode_table` of the pack open at `fd`, whose first page was read already."""
+    size = table_size(first_page)
+    if size > TABLE_BYTES_MAX:
+        raise BlockFileError("corrupt", path, f"a pack table of {size} bytes, more than any pack has")
+    data = first_page if size <= len(first_page) else first_page + os.pread(fd, size - len(first_page),
+                                                                            len(first_page))
+    return decode_table(path, data, namespace)
 
 
 def table_namespace(first_page: bytes) -> bytes:
