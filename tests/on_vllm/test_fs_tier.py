@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
-from kvledger.transfers.lower_tiers.block_pack import decode_table, is_pack, table_namespace
+from kvledger.transfers.lower_tiers.block_pack import decode_table, is_pack
 
 from .conftest import replay_summary, run_engine, worker_reports
 
@@ -122,7 +122,7 @@ def test_corrupted_block_files_are_recomputed(models, tmp_path, model):
     for index, path in enumerate(files):  # every block damaged: a flipped payload byte, or a cut file
         data = bytearray(path.read_bytes())
         if is_pack(data):  # a pack every key of a write job names: flip a byte of this key's block, in place
-            offset, size = decode_table(path, data, table_namespace(data))[bytes.fromhex(path.stem)]
+            offset, size = decode_table(path, data, bytes.fromhex(path.parent.parent.name))[bytes.fromhex(path.stem)]
             with open(path, "r+b") as file:
                 file.seek(offset + HEADER_BYTES + size - 1)
                 file.write(bytes([data[offset + HEADER_BYTES + size - 1] ^ 0x5A]))

@@ -5,18 +5,16 @@ a removed key's extent is punched out; a full disk falls back to a file per bloc
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import numpy as np
 import pytest
 
-from kvledger.transfers.copies.backend import TransferTimeout
 from kvledger.transfers.lower_tiers.block_file import block_path, write_block
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
-from kvledger.transfers.lower_tiers.block_pack import decode_table, is_pack, table_bytes
+from kvledger.transfers.lower_tiers.block_pack import decode_table, is_pack
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal
-from kvledger.transfers.lower_tiers.fs_tier import FsTierIO, files_present, scan_keys
+from kvledger.transfers.lower_tiers.fs_tier import files_present, scan_keys
 from tests.transfers.test_fs_tier import (
     NS,
     OTHER_NS,
@@ -24,6 +22,7 @@ from tests.transfers.test_fs_tier import (
     SIZES,
     key,
     leftovers,
+    made_tiers,
     payload,
     random_rows,
     run,
@@ -34,20 +33,9 @@ pytestmark = pytest.mark.fast
 
 @pytest.fixture
 def tiers():
-    made: list[FsTierIO] = []
-
-    def make(root, *, rows=None, sizes=SIZES, threads=1, direct_writes=True, seal=None,
-             pack_bytes=2 << 20) -> FsTierIO:
-        io = FsTierIO(root=str(root), namespace=NS, rows=random_rows(16) if rows is None else rows,
-                      payload_bytes=sizes, threads=threads, direct_writes=direct_writes, seal=seal,
-                      pack_bytes=pack_bytes)
-        made.append(io)
-        return io
-
-    yield make
-    for io in made:
-        with contextlib.suppress(TransferTimeout):
-            io.shutdown(drain=False, timeout_s=5)
+    """Tiers of packs, on one thread: one run reads a job, so which blocks a pack serves is known."""
+    with made_tiers(threads=1, pack_bytes=2 << 20) as make:
+        yield make
 
 
 def _entries(root, first_key: bytes) -> dict[bytes, tuple[int, int]]:
@@ -227,7 +215,16 @@ def test_a_full_disk_falls_back_to_a_file_per_block(small_tmpfs, tiers):
     assert read.ok and [payload(io, 8 + n, 0) for n in range(len(stored))] == expected
 
 
-def test_table_bytes_fits_the_most_keys_a_pack_holds():
+def test_a_pack_holds_at_most_blocks_max_blocks_whatever_their_size(tmp_path, tiers):
     from kvledger.transfers.lower_tiers.block_pack import BLOCKS_MAX
 
-    assert table_bytes([bytes(36)] * BLOCKS_MAX) == 4 * 4096
+    count = BLOCKS_MAX + 45
+    io = tiers(tmp_path, rows=random_rows(count, 64), sizes=(64,))  # 300 blocks of 64 bytes: 19 KB
+    keys = (tuple(key(n) for n in range(count)),)
+    assert run(io, "write", 1, keys, (tuple(range(count)),)).ok
+    links = [block_path(tmp_path, NS, k).stat().st_nlink for k in keys[0]]
+    assert links == [BLOCKS_MAX] * BLOCKS_MAX + [45] * 45
+    expected = [payload(io, n, 0) for n in range(count)]
+    io.rows.zero_()
+    assert run(io, "read", 2, keys, (tuple(range(count)),)).ok
+    assert [payload(io, n, 0) for n in range(count)] == expected

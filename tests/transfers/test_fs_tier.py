@@ -53,23 +53,31 @@ def random_rows(num_slots: int, row_bytes: int = ROW_BYTES, seed: int = 0) -> to
     return torch.from_numpy(data)
 
 
-@pytest.fixture
-def tiers():
-    """Makes tiers and shuts each down after the test, so no thread outlives it. One file
-    per block unless `pack_bytes` (packs: tests/transfers/test_block_pack.py)."""
+@contextlib.contextmanager
+def made_tiers(**defaults):
+    """A maker of tiers that shuts each down at the end, so no thread outlives a test;
+    `defaults` for every tier it makes (packs: tests/transfers/test_block_pack.py)."""
     made: list[FsTierIO] = []
 
-    def make(root, *, rows=None, sizes=SIZES, threads=4, direct_writes=True, gid=None, pack_bytes=0) -> FsTierIO:
+    def make(root, *, rows=None, sizes=SIZES, **options) -> FsTierIO:
         io = FsTierIO(root=str(root), namespace=NS, rows=random_rows(16) if rows is None else rows,
-                      payload_bytes=sizes, threads=threads, direct_writes=direct_writes, gid=gid,
-                      pack_bytes=pack_bytes)
+                      payload_bytes=sizes, **{**defaults, **options})
         made.append(io)
         return io
 
-    yield make
-    for io in made:
-        with contextlib.suppress(TransferTimeout):
-            io.shutdown(drain=False, timeout_s=5)
+    try:
+        yield make
+    finally:
+        for io in made:
+            with contextlib.suppress(TransferTimeout):
+                io.shutdown(drain=False, timeout_s=5)
+
+
+@pytest.fixture
+def tiers():
+    """Tiers of a file per block, on 4 threads."""
+    with made_tiers(threads=4, pack_bytes=0) as make:
+        yield make
 
 
 def run(io: FsTierIO, kind: str, job_id: int, keys, slots) -> TierIoOutcome:

@@ -29,7 +29,7 @@ from kvledger.transfers.lower_tiers.block_header import (
     payload_checksum,
     seal_block,
 )
-from kvledger.transfers.lower_tiers.block_seal import BlockSeal, SealFields
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal
 
 SUFFIX = ".kvb"
 
@@ -205,40 +205,32 @@ def read_block_into(path: str | os.PathLike, namespace: bytes, key: bytes, out: 
     raise `BlockFileError` naming why the file cannot be served."""
     fd = open_block(path)
     try:
-        read_block_at(fd, path, 0, namespace, key, out, seal, whole_file=True)
+        read_open_block(fd, path, namespace, key, out, seal)
     finally:
         os.close(fd)
 
 
-def read_block_at(fd: int, path: str | os.PathLike, offset: int, namespace: bytes, key: bytes, out: object,
-                  seal: BlockSeal | None = None, *, whole_file: bool) -> None:
-    """Fill `out` with the block whose header starts at `offset` of the open
-    file `fd`: a block file's (`whole_file`: nothing may follow the payload) or
-    one inside a pack (`block_pack`). Header, checksum and seal are checked."""
+def read_open_block(fd: int, path: str | os.PathLike, namespace: bytes, key: bytes, out: object,
+                    seal: BlockSeal | None = None) -> None:
+    """`read_block_into` of a block file already open at `fd`."""
     target = memoryview(out).cast("B")  # type: ignore[arg-type]
     header = bytearray(HEADER_BYTES)
     try:
-        got = os.preadv(fd, [header, target], offset)
-        fields = check_header(path, bytes(header[:got]), namespace, key, target.nbytes, sealed=seal is not None)
-        if got < HEADER_BYTES + target.nbytes:
-            raise BlockFileError("truncated", path, f"{got - HEADER_BYTES} of {target.nbytes} payload bytes")
-        if whole_file and os.pread(fd, 1, offset + got):
+        got = os.preadv(fd, [header, target], 0)
+        check_block(path, header, namespace, key, target, seal, got=got)
+        if os.pread(fd, 1, got):
             raise BlockFileError("corrupt", path, "bytes after the payload")
     except OSError as exc:
         raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
-    _check_payload(path, header, namespace, key, target, seal, fields)
 
 
 def check_block(path: str | os.PathLike, header: bytes | bytearray, namespace: bytes, key: bytes,
-                target: memoryview, seal: BlockSeal | None = None) -> None:
-    """Raise `BlockFileError` unless `header` and the payload read into `target`
-    are this key's block, whole; decrypt a sealed one in place."""
-    fields = check_header(path, bytes(header), namespace, key, target.nbytes, sealed=seal is not None)
-    _check_payload(path, header, namespace, key, target, seal, fields)
-
-
-def _check_payload(path: str | os.PathLike, header: bytes | bytearray, namespace: bytes, key: bytes,
-                   target: memoryview, seal: BlockSeal | None, fields: SealFields | None) -> None:
+                target: memoryview, seal: BlockSeal | None = None, *, got: int) -> None:
+    """Raise `BlockFileError` unless the `got` bytes read into `header` and then
+    `target` are this key's block, whole; decrypt a sealed one in place."""
+    fields = check_header(path, bytes(header[:max(0, got)]), namespace, key, target.nbytes, sealed=seal is not None)
+    if got < HEADER_BYTES + target.nbytes:
+        raise BlockFileError("truncated", path, f"{max(0, got - HEADER_BYTES)} of {target.nbytes} payload bytes")
     if xxhash.xxh3_64_intdigest(target) != payload_checksum(header):
         raise BlockFileError("corrupt", path, "payload checksum mismatch")
     if seal is not None:

@@ -69,32 +69,24 @@ def table_bytes(keys: list[bytes]) -> int:
     return round_up(_TABLE_HEAD.size + sum(_ENTRY.size + len(k) for k in keys) + _CHECKSUM.size)
 
 
-def layout(keys: list[bytes], payload_bytes: list[int]) -> tuple[list[int], int]:
-    """Each block's offset (of its header), and the pack's size."""
-    if not 0 < len(keys) <= BLOCKS_MAX or len(keys) != len(payload_bytes):
-        raise ValueError(f"a pack holds 1 to {BLOCKS_MAX} blocks, each with its size; got {len(keys)} keys "
-                         f"and {len(payload_bytes)} sizes")
-    offset = table_bytes(keys)
-    offsets = []
-    for size in payload_bytes:
-        offsets.append(offset)
-        offset += HEADER_BYTES + round_up(size)
-    return offsets, offset
-
-
 def encode_table(namespace: bytes, keys: list[bytes], payload_bytes: list[int]) -> tuple[bytes, list[int], int]:
     """The padded table, each block's header offset, and the pack's size."""
     if len(namespace) != NAMESPACE_BYTES:
         raise ValueError(f"a namespace is {NAMESPACE_BYTES} bytes, not {len(namespace)}")
+    if not 0 < len(keys) <= BLOCKS_MAX or len(keys) != len(payload_bytes):
+        raise ValueError(f"a pack holds 1 to {BLOCKS_MAX} blocks, each with its size; got {len(keys)} keys "
+                         f"and {len(payload_bytes)} sizes")
     if any(not 0 < len(k) <= KEY_BYTES_MAX for k in keys):
         raise ValueError(f"a key is 1 to {KEY_BYTES_MAX} bytes")
-    offsets, total = layout(keys, payload_bytes)
-    size = table_bytes(keys)
+    size = offset = table_bytes(keys)
     parts = [_TABLE_HEAD.pack(TABLE_MAGIC, PACK_VERSION, size, len(keys), namespace)]
-    for key, offset, nbytes in zip(keys, offsets, payload_bytes):
+    offsets = []
+    for key, nbytes in zip(keys, payload_bytes):
         parts.append(_ENTRY.pack(offset, nbytes, len(key)) + key)
+        offsets.append(offset)
+        offset += HEADER_BYTES + round_up(nbytes)
     body = b"".join(parts)
-    return (body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(size, b"\0"), offsets, total
+    return (body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))).ljust(size, b"\0"), offsets, offset
 
 
 def decode_table(path: str | os.PathLike, data: bytes, namespace: bytes) -> dict[bytes, tuple[int, int]]:
@@ -134,24 +126,16 @@ TABLE_BYTES_MAX = round_up(_TABLE_HEAD.size + BLOCKS_MAX * (_ENTRY.size + KEY_BY
 """The largest table a pack can have: a bigger size in a first page is a lie, never read."""
 
 
-def read_table(fd: int, path: str | os.PathLike, first_page: bytes, namespace: bytes) -> dict[bytes, tuple[int, int]]:
-    """`decode_table` of the pack open at `fd`, whose first page was read already."""
-    size = table_size(first_page)
+def pack_table(fd: int, path: str | os.PathLike, namespace: bytes) -> dict[bytes, tuple[int, int]] | None:
+    """`decode_table` of the file open at `fd`, or None when it is a single block file."""
+    first = os.pread(fd, ALIGN, 0)
+    if not is_pack(first):
+        return None
+    size = _TABLE_HEAD.unpack_from(first)[2] if len(first) >= _TABLE_HEAD.size else 0
     if size > TABLE_BYTES_MAX:
         raise BlockFileError("corrupt", path, f"a pack table of {size} bytes, more than any pack has")
-    data = first_page if size <= len(first_page) else first_page + os.pread(fd, size - len(first_page),
-                                                                            len(first_page))
+    data = first if size <= len(first) else first + os.pread(fd, size - len(first), len(first))
     return decode_table(path, data, namespace)
-
-
-def table_namespace(first_page: bytes) -> bytes:
-    """The namespace a pack's table names (checked by `decode_table`)."""
-    return _TABLE_HEAD.unpack_from(first_page)[4]
-
-
-def table_size(first_page: bytes) -> int:
-    """The table's size as its first page says (checked whole by `decode_table`)."""
-    return _TABLE_HEAD.unpack_from(first_page)[2] if len(first_page) >= _TABLE_HEAD.size else 0
 
 
 # -- punching a removed block out ------------------------------------------------------------------

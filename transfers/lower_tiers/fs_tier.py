@@ -58,28 +58,27 @@ from kvledger.transfers.lower_tiers.block_file import (
     key_tail,
     make_dirs,
     open_block,
-    read_block_at,
+    read_open_block,
     write_block,
 )
 from kvledger.transfers.lower_tiers.block_header import (
     HEADER_BYTES,
     NAMESPACE_BYTES,
     BlockFileError,
-    check_header,
     seal_block,
 )
 from kvledger.transfers.lower_tiers.block_pack import (
+    ALIGN,
     BLOCKS_MAX,
     encode_table,
-    is_pack,
+    pack_table,
     punch_block,
-    read_table,
     round_up,
 )
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal
 from kvledger.transfers.lower_tiers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
 
-DIRECT_ALIGN = 4096
+DIRECT_ALIGN = ALIGN
 """Address, offset and length alignment that O_DIRECT accepts on any common device."""
 PACK_BYTES = 2 << 20
 """Payload bytes a pack (`block_pack`) gathers from a write job's consecutive blocks: 2 MiB
@@ -212,15 +211,14 @@ class FsTierIO(ThreadedTierIO):
                 continue
             try:
                 try:
-                    first = os.pread(fd, HEADER_BYTES, 0)
-                    if not is_pack(first):
-                        self._read_at(job, (g, i, key, slot), fd, path, 0, started, whole_file=True)
-                        continue
-                    entries = read_table(fd, path, first, self.namespace)
-                    if key not in entries:
-                        raise BlockFileError("foreign", path, f"the pack at its name holds no key {key.hex()}")
+                    entries = pack_table(fd, path, self.namespace)
                 except OSError as exc:
                     raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
+                if entries is None:
+                    self._read_file(job, (g, i, key, slot), fd, path, started)
+                    continue
+                if key not in entries:
+                    raise BlockFileError("foreign", path, f"the pack at its name holds no key {key.hex()}")
                 mine = [(g, i, key, slot)] + [block for block in left if block[2] in entries]
                 left = [block for block in left if block[2] not in entries]
                 for segment in self._segments(mine, entries):
@@ -238,19 +236,20 @@ class FsTierIO(ThreadedTierIO):
         end = -1
         for block in sorted(blocks, key=lambda block: entries[block[2]][0]):
             offset, nbytes = entries[block[2]]
-            if segments and offset == end and nbytes == self.payload_bytes[block[0]]:
+            if nbytes != self.payload_bytes[block[0]]:  # read alone: it fails its header's size check
+                segments.append([block])
+                end = -1
+                continue
+            if offset == end:
                 segments[-1].append(block)
             else:
                 segments.append([block])
-            end = offset + HEADER_BYTES + round_up(nbytes) if nbytes == self.payload_bytes[block[0]] else -1
+            end = offset + HEADER_BYTES + round_up(nbytes)
         return segments
 
     def _read_segment(self, job: TierJob, blocks: list[Block], entries: dict[bytes, tuple[int, int]], fd: int,
                       path: Path, started: float) -> None:
         """Consecutive blocks of a pack in one read; then each block checked alone."""
-        if len(blocks) == 1:
-            self._read_at(job, blocks[0], fd, path, entries[blocks[0][2]][0], started, whole_file=False)
-            return
         buffers: list = []
         parts: list[tuple[bytearray, memoryview]] = []
         for g, _i, _key, slot in blocks:
@@ -271,32 +270,23 @@ class FsTierIO(ThreadedTierIO):
         for (g, i, key, _slot), (header, target) in zip(blocks, parts):
             reason: str | None = None
             try:
-                if got < at + HEADER_BYTES + target.nbytes:
-                    check_header(path, bytes(header[: max(0, got - at)]), self.namespace, key, target.nbytes,
-                                 sealed=self.seal is not None)
-                    raise BlockFileError("truncated", path, f"{max(0, got - at - HEADER_BYTES)} of {target.nbytes} "
-                                         f"payload bytes")
-                check_block(path, header, self.namespace, key, target, self.seal)
+                check_block(path, header, self.namespace, key, target, self.seal, got=got - at)
             except BlockFileError as error:
-                reason = error.reason
-                if reason == "foreign" and not any(header[:64]):
-                    reason = "missing"  # removed: its extent was punched out of the pack
+                # A header of zeros in a pack: the key was removed, its extent punched out.
+                reason = "missing" if error.reason == "foreign" and not any(header[:64]) else error.reason
             self._settle(job, g, i, reason, path, 0 if reason else target.nbytes, (started, ended))
             at += HEADER_BYTES + round_up(target.nbytes)
 
-    def _read_at(self, job: TierJob, block: Block, fd: int, path: Path, offset: int, started: float, *,
-                 whole_file: bool) -> None:
+    def _read_file(self, job: TierJob, block: Block, fd: int, path: Path, started: float) -> None:
+        """A block file of one block (not a pack), open at `fd`."""
         g, i, key, slot = block
         payload = self._array[slot, : self.payload_bytes[g]]
+        reason: str | None = None
         try:
-            read_block_at(fd, path, offset, self.namespace, key, payload, self.seal, whole_file=whole_file)
+            read_open_block(fd, path, self.namespace, key, payload, self.seal)
         except BlockFileError as error:
             reason = error.reason
-            if reason == "foreign" and not whole_file and _punched(fd, offset):
-                reason = "missing"  # removed: its extent was punched out of the pack
-            self._settle(job, g, i, reason, path, 0, (started, time.perf_counter()))
-            return
-        self._settle(job, g, i, None, path, payload.nbytes, (started, time.perf_counter()))
+        self._settle(job, g, i, reason, path, 0 if reason else payload.nbytes, (started, time.perf_counter()))
 
     # Writes.
 
@@ -376,10 +366,7 @@ class FsTierIO(ThreadedTierIO):
                 _write_file(aside, staged[:total], self.gid, direct=True)
                 return
             except _DirectUnsupported as exc:
-                with self._cond:
-                    was, self.direct_writes = self.direct_writes, False
-                if was:
-                    _log.info("tier_direct_io_off", root=self.root, error=str(exc))
+                self._direct_off(exc)
         _write_file(aside, staged[:total], self.gid, direct=False)
 
     def _write(self, path: Path, key: bytes, payload, bounce: list[mmap.mmap]) -> None:
@@ -391,11 +378,15 @@ class FsTierIO(ThreadedTierIO):
                               gid=self.gid)
                 return
             except _DirectUnsupported as exc:
-                with self._cond:
-                    was, self.direct_writes = self.direct_writes, False
-                if was:
-                    _log.info("tier_direct_io_off", root=self.root, error=str(exc))
+                self._direct_off(exc)
         write_block(path, self.namespace, key, payload, self.seal, gid=self.gid)
+
+    def _direct_off(self, refusal: Exception) -> None:
+        """This file system refused O_DIRECT: the tier writes through the page cache from now on."""
+        with self._cond:
+            was, self.direct_writes = self.direct_writes, False
+        if was:
+            _log.info("tier_direct_io_off", root=self.root, error=str(refusal))
 
     def remove_leftovers(self, grace_s: float = LEFTOVER_GRACE_S) -> int:
         """`remove_leftovers` in this tier's namespace: for the worker opening it."""
@@ -441,10 +432,7 @@ class FsTierIO(ThreadedTierIO):
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return
-            first = os.pread(fd, HEADER_BYTES, 0)
-            if not is_pack(first):
-                return
-            entry = read_table(fd, path, first, self.namespace).get(key)
+            entry = (pack_table(fd, path, self.namespace) or {}).get(key)
             if entry is not None:
                 punch_block(fd, *entry)
         finally:
@@ -460,13 +448,6 @@ class FsTierIO(ThreadedTierIO):
             if not self._settled(job, outcome):
                 return
         job.finished(outcome)
-
-
-def _punched(fd: int, offset: int) -> bool:
-    try:
-        return not any(os.pread(fd, 64, offset))
-    except OSError:
-        return False
 
 
 class _LinksUnsupported(Exception):
