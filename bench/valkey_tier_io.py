@@ -10,11 +10,15 @@ For each block size, N blocks (about `--total-mib` in all) of a host-tier-like i
 
 Each measurement is repeated `--rounds` times, alternating, the store flushed between, and the
 median reported in GB/s (1e9 bytes) with the tier's ratio to raw. `valkey-benchmark` runs the
-same value sizes for context. The server runs here, on loopback: its own CPU time competes with
+same value sizes for context (where the server has it beside it). The server runs here, on loopback: its own CPU time competes with
 the client's on a small machine, as it would on a host that runs both. The last line is JSON.
 
+`--busy-threads N` runs N Python threads that never wait, as vLLM's engine loop holds the GIL in
+the process the tier's threads share with it: every socket call then returns to a wait for the
+GIL of up to a switch interval (5 ms).
+
     python bench/valkey_tier_io.py [--total-mib 512] [--block-kib 256 2048] [--threads 8] [--jobs 4]
-                                   [--rounds 3]
+                                   [--rounds 3] [--busy-threads 0]
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer  # noqa: E402
 from kvledger.transfers.lower_tiers.valkey_tier import ValkeyTierIO  # noqa: E402
-from tests.support.valkey_servers import ServerProcess  # noqa: E402
+from tests.support.valkey_servers import ServerProcess, server_binary  # noqa: E402
 
 NAMESPACE = bytes(range(16))
 PIPELINE = 32
@@ -94,8 +98,18 @@ def tier(io: ValkeyTierIO, kind: str, count: int, jobs: int, first_job: int) -> 
     return seconds
 
 
+def spin(done: threading.Event) -> None:
+    """Python that holds the GIL until `done`, as an engine loop does."""
+    while not done.is_set():
+        sum(range(1000))
+
+
 def valkey_benchmark(port: int, size: int, count: int) -> dict:
-    out = subprocess.run(["valkey-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(count),
+    binary = Path(server_binary())
+    found = [path for name in ("valkey-benchmark", "redis-benchmark") if (path := binary.with_name(name)).exists()]
+    if not found:
+        return {}
+    out = subprocess.run([str(found[0]), "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(count),
                           "-P", "16", "-q"], capture_output=True, text=True, timeout=300).stdout
     rates = dict(re.findall(r"(SET|GET): ([\d.]+) requests per second", out.replace("\r", "\n")))
     return {op.lower(): round(float(rate) * size / 1e9, 2) for op, rate in rates.items()}
@@ -108,7 +122,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--busy-threads", type=int, default=0)
     args = parser.parse_args()
+    busy = threading.Event()
+    for _ in range(args.busy_threads):
+        threading.Thread(target=spin, args=(busy,), daemon=True).start()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     server = ServerProcess(maxmemory=f"{3 * args.total_mib + 512}mb", policy="noeviction")
     results = []
@@ -144,8 +162,10 @@ def main() -> None:
                   f"({row['read_ratio']}x) | valkey-benchmark set {context.get('set')} get {context.get('get')} GB/s",
                   flush=True)
     finally:
+        busy.set()
         server.close()
-    print(json.dumps({"threads": args.threads, "jobs": args.jobs, "rounds": args.rounds, "results": results}))
+    print(json.dumps({"threads": args.threads, "jobs": args.jobs, "rounds": args.rounds,
+                      "busy_threads": args.busy_threads, "results": results}))
 
 
 if __name__ == "__main__":

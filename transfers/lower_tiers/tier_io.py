@@ -126,7 +126,7 @@ class ThreadedTierIO:
         self._submit(job_id, "read", keys, slot_ids)
 
     def _submit(self, job_id: int, kind: str, keys: KeysByGroup, slot_ids: IdsByGroup) -> None:
-        self._check(keys, slot_ids)
+        self._check(keys, slot_ids, kind)
         blocks = [(g, i, bytes(k), int(s)) for g, (ks, ss) in enumerate(zip(keys, slot_ids))
                   for i, (k, s) in enumerate(zip(ks, ss))]
         job = TierJob(job_id, kind, len(blocks))
@@ -143,8 +143,10 @@ class ThreadedTierIO:
             self._queue.extend(items)
             self._cond.notify(len(items))
 
-    def _check(self, keys: KeysByGroup, slot_ids: IdsByGroup) -> None:
-        """A malformed job is the caller's bug: refused whole, before any I/O."""
+    def _check(self, keys: KeysByGroup, slot_ids: IdsByGroup, kind: str) -> None:
+        """A malformed job is the caller's bug: refused whole, before any I/O. A
+        read lands each block in its own slot: one slot named twice would be
+        written by two blocks at once (a slot is a row, whatever the group)."""
         if len(keys) != len(self.payload_bytes) or len(slot_ids) != len(self.payload_bytes):
             raise ValueError(f"a job names {len(keys)} key groups and {len(slot_ids)} slot groups; "
                              f"this tier has {len(self.payload_bytes)} groups")
@@ -156,6 +158,9 @@ class ThreadedTierIO:
                 raise ValueError(f"group {g}: a key is 1 to {KEY_BYTES_MAX} bytes")
             if any(not 0 <= s < num_slots for s in ss):
                 raise ValueError(f"group {g}: a slot is outside [0, {num_slots})")
+        if kind == "read" and len(named := [s for ss in slot_ids for s in ss]) != len(set(named)):
+            twice = next(s for s, n in collections.Counter(named).items() if n > 1)
+            raise ValueError(f"a read names slot {twice} for two blocks")
 
     def poll(self) -> list[TierIoOutcome]:
         with self._cond:

@@ -44,6 +44,9 @@ INFO_MAX = 1 << 16
 """The longest `INFO cluster` reply taken (a few hundred bytes)."""
 REFRESH_S = 0.002
 """How long a socket timeout set to a batch's time left is kept (`_Wire`)."""
+LATE = "the batch took longer than timeout_s"
+IOV_MAX = 1024
+"""The most buffers one `sendmsg` takes (Linux's IOV_MAX)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -163,7 +166,7 @@ class ValkeyStore:
             chunks.append(payload)
             after = b"\r\n"
         chunks.append(after)
-        return self._exchange(chunks, lambda replies: [replies.status(b"+OK") for _ in items])
+        return self._exchange(chunks, lambda replies: replies.each(len(items), 5, lambda: replies.status(b"+OK")))
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None | Exception]:
         return self._pipeline("get", [(k,) for k in keys])
@@ -185,8 +188,7 @@ class ValkeyStore:
         if not keys:
             return []
         command = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
-        return self._exchange([command], lambda replies: [replies.value(head, target)
-                                                          for head, target in zip(heads, targets)])
+        return self._exchange([command], lambda replies: replies.values(heads, targets))
 
     def exists_each(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key has a value; an error reply counts as none. A cluster's
@@ -196,7 +198,7 @@ class ValkeyStore:
         if self.server.cluster:
             return [answer == 1 for answer in self._pipeline("exists", [(k,) for k in keys])]
         command = b"".join(b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
-        return self._exchange([command], lambda replies: [replies.exists() for _ in keys])
+        return self._exchange([command], lambda replies: replies.each(len(keys), 4, replies.exists))
 
     def _exchange(self, chunks: Sequence[bytes | memoryview], read: Callable[[_Replies], _T]) -> _T:
         """On one server: send `chunks`, then `read` the replies, all within `timeout_s`.
@@ -312,7 +314,7 @@ class _Wire:
         now = time.monotonic()
         left = self.deadline - now
         if left <= 0:
-            raise TimeoutError("the batch took longer than timeout_s")
+            raise TimeoutError(LATE)
         option = -1 if self.tls else option
         if now - self._set_at.get(option, -REFRESH_S) < REFRESH_S:
             return
@@ -323,29 +325,72 @@ class _Wire:
             micros = max(1, int(left * 1e6))  # a zero timeval would mean no timeout at all
             self.sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", micros // 1_000_000, micros % 1_000_000))
 
-    def send_all(self, chunks: Sequence[bytes | memoryview]) -> None:
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            while view.nbytes:
-                self._bound(socket.SO_SNDTIMEO)
-                view = view[self.sock.send(view):]
+    def _call(self, option: int, call: Callable[..., _T], *args) -> _T:
+        """One socket call within the time left. The kernel's timeout ends a
+        call that moved nothing with EAGAIN (`BlockingIOError`): the batch is late."""
+        self._bound(option)
+        try:
+            return call(*args)
+        except BlockingIOError:
+            raise TimeoutError(LATE) from None
 
-    def recv(self, size: int) -> bytes:
-        self._bound(socket.SO_RCVTIMEO)
-        chunk = self.sock.recv(size)
+    def send_all(self, chunks: Sequence[bytes | memoryview]) -> None:
+        """Every chunk, on a plain socket in as few `sendmsg` calls as the
+        kernel takes (one per `IOV_MAX` chunks while the server keeps up): each
+        call's return waits for the GIL, which in a busy process is a switch
+        interval (5 ms), so a call per chunk made a 32-block batch 64 waits."""
+        views = [memoryview(chunk).cast("B") for chunk in chunks]
+        views = [view for view in views if view.nbytes]
+        while views:
+            if self.tls:  # an SSLSocket has no sendmsg
+                views[0] = views[0][self._call(socket.SO_SNDTIMEO, self.sock.send, views[0]):]
+            else:
+                sent = self._call(socket.SO_SNDTIMEO, self.sock.sendmsg, views[:IOV_MAX])
+                while sent and sent >= views[0].nbytes:
+                    sent -= views.pop(0).nbytes
+                if sent:
+                    views[0] = views[0][sent:]
+            if views and not views[0].nbytes:
+                views.pop(0)
+
+    def recv(self, size: int, sure: int = 0) -> bytes:
+        """Up to `size` bytes; on a plain socket where `sure` bytes are known to
+        be coming, exactly those, in one call (MSG_WAITALL)."""
+        if sure > 0 and not self.tls:
+            chunk = self._call(socket.SO_RCVTIMEO, self.sock.recv, sure, socket.MSG_WAITALL)
+        else:
+            chunk = self._call(socket.SO_RCVTIMEO, self.sock.recv, size)
         if not chunk:
             raise ConnectionError("the server closed the connection")
         return chunk
+
+    def recv_scattered(self, views: Sequence[memoryview], sure: int) -> int:
+        """Bytes laid over `views` in order (plain sockets): exactly `sure` of
+        them in one call where that many are known to be coming (MSG_WAITALL),
+        else as many as have come. (SO_RCVLOWAT would let one call take both;
+        on Linux 6.18 a read waiting on it sleeps to its timeout when the last
+        bytes are merged into a segment already queued.)"""
+        flags = 0
+        if sure > 0:
+            flags, left, views = socket.MSG_WAITALL, sure, list(views)
+            for n, view in enumerate(views):
+                if view.nbytes >= left:
+                    views[n:] = [view[:left]]
+                    break
+                left -= view.nbytes
+        count = self._call(socket.SO_RCVTIMEO, self.sock.recvmsg_into, views[:IOV_MAX], 0, flags)[0]
+        if not count:
+            raise ConnectionError("the server closed the connection")
+        return count
 
     def recv_into(self, target: memoryview) -> None:
         """Fill `target` whole."""
         got = 0
         while got < target.nbytes:
-            self._bound(socket.SO_RCVTIMEO)
             if self.tls:
-                count = self.sock.recv_into(target[got:])
+                count = self._call(socket.SO_RCVTIMEO, self.sock.recv_into, target[got:])
             else:
-                count = self.sock.recv_into(target[got:], 0, socket.MSG_WAITALL)
+                count = self._call(socket.SO_RCVTIMEO, self.sock.recv_into, target[got:], 0, socket.MSG_WAITALL)
             if not count:
                 raise ConnectionError("the server closed the connection")
             got += count
@@ -367,6 +412,17 @@ class _Replies:
     def __init__(self, wire: _Wire) -> None:
         self.wire = wire
         self.buffer = bytearray()
+        self.least = 0  # the fewest bytes the replies still to come take: a read waits for them
+
+    def each(self, count: int, least: int, read: Callable[[], _T]) -> list[_T]:
+        """`count` replies, each of `least` bytes or more, read by `read`: a
+        server answering as it goes wakes the thread a few times, not once a reply."""
+        answers = []
+        for left in range(count, 0, -1):
+            self.least = left * least
+            answers.append(read())
+        self.least = 0
+        return answers
 
     def _line(self) -> bytes:
         scanned = 0
@@ -374,7 +430,7 @@ class _Replies:
             if len(self.buffer) >= LINE_MAX + 2:
                 raise _ProtocolError(f"a reply line longer than {LINE_MAX} bytes")
             scanned = max(0, len(self.buffer) - 1)  # a CR at the end may begin the CRLF
-            self.buffer += self.wire.recv(1 << 16)
+            self.buffer += self.wire.recv(1 << 16, self.least - len(self.buffer))
         line = bytes(self.buffer[:end])
         del self.buffer[:end + 2]
         return line
@@ -406,6 +462,56 @@ class _Replies:
         if line[:1] != b"$" or not (digits == b"-1" or digits.isdigit() and len(digits) <= 18):
             raise _ProtocolError(f"a bulk reply expected, got {line[:40]!r}")
         return int(digits)
+
+    def values(self, heads: Sequence[int], targets: Sequence[memoryview]) -> list[bytes | None | Exception | Landed]:
+        """GETs' replies (see `ValkeyStore.get_into`). On a plain socket a run of
+        them is read as the values asked for come (`_landed`), a few calls a
+        batch where `value` takes two or three a value, each waiting for the GIL
+        (a switch interval in a process whose engine is busy); a reply that
+        differs (a missing key, another size, an error) is read by `value`, and
+        the run goes on after it."""
+        if self.wire.tls:
+            return [self.value(head, target) for head, target in zip(heads, targets)]
+        answers: list[bytes | None | Exception | Landed] = []
+        while len(answers) < len(heads):
+            answers += self._landed(heads[len(answers):], targets[len(answers):])
+            if len(answers) < len(heads):
+                answers.append(self.value(heads[len(answers)], targets[len(answers)]))
+        return answers
+
+    def _landed(self, heads: Sequence[int], targets: Sequence[memoryview]) -> list[Landed]:
+        """The replies, from the first, that are values of the sizes asked for,
+        scattered by `recvmsg_into` over a head buffer, the target and a CRLF
+        buffer each. From the first reply that differs on, the bytes come are
+        put back in the buffer, for `value`."""
+        fixed = [b"$%d\r\n" % (head + target.nbytes) for head, target in zip(heads, targets)]
+        metas = [bytearray(len(lead) + head) for lead, head in zip(fixed, heads)]
+        segments = [view for meta, target in zip(metas, targets)
+                    for view in (memoryview(meta), target, memoryview(bytearray(2)))]
+        at = got = 0  # segments[at] is the first not full; `got` bytes of it are
+        while at < len(segments):
+            if self.buffer:  # bytes already come, read by `value`
+                count = _lay(self.buffer, segments[at:], got)
+                del self.buffer[:count]
+            else:
+                sure = 0  # the rest of a value whose size has come, and its CRLF
+                if at % 3 or got >= len(fixed[at // 3]):
+                    sure = sum(view.nbytes for view in segments[at:at - at % 3 + 3]) - got
+                count = self.wire.recv_scattered([segments[at][got:], *segments[at + 1:]], sure)
+            while at < len(segments) and (count or got == segments[at].nbytes):
+                took = min(count, segments[at].nbytes - got)
+                count, got = count - took, got + took
+                block, part = divmod(at, 3)
+                expected = fixed[block] if part == 0 else b"\r\n" if part == 2 else b""
+                seen = min(got, len(expected))
+                if segments[at][:seen] != expected[:seen]:
+                    if part == 2:
+                        raise _ProtocolError("a bulk reply without its CRLF")
+                    self.buffer[:0] = _gather(segments[at:], got + count)
+                    return [Landed(meta[len(lead):]) for meta, lead in zip(metas[:block], fixed)]
+                if got == segments[at].nbytes:
+                    at, got = at + 1, 0
+        return [Landed(meta[len(lead):]) for meta, lead in zip(metas, fixed)]
 
     def value(self, head: int, target: memoryview) -> bytes | None | Exception | Landed:
         """A GET's reply (see `ValkeyStore.get_into`)."""
@@ -460,3 +566,27 @@ class _Replies:
         """After the last reply: nothing more may have come."""
         if self.buffer:
             raise _ProtocolError(f"{len(self.buffer)} bytes beyond the replies to the commands sent")
+
+
+def _lay(data: bytearray, views: Sequence[memoryview], skip: int) -> int:
+    """Copy `data` over `views` in order, from `skip` bytes into the first; how many bytes it took."""
+    laid = 0
+    for n, view in enumerate(views):
+        room = view[skip if n == 0 else 0:]
+        take = min(room.nbytes, len(data) - laid)
+        room[:take] = data[laid:laid + take]
+        laid += take
+        if laid == len(data):
+            break
+    return laid
+
+
+def _gather(views: Sequence[memoryview], count: int) -> bytes:
+    """The first `count` bytes laid over `views` in order."""
+    parts = []
+    for view in views:
+        if count <= 0:
+            break
+        parts.append(bytes(view[:count]))
+        count -= view.nbytes
+    return b"".join(parts)
