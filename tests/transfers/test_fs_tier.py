@@ -344,6 +344,8 @@ def test_malformed_jobs_are_refused_at_submit_and_empty_ones_finish_at_once(tmp_
         io.read(1, ((key(0),), ()), ((16,), ()))
     with pytest.raises(ValueError, match="key is"):
         io.read(1, ((b"",), ()), ((0,), ()))
+    with pytest.raises(ValueError, match="slot 3 for two blocks"):  # a slot is a row, whatever the group
+        io.read(1, ((key(0),), (key(1),)), ((3,), (3,)))
     io.read(1, ((stuck_key(tmp_path, 0),), ()), ((0,), ()))
     with pytest.raises(ValueError, match="already in flight"):
         io.read(1, ((key(1),), ()), ((1,), ()))
