@@ -110,7 +110,7 @@ def _valkey_header_bytes(tier: ValkeyTierSettings) -> int:
 
 def _valkey_lookup(tier: ValkeyTierSettings, name: str, namespaces: tuple[bytes, ...]) -> Lookup:
     store = ValkeyStore(tier.server)  # used by the lookups' thread alone
-    health = Health(name, tier.server.where)
+    health = Health(name, tier.server.where, tier.server.timeout_s)
     return Lookup(find=functools.partial(keys_present, store, health, namespaces, key_prefix=tier.key_prefix),
                   health=health, close=store.close)
 

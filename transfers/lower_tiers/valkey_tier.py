@@ -6,8 +6,9 @@ the way the store is fastest), spread over the threads. The store is shared
 and may evict or lose any key, so a read is checked (`block_value`) and a
 key that is missing, cut short or foreign fails its position: the engine
 drops it and the request recomputes it. A server that is down or paused
-fails a batch after one timeout; the tier is then down for `RETRY_S`, when
-jobs fail at once, without waiting, until a batch gets through again.
+fails a batch after one timeout; the tier is then down, and jobs fail at once,
+without waiting, until a batch gets through again: tried after
+`FIRST_RETRY_S`, then twice as long each time it fails, up to `RETRY_S`.
 
 Evicted keys are not deleted: another instance may be about to read them,
 and the server's `maxmemory` and eviction policy bound the store.
@@ -36,8 +37,11 @@ from kvledger.transfers.lower_tiers.valkey_store import Landed, StoreDown, Valke
 
 _log = structlog.get_logger("kvledger.transfers.valkey_tier")
 
+FIRST_RETRY_S = 0.125
+"""After a first failure, how long the tier stays down before a batch tries the server again: a
+stall of the host (the soak saw machine-wide ones of 0.1-2 s) costs an eighth of a second of tier."""
 RETRY_S = 1.0
-"""After a failure, how long the tier stays down before a batch tries the server again."""
+"""The most the tier stays down before a batch tries again, while the server stays down."""
 BATCH_BLOCKS = 32
 BATCH_BYTES = 16 << 20
 
@@ -45,29 +49,52 @@ _Batch = tuple[TierJob, list[Block]]
 
 
 class Health:
-    """Whether the server is up, shared by a tier's threads: one failure marks it
-    down for `RETRY_S`, so a dead server costs each job nothing, not a timeout."""
+    """Whether the server is up, shared by a tier's threads (a circuit breaker).
+    One failure marks it down, so a dead server costs each job nothing, not a
+    timeout. When the wait is over one batch at a time tries the server (for
+    its `timeout_s` and a margin at most); the others fail at once until it has answered. A
+    failure of work begun before the tier last went down is that same outage
+    (every thread's batch fails with it): it neither extends the wait nor
+    doubles the next."""
 
-    def __init__(self, name: str, where: str) -> None:
+    def __init__(self, name: str, where: str, timeout_s: float) -> None:
         self.name = name
         self.where = where
+        self.probe_s = timeout_s + RETRY_S
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._went_down = float("-inf")
+        self._downs = 0  # outages in a row, each tried again and failed
         self.up = True
 
     def usable(self) -> bool:
-        return self.up or time.monotonic() >= self._down_until
-
-    def failed(self, error: str) -> None:
+        """Whether to try the server: up, or down and this caller is the one to try it."""
+        if self.up:
+            return True
         with self._lock:
-            self._down_until = time.monotonic() + RETRY_S
+            now = time.monotonic()
+            if self.up or now >= self._down_until:
+                if not self.up:
+                    self._down_until = now + self.probe_s  # the others wait for this try
+                return True
+        return False
+
+    def failed(self, error: str, since: float) -> None:
+        """`since`: when the failed work began (`time.monotonic()`)."""
+        with self._lock:
+            now = time.monotonic()
+            if self.up or since >= self._went_down:
+                self._went_down = now
+                self._downs += 1
+                self._down_until = now + min(RETRY_S, FIRST_RETRY_S * 2 ** min(self._downs - 1, 16))
             was, self.up = self.up, False
+            retry_s = round(self._down_until - now, 3)
         if was:
-            _log.error("valkey_tier_down", tier=self.name, server=self.where, error=error, retry_s=RETRY_S)
+            _log.error("valkey_tier_down", tier=self.name, server=self.where, error=error, retry_s=retry_s)
 
     def worked(self) -> None:
         with self._lock:
-            was, self.up = self.up, True
+            was, self.up, self._downs = self.up, True, 0
         if not was:
             _log.warning("valkey_tier_up", tier=self.name, server=self.where)
 
@@ -85,7 +112,7 @@ class ValkeyTierIO(ThreadedTierIO):
         self.namespace = namespace
         self.seal = seal
         self.key_prefix = key_prefix
-        self.health = Health(name, server.where)
+        self.health = Health(name, server.where, server.timeout_s)
         self.connections = connections
         super().__init__(rows=rows, payload_bytes=payload_bytes, threads=connections, name="valkey")
 
@@ -126,7 +153,7 @@ class ValkeyTierIO(ThreadedTierIO):
         self._run_batch(store, *item)
 
     def _run_batch(self, store: ValkeyStore, job: TierJob, blocks: list[Block]) -> None:
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.monotonic()
         failed: list[tuple[int, int, bytes, str]] = []
         nbytes = 0
         if not self.health.usable():
@@ -139,7 +166,7 @@ class ValkeyTierIO(ThreadedTierIO):
                     nbytes, failed = self._write(store, blocks)
                 self.health.worked()
             except StoreDown as exc:
-                self.health.failed(str(exc))
+                self.health.failed(str(exc), began)
                 failed = [(g, i, key, "unreachable") for g, i, key, _ in blocks]
             except Exception as exc:  # a bug: it fails the batch, never kills the thread or hangs a waiter
                 _log.error("tier_batch_crashed", job_id=job.job_id, error=repr(exc))
@@ -199,11 +226,12 @@ def keys_present(store: ValkeyStore, health: Health, namespaces: tuple[bytes, ..
     While the server is down it raises `StoreDown`, at once: the lookup finds
     nothing, and counts as no query answered (`KeyLookups`)."""
     if not health.usable():
-        raise StoreDown(f"{health.where} is down; tried again after {RETRY_S} s")
+        raise StoreDown(f"{health.where} is down; tried again within {RETRY_S} s")
+    began = time.monotonic()
     try:
         here = store.exists_each([store_key(space, key, key_prefix) for key in keys for space in namespaces])
     except StoreDown as exc:
-        health.failed(str(exc))
+        health.failed(str(exc), began)
         raise
     health.worked()
     width = len(namespaces)
