@@ -32,7 +32,9 @@ replayed with `--check`. Raw samples and the summary go to `--out`.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import datetime
 import json
 import os
 import random
@@ -305,6 +307,52 @@ class Faults:
 
 # -- sampling ------------------------------------------------------------------------------------------
 
+STALL_S = 0.1
+"""A sleep of 10 ms that ends this much late counts as a stall of the host (`host_stalls`)."""
+_STALL_PROBE = f"""
+import json, sys, time
+while True:
+    before = time.time(); time.sleep(0.01); late = time.time() - before - 0.01
+    if late >= {STALL_S}:
+        print(json.dumps([before, round(late, 3)]), flush=True)
+"""
+
+
+def host_stall_probe(path: Path) -> subprocess.Popen:
+    """A process of its own that sleeps 10 ms at a time and writes each sleep that ended
+    `STALL_S` or more late: a stall of the whole host (the guest's CPUs not run), which no
+    timeout of kvledger's can tell from a slow server."""
+    with open(path, "w") as out:
+        return subprocess.Popen([sys.executable, "-c", _STALL_PROBE], stdout=out, stderr=subprocess.DEVNULL)
+
+
+def tier_downs(server_out: Path, stalls_path: Path, faults: Faults, started: float, wall_started: float,
+               timeout_s: float) -> dict:
+    """The Valkey tier's `valkey_tier_down` lines: how many, why, how many in a fault's window,
+    and how many of the rest had a stall of the host within the failed batch's time."""
+    stalls = [json.loads(line) for line in stalls_path.read_text().splitlines() if line.strip()] \
+        if stalls_path.exists() else []
+    downs = []
+    for line in server_out.read_text(errors="replace").splitlines():
+        at = line.find('{"')
+        if "valkey_tier_down" not in line or at < 0:
+            continue
+        with contextlib.suppress(ValueError, KeyError):
+            event = json.loads(line[at:])
+            when = datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+            downs.append((when, event["error"]))
+    in_fault = [(w, e) for w, e in downs if faults.in_window(started + w - wall_started, grace_s=2 * timeout_s + 1)]
+    rest = [(w, e) for w, e in downs if (w, e) not in in_fault]
+    in_stall = [(w, e) for w, e in rest
+                if any(begun < w and begun + late > w - timeout_s - 0.2 for begun, late in stalls)]
+    return {"count": len(downs), "in_faults": len(in_fault), "outside_faults": len(rest),
+            "outside_faults_in_host_stall": len(in_stall),
+            "why": dict(collections.Counter(e.split(" (")[0][:60] for _, e in downs).most_common()),
+            "host_stalls": len(stalls), "host_stalled_s": round(sum(late for _, late in stalls), 1),
+            "longest_host_stall_s": max((late for _, late in stalls), default=0.0)}
+
+
+
 def process_kind(process: psutil.Process) -> str:
     """vLLM names its engine core and workers (`VLLM::EngineCore`, `VLLM::Worker`)."""
     with contextlib.suppress(psutil.Error):
@@ -445,6 +493,7 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = start(server_args(model, port, transfer), out / "server.out")
+    stall_probe = host_stall_probe(out / "host_stalls.jsonl")
     records: list[dict] = []
     samples: list[dict] = []
     lock = threading.Lock()
@@ -455,7 +504,7 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
     try:
         wait_healthy(base, server)
         print(f"server up on {base}; {args.clients} clients for {args.minutes} min", flush=True)
-        started = time.monotonic()
+        started, wall_started = time.monotonic(), time.time()
         deadline = started + args.minutes * 60
         workload = Workload(args.seed)
         threads = [threading.Thread(target=client, args=(i, args, base, str(model), workload, deadline, traffic,
@@ -487,9 +536,13 @@ def soak(args, out: Path, model: Path, valkey, disk: Path | None, log_dir: Path,
             compared = compare(args, base, str(model), records, reset=True)
     finally:
         stop_server(server)
+        stall_probe.kill()
     (out / "samples.json").write_text(json.dumps(samples))
     (out / "requests.json").write_text(json.dumps(records))
     summary = summarise(args, records, samples, faults, started, final_metrics)
+    summary["valkey_tier_downs"] = tier_downs(out / "server.out", out / "host_stalls.jsonl", faults, started,
+                                              wall_started, timeout_s)
+    print(f"valkey tier down: {summary['valkey_tier_downs']}", flush=True)
     if args.without_kvledger:  # no log to replay, nothing restored to compare
         return summary
     summary["replay_check"] = replay_check(log)
