@@ -297,7 +297,9 @@ class _Wire:
     every chunk is a poll and a recv, each taking the GIL back, which in a
     process whose engine thread is busy (vLLM's) waits up to a switch
     interval: a 32-block batch took 450-900 ms that way, against 20-50 ms in
-    one call per block. A TLS socket reads a record per call either way, and
+    one call per block. Hence also as few calls a batch as its bytes allow:
+    one `sendmsg` for all its commands, replies laid over their targets by
+    `recvmsg_into` (`_Replies.values`). A TLS socket reads a record per call either way, and
     may read the socket many times per record, each given the kernel's whole
     timeout: it keeps Python's, which bounds a call whole.
 
@@ -407,7 +409,8 @@ class _ProtocolError(Exception):
 class _Replies:
     """RESP replies to the commands sent, read with a small buffer for the
     lines and `recv_into` for values, which land in place or in a buffer of
-    their own size; the buffer holds at most a line and one read's bytes."""
+    their own size; the buffer holds at most a line and one read's bytes
+    (or, after `_landed`, the bytes of a batch's replies asked for)."""
 
     def __init__(self, wire: _Wire) -> None:
         self.wire = wire
