@@ -8,6 +8,8 @@ would be one by one, however the bytes arrive and whatever the replies are."""
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import threading
 import time
@@ -219,3 +221,28 @@ def test_sends_larger_than_the_socket_buffer_go_out_whole_and_in_order() -> None
     finally:
         here.close()
         there.close()
+
+
+def test_a_store_works_in_a_process_holding_descriptors_past_fd_setsize(valkey_server) -> None:
+    """select() refuses a descriptor past 1023 (ValueError), which failed every batch of a
+    process that held that many files and sockets; the check between batches polls."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may hold {hard} descriptors at most")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if soft != resource.RLIM_INFINITY else soft, hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        store = ValkeyStore(ValkeyServer(nodes=(("127.0.0.1", valkey_server().port),), timeout_s=5))
+        try:
+            payload = memoryview(bytes(1024))
+            for _ in range(2):  # the second batch checks the connection the first opened
+                assert store.set_many([(b"k", b"h" * HEAD, payload)]) == [None]
+            assert store.exists_each([b"k", b"other"]) == [True, False]
+        finally:
+            store.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -239,8 +239,11 @@ class ValkeyStore:
         closed it meanwhile (a restart): a socket with something to read between
         commands is one the server gave up on."""
         connection = self._connect().connection
-        if connection._sock is not None and select.select([connection._sock], [], [], 0)[0]:
-            connection.disconnect()  # the next send connects again
+        if connection._sock is not None:
+            waiting = select.poll()  # not select(): a process of vLLM's may hold descriptors past FD_SETSIZE
+            waiting.register(connection._sock, select.POLLIN)
+            if waiting.poll(0):
+                connection.disconnect()  # the next send connects again
         return connection
 
     def _reset(self) -> None:
