@@ -45,6 +45,7 @@ INFO_MAX = 1 << 16
 REFRESH_S = 0.002
 """How long a socket timeout set to a batch's time left is kept (`_Wire`)."""
 LATE = "the batch took longer than timeout_s"
+"""Why a batch failed when its time ran out: in `_Wire._bound`, or as the kernel's EAGAIN (`_Wire._call`)."""
 IOV_MAX = 1024
 """The most buffers one `sendmsg` takes (Linux's IOV_MAX)."""
 
@@ -302,9 +303,9 @@ class _Wire:
     interval: a 32-block batch took 450-900 ms that way, against 20-50 ms in
     one call per block. Hence also as few calls a batch as its bytes allow:
     one `sendmsg` for all its commands, replies laid over their targets by
-    `recvmsg_into` (`_Replies.values`). A TLS socket reads a record per call either way, and
-    may read the socket many times per record, each given the kernel's whole
-    timeout: it keeps Python's, which bounds a call whole.
+    `recvmsg_into` (`_Replies.values`). A TLS socket reads a record per call
+    either way, and may read the socket many times per record, each given the
+    kernel's whole timeout: it keeps Python's, which bounds a call whole.
 
     Setting a timeout is a system call of its own: one set less than
     `REFRESH_S` ago is kept, so a call may end that much past the deadline."""
