@@ -341,11 +341,9 @@ def tier_downs(server_out: Path, stalls_path: Path, faults: Faults, started: flo
             event = json.loads(line[at:])
             when = datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
             downs.append((when, event["error"]))
-    in_fault = [(w, e) for w, e in downs if faults.in_window(started + w - wall_started, grace_s=2 * timeout_s + 1)]
-    rest = [(w, e) for w, e in downs if (w, e) not in in_fault]
-    in_stall = [(w, e) for w, e in rest
-                if any(begun < w and begun + late > w - timeout_s - 0.2 for begun, late in stalls)]
-    return {"count": len(downs), "in_faults": len(in_fault), "outside_faults": len(rest),
+    rest = [w for w, _ in downs if not faults.in_window(started + w - wall_started, grace_s=2 * timeout_s + 1)]
+    in_stall = [w for w in rest if any(begun < w and begun + late > w - timeout_s - 0.2 for begun, late in stalls)]
+    return {"count": len(downs), "in_faults": len(downs) - len(rest), "outside_faults": len(rest),
             "outside_faults_in_host_stall": len(in_stall),
             "why": dict(collections.Counter(e.split(" (")[0][:60] for _, e in downs).most_common()),
             "host_stalls": len(stalls), "host_stalled_s": round(sum(late for _, late in stalls), 1),

@@ -111,7 +111,7 @@ KINDS = st.sampled_from(["value", "value", "value", "none", "other", "error"])
 @given(st.lists(st.tuples(KINDS, st.integers(0, 300)), min_size=1, max_size=12), st.data())
 def test_replies_read_scattered_equal_replies_read_one_by_one(replies, data) -> None:
     sizes = [size + 3 for _, size in replies]  # 3 or more: "other" is 3 bytes shorter
-    stream = b"".join(reply(kind, n, size) for n, (kind, size) in enumerate(zip([k for k, _ in replies], sizes)))
+    stream = b"".join(reply(kind, n, size) for n, ((kind, _), size) in enumerate(zip(replies, sizes)))
     pieces = data.draw(st.lists(st.integers(1, max(1, len(stream))), max_size=20))
     expected, landed, _ = read(stream, [len(stream)], sizes, scattered=False)
     answers, targets, _ = read(stream, pieces, sizes, scattered=True)

@@ -355,12 +355,7 @@ class FsTierIO(ThreadedTierIO):
         staged[: len(table)] = table
         for (g, _i, key, slot), offset in zip(blocks, offsets):
             payload = memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B")
-            start, end = offset + HEADER_BYTES, offset + HEADER_BYTES + payload.nbytes
-            header, stored = seal_block(self.namespace, key, payload, self.seal, out=staged[start:end])
-            staged[offset:start] = header
-            if self.seal is None or not self.seal.encrypt:  # else the seal wrote its ciphertext there
-                staged[start:end] = stored
-            staged[end:offset + HEADER_BYTES + round_up(payload.nbytes)] = bytes(round_up(payload.nbytes) - payload.nbytes)
+            _stage_block(staged, offset, self.namespace, key, payload, self.seal)
         if self.direct_writes:
             try:
                 _write_file(aside, staged[:total], self.gid, direct=True)
@@ -509,20 +504,28 @@ def _write_file(aside: Path, data: memoryview, gid: int | None, *, direct: bool,
         raise
 
 
+def _stage_block(staged: memoryview, offset: int, namespace: bytes, key: bytes, payload: memoryview,
+                 seal: BlockSeal | None) -> int:
+    """A block as a file holds it (header, sealed payload, zeros to the next page)
+    laid into `staged` at `offset`; where it ends."""
+    start, end = offset + HEADER_BYTES, offset + HEADER_BYTES + payload.nbytes
+    padded = offset + HEADER_BYTES + round_up(payload.nbytes)
+    header, stored = seal_block(namespace, key, payload, seal, out=staged[start:end])
+    staged[offset:start] = header
+    if seal is None or not seal.encrypt:  # else the seal wrote its ciphertext there
+        staged[start:end] = stored
+    staged[end:padded] = bytes(padded - end)
+    return padded
+
+
 def _write_direct(path: Path, namespace: bytes, key: bytes, payload: memoryview, bounce: mmap.mmap,
                   seal: BlockSeal | None = None, *, gid: int | None = None) -> None:
     """`block_file.write_block`'s file (written aside under an unpredictable
     name, renamed into place), with O_DIRECT from the page-aligned `bounce`."""
-    total = HEADER_BYTES + payload.nbytes
-    padded = round_up(total, DIRECT_ALIGN)
     staged = memoryview(bounce)
-    header, stored = seal_block(namespace, key, payload, seal, out=staged[HEADER_BYTES:total])
-    staged[:HEADER_BYTES] = header
-    if seal is None or not seal.encrypt:  # else the seal wrote its ciphertext there
-        staged[HEADER_BYTES:total] = stored
-    staged[total:padded] = bytes(padded - total)
+    padded = _stage_block(staged, 0, namespace, key, payload, seal)
     aside = aside_path(path)
-    _write_file(aside, staged[:padded], gid, direct=True, size=total, where=path)
+    _write_file(aside, staged[:padded], gid, direct=True, size=HEADER_BYTES + payload.nbytes, where=path)
     try:
         os.replace(aside, path)
     except OSError as exc:

@@ -345,19 +345,16 @@ class _Wire:
         kernel takes (one per `IOV_MAX` chunks while the server keeps up): each
         call's return waits for the GIL, which in a busy process is a switch
         interval (5 ms), so a call per chunk made a 32-block batch 64 waits."""
-        views = [memoryview(chunk).cast("B") for chunk in chunks]
-        views = [view for view in views if view.nbytes]
+        views = [view for chunk in chunks if (view := memoryview(chunk).cast("B")).nbytes]
         while views:
             if self.tls:  # an SSLSocket has no sendmsg
-                views[0] = views[0][self._call(socket.SO_SNDTIMEO, self.sock.send, views[0]):]
+                sent = self._call(socket.SO_SNDTIMEO, self.sock.send, views[0])
             else:
                 sent = self._call(socket.SO_SNDTIMEO, self.sock.sendmsg, views[:IOV_MAX])
-                while sent and sent >= views[0].nbytes:
-                    sent -= views.pop(0).nbytes
-                if sent:
-                    views[0] = views[0][sent:]
-            if views and not views[0].nbytes:
-                views.pop(0)
+            while views and sent >= views[0].nbytes:
+                sent -= views.pop(0).nbytes
+            if sent:
+                views[0] = views[0][sent:]
 
     def recv(self, size: int, sure: int = 0) -> bytes:
         """Up to `size` bytes; on a plain socket where `sure` bytes are known to
@@ -374,8 +371,8 @@ class _Wire:
         """Bytes laid over `views` in order (plain sockets): exactly `sure` of
         them in one call where that many are known to be coming (MSG_WAITALL),
         else as many as have come. (SO_RCVLOWAT would let one call take both;
-        on Linux 6.18 a read waiting on it sleeps to its timeout when the last
-        bytes are merged into a segment already queued.)"""
+        on Linux 6.18 a read of 32 SET replies waiting on it for their 160 bytes
+        slept to its timeout with them there; why was not examined.)"""
         flags = 0
         if sure > 0:
             flags, left, views = socket.MSG_WAITALL, sure, list(views)

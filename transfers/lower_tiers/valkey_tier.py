@@ -52,10 +52,11 @@ class Health:
     """Whether the server is up, shared by a tier's threads (a circuit breaker).
     One failure marks it down, so a dead server costs each job nothing, not a
     timeout. When the wait is over one batch at a time tries the server (for
-    its `timeout_s` and a margin at most); the others fail at once until it has answered. A
-    failure of work begun before the tier last went down is that same outage
-    (every thread's batch fails with it): it neither extends the wait nor
-    doubles the next."""
+    its `timeout_s` and a margin at most); the others fail at once until it
+    has answered. A failure of work begun before the tier last went down is
+    that same outage (every thread's batch fails with it): it neither extends
+    the wait nor doubles the next. Times are `time.perf_counter()`'s, as the
+    batches' spans are."""
 
     def __init__(self, name: str, where: str, timeout_s: float) -> None:
         self.name = name
@@ -72,17 +73,18 @@ class Health:
         if self.up:
             return True
         with self._lock:
-            now = time.monotonic()
-            if self.up or now >= self._down_until:
-                if not self.up:
-                    self._down_until = now + self.probe_s  # the others wait for this try
+            if self.up:  # came up meanwhile
                 return True
-        return False
+            now = time.perf_counter()
+            if now < self._down_until:
+                return False
+            self._down_until = now + self.probe_s  # the others wait for this try
+            return True
 
     def failed(self, error: str, since: float) -> None:
-        """`since`: when the failed work began (`time.monotonic()`)."""
+        """`since`: when the failed work began."""
         with self._lock:
-            now = time.monotonic()
+            now = time.perf_counter()
             if self.up or since >= self._went_down:
                 self._went_down = now
                 self._downs += 1
@@ -153,7 +155,7 @@ class ValkeyTierIO(ThreadedTierIO):
         self._run_batch(store, *item)
 
     def _run_batch(self, store: ValkeyStore, job: TierJob, blocks: list[Block]) -> None:
-        started, began = time.perf_counter(), time.monotonic()
+        started = time.perf_counter()
         failed: list[tuple[int, int, bytes, str]] = []
         nbytes = 0
         if not self.health.usable():
@@ -166,7 +168,7 @@ class ValkeyTierIO(ThreadedTierIO):
                     nbytes, failed = self._write(store, blocks)
                 self.health.worked()
             except StoreDown as exc:
-                self.health.failed(str(exc), began)
+                self.health.failed(str(exc), started)
                 failed = [(g, i, key, "unreachable") for g, i, key, _ in blocks]
             except Exception as exc:  # a bug: it fails the batch, never kills the thread or hangs a waiter
                 _log.error("tier_batch_crashed", job_id=job.job_id, error=repr(exc))
@@ -227,7 +229,7 @@ def keys_present(store: ValkeyStore, health: Health, namespaces: tuple[bytes, ..
     nothing, and counts as no query answered (`KeyLookups`)."""
     if not health.usable():
         raise StoreDown(f"{health.where} is down; tried again within {RETRY_S} s")
-    began = time.monotonic()
+    began = time.perf_counter()
     try:
         here = store.exists_each([store_key(space, key, key_prefix) for key in keys for space in namespaces])
     except StoreDown as exc:
