@@ -2,7 +2,7 @@
 
 from kvledger import _build
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 BUILD = _build.select()
 """The engine build in use: compiled with mypyc, or the pure source (and why)."""

@@ -26,6 +26,7 @@ from setuptools.command.build_py import build_py
 ROOT = os.path.dirname(os.path.abspath(__file__))
 GROUP = "kvledger._engine"
 build_info = runpy.run_path(os.path.join(ROOT, "_build.py"))
+identity = runpy.run_path(os.path.join(ROOT, "_identity.py"))
 
 
 def compiled_extensions() -> list:
@@ -68,7 +69,15 @@ class BuildExt(build_ext):
 
 
 class BuildPy(build_py):
-    """build_py, less this script, which sits in the package's folder but is no part of it."""
+    """build_py, less this script, which sits in the package's folder but is no part of it;
+    and `_commit.txt`, the commit the wheel is built from, which its logs record."""
+
+    def run(self) -> None:
+        super().run()
+        commit = identity["from_git"](ROOT)
+        if commit is not None and not self.editable_mode:
+            with open(os.path.join(self.build_lib, "kvledger", identity["COMMIT_FILE"]), "w") as file:
+                file.write(commit + "\n")
 
     def find_package_modules(self, package: str, package_dir: str) -> list:
         return [entry for entry in super().find_package_modules(package, package_dir)

@@ -9,6 +9,7 @@ import os
 import structlog
 
 from kvledger import __version__
+from kvledger._identity import commit
 from kvledger.adapters.log_files import LogWriter
 from kvledger.engine import effects as fx
 from kvledger.engine.digest import digest, part_digest, parts_for
@@ -79,7 +80,8 @@ class EngineHost:
         self.log_failure: Exception | None = None  # why the log stopped, when it did
         self.writer: LogWriter | None = None
         if log_path is not None:
-            header = LogHeader(engine_version=__version__, config=config, digest_interval=digest_interval)
+            header = LogHeader(engine_version=__version__, commit=commit(), config=config,
+                               digest_interval=digest_interval)
             self.writer = LogWriter(log_path, header, fmt, overwrite=overwrite,  # type: ignore[arg-type]
                                     background=background, next_free=next_free,
                                     snapshot_interval_events=self.snapshot_interval_events)

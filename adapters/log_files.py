@@ -21,12 +21,15 @@ import contextlib
 import gzip
 import os
 import queue
+import stat
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Literal
 
+from kvledger.adapters import log_rules
+from kvledger.events.config import RULES_UNRESOLVED
 from kvledger.events.log_binary import (
     MAGIC_PREFIX,
     SnapshotMark,
@@ -56,7 +59,25 @@ _CHUNK_BYTES = 1 << 16
 _GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)
 
 
+def check_regular(path: Path) -> None:
+    """A log is a regular file: a FIFO or a device (`/dev/zero`) would block or
+    never end a read, so it is refused before it is opened."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise LogError("no such log", source=str(path)) from None
+    except OSError as exc:
+        raise LogError(f"cannot open: {exc.strerror or exc}", source=str(path)) from None
+    if stat.S_ISDIR(mode):
+        raise LogError("is a directory, not a log", source=str(path))
+    if not stat.S_ISREG(mode):
+        what = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+        raise LogError(f"is {what}, not a log file (a log is read from a regular file)", source=str(path))
+
+
 def _open(path: Path) -> BinaryIO:
+    check_regular(path)
     try:
         file: BinaryIO = path.open("rb")
     except FileNotFoundError:
@@ -110,10 +131,13 @@ def create_unused(path: str | os.PathLike) -> tuple[BinaryIO, Path]:
     raise AssertionError("unreachable")
 
 
-def open_log(path: str | os.PathLike) -> tuple[LogHeader, Iterator[Record]]:
+def open_log(path: str | os.PathLike, *, resolve: bool = True) -> tuple[LogHeader, Iterator[Record]]:
     """The log's header now, and an iterator over its records (which closes the file at its end).
 
     Every problem, from a missing file to a bad record, is a LogError naming the path.
+    The header's config carries the rules the log was decided under: recorded,
+    or for a log of kvledger 0.1.0 shown by its records (`log_rules`; not with
+    `resolve` False, which that inference itself reads the log with).
     """
     path = Path(path)
     source = str(path)
@@ -136,7 +160,14 @@ def open_log(path: str | os.PathLike) -> tuple[LogHeader, Iterator[Record]]:
     except BaseException:
         file.close()
         raise
+    if resolve and header.config.rules == RULES_UNRESOLVED:
+        file.close()
+        return log_rules.resolve(source, header, _unresolved), _unresolved(source)[1]
     return header, records_closing(records, file, source)
+
+
+def _unresolved(path: str) -> tuple[LogHeader, Iterator[Record]]:
+    return open_log(path, resolve=False)
 
 
 # (first seq, step index, events, digest, snapshot data)

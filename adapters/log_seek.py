@@ -21,7 +21,8 @@ from typing import BinaryIO
 
 import attrs
 
-from kvledger.adapters.log_files import open_log, records_closing
+from kvledger.adapters import log_rules
+from kvledger.adapters.log_files import check_regular, open_log, records_closing
 from kvledger.events.log_binary import (
     MAGIC_PREFIX,
     TRAILER_BYTES,
@@ -67,8 +68,9 @@ def _closed_on_error(file: BinaryIO, source: str) -> Iterator[None]:
 def _open_binary(path: Path) -> tuple[BinaryIO, BinaryLog] | None:
     """The file and its header, if it is an uncompressed binary log of format 3 or later."""
     try:
+        check_regular(path)
         file: BinaryIO = path.open("rb")
-    except OSError:
+    except (OSError, LogError):
         return None  # open_log names the problem
     with _closed_on_error(file, str(path)):
         if file.read(len(MAGIC_PREFIX)) != MAGIC_PREFIX:
@@ -128,13 +130,14 @@ def open_log_at(path: str | os.PathLike, events_before: int) -> LogStart:
         return LogStart(header, None, records, Snapshots((), "none"))
     file, log = opened
     with _closed_on_error(file, source):
+        header = _rules_resolved(source, log.header)
         snapshots = _marks(file, log)
         usable = [m for m in snapshots.marks if m.seq <= events_before]
         if not usable:
             file.seek(log.data_offset)
-            return LogStart(log.header, None, records_closing(log.records(_chunks(file)), file, source), snapshots)
+            return LogStart(header, None, records_closing(log.records(_chunks(file)), file, source), snapshots)
         snapshot, records = _from_mark(file, log, usable[-1])
-    return LogStart(log.header, snapshot, records_closing(records, file, source), snapshots)
+    return LogStart(header, snapshot, records_closing(records, file, source), snapshots)
 
 
 def _from_mark(file: BinaryIO, log: BinaryLog, mark: SnapshotMark) -> tuple[SnapshotRecord, Iterator[Record]]:
@@ -157,7 +160,13 @@ def read_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> tuple[LogHeade
     """The log's header, the snapshot at `mark` and the records after it (to the
     log's end; the file closes when they have been read)."""
     file, log, snapshot, records = _at_snapshot(path, mark)
-    return log.header, snapshot, records_closing(records, file, str(path))
+    with _closed_on_error(file, str(path)):
+        header = _rules_resolved(str(path), log.header)
+    return header, snapshot, records_closing(records, file, str(path))
+
+
+def _rules_resolved(path: str, header: LogHeader) -> LogHeader:
+    return log_rules.resolve(path, header, lambda source: open_log(source, resolve=False))
 
 
 def load_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> SnapshotRecord:

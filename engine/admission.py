@@ -164,7 +164,8 @@ def plan_stores(core: Core, crossed: list[tuple[RequestState, int]], out: list[f
     # With tiers below host memory, what host memory cannot take this step waits:
     # its request is considered again from where it was, each step, until slots
     # free (transfers end) or the request ends (`give_up`).
-    defer = not lazy and bool(core.lower)
+    # Rules 1 (events/config.py:RULES) dropped them at once.
+    defer = not lazy and bool(core.lower) and core.config.rules >= 2
     if not lazy and core.config.store_jobs is _BY_REQUEST:
         for request, horizon in crossed:
             saved = (list(request.next_store), request.next_store_tokens) if defer else None
@@ -211,6 +212,8 @@ def give_up(core: Core, request: RequestState, out: list[fx.Effect]) -> None:
     (`plan_stores`): they are not stored, and counted as not admitted. Those
     only its last step filled are not counted (the engine keeps no step's
     horizon, only the tokens computed before it)."""
+    if core.config.rules < 2:  # nothing waited
+        return
     if core.lower and request.num_computed_tokens and request.next_store_tokens <= request.num_computed_tokens:
         groups: list[int] = []
         blocks: list[int] = []

@@ -156,6 +156,10 @@ def _slots_taken(core: Core, request: RequestState, start: int, end: int, promis
             if core.lower:
                 pinned += key in policy
     free = core.num_free_slots()
+    if core.config.rules < 2:  # rules 1: a hit read in place never waits, nor one that fits in host memory
+        if promotions and promotions > free + len(policy) - pinned - promised:
+            return -1, 0
+        return promotions + pinned, promotions
     evicting = promoting > free
     if (promotions or (pinned and evicting)) and promotions + pinned > free + len(policy) - promised:
         # The slots transfers in flight hold, and those this step's earlier hits will,

@@ -19,7 +19,7 @@ from typing import ClassVar, Final
 
 from mypy_extensions import mypyc_attr
 
-from kvledger.events.config import EngineConfig, GroupKind, GroupSpec
+from kvledger.events.config import RULES_UNRESOLVED, EngineConfig, GroupKind, GroupSpec
 from kvledger.events.types import NULL_BLOCK_ID
 
 from . import hma
@@ -377,6 +377,9 @@ class Core:
     __slots__ = _CORE_FIELDS
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.rules == RULES_UNRESOLVED:
+            raise ValueError("the log's decision rules are not resolved: read it with "
+                             "kvledger.adapters.log_files.open_log, which resolves them")
         self.config = config
         self.groups = config.groups
         self.alignment = config.alignment_tokens

@@ -10,13 +10,34 @@ import enum
 import math
 from collections.abc import Iterable
 from functools import reduce as _fold
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or impossible."""
+
+
+RULES: Final = 2
+"""The engine's decision rules this build writes into a log's header: which
+stores a step admits, which hit a lookup gives, which slots and jobs they take.
+A change to any decision is a new number, and the old behaviour stays behind
+the old one (`EngineConfig.rules`), so a log replays under the rules it was
+written under with every later build (docs/architecture.md, "The log across builds").
+
+1: builds to 2026-11-28 (9d5f430): with tiers below host memory, a store host
+   memory cannot take in its step is dropped, and a hit whose promotions do not
+   fit in the slots free or evictable now is cut short.
+2: builds from 2026-11-28 (b6b5af1) on: such stores wait for host slots, such
+   hits wait for slots transfers hold, and a hit read in place waits while the
+   step's earlier hits promote more than the free slots."""
+
+RULES_UNRESOLVED: Final = 0
+"""A log header without `rules` (kvledger 0.1.0) where they matter: with tiers
+below host memory, rules 1 and 2 decide differently (without, they decide
+alike, and such a log reads as this build's rules). The log reader resolves
+it from the log's own records (`adapters/log_rules.py`); no engine runs under it."""
 
 
 class GroupKind(enum.Enum):
@@ -86,6 +107,11 @@ def _bounded(_inst: object, attribute: attrs.Attribute, value: int) -> None:
         raise ConfigError(f"{attribute.name} must be at most {limit}, got {value}")
 
 
+def _rules(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if type(value) is not int or not RULES_UNRESOLVED <= value <= RULES:
+        raise ConfigError(f"rules must be an int from 1 to {RULES} (this build's), got {value!r}")
+
+
 def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
@@ -151,6 +177,8 @@ class EngineConfig:
     # Bytes of one tier slot (a block of every layer of a KV group), for reading a
     # log in bytes (`kvledger whatif --capacity-bytes`); 0 where not known.
     slot_bytes: int = attrs.field(default=0, validator=_not_negative)
+    # The decision rules the engine follows (`RULES`): a log's own, from its header.
+    rules: int = attrs.field(default=RULES, validator=_rules)
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -197,12 +225,15 @@ class EngineConfig:
             data["store_jobs"] = self.store_jobs.value
         if self.slot_bytes:  # absent means not known
             data["slot_bytes"] = self.slot_bytes
+        data["rules"] = self.rules  # always, from 0.2.0 on (absent: see `from_dict`)
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> EngineConfig:
         """The config `to_dict` wrote. Keys added since default to what a log
-        written before them meant: no `store_jobs` is one store job per request."""
+        written before them meant: no `store_jobs` is one store job per request;
+        no `rules` is this build's (a log's header reader decides what a 0.1.0
+        log's missing rules mean: `log_records.header_from_dict`)."""
         if not isinstance(data, dict):
             raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
         known = {f.name for f in attrs.fields(cls)}

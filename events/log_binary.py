@@ -80,9 +80,11 @@ from kvledger.events.log_records import (
     Record,
     header_from_dict,
     header_to_dict,
+    install_words,
     is_digest,
     join_digest,
     split_digest,
+    writer_words,
 )
 from kvledger.events.schema import SCHEMAS, InvalidValue, KindSchema, Strings, json_form_decoder
 from kvledger.events.types import Event
@@ -350,9 +352,13 @@ def _layout(value: object) -> tuple[int, list] | None:
     return version, [list(f) for f in fields]
 
 
-def _row_readers(kinds: object, layouts: object) -> tuple[dict[int, tuple[int, RowReader]], str | None]:
+def _row_readers(kinds: object, layouts: object, header: LogHeader | None = None
+                 ) -> tuple[dict[int, tuple[int, RowReader]], str | None]:
     """code -> (version, reader) from the header; or a problem. Unknown kinds and newer
-    versions fail only when a row uses them: a log may list kinds it never wrote."""
+    versions fail only when a row uses them (naming the build that wrote them):
+    a log may list kinds it never wrote."""
+    newer = "" if header is None else (f"; written by {header.writer}: replay it with that build or a later "
+                                       f"one ({install_words(header.engine_version, header.commit)})")
     if not isinstance(kinds, dict) or not isinstance(layouts, dict):
         return {}, "kinds and layouts must be mappings"
     readers: dict[int, tuple[int, RowReader]] = {}
@@ -365,9 +371,10 @@ def _row_readers(kinds: object, layouts: object) -> tuple[dict[int, tuple[int, R
         version, fields = layout
         schema = SCHEMAS.get(kind)
         if schema is None:
-            reader = _failing_row_reader(f"unknown kind {kind!r}", None)
+            reader = _failing_row_reader(f"unknown kind {kind!r}{newer}", None)
         elif version > schema.version:
-            reader = _failing_row_reader(f"v{version} is newer than this reader knows (v{schema.version})", kind)
+            reader = _failing_row_reader(f"v{version} is newer than this reader knows (v{schema.version}){newer}",
+                                         kind)
         elif version == schema.version:
             if fields != schema.layout[1]:
                 return {}, f"{kind} v{version}: layout {fields} differs from this reader's {schema.layout[1]}"
@@ -482,7 +489,12 @@ def _read_header(chunks: _Chunks) -> BinaryLog:
         raise LogError("missing header: not a kvledger binary log (bad magic)")
     version = magic[-1]
     if version > FORMAT_VERSION:
-        raise LogError(f"binary format version {version} is newer than this reader knows ({FORMAT_VERSION})")
+        identity = _newer_identity(chunks)
+        if identity is None:
+            raise LogError(f"binary format version {version} is newer than this reader knows ({FORMAT_VERSION})")
+        raise LogError(f"written by {writer_words(*identity)} in binary format {version}; this build reads "
+                       f"formats 1-{FORMAT_VERSION}: replay it with that build or a later one "
+                       f"({install_words(*identity)})")
     if version not in _HEADER_EXTRA_KEYS:
         raise LogError(f"binary format version {version} does not exist")
     payload = _read_frame(chunks, None)
@@ -495,10 +507,25 @@ def _read_header(chunks: _Chunks) -> BinaryLog:
     interval = data.get("snapshot_interval_events", 0) if isinstance(data, dict) else 0
     if type(interval) is not int or interval < 0:
         raise LogError(f"header: snapshot_interval_events must be an int >= 0, got {interval!r}")
-    readers, problem = _row_readers(data["kinds"], data["layouts"])  # type: ignore[index]
+    readers, problem = _row_readers(data["kinds"], data["layouts"], header)  # type: ignore[index]
     if problem:
         raise LogError(f"header: {problem}")
     return BinaryLog(header, readers, version, interval, chunks.offset)
+
+
+def _newer_identity(chunks: _Chunks) -> tuple[str, str] | None:
+    """The version and commit in the header frame of a log of a newer format,
+    where it can be read: every format keeps the header a msgpack map in the
+    first frame, so a build can name the build that can read what it cannot."""
+    try:
+        payload = _read_frame(chunks, None)
+        data = msgpack.unpackb(payload, raw=False) if payload else None
+    except (LogError, ValueError, msgpack.UnpackException):
+        return None
+    if not isinstance(data, dict) or type(data.get("engine_version")) is not str:
+        return None
+    commit = data.get("commit", "")
+    return data["engine_version"][:40], commit[:64] if type(commit) is str else ""
 
 
 def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings) -> Iterator[Record]:

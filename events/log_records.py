@@ -22,7 +22,7 @@ from typing import Union
 import attrs
 
 from kvledger.events.codec import CodecError, from_record, write_fields
-from kvledger.events.config import EngineConfig
+from kvledger.events.config import RULES, RULES_UNRESOLVED, EngineConfig
 from kvledger.events.schema import SCHEMAS
 from kvledger.events.types import Event
 
@@ -36,6 +36,7 @@ assert HEADER_KIND not in SCHEMAS and DIGEST_KIND not in SCHEMAS
 # JSONL line the record's `step_index` and the event's are one key.
 _STEP_FIELD_KINDS = frozenset(kind for kind, schema in SCHEMAS.items() if "step_index" in schema.names)
 _HEADER_KEYS = ("schema_version", "engine_version", "digest_interval", "config")
+_HEADER_KEYS_OPTIONAL = ("commit",)  # from 0.2.0 on
 
 
 class LogError(ValueError):
@@ -78,6 +79,23 @@ class LogHeader:
     engine_version: str = attrs.field(validator=attrs.validators.instance_of(str))
     config: EngineConfig = attrs.field(validator=attrs.validators.instance_of(EngineConfig))
     digest_interval: int = attrs.field(validator=_int_at_least(0))  # steps between state digests; 0 = none
+    # The commit of the build that wrote the log ("" before 0.2.0, which did not record it).
+    commit: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+
+    @property
+    def writer(self) -> str:
+        return writer_words(self.engine_version, self.commit)
+
+
+def writer_words(engine_version: str, commit: str) -> str:
+    """The build that wrote a log, in words: `kvledger 0.2.0 (commit 1a2b3c4d5e6f)`."""
+    return f"kvledger {engine_version}" + (f" (commit {commit[:12]})" if commit else "")
+
+
+def install_words(engine_version: str, commit: str) -> str:
+    """How to install that build, from a clone of kvledger's repository."""
+    ref = commit.removesuffix("+dirty")[:12] if commit else f"the tag or commit of release {engine_version}"
+    return f"git checkout {ref} && pip install ." if commit else f"git checkout <{ref}> && pip install ."
 
 
 def _check_step_index(instance: EventRecord, _attribute: object, step_index: int) -> None:
@@ -137,12 +155,15 @@ def is_digest(value: object) -> bool:
 
 
 def header_to_dict(header: LogHeader) -> dict:
-    return {
+    data = {
         "schema_version": header.schema_version,
         "engine_version": header.engine_version,
         "digest_interval": header.digest_interval,
         "config": header.config.to_dict(),
     }
+    if header.commit:
+        data["commit"] = header.commit
+    return data
 
 
 def header_from_dict(data: object, *, extra_keys: Iterable[str] = (), line: int | None = None) -> LogHeader:
@@ -157,8 +178,13 @@ def header_from_dict(data: object, *, extra_keys: Iterable[str] = (), line: int 
     if type(schema_version) is not int or schema_version < 1:
         raise fail(f"schema_version must be an int >= 1, got {schema_version!r}")
     if schema_version > LOG_SCHEMA_VERSION:
+        version, commit = data.get("engine_version"), data.get("commit", "")
+        if type(version) is str and type(commit) is str:
+            raise fail(f"written by {writer_words(version, commit)} in log schema {schema_version}; this "
+                       f"build reads schemas 1-{LOG_SCHEMA_VERSION}: replay it with that build or a later "
+                       f"one ({install_words(version, commit)})")
         raise fail(f"schema_version {schema_version} is newer than this reader knows ({LOG_SCHEMA_VERSION})")
-    known = {*_HEADER_KEYS, *extra_keys}
+    known = {*_HEADER_KEYS, *_HEADER_KEYS_OPTIONAL, *extra_keys}
     missing = [key for key in (*_HEADER_KEYS, *extra_keys) if key not in data]
     if missing:
         raise fail(f"missing key {missing[0]!r}")
@@ -169,15 +195,27 @@ def header_from_dict(data: object, *, extra_keys: Iterable[str] = (), line: int 
         raise fail(f"engine_version must be a str, got {data['engine_version']!r}")
     if type(data["digest_interval"]) is not int or data["digest_interval"] < 0:
         raise fail(f"digest_interval must be an int >= 0, got {data['digest_interval']!r}")
+    commit = data.get("commit", "")
+    if type(commit) is not str:
+        raise fail(f"commit must be a str, got {commit!r}")
+    rules = data["config"].get("rules") if isinstance(data["config"], dict) else None
+    if type(rules) is int and rules > RULES:
+        version = str(data["engine_version"])
+        raise fail(f"written by {writer_words(version, commit)} under engine rules {rules}; this build "
+                   f"replays rules 1-{RULES}: replay it with that build or a later one "
+                   f"({install_words(version, commit)})")
     try:
         config = EngineConfig.from_dict(data["config"])
     except (TypeError, ValueError) as exc:
         raise fail(f"config: {exc}") from None
+    if "rules" not in data["config"] and config.lower_tiers:  # kvledger 0.1.0, where its rules matter
+        config = attrs.evolve(config, rules=RULES_UNRESOLVED)
     return LogHeader(
         schema_version=schema_version,
         engine_version=data["engine_version"],
         config=config,
         digest_interval=data["digest_interval"],
+        commit=commit,
     )
 
 

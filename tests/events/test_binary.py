@@ -441,7 +441,8 @@ def test_bad_header_config_names_the_key() -> None:
 def test_schema_version_too_new() -> None:
     head = header_map()
     head["schema_version"] = LOG_SCHEMA_VERSION + 1
-    fails(MAGIC + frame(head), f"header: schema_version {LOG_SCHEMA_VERSION + 1} is newer than this reader knows", None)
+    fails(MAGIC + frame(head), f"written by kvledger {head['engine_version']} in log schema {LOG_SCHEMA_VERSION + 1}; "
+                               f"this build reads schemas 1-{LOG_SCHEMA_VERSION}", None)
 
 
 def test_header_needs_kinds_and_layouts() -> None:

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvledger.events import types as ev
-from kvledger.events.config import EngineConfig, StoreJobs
+from kvledger.events.config import RULES, EngineConfig, StoreJobs
 from kvledger.events.log_binary import encode_binary, read_binary
 from kvledger.events.log_records import (
     LOG_SCHEMA_VERSION,
@@ -251,7 +251,13 @@ def _header_line(**changes: object) -> bytes:
         (_header_line(config={**CONFIG.to_dict(), "num_device_blocks": 2**31}), "config: num_device_blocks must be at most"),
         (_header_line(config={**CONFIG.to_dict(), "world_size": 10**9}), "config: world_size must be at most"),
         (_header_line(schema_version=LOG_SCHEMA_VERSION + 1),
-         rf"schema_version {LOG_SCHEMA_VERSION + 1} is newer than this reader knows \({LOG_SCHEMA_VERSION}\)"),
+         rf"written by kvledger 0.1.0 in log schema {LOG_SCHEMA_VERSION + 1}; this build reads schemas "
+         rf"1-{LOG_SCHEMA_VERSION}: replay it with that build or a later one"),
+        (_header_line(config={**CONFIG.to_dict(), "rules": RULES + 1}, commit="abc123"),
+         rf"written by kvledger 0.1.0 \(commit abc123\) under engine rules {RULES + 1}; this build replays "
+         rf"rules 1-{RULES}: replay it with that build or a later one \(git checkout abc123 && pip install \.\)"),
+        (_header_line(config={**CONFIG.to_dict(), "rules": -1}), "config: rules must be an int from 1"),
+        (_header_line(commit=7), "commit must be a str"),
         (_header_line(schema_version="1"), "schema_version must be an int"),
         (_header_line(engine_version=None), "missing key 'engine_version'"),
         (_header_line(digest_interval=-1), "digest_interval must be an int >= 0"),
