@@ -65,6 +65,7 @@ class Outcome:
     def as_dict(self) -> dict:
         slot = self.config.slot_bytes
         data = {"num_tier_slots": self.config.num_tier_slots, "policy": self.config.policy.value,
+                "rules": self.config.rules,
                 "lower_tiers": [t.to_dict() for t in self.config.lower_tiers],
                 "hit_tokens": self.stats["hit_tokens"], "loads": self.stats["loads"],
                 "evictions": self.stats["evictions"], "store_rejections": self.stats["store_rejections"],

@@ -164,6 +164,11 @@ def summary(header: LogHeader, result: ReplayResult) -> dict:
     problem = result.first_problem
     data = {
         "engine_version": header.engine_version,
+        "recorded_by": header.writer,
+        "rules": header.config.rules,
+        # Where the rules come from: the header (0.2.0 on), or for a 0.1.0 log its records
+        # (tiers below host memory) or none needed (every kept rules decide alike without).
+        "rules_from": "header" if header.rules_recorded else "records" if header.config.lower_tiers else "alike",
         "events": result.events,
         "steps": result.steps,
         "last_seq": result.last_seq,
@@ -219,9 +224,11 @@ def _print_summary(data: dict) -> None:
     if "checked" in data:
         print(f"checks      every invariant after each of {data['checked']['invariants_after_events']} events, "
               f"and {data['checked']['digests']} recorded digests")
-    if "replayed_by" in data:
-        print(f"versions    recorded by kvledger {data['engine_version']}, replayed by {data['replayed_by']}: "
-              f"a violation or digest mismatch may come from a change in the engine, not the run")
+    how = {"header": "named in its header", "records": f"not named by {data['engine_version']}: shown by its records",
+           "alike": f"not named by {data['engine_version']}: every kept rules decide alike without lower tiers"}
+    replayed = f", replayed by kvledger {data['replayed_by']} under them" if "replayed_by" in data else ""
+    print(f"versions    recorded by {data['recorded_by']} under engine rules {data['rules']} "
+          f"({how[data['rules_from']]}){replayed}")
     if data.get("closed") is True:
         print("log end     closed by its process (its final state checked against the end mark)")
     elif data.get("closed") is False:
@@ -326,7 +333,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     elif args.until is None and header.schema_version >= 2:  # schema 1 had no end mark
         data["closed"] = result.ends_with_full_digest
     if header.engine_version != __version__:
-        data["replayed_by"] = __version__  # another version's engine may decide some steps differently
+        data["replayed_by"] = __version__  # under the rules the log names: its decisions, not this build's
     if fold is not None:
         try:
             size = report.write_report(args.report, fold.finish(result), source=args.log, force=args.force)

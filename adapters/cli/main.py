@@ -26,13 +26,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def version_text() -> str:
     import kvledger
     from kvledger.adapters.vllm_version import describe
+    from kvledger._identity import commit
+    from kvledger.events.config import RULES
     from kvledger.events.log_binary import MAGIC
     from kvledger.events.log_records import LOG_SCHEMA_VERSION
+    from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION as BLOCK_FORMAT
+    from kvledger.transfers.lower_tiers.block_pack import PACK_VERSION
 
     build = kvledger.BUILD
     engine = "compiled (mypyc)" if build.compiled else f"pure Python ({build.reason})"
-    return (f"kvledger {kvledger.__version__}\nengine: {engine}\nevent log: binary format {MAGIC[-1]}, "
-            f"schema {LOG_SCHEMA_VERSION}\n{describe()}")
+    return (f"kvledger {kvledger.__version__}\ncommit: {commit()}\nengine: {engine}\n"
+            f"event log: writes binary format {MAGIC[-1]} (reads 1-{MAGIC[-1]}), schema {LOG_SCHEMA_VERSION} "
+            f"(reads 1-{LOG_SCHEMA_VERSION}); engine rules {RULES} (replays 1-{RULES}, and logs of 0.1.0, "
+            f"which name none)\n"
+            f"tiers: writes and reads block format {BLOCK_FORMAT}, pack format {PACK_VERSION}\n{describe()}")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from kvledger.adapters import whatif
-from kvledger.events.config import ConfigError, EngineConfig, LowerTierSpec
+from kvledger.events.config import RULES, ConfigError, EngineConfig, LowerTierSpec
 from kvledger.events.log_records import LogHeader
 
 from .log_commands import EXIT_OK, BadArgument, _load
@@ -119,7 +119,10 @@ def _error(predicted: int, recorded: int) -> dict:
 
 
 def _other_config(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
-    changes: dict = {}
+    """The configuration asked about, decided by this build's rules: what it would
+    do. (The self-check runs the log's own rules: what the run did.) A log of
+    older rules is predicted under this build's even with nothing else changed."""
+    changes: dict = {"rules": RULES}
     if args.capacity_bytes is not None:
         changes["num_tier_slots"] = _slots(args.capacity_bytes, config, "--capacity-bytes")
     elif args.capacity_blocks is not None:
@@ -205,6 +208,7 @@ def _print(data: dict) -> None:
         ("host slots", lambda c: c["num_tier_slots"]),
         ("host bytes", lambda c: c.get("capacity_bytes", "?")),
         ("policy", lambda c: c["policy"]),
+        ("engine rules", lambda c: c["rules"]),
         ("lower tiers", lambda c: ", ".join(f"{t['name']} ({t['num_blocks']} blocks)" for t in c["lower_tiers"])
          or "none"),
         ("hit tokens", lambda c: c["hit_tokens"]),

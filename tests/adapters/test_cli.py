@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import kvledger
 from kvledger.adapters.cli.main import main
+from kvledger.events.config import RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -226,14 +228,16 @@ def test_a_log_from_another_kvledger_version_says_so(tmp_path: Path, capsys: pyt
     lines = path.read_bytes().splitlines(keepends=True)
     header = json.loads(lines[0])
     header["engine_version"] = "0.0.1"
+    header["commit"] = "0123456789abcdef"
     path.write_bytes(json.dumps(header).encode() + b"\n" + b"".join(lines[1:]))
     capsys.readouterr()
     assert main(["replay", str(path)]) == 0
-    assert "recorded by kvledger 0.0.1, replayed by" in capsys.readouterr().out
+    assert (f"recorded by kvledger 0.0.1 (commit 0123456789ab) under engine rules {RULES} (named in its header), "
+            f"replayed by kvledger {kvledger.__version__} under them") in capsys.readouterr().out
 
 
 def test_version_names_the_build_and_the_installed_vllm(capsys: pytest.CaptureFixture) -> None:
-    import kvledger
+    from kvledger._identity import commit
     from kvledger.adapters.vllm_version import installed_vllm
 
     with pytest.raises(SystemExit) as exited:
@@ -241,10 +245,13 @@ def test_version_names_the_build_and_the_installed_vllm(capsys: pytest.CaptureFi
     assert exited.value.code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"kvledger {kvledger.__version__}"
-    assert lines[1].startswith("engine: compiled" if kvledger.BUILD.compiled else "engine: pure Python")
-    assert lines[2] == "event log: binary format 3, schema 2"
+    assert lines[1] == f"commit: {commit()}" and lines[1] != "commit: unknown"  # a checkout asks git
+    assert lines[2].startswith("engine: compiled" if kvledger.BUILD.compiled else "engine: pure Python")
+    assert lines[3] == (f"event log: writes binary format 3 (reads 1-3), schema 2 (reads 1-2); engine rules "
+                        f"{RULES} (replays 1-{RULES}, and logs of 0.1.0, which name none)")
+    assert lines[4] == "tiers: writes and reads block format 1, pack format 1"
     found = installed_vllm()
     if found is None:
-        assert lines[3] == "vLLM: not installed (supported: 0.32.x or 0.33.x)"
+        assert lines[5] == "vLLM: not installed (supported: 0.32.x or 0.33.x)"
     else:
-        assert lines[3] == f"vLLM: {found[0]} {found[1]}, supported (0.32.x or 0.33.x)"
+        assert lines[5] == f"vLLM: {found[0]} {found[1]}, supported (0.32.x or 0.33.x)"

@@ -145,12 +145,14 @@ GOLDEN = REPO / "tests" / "golden" / "vllm"
 
 
 def keep_as_golden(log: Path, name: str) -> None:
-    """With KVLEDGER_UPDATE_GOLDEN=1, keep this run's log as a regression log.
+    """With KVLEDGER_UPDATE_GOLDEN=1, keep this run's log as a regression log,
+    where none of that name is kept yet: a kept log is a promise, only ever added
+    to (a new name for a new run), never recorded again.
 
     It is stored as gzipped JSONL (diffable once unzipped); tests/test_golden.py
     replays every one of them with all checks on, on every CI run.
     """
-    if os.environ.get("KVLEDGER_UPDATE_GOLDEN") != "1":
+    if os.environ.get("KVLEDGER_UPDATE_GOLDEN") != "1" or (GOLDEN / f"{name}.jsonl.gz").exists():
         return
     import gzip
 
