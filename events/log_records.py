@@ -81,6 +81,9 @@ class LogHeader:
     digest_interval: int = attrs.field(validator=_int_at_least(0))  # steps between state digests; 0 = none
     # The commit of the build that wrote the log ("" before 0.2.0, which did not record it).
     commit: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    # Whether the header names the config's rules (from 0.2.0 on); else they are a
+    # 0.1.0 log's, as its records show them (adapters/log_rules.py).
+    rules_recorded: bool = True
 
     @property
     def writer(self) -> str:
@@ -208,7 +211,8 @@ def header_from_dict(data: object, *, extra_keys: Iterable[str] = (), line: int 
         config = EngineConfig.from_dict(data["config"])
     except (TypeError, ValueError) as exc:
         raise fail(f"config: {exc}") from None
-    if "rules" not in data["config"] and config.lower_tiers:  # kvledger 0.1.0, where its rules matter
+    rules_recorded = "rules" in data["config"]
+    if not rules_recorded and config.lower_tiers:  # kvledger 0.1.0, where its rules matter
         config = attrs.evolve(config, rules=RULES_UNRESOLVED)
     return LogHeader(
         schema_version=schema_version,
@@ -216,6 +220,7 @@ def header_from_dict(data: object, *, extra_keys: Iterable[str] = (), line: int 
         config=config,
         digest_interval=data["digest_interval"],
         commit=commit,
+        rules_recorded=rules_recorded,
     )
 
 

@@ -25,8 +25,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def version_text() -> str:
     import kvledger
-    from kvledger.adapters.vllm_version import describe
     from kvledger._identity import commit
+    from kvledger.adapters.vllm_version import describe
     from kvledger.events.config import RULES
     from kvledger.events.log_binary import MAGIC
     from kvledger.events.log_records import LOG_SCHEMA_VERSION
