@@ -36,7 +36,7 @@ from kvledger.adapters.tier_settings import (
     parse_valkey_tier,
 )
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
-from kvledger.transfers.lower_tiers.fs_tier import FsTierIO, files_present, scan_keys
+from kvledger.transfers.lower_tiers.fs_tier import FsTierIO, files_present, other_formats, scan_keys
 from kvledger.transfers.lower_tiers.tier_jobs import TierIO
 from kvledger.transfers.lower_tiers.valkey_store import ValkeyStore
 from kvledger.transfers.lower_tiers.valkey_tier import Health, ValkeyTierIO, keys_present
@@ -78,6 +78,9 @@ class TierType:
     scan: Callable[[Any, bytes], list[bytes]] | None  # keys a namespace holds, oldest first; None: not scanned
     open_io: Callable[[Any, WorkerSite], TierIO]  # a worker's I/O on the tier
     tombstones: bool  # the scheduler remembers keys it removed, so a lookup racing the removal cannot find them
+    # Blocks it holds in a format this build cannot read, as (namespace hex, format, blocks), where the store
+    # can be listed cheaply: the scheduler says why they are not found. None: not listed.
+    other_formats: Callable[[Any], list[tuple[str, object, int]]] | None = None
 
 
 # The file-system tier: block files in a directory, scanned at start; other processes' files are looked up.
@@ -125,7 +128,8 @@ TIER_TYPES: dict[str, TierType] = {
     FsTierSettings.kind: TierType(
         settings=FsTierSettings, keys=("path", "root_dir", "capacity_bytes", "threads", "pack_bytes", "shared", "group"),
         parse=parse_fs_tier, header_bytes=lambda tier: HEADER_BYTES, where=lambda tier: {"path": tier.path},
-        lookup=_fs_lookup, scan=_fs_scan, open_io=_fs_open, tombstones=True),
+        lookup=_fs_lookup, scan=_fs_scan, open_io=_fs_open, tombstones=True,
+        other_formats=lambda tier: other_formats(tier.path)),
     ValkeyTierSettings.kind: TierType(
         settings=ValkeyTierSettings, keys=("url", "urls", "cluster", "password_env", "capacity_bytes", "timeout_s",
                                            "connections", "on_unreachable", "tls_ca_file", "key_prefix"),

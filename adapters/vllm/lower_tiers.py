@@ -39,6 +39,7 @@ from kvledger.adapters.vllm.chain_keys import CRYPTOGRAPHIC, FAST, KEYED
 from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, tp_replicas, write_identity
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, LowerTierSpec
+from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION as BLOCK_FORMAT
 from kvledger.transfers.lower_tiers.block_seal import derive
 from kvledger.transfers.lower_tiers.replica_tier import ReplicaTierIO
 from kvledger.transfers.lower_tiers.tier_jobs import TierIO
@@ -167,6 +168,11 @@ class SchedulerTiers:
                 keys = [k for k in keys if k in theirs]
             _log.info("tier_scanned", tier=tier_name(index, tier), **row.where(tier), keys=len(keys),
                       seconds=round(time.perf_counter() - started, 3))
+            for space, version, blocks in row.other_formats(tier) if row.other_formats else ():
+                _log.warning("tier_format_skipped", tier=tier_name(index, tier), **row.where(tier),
+                             namespace=space, format_version=version, blocks=blocks,
+                             why=f"written in block format {version} by another kvledger build; this build reads "
+                                 f"format {BLOCK_FORMAT}: its blocks are not served (recomputed)")
             if keys:
                 events.append(ev.TierKeysFound(tier=index, keys=tuple(keys)))
         return events

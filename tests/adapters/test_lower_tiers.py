@@ -5,6 +5,7 @@ and ranks with identical KV keeping one copy of a block."""
 from __future__ import annotations
 
 import grp
+import json
 import os
 import stat
 import threading
@@ -13,6 +14,7 @@ import time
 import pytest
 
 pytest.importorskip("vllm", reason="needs the vllm package")
+import structlog
 import torch
 from valkey import Valkey
 
@@ -42,6 +44,29 @@ def _ask_until_answered(tiers: SchedulerTiers, request_id: str, keys) -> list:
     while tiers.ask(request_id, keys) and time.monotonic() < deadline:
         time.sleep(0.01)
     return tiers.answers()
+
+
+def test_blocks_of_a_format_this_build_cannot_read_are_skipped_with_a_count_and_why(tmp_path) -> None:
+    """A later build writes another block format, under a namespace of its own: none of its
+    blocks is found, so none can be served; the start says how many and why, in one line."""
+    tiers = _tiers(tmp_path)
+    try:
+        _store(tiers, tmp_path, b"a" * 20)
+        theirs = bytes(range(16))
+        for key in (b"x" * 20, b"y" * 20, b"z" * 20):
+            write_block(block_path(tmp_path, theirs, key), theirs, key, torch.zeros(64, dtype=torch.int8).numpy())
+        (tmp_path / theirs.hex() / "NAMESPACE.json").write_text(json.dumps({"format_version": 2}))
+        (tmp_path / tiers.namespaces[0].hex()).mkdir(exist_ok=True)
+        (tmp_path / tiers.namespaces[0].hex() / "NAMESPACE.json").write_text(json.dumps({"format_version": 1}))
+        with structlog.testing.capture_logs() as logs:
+            (found,) = tiers.startup_events()
+        assert found.keys == (b"a" * 20,)
+        (skipped,) = [line for line in logs if line["event"] == "tier_format_skipped"]
+        assert skipped["log_level"] == "warning" and skipped["tier"] == "1:fs"
+        assert skipped["namespace"] == theirs.hex() and skipped["format_version"] == 2 and skipped["blocks"] == 3
+        assert "this build reads format 1: its blocks are not served (recomputed)" in skipped["why"]
+    finally:
+        tiers.close()
 
 
 def test_the_scan_finds_what_is_there_and_lookups_what_came_later(tmp_path) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import mmap
 import os
 import re
@@ -62,6 +63,7 @@ from kvledger.transfers.lower_tiers.block_file import (
     write_block,
 )
 from kvledger.transfers.lower_tiers.block_header import (
+    FORMAT_VERSION,
     HEADER_BYTES,
     NAMESPACE_BYTES,
     BlockFileError,
@@ -607,6 +609,41 @@ def scan_keys(root: str, namespace: bytes) -> list[bytes]:
                 found.append((info.st_mtime_ns, bytes.fromhex(name[: -len(SUFFIX)])))
     found.sort()
     return [key for _, key in found]
+
+
+IDENTITY_FILE = "NAMESPACE.json"  # `root/<namespace hex>/`: what the namespace digests (tier_namespace.write_identity)
+_NAMESPACE_DIR = re.compile(f"[0-9a-f]{{{2 * NAMESPACE_BYTES}}}")
+_IDENTITY_BYTES_MAX = 1 << 16
+
+
+def other_formats(root: str) -> list[tuple[str, object, int]]:
+    """The namespaces under `root` whose identity names a block format other than
+    the one this build reads, as (namespace hex, their format, block files). The
+    format is part of the namespace, so their blocks are never found, let alone
+    served; this is what lets the tier say why, not start cold in silence."""
+    try:
+        entries = [entry for entry in os.scandir(os.fspath(root))
+                   if _NAMESPACE_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+    found = []
+    for entry in sorted(entries, key=lambda e: e.name):
+        try:
+            fd = os.open(os.path.join(entry.path, IDENTITY_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            identity = json.loads(os.read(fd, _IDENTITY_BYTES_MAX))
+        except (OSError, ValueError):
+            continue
+        finally:
+            os.close(fd)
+        version = identity.get("format_version") if isinstance(identity, dict) else None
+        if version != FORMAT_VERSION:
+            found.append((entry.name, version, len(scan_keys(root, bytes.fromhex(entry.name)))))
+    return found
 
 
 def files_present(root: str, namespaces: tuple[bytes, ...], keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
