@@ -33,9 +33,12 @@ def _case(log: Path) -> str:
     return "/".join(log.relative_to(CORPUS).parts)
 
 
-def _run(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, dict]:
+def _run(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, command: str, log: Path,
+         *flags: str) -> tuple[int, dict]:
+    """The command on the log, run in its folder as its own build was (outputs name the log as given)."""
+    monkeypatch.chdir(log.parent)
     capsys.readouterr()
-    code = main(argv)
+    code = main([command, log.name, *flags, "--json"])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -56,18 +59,20 @@ def test_the_corpus_holds_logs_of_each_kept_build() -> None:
 
 
 @pytest.mark.parametrize("log", LOGS, ids=_case)
-def test_a_corpus_log_replays_as_its_own_build_replayed_it(log: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_corpus_log_replays_as_its_own_build_replayed_it(log: Path, capsys: pytest.CaptureFixture,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     recorded = json.loads(log.with_suffix(".replay.json").read_text())
-    code, today = _run(capsys, ["replay", str(log), "--check", "--json"])
+    code, today = _run(capsys, monkeypatch, "replay", log, "--check")
     assert _differences(recorded, today) == []
     assert code == (2 if "tear" in recorded else 0 if recorded["ok"] else 1)
     assert today["ok"] == recorded["ok"] and today["violations"] == recorded["violations"]
 
 
 @pytest.mark.parametrize("log", [log for log in LOGS if log.with_suffix(".explain.json").exists()], ids=_case)
-def test_a_corpus_log_explains_as_its_own_build_explained_it(log: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_corpus_log_explains_as_its_own_build_explained_it(log: Path, capsys: pytest.CaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     recorded = json.loads(log.with_suffix(".explain.json").read_text())
-    _, today = _run(capsys, ["explain", str(log), "--json"])
+    _, today = _run(capsys, monkeypatch, "explain", log)
     assert _differences(recorded, today) == []
 
 
