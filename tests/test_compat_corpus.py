@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvledger.adapters.cli.main import main
+from kvledger.adapters.log_files import open_log
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "tests" / "compat" / "logs"
@@ -99,3 +100,23 @@ def test_kept_logs_are_only_ever_added_to() -> None:
     assert not changed, f"kept logs changed (a kept log is never recorded again): {changed}"
     assert not removed, f"kept logs removed: {removed}"
     assert not unlisted, f"new kept files not in {MANIFEST.name} (KVLEDGER_UPDATE_GOLDEN=1 lists them): {unlisted}"
+
+
+@pytest.mark.parametrize("log", LOGS, ids=_case)
+def test_a_corpus_log_inspects_bisects_and_answers_whatif_under_its_own_rules(
+        log: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other log tools read the log under the same rules: the state at its last event is
+    the one its replay ended in, bisect finds nothing wrong where its build found nothing, and
+    whatif's run of the log as recorded counts what the replay counted."""
+    recorded = json.loads(log.with_suffix(".replay.json").read_text())
+    code, state = _run(capsys, monkeypatch, "inspect", log, "--at", str(recorded["last_seq"]))
+    assert code == 0 and state["stats"] == recorded["stats"]
+    _, bisected = _run(capsys, monkeypatch, "bisect", log)
+    assert bisected["ok"] == recorded["ok"]
+    _, whatif = _run(capsys, monkeypatch, "whatif", log)
+    assert whatif["recorded"]["hit_tokens"] == recorded["stats"]["hit_tokens"]
+    assert whatif["recorded"]["rules"] == whatif["predicted_as_recorded"]["rules"] == state_rules(log)
+
+
+def state_rules(log: Path) -> int:
+    return open_log(log)[0].config.rules
