@@ -36,10 +36,12 @@ from kvledger.adapters.tier_settings import (
     parse_valkey_tier,
 )
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
-from kvledger.transfers.lower_tiers.fs_tier import FsTierIO, files_present, other_formats, scan_keys
+from kvledger.transfers.lower_tiers.fs_tier import FsTierIO, files_present, scan_keys
+from kvledger.transfers.lower_tiers.fs_tier import other_formats as other_fs_formats
 from kvledger.transfers.lower_tiers.tier_jobs import TierIO
-from kvledger.transfers.lower_tiers.valkey_store import ValkeyStore
-from kvledger.transfers.lower_tiers.valkey_tier import Health, ValkeyTierIO, keys_present
+from kvledger.transfers.lower_tiers.valkey_store import StoreDown, ValkeyStore
+from kvledger.transfers.lower_tiers.valkey_tier import Health, ValkeyTierIO, keys_present, register_format
+from kvledger.transfers.lower_tiers.valkey_tier import other_formats as other_valkey_formats
 
 
 @attrs.frozen(kw_only=True)
@@ -118,7 +120,23 @@ def _valkey_lookup(tier: ValkeyTierSettings, name: str, namespaces: tuple[bytes,
                   health=health, close=store.close)
 
 
+def _valkey_other_formats(tier: ValkeyTierSettings) -> list[tuple[str, object, int]]:
+    store = ValkeyStore(tier.server)
+    try:
+        return other_valkey_formats(store, tier.key_prefix)
+    finally:
+        store.close()
+
+
 def _valkey_open(tier: ValkeyTierSettings, site: WorkerSite) -> TierIO:
+    if site.writes:  # says which block format the namespace's blocks are in, for builds of another
+        store = ValkeyStore(tier.server)
+        try:
+            register_format(store, site.namespace, tier.key_prefix)
+        except StoreDown:
+            pass  # a server down at start: the tier's health says so; a later writer registers it
+        finally:
+            store.close()
     return ValkeyTierIO(server=tier.server, name=site.name, namespace=site.namespace, rows=site.rows,
                         payload_bytes=site.payload_bytes, connections=tier.connections, seal=tier.secret.seal(),
                         key_prefix=tier.key_prefix)
@@ -129,12 +147,13 @@ TIER_TYPES: dict[str, TierType] = {
         settings=FsTierSettings, keys=("path", "root_dir", "capacity_bytes", "threads", "pack_bytes", "shared", "group"),
         parse=parse_fs_tier, header_bytes=lambda tier: HEADER_BYTES, where=lambda tier: {"path": tier.path},
         lookup=_fs_lookup, scan=_fs_scan, open_io=_fs_open, tombstones=True,
-        other_formats=lambda tier: other_formats(tier.path)),
+        other_formats=lambda tier: other_fs_formats(tier.path)),
     ValkeyTierSettings.kind: TierType(
         settings=ValkeyTierSettings, keys=("url", "urls", "cluster", "password_env", "capacity_bytes", "timeout_s",
                                            "connections", "on_unreachable", "tls_ca_file", "key_prefix"),
         parse=parse_valkey_tier, header_bytes=_valkey_header_bytes, where=lambda tier: {"server": tier.server.where},
-        lookup=_valkey_lookup, scan=None, open_io=_valkey_open, tombstones=False),
+        lookup=_valkey_lookup, scan=None, open_io=_valkey_open, tombstones=False,
+        other_formats=_valkey_other_formats),
 }
 """Each tier type's row, by the `type` a config names it with, in the order error messages list them."""
 

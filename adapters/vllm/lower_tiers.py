@@ -159,6 +159,7 @@ class SchedulerTiers:
         events = []
         for index, tier in enumerate(self.tiers, start=1):
             row = tier_type(tier)
+            self._say_other_formats(index, tier)
             if row.scan is None:
                 continue  # a store shared by many instances is not scanned: lookups find what requests need
             started = time.perf_counter()
@@ -168,14 +169,18 @@ class SchedulerTiers:
                 keys = [k for k in keys if k in theirs]
             _log.info("tier_scanned", tier=tier_name(index, tier), **row.where(tier), keys=len(keys),
                       seconds=round(time.perf_counter() - started, 3))
-            for space, version, blocks in row.other_formats(tier) if row.other_formats else ():
-                _log.warning("tier_format_skipped", tier=tier_name(index, tier), **row.where(tier),
-                             namespace=space, format_version=version, blocks=blocks,
-                             why=f"written in block format {version} by another kvledger build; this build reads "
-                                 f"format {BLOCK_FORMAT}: its blocks are not served (recomputed)")
             if keys:
                 events.append(ev.TierKeysFound(tier=index, keys=tuple(keys)))
         return events
+
+    def _say_other_formats(self, index: int, tier: TierSettings) -> None:
+        """One warning per namespace of blocks in a format this build cannot read: they are never found."""
+        row = tier_type(tier)
+        for space, version, blocks in row.other_formats(tier) if row.other_formats else ():
+            _log.warning("tier_format_skipped", tier=tier_name(index, tier), **row.where(tier),
+                         namespace=space, format_version=version, blocks=blocks,
+                         why=f"written in block format {version} by another kvledger build; this build reads "
+                             f"format {BLOCK_FORMAT}: its blocks are not served (recomputed)")
 
     @property
     def shared(self) -> bool:

@@ -180,6 +180,36 @@ def test_a_valkey_tier_is_looked_up_not_scanned_and_counts_for_metrics(valkey_se
         tiers.close()
 
 
+def test_a_valkey_tiers_writers_name_their_block_format_and_another_formats_blocks_are_counted(valkey_server) -> None:
+    """A Valkey store is not listed, so its writers say which block format each namespace is in
+    (one hash under the key prefix); a build of another format counts those blocks at start and
+    says why it skips them, in one line."""
+    server = valkey_server()
+    settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [
+        {"type": "valkey", "url": server.url, "capacity_bytes": 1 << 20, "timeout_s": 0.5}]})
+    io = open_worker_tiers(settings, vllm_config(), kv_cache_config(), rank=0, world_size=1,
+                           rows=torch.zeros((4, 64), dtype=torch.int8), payload_bytes=(64,))[1]
+    io.shutdown()
+    client = Valkey(port=server.port)
+    try:
+        assert client.hgetall(b"kvledger:formats") == {io.namespace.hex().encode(): b"1"}
+        theirs = bytes(range(16))
+        client.hset(b"kvledger:formats", theirs.hex(), "2")
+        for key in (b"x" * 20, b"y" * 20, b"z" * 20):
+            client.set(store_key(theirs, key), b"a block in format 2")
+        tiers = _valkey_tiers(server.url)
+        try:
+            with structlog.testing.capture_logs() as logs:
+                assert tiers.startup_events() == []
+        finally:
+            tiers.close()
+        (skipped,) = [line for line in logs if line["event"] == "tier_format_skipped"]
+        assert skipped["tier"] == "1:valkey" and skipped["namespace"] == theirs.hex()
+        assert skipped["format_version"] == 2 and skipped["blocks"] == 3
+    finally:
+        client.close()
+
+
 def test_a_valkey_tier_down_at_start_with_warn_comes_up_with_its_server(valkey_server) -> None:
     server = valkey_server()
     port = server.port

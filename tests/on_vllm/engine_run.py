@@ -260,7 +260,7 @@ def _tamper(spec: dict) -> int:
         import valkey
 
         client = valkey.Valkey.from_url(spec["tamper_url"])
-        for name in client.scan_iter(match=b"kvledger:*"):
+        for name in client.scan_iter(match=b"kvledger:*", _type="string"):  # blocks, not the formats hash
             _, space, key_hex = name.split(b":")
             namespace, key = bytes.fromhex(space.decode()), bytes.fromhex(key_hex.decode())
             client.set(name, forged(client.get(name), bh.compact_header_bytes(key, sealed), namespace, key))

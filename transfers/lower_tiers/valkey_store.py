@@ -26,7 +26,7 @@ import ssl
 import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import valkey
@@ -246,6 +246,42 @@ class ValkeyStore:
             if waiting.poll(0):
                 connection.disconnect()  # the next send connects again
         return connection
+
+    def hset(self, name: bytes, field: str, value: str) -> None:
+        self._command("hset", name, field, value)
+
+    def hash_fields(self, name: bytes, most: int) -> dict[bytes, bytes]:
+        """At most `most` fields of a hash (HSCAN, so the server never sends one huge reply)."""
+        found: dict[bytes, bytes] = {}
+        cursor = 0
+        while True:
+            cursor, page = self._command("hscan", name, cursor, None, 64)
+            found.update(list(page.items())[: most - len(found)])
+            if not cursor or len(found) >= most:
+                return found
+
+    def count_keys(self, pattern: bytes, budget_s: float) -> tuple[int, bool]:
+        """How many keys match `pattern` (SCAN, every node of a cluster), counted for at most
+        `budget_s`: (count, whether the count is complete)."""
+        deadline = time.monotonic() + budget_s
+        count = 0
+        try:
+            for _ in self._connect().scan_iter(match=pattern, count=1000):
+                count += 1
+                if time.monotonic() > deadline:
+                    return count, False
+        except _FAILURES as exc:
+            self._reset()
+            raise _down(exc) from None
+        return count, True
+
+    def _command(self, name: str, *args: object) -> Any:
+        """One of the rare commands (not a block's), through valkey-py on one server or a cluster."""
+        try:
+            return getattr(self._connect(), name)(*args)
+        except _FAILURES as exc:
+            self._reset()
+            raise _down(exc) from None
 
     def _reset(self) -> None:
         """Drop the connection after a failure; the next command reconnects."""

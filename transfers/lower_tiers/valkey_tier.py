@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 import structlog
 import torch
 
-from kvledger.transfers.lower_tiers.block_header import BlockFileError, compact_header_bytes
+from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION, BlockFileError, compact_header_bytes
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal
 from kvledger.transfers.lower_tiers.block_value import (
     KEY_PREFIX,
@@ -238,3 +238,34 @@ def keys_present(store: ValkeyStore, health: Health, namespaces: tuple[bytes, ..
     health.worked()
     width = len(namespaces)
     return tuple(key for n, key in enumerate(keys) if all(here[n * width:(n + 1) * width]))
+
+
+FORMATS_KEY = b"formats"
+"""`<key prefix>formats`: a hash from each namespace (hex) to the block format its blocks are in, set
+by the namespace's writers. The format is part of the namespace, so a build of another format never
+finds these blocks; the hash lets it say so at start, rather than start cold in silence."""
+FORMATS_MOST = 1024  # namespaces read from the hash at most
+COUNT_BUDGET_S = 1.0  # the most time spent counting another format's blocks at start
+
+
+def register_format(store: ValkeyStore, namespace: bytes, key_prefix: bytes = KEY_PREFIX) -> None:
+    store.hset(key_prefix + FORMATS_KEY, namespace.hex(), str(FORMAT_VERSION))
+
+
+def other_formats(store: ValkeyStore, key_prefix: bytes = KEY_PREFIX) -> list[tuple[str, object, int]]:
+    """The namespaces whose writers registered a block format other than this build's, as
+    (namespace hex, their format, their blocks counted; at least that many where the count ran
+    out of time), from `FORMATS_KEY`. Nothing where the server cannot be asked."""
+    try:
+        registered = store.hash_fields(key_prefix + FORMATS_KEY, FORMATS_MOST)
+        found = []
+        for space, version in sorted(registered.items()):
+            text = version.decode(errors="replace")
+            if text == str(FORMAT_VERSION):
+                continue
+            name = space.decode(errors="replace")
+            blocks, _ = store.count_keys(key_prefix + space + b":*", COUNT_BUDGET_S)
+            found.append((name, int(text) if text.isdigit() else text, blocks))
+        return found
+    except StoreDown:
+        return []
