@@ -245,7 +245,7 @@ FORMATS_KEY = b"formats"
 by the namespace's writers. The format is part of the namespace, so a build of another format never
 finds these blocks; the hash lets it say so at start, rather than start cold in silence."""
 FORMATS_MOST = 1024  # namespaces read from the hash at most
-COUNT_BUDGET_S = 1.0  # the most time spent counting another format's blocks at start
+COUNT_BUDGET_S = 1.0  # the most time spent counting other formats' blocks at start, all namespaces together
 
 
 def register_format(store: ValkeyStore, namespace: bytes, key_prefix: bytes = KEY_PREFIX) -> None:
@@ -256,16 +256,17 @@ def other_formats(store: ValkeyStore, key_prefix: bytes = KEY_PREFIX) -> list[tu
     """The namespaces whose writers registered a block format other than this build's, as
     (namespace hex, their format, their blocks counted; at least that many where the count ran
     out of time), from `FORMATS_KEY`. Nothing where the server cannot be asked."""
+    deadline = time.monotonic() + COUNT_BUDGET_S
     try:
         registered = store.hash_fields(key_prefix + FORMATS_KEY, FORMATS_MOST)
         found = []
         for space, version in sorted(registered.items()):
-            text = version.decode(errors="replace")
+            text = version.decode(errors="replace")[:16]
             if text == str(FORMAT_VERSION):
                 continue
-            name = space.decode(errors="replace")
-            blocks, _ = store.count_keys(key_prefix + space + b":*", COUNT_BUDGET_S)
-            found.append((name, int(text) if text.isdigit() else text, blocks))
+            budget = max(0.0, deadline - time.monotonic())
+            blocks, _ = store.count_keys(key_prefix + space + b":*", budget) if budget else (0, False)
+            found.append((space.decode(errors="replace")[:64], int(text) if text.isdigit() else text, blocks))
         return found
     except StoreDown:
         return []
