@@ -1,0 +1,20 @@
+"""Where the engine meets the outside world; only this folder imports vLLM (in `vllm/`).
+
+vllm/            the vLLM KV connector: scheduler and worker halves, metrics, KV events, the tiers' wiring
+cli/             the `kvledger` command
+testing/         stand-ins for vLLM shipped for `simulate` and `demo` (never imported by the connector)
+settings         `kv_connector_extra_config`, checked once at start
+tier_settings    `secondary_tiers`: each tier's settings, parsed and checked
+tier_types       one row per tier type: everything kvledger does differently for each
+key_lookups      which keys a shared tier holds, asked off the scheduler's thread
+engine_host      runs the engine and records its inputs: a live system's one way to state and log
+log_files        event logs on disk: reading either form, writing step by step
+log_seek         reading a binary log from a snapshot
+log_rules        the decision rules of a kvledger 0.1.0 log, shown by its records
+misses           why each prompt block was restored or computed, from a log alone (`explain`)
+miss_counter     missed prompt tokens by cause, counted while serving
+whatif           a log's traffic under another configuration
+fleet            what a tier shared between replicas would have saved them, from their logs
+structlog_setup  structlog, configured once for every kvledger process
+vllm_version     the vLLM releases kvledger follows, and what to say about the installed one
+"""

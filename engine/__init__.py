@@ -1,0 +1,23 @@
+"""The pure core: `reduce(state, event) -> (state, effects)`. No torch, vLLM, clock,
+randomness, logging or I/O (tests/test_layering.py). Compiled with mypyc at install,
+all but `replay` (`_build.py`).
+
+state        the block-state model: device blocks per group, tier slots and keys, requests, jobs
+reducer      every transition: one handler per event kind
+transitions  every legal state move, as data: request, slot, lower-tier key and job moves
+checks       the protocol checks, each one's fast path beside the path that names the problem
+admission    what a step stores and what a hit loads, and the host slots each takes
+slots        a tier slot's life, as `SLOT_MOVES` says
+lower        the tiers below host memory: what each holds, spills, promotions
+lookup       the tier-hit query behind `get_num_new_matched_tokens`
+planner      a scheduler step's events, decided from what vLLM exposes
+hma          which blocks each KV group needs (full attention, sliding window, mamba)
+policies     eviction orders: LRU and ARC
+effects      what the engine asks the outside world to do, and where each is done (`ROUTES`)
+construct    the per-step events and effects, built without attrs' `__init__`
+queries      what the world outside engine/ may ask of the state
+invariants   the correctness contract as checks over the state
+digest       a stable fingerprint of the state, whole or in parts
+snapshot     the whole state as plain data, and back
+replay       a fold of `reduce` over a log, with the checks that make it a debugger
+"""

@@ -7,6 +7,8 @@ moves between minor releases, and a mismatch must fail at start, by name.
 
 connector         `KVLedgerConnector`, the class vLLM instantiates: forwards each call to its half
 scheduler_side    the scheduler half: vLLM's calls in, engine events out
+hit_lookup        `get_num_new_matched_tokens`, and what it remembers between vLLM's calls
+restore_timing    where a restore's time goes, on the scheduler's clock
 worker_side       the worker half: runs the step's transfers
 metadata          what crosses between the scheduler and the workers, per step
 kv_cache_config   vLLM's KV cache config, translated once into kvledger's own types

@@ -8,6 +8,7 @@ valkey_store  pipelined commands on a Valkey server or cluster, its replies not 
 replica_tier  a tier as seen by a rank whose KV another rank writes: read-only
 block_header  the header every stored block carries (namespace, key, checksums, seal), file or value
 block_file    one block as a file: the header padded to 4096 bytes, written aside and renamed
+block_pack    a write job's small blocks as one file, each key's name a link to it
 block_value   one block as a store's value: the header unpadded, under a namespaced key
 block_seal    a tier's secret over a block: a keyed MAC, or AES-256-GCM encryption
 """
