@@ -211,34 +211,44 @@ class MissLedger:
             named[group_id] = len(keys)
 
     def _fact(self, seq: int, effect: fx.Effect, effects: tuple[fx.Effect, ...], state: State) -> None:
-        if isinstance(effect, fx.KeysLoadable):
+        handle = _FACTS[type(effect)]
+        if handle is not None:
+            handle(self, seq, effect, effects)
+
+    def _loadable(self, seq: int, effect: fx.KeysLoadable, effects: tuple[fx.Effect, ...]) -> None:
+        for key in effect.keys:
+            facts = self._key(key)
+            facts.loadable |= 1 << effect.tier
+
+    def _unloadable(self, seq: int, effect: fx.KeysUnloadable, effects: tuple[fx.Effect, ...]) -> None:
+        job, room = _room(effects)
+        for key in effect.keys:
+            facts = self._key(key)
+            facts.loadable &= ~(1 << effect.tier)
+            facts.gone = (effect.tier, seq, effect.reason, job, room)
+
+    def _store_started(self, seq: int, effect: fx.StartStore, effects: tuple[fx.Effect, ...]) -> None:
+        keys = tuple(k for group in effect.keys for k in group)
+        self._jobs[effect.job_id] = ("store", effect.request_id, keys)
+        for key in keys:
+            self._key(key).storing = (seq, effect.job_id, effect.request_id)
+
+    def _load_started(self, seq: int, effect: fx.StartLoad, effects: tuple[fx.Effect, ...]) -> None:
+        self._jobs[effect.job_id] = ("load", effect.request_id, ())
+
+    def _not_admitted(self, seq: int, effect: fx.KeysNotAdmitted, effects: tuple[fx.Effect, ...]) -> None:
+        for key in effect.keys:
+            self._key(key).refused = seq
+
+    def _failed(self, seq: int, effect: fx.TransferFailed, effects: tuple[fx.Effect, ...]) -> None:
+        if effect.kind == "store":
             for key in effect.keys:
-                facts = self._key(key)
-                facts.loadable |= 1 << effect.tier
-        elif isinstance(effect, fx.KeysUnloadable):
-            job, room = _room(effects)
-            for key in effect.keys:
-                facts = self._key(key)
-                facts.loadable &= ~(1 << effect.tier)
-                facts.gone = (effect.tier, seq, effect.reason, job, room)
-        elif isinstance(effect, fx.StartStore):
-            keys = tuple(k for group in effect.keys for k in group)
-            self._jobs[effect.job_id] = ("store", effect.request_id, keys)
-            for key in keys:
-                self._key(key).storing = (seq, effect.job_id, effect.request_id)
-        elif isinstance(effect, fx.StartLoad):
-            self._jobs[effect.job_id] = ("load", effect.request_id, ())
-        elif isinstance(effect, fx.KeysNotAdmitted):
-            for key in effect.keys:
-                self._key(key).refused = seq
-        elif isinstance(effect, fx.TransferFailed):
-            if effect.kind == "store":
-                for key in effect.keys:
-                    self._key(key).store_failed = (seq, effect.job_id)
-            elif effect.kind == "load":
-                seen = self._load_failures.get(effect.job_id)
-                keys = set(effect.keys) if seen is None else seen[1] | set(effect.keys)
-                self._load_failures[effect.job_id] = (seq if seen is None else seen[0], keys, effect.worker_index)
+                self._key(key).store_failed = (seq, effect.job_id)
+        elif effect.kind == "load":
+            seen = self._load_failures.get(effect.job_id)
+            keys = set(effect.keys) if seen is None else seen[1] | set(effect.keys)
+            self._load_failures[effect.job_id] = (seq if seen is None else seen[0], keys, effect.worker_index)
+        # a spill's failure: its keys stay in host memory, and `KeysUnloadable` says if they leave
 
     def _key(self, key: bytes) -> _Key:
         facts = self.keys.get(key)
@@ -485,3 +495,20 @@ def totals(admissions: Iterable[Admission]) -> dict:
         # whose load then failed, and the superseded admissions'.
         "hit_tokens": sum(a.tokens("restored") for a in admissions) + missed_load,
     }
+
+
+# What each effect kind tells the ledger about a key's history (None: nothing a miss depends on).
+_FACTS = fx.dispatch_table("misses", {
+    fx.KeysLoadable: MissLedger._loadable,
+    fx.KeysUnloadable: MissLedger._unloadable,
+    fx.StartStore: MissLedger._store_started,
+    fx.StartLoad: MissLedger._load_started,
+    fx.KeysNotAdmitted: MissLedger._not_admitted,
+    fx.TransferFailed: MissLedger._failed,
+    fx.StartSpill: None,  # a copy down: the key stays loadable from host memory meanwhile
+    fx.DropTierKeys: None,  # the copies removed; `KeysUnloadable` carries why
+    fx.FlushStores: None,
+    fx.PinDeviceBlocks: None,
+    fx.UnpinDeviceBlocks: None,
+    fx.ReportViolation: None,
+})

@@ -77,19 +77,46 @@ class Outcome:
 
 
 def _moved(counts: dict[str, int], effects: Iterable[fx.Effect]) -> None:
+    moves = _MOVES
     for effect in effects:
-        if isinstance(effect, fx.StartStore):
-            counts["stored"] = counts.get("stored", 0) + sum(map(len, effect.keys))
-        elif isinstance(effect, fx.StartLoad):
-            counts["loaded"] = counts.get("loaded", 0) + sum(map(len, effect.keys))
-            for tiers in effect.promote_tiers:
-                for tier in tiers:
-                    if tier:
-                        name = f"promoted from tier {tier}"
-                        counts[name] = counts.get(name, 0) + 1
-        elif isinstance(effect, fx.StartSpill):
-            name = f"spilled to tier {effect.tier}"
-            counts[name] = counts.get(name, 0) + sum(map(len, effect.keys))
+        count = moves[type(effect)]
+        if count is not None:
+            count(counts, effect)
+
+
+def _stored(counts: dict[str, int], effect: fx.StartStore) -> None:
+    counts["stored"] = counts.get("stored", 0) + sum(map(len, effect.keys))
+
+
+def _loaded(counts: dict[str, int], effect: fx.StartLoad) -> None:
+    counts["loaded"] = counts.get("loaded", 0) + sum(map(len, effect.keys))
+    for tiers in effect.promote_tiers:
+        for tier in tiers:
+            if tier:
+                name = f"promoted from tier {tier}"
+                counts[name] = counts.get(name, 0) + 1
+
+
+def _spilled(counts: dict[str, int], effect: fx.StartSpill) -> None:
+    name = f"spilled to tier {effect.tier}"
+    counts[name] = counts.get(name, 0) + sum(map(len, effect.keys))
+
+
+# The blocks each effect kind moves (None: it moves none).
+_MOVES = fx.dispatch_table("whatif's blocks moved", {
+    fx.StartStore: _stored,
+    fx.StartLoad: _loaded,
+    fx.StartSpill: _spilled,
+    fx.DropTierKeys: None,  # removed, not moved
+    fx.FlushStores: None,
+    fx.PinDeviceBlocks: None,
+    fx.UnpinDeviceBlocks: None,
+    fx.KeysLoadable: None,
+    fx.KeysUnloadable: None,
+    fx.KeysNotAdmitted: None,
+    fx.TransferFailed: None,
+    fx.ReportViolation: None,
+})
 
 
 def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
@@ -392,19 +419,30 @@ class Redrive:
         _moved(self.moved, effects)
         if self.on_effects is not None:
             self.on_effects(effects)
+        follow = _FOLLOW
         for effect in effects:
-            if isinstance(effect, fx.ReportViolation):
-                self.not_applied += 1
-            elif isinstance(effect, (fx.StartStore, fx.StartSpill, fx.StartLoad)):
-                self.started.append(effect)
-                if self.shared is not None and isinstance(effect, fx.StartLoad) and effect.promote_tiers:
-                    promoted = [(key, block) for tiers, keys, blocks in
-                                zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
-                                for tier, key, block in zip(tiers, keys, blocks) if tier == 1]
-                    self._promoted[effect.job_id] = promoted
-                    self.shared.read([key for key, _ in promoted])
-            elif isinstance(effect, fx.KeysLoadable) and effect.tier == 1 and self.shared is not None:
-                self.shared.write(effect.keys)  # a spill written (or a lookup's find: already there)
+            handle = follow[type(effect)]
+            if handle is not None:
+                handle(self, effect)
+
+    def _refused(self, effect: fx.ReportViolation) -> None:
+        self.not_applied += 1
+
+    def _started(self, effect: fx.StartStore | fx.StartSpill) -> None:
+        self.started.append(effect)
+
+    def _load_started(self, effect: fx.StartLoad) -> None:
+        self.started.append(effect)
+        if self.shared is not None and effect.promote_tiers:
+            promoted = [(key, block) for tiers, keys, blocks in
+                        zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
+                        for tier, key, block in zip(tiers, keys, blocks) if tier == 1]
+            self._promoted[effect.job_id] = promoted
+            self.shared.read([key for key, _ in promoted])
+
+    def _loadable(self, effect: fx.KeysLoadable) -> None:
+        if effect.tier == 1 and self.shared is not None:
+            self.shared.write(effect.keys)  # a spill written (or a lookup's find: already there)
 
 
 class SharedTier:
@@ -552,14 +590,12 @@ def lru_curve(config: EngineConfig, records: Iterable[object], bound: int) -> li
     def on_effects(effects: tuple[fx.Effect, ...]) -> None:
         # A key is in host memory from its store's end (as the engine's index has it), and a
         # load refreshes it.
+        accesses = _ACCESSES
         for effect in effects:
-            if isinstance(effect, fx.KeysLoadable) and effect.tier == 0:
-                for key in effect.keys:
+            keys = accesses[type(effect)]
+            if keys is not None:
+                for key in keys(effect):
                     distances.access(key)
-            elif isinstance(effect, fx.StartLoad):
-                for group in effect.keys:
-                    for key in group:
-                        distances.access(key)
 
     drive = Redrive(config, roomy, on_admission=on_admission, on_effects=on_effects)
     drive.run(events_of(records))
@@ -581,3 +617,45 @@ def hits_at(admissions: list[tuple[list[float], list[int]]], capacities: list[in
                 total += longest[fits - 1]
         out.append(total)
     return out
+
+
+# What the re-drive follows of each effect kind (None: nothing).
+_FOLLOW = fx.dispatch_table("whatif's re-drive", {
+    fx.ReportViolation: Redrive._refused,
+    fx.StartStore: Redrive._started,
+    fx.StartSpill: Redrive._started,
+    fx.StartLoad: Redrive._load_started,
+    fx.KeysLoadable: Redrive._loadable,  # tier 1, for a fleet's shared tier
+    fx.DropTierKeys: None,
+    fx.FlushStores: None,
+    fx.PinDeviceBlocks: None,
+    fx.UnpinDeviceBlocks: None,
+    fx.KeysUnloadable: None,
+    fx.KeysNotAdmitted: None,
+    fx.TransferFailed: None,
+})
+
+
+def _host_loadable(effect: fx.KeysLoadable) -> tuple[bytes, ...]:
+    return effect.keys if effect.tier == 0 else ()
+
+
+def _loaded_keys(effect: fx.StartLoad) -> list[bytes]:
+    return [key for group in effect.keys for key in group]
+
+
+# The keys each effect kind makes recently used in host memory, for the one-pass LRU estimate.
+_ACCESSES = fx.dispatch_table("whatif's LRU estimate", {
+    fx.KeysLoadable: _host_loadable,
+    fx.StartLoad: _loaded_keys,
+    fx.StartStore: None,  # in host memory from its end (KeysLoadable), not its start
+    fx.StartSpill: None,
+    fx.DropTierKeys: None,
+    fx.FlushStores: None,
+    fx.PinDeviceBlocks: None,
+    fx.UnpinDeviceBlocks: None,
+    fx.KeysUnloadable: None,
+    fx.KeysNotAdmitted: None,
+    fx.TransferFailed: None,
+    fx.ReportViolation: None,
+})

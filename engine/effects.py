@@ -19,8 +19,8 @@ Per-group fields are aligned: `keys[g][i]` moves between
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
-from typing import Union
+from collections.abc import Iterable, Mapping
+from typing import TypeVar, Union
 
 import attrs
 
@@ -194,6 +194,22 @@ ROUTES: dict[type, Phase] = {
 assert set(ROUTES) == set(EFFECT_TYPES), "every effect kind needs a route"
 
 WORKER_PHASES = (Phase.BEFORE_STEP, Phase.LOADS, Phase.AFTER_FORWARD)
+
+
+_H = TypeVar("_H")
+
+
+def dispatch_table(consumer: str, table: Mapping[type, _H | None]) -> dict[type, _H | None]:
+    """A consumer's handler for each effect kind, `None` for a kind it has no use
+    for. Checked when the consumer is imported: a table that does not name every
+    kind fails there, so a new kind is a decision in each consumer, never a silent skip."""
+    missing = [kind.__name__ for kind in EFFECT_TYPES if kind not in table]
+    strays = [getattr(kind, "__name__", repr(kind)) for kind in table if kind not in EFFECT_TYPES]
+    if missing or strays:
+        raise AssertionError(f"{consumer}: its effect table must name every effect kind once"
+                             + (f"; missing {', '.join(missing)}" if missing else "")
+                             + (f"; not effect kinds: {', '.join(strays)}" if strays else ""))
+    return dict(table)
 
 
 def route(effects: Iterable[Effect]) -> dict[Phase, list[Effect]]:

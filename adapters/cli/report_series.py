@@ -81,19 +81,26 @@ class SeriesFold:
                 self._lower.append(usage)
             else:
                 self._lower[-1] = usage
+        series = _SERIES
         for effect in effects:
-            if isinstance(effect, fx.StartStore):
-                self._store_blocks[-1] += sum(len(keys) for keys in effect.keys)
-            elif isinstance(effect, fx.StartLoad):
-                self._load_owner[effect.job_id] = effect.request_id
-            elif isinstance(effect, fx.ReportViolation):
-                self._violations[-1] += 1
+            handle = series[type(effect)]
+            if handle is not None:
+                handle(self, effect)
         if isinstance(event, ev.StepScheduled):
             self._step_tokens(event, state)
         elif isinstance(event, ev.CacheReset) and not _rejected(effects):
             self._cache_resets[-1] += 1
             self._resets.append([self.steps[-1], seq])
         self._follow_request(seq, event, state, effects)
+
+    def _store_started(self, effect: fx.StartStore) -> None:
+        self._store_blocks[-1] += sum(len(keys) for keys in effect.keys)
+
+    def _load_started(self, effect: fx.StartLoad) -> None:
+        self._load_owner[effect.job_id] = effect.request_id
+
+    def _violation(self, effect: fx.ReportViolation) -> None:
+        self._violations[-1] += 1
 
     def _step_tokens(self, event: ev.StepScheduled, state: State) -> None:
         prompt = 0
@@ -232,3 +239,21 @@ def collect(config: EngineConfig, records: Iterable[object], *, max_requests: in
     return result, fold.finish(result)
 
 
+
+
+# What each effect kind adds to the per-step series (None: nothing; the miss ledger and the
+# engine's stats, read each step, carry the rest).
+_SERIES = fx.dispatch_table("the report's series", {
+    fx.StartStore: SeriesFold._store_started,
+    fx.StartLoad: SeriesFold._load_started,
+    fx.ReportViolation: SeriesFold._violation,
+    fx.StartSpill: None,
+    fx.DropTierKeys: None,
+    fx.FlushStores: None,
+    fx.PinDeviceBlocks: None,
+    fx.UnpinDeviceBlocks: None,
+    fx.KeysLoadable: None,
+    fx.KeysUnloadable: None,
+    fx.KeysNotAdmitted: None,
+    fx.TransferFailed: None,
+})

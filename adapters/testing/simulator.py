@@ -207,22 +207,31 @@ class Simulator:
         if job.copied:
             return
         job.copied = True
+        _COPY[type(job.effect)](self, job)
+
+    def _copy_store(self, job: SimJob) -> None:
         effect = job.effect
-        if isinstance(effect, fx.StartStore):
-            for blocks, slots in zip(effect.source_block_ids, effect.target_slot_ids):
-                for block, slot in zip(blocks, slots):
-                    self.slot_content[slot] = self.content[block]
-        elif isinstance(effect, fx.StartSpill):
-            disk = self.disks[effect.tier - 1]
-            for keys, slots in zip(effect.keys, effect.source_slot_ids):
-                for key, slot in zip(keys, slots):
-                    disk[key] = self.slot_content.get(slot)
-        else:
-            self._promote(job, effect)
-            for slots, blocks in zip(effect.source_slot_ids, effect.target_block_ids):
-                for slot, block in zip(slots, blocks):
-                    self.dirty.discard(block)  # the load stream runs after the zeroing
-                    self.content[block] = None if block in job.failed else self.slot_content.get(slot)
+        assert isinstance(effect, fx.StartStore)
+        for blocks, slots in zip(effect.source_block_ids, effect.target_slot_ids):
+            for block, slot in zip(blocks, slots):
+                self.slot_content[slot] = self.content[block]
+
+    def _copy_spill(self, job: SimJob) -> None:
+        effect = job.effect
+        assert isinstance(effect, fx.StartSpill)
+        disk = self.disks[effect.tier - 1]
+        for keys, slots in zip(effect.keys, effect.source_slot_ids):
+            for key, slot in zip(keys, slots):
+                disk[key] = self.slot_content.get(slot)
+
+    def _copy_load(self, job: SimJob) -> None:
+        effect = job.effect
+        assert isinstance(effect, fx.StartLoad)
+        self._promote(job, effect)
+        for slots, blocks in zip(effect.source_slot_ids, effect.target_block_ids):
+            for slot, block in zip(slots, blocks):
+                self.dirty.discard(block)  # the load stream runs after the zeroing
+                self.content[block] = None if block in job.failed else self.slot_content.get(slot)
 
     def _promote(self, job: SimJob, effect: fx.StartLoad) -> None:
         """Read promoted keys into their slots, as a worker checks a block file:
@@ -746,3 +755,12 @@ _PERFORM = {
     fx.DropTierKeys: Simulator._drop,
 }
 assert set(_PERFORM) == set(fx.EFFECT_TYPES), "the simulator must carry out every effect kind"
+
+# Each job's copy, by the effect that started it: every kind `_PERFORM` starts as a job.
+_COPY = {
+    fx.StartStore: Simulator._copy_store,
+    fx.StartSpill: Simulator._copy_spill,
+    fx.StartLoad: Simulator._copy_load,
+}
+assert set(_COPY) == {kind for kind, perform in _PERFORM.items() if perform is Simulator._start}, \
+    "every kind the simulator starts as a job needs its copy"

@@ -57,13 +57,19 @@ class TierEvents:
         self._pending: list[KVCacheEvent] = []
 
     def observe(self, effects: Iterable[fx.Effect]) -> None:
+        translate = _TRANSLATE
         for effect in effects:
-            if isinstance(effect, fx.KeysLoadable):
-                self._stored(effect.keys, self._media[effect.tier])
-            elif isinstance(effect, fx.KeysUnloadable):
-                medium = self._media[effect.tier]
-                for group, hashes in self._by_group(effect.keys).items():
-                    self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
+            handle = translate[type(effect)]
+            if handle is not None:
+                handle(self, effect)
+
+    def _loadable(self, effect: fx.KeysLoadable) -> None:
+        self._stored(effect.keys, self._media[effect.tier])
+
+    def _unloadable(self, effect: fx.KeysUnloadable) -> None:
+        medium = self._media[effect.tier]
+        for group, hashes in self._by_group(effect.keys).items():
+            self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
 
     def _stored(self, keys: Iterable[bytes], medium: str) -> None:
         for key in keys:
@@ -85,3 +91,20 @@ class TierEvents:
     def take(self) -> list[KVCacheEvent]:
         events, self._pending = self._pending, []
         return events
+
+
+# The KV events each effect kind becomes: what each tier can serve, and nothing else (None).
+_TRANSLATE = fx.dispatch_table("KV events", {
+    fx.KeysLoadable: TierEvents._loadable,
+    fx.KeysUnloadable: TierEvents._unloadable,
+    fx.StartStore: None,
+    fx.StartLoad: None,
+    fx.StartSpill: None,
+    fx.DropTierKeys: None,
+    fx.FlushStores: None,
+    fx.PinDeviceBlocks: None,
+    fx.UnpinDeviceBlocks: None,
+    fx.KeysNotAdmitted: None,
+    fx.TransferFailed: None,
+    fx.ReportViolation: None,
+})

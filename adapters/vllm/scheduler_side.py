@@ -114,37 +114,42 @@ class LedgerScheduler:
         routed = fx.route(effects)
         for phase in fx.WORKER_PHASES:
             self._carried.extend(routed[phase])
-        for load in routed[fx.Phase.LOADS]:  # StartLoad's phase
-            self.restores.load_started(load.job_id, load.request_id, any(t for g in load.promote_tiers for t in g))
-        for effect in routed[fx.Phase.SCHEDULER]:
-            if isinstance(effect, fx.PinDeviceBlocks):
-                self._block_pool.touch(effect.block_ids)
-            else:
-                assert isinstance(effect, fx.UnpinDeviceBlocks), effect
-                self._block_pool.free_blocks(effect.block_ids)
+        carry = _CARRY
+        for effect in effects:
+            handle = carry[type(effect)]
+            if handle is not None:
+                handle(self, effect)
         notifications = routed[fx.Phase.NOTIFICATION]
-        if not notifications:
-            return
-        for effect in notifications:
-            if isinstance(effect, fx.KeysUnloadable):
-                self._metrics.keys_unloadable(effect)
-                if effect.tier and self._tiers is not None:
-                    self._tiers.removed(effect.tier, effect.keys)
-            elif isinstance(effect, fx.TransferFailed):
-                if effect.kind == "load":
-                    self.restores.load_ended(effect.job_id, ok=False)
-                if effect.tier and self._tiers is not None:  # a copy that failed to write may be partly there
-                    self._tiers.removed(effect.tier, effect.keys)
-                _log.warning(f"{effect.kind}_failed", request_id=effect.request_id or None, job_id=effect.job_id,
-                             worker_index=effect.worker_index, keys=hex_keys(effect.keys),
-                             step=self._position.step_index)
-            elif isinstance(effect, fx.ReportViolation):
-                self._metrics.violation()
-                _log.error("protocol_violation", code=effect.code, message=effect.message,
-                           event_kind=effect.event_kind, request_id=effect.request_id, job_id=effect.job_id,
-                           keys=hex_keys(effect.keys), step=self._position.step_index)
-        if self.tier_events is not None:
+        if notifications and self.tier_events is not None:
             self.tier_events.observe(notifications)
+
+    def _load_started(self, load: fx.StartLoad) -> None:
+        self.restores.load_started(load.job_id, load.request_id, any(t for g in load.promote_tiers for t in g))
+
+    def _pin(self, effect: fx.PinDeviceBlocks) -> None:
+        self._block_pool.touch(effect.block_ids)
+
+    def _unpin(self, effect: fx.UnpinDeviceBlocks) -> None:
+        self._block_pool.free_blocks(effect.block_ids)
+
+    def _unloadable(self, effect: fx.KeysUnloadable) -> None:
+        self._metrics.keys_unloadable(effect)
+        if effect.tier and self._tiers is not None:
+            self._tiers.removed(effect.tier, effect.keys)
+
+    def _failed(self, effect: fx.TransferFailed) -> None:
+        if effect.kind == "load":
+            self.restores.load_ended(effect.job_id, ok=False)
+        if effect.tier and self._tiers is not None:  # a copy that failed to write may be partly there
+            self._tiers.removed(effect.tier, effect.keys)
+        _log.warning(f"{effect.kind}_failed", request_id=effect.request_id or None, job_id=effect.job_id,
+                     worker_index=effect.worker_index, keys=hex_keys(effect.keys), step=self._position.step_index)
+
+    def _violation(self, effect: fx.ReportViolation) -> None:
+        self._metrics.violation()
+        _log.error("protocol_violation", code=effect.code, message=effect.message, event_kind=effect.event_kind,
+                   request_id=effect.request_id, job_id=effect.job_id, keys=hex_keys(effect.keys),
+                   step=self._position.step_index)
 
     @property
     def _position(self) -> queries.Position:
@@ -290,3 +295,21 @@ class LedgerScheduler:
             if not block.is_null:
                 near.append(block.block_id)
         return tuple(near)
+
+
+# What the scheduler half does with each effect kind at once (None: the workers carry it out, from
+# the step's metadata, or only the KV events read it).
+_CARRY = fx.dispatch_table("scheduler side", {
+    fx.PinDeviceBlocks: LedgerScheduler._pin,
+    fx.UnpinDeviceBlocks: LedgerScheduler._unpin,
+    fx.StartLoad: LedgerScheduler._load_started,  # timed from here (restore_timing)
+    fx.KeysUnloadable: LedgerScheduler._unloadable,
+    fx.TransferFailed: LedgerScheduler._failed,
+    fx.ReportViolation: LedgerScheduler._violation,
+    fx.StartStore: None,
+    fx.StartSpill: None,
+    fx.DropTierKeys: None,
+    fx.FlushStores: None,
+    fx.KeysLoadable: None,
+    fx.KeysNotAdmitted: None,
+})
