@@ -29,6 +29,7 @@ from .checks import ProtocolViolation
 from .state import LOAD as _LOAD
 from .state import STORE as _STORE
 from .state import STORED_CODE, Core, Job, RequestState
+from .transitions import start_job
 
 _T = TypeVar("_T")
 
@@ -137,6 +138,7 @@ def start_load(core: Core, request: RequestState, ext: int, load: tuple[tuple, t
               slot_ids=slot_ids, generations=(), pending_workers=(1 << core.config.world_size) - 1,
               num_tokens=ext)
     job.promote_tiers = promote_tiers
+    start_job(job)
     core.next_job_id += 1
     core.jobs[job.job_id] = job
     for group_keys, group_blocks in zip(keys, targets):
@@ -356,6 +358,7 @@ def admit_store(core: Core, request_id: str, cand_groups: list[int], cand_blocks
         slot_ids = _regroup(cand_groups, candidate_slots, len(counts))
         gens = _regroup(cand_groups, candidate_gens, len(counts))
     job = Job(job_id, _STORE, request_id, keys, blocks, slot_ids, gens, (1 << core.config.world_size) - 1)
+    start_job(job)
     core.jobs[job_id] = job
     core.stats.stores += 1
     if evicted:

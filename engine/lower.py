@@ -16,8 +16,10 @@ a key only a lower tier holds promotes it: the key gets a host slot
 then copies it to the device, and at the end the slot is stored or freed
 like a store's.
 
-A key's state in a tier (`key_state`) moves only as `TIER_KEY_MOVES` says;
-the rows each function relies on are asserted below, at import.
+A key's state in a tier (`key_state`: which of the tier's tables holds it)
+moves only as `TIER_KEY_MOVES` says: `_move` reads the row and moves the key
+between the tables. The states each function starts a move from are
+asserted below, at import.
 """
 
 from __future__ import annotations
@@ -32,22 +34,39 @@ from .state import Core, Job, LowerTier
 from .state import TierKeyState as _K
 from .transitions import TIER_KEY_MOVES as _MOVES
 from .transitions import sources as _sources
+from .transitions import start_job
 
-# What the functions below rely on. plan_spills and keys_found take only keys
-# the tier lacks; spill_ended ends what is being written; reads (reserve_promotions,
-# promotions_ended) keep a held key held, or remove a damaged one, and change
-# nothing for a key a reset removed meanwhile; _evict and drop_all remove held
-# keys, and a reset leaves a key being written to its spill's end.
-assert _sources(_MOVES, "spill_planned") == {_K.ABSENT} and _MOVES[(_K.ABSENT, "spill_planned")] is _K.WRITING
-assert _MOVES[(_K.ABSENT, "found")] is _K.HELD
-assert all(_MOVES[(state, "found")] is state for state in _sources(_MOVES, "found") - {_K.ABSENT})
-assert _MOVES[(_K.WRITING, "spill_written")] is _K.HELD
-assert _MOVES[(_K.WRITING, "spill_failed")] is _MOVES[(_K.WRITING, "spill_ended_stale")] is _K.ABSENT
+# What the functions below rely on, where the moves start. plan_spills and keys_found
+# take only keys the tier lacks; spill_ended ends what is being written; a read
+# (reserve_promotions, promotions_ended) starts on a held key and may end on one a
+# reset removed meanwhile; _evict and drop_all start on held keys, and a reset leaves a
+# key being written until its spill ends. A read's count and a key's recency are not
+# states: the functions keep them beside the moves.
+assert _sources(_MOVES, "spill_planned") == {_K.ABSENT}
+assert _sources(_MOVES, "found") == set(_K)
+assert _sources(_MOVES, "spill_written") == _sources(_MOVES, "spill_failed") == {_K.WRITING}
+assert _sources(_MOVES, "spill_ended_stale") == {_K.WRITING}
 assert _sources(_MOVES, "read_planned") == {_K.HELD} and _MOVES[(_K.HELD, "read_planned")] is _K.HELD
-assert all(_MOVES[(state, "read_ended")] is state for state in _sources(_MOVES, "read_ended"))
-assert all(_MOVES[(state, "read_failed")] is _K.ABSENT for state in _sources(_MOVES, "read_failed"))
-assert _sources(_MOVES, "evicted") == {_K.HELD} and _MOVES[(_K.HELD, "evicted")] is _K.ABSENT
-assert _MOVES[(_K.HELD, "reset")] is _K.ABSENT and _MOVES[(_K.WRITING, "reset")] is _K.WRITING
+assert _sources(_MOVES, "read_ended") == _sources(_MOVES, "read_failed") == {_K.HELD, _K.ABSENT}
+assert _sources(_MOVES, "evicted") == {_K.HELD}
+assert _sources(_MOVES, "reset") == {_K.HELD, _K.WRITING}
+
+
+def _move(tier: LowerTier, key: bytes, before: _K, action: str, job_id: int = 0) -> _K:
+    """Move `key`, in state `before`, as `TIER_KEY_MOVES` says: out of the table of
+    its state, into the table of the next (a key entering HELD becomes the most
+    recently used; `job_id` is the spill writing one that enters WRITING)."""
+    after = _MOVES[(before, action)]
+    if after is not before:
+        if before is _K.HELD:
+            del tier.held[key]
+        elif before is _K.WRITING:
+            del tier.writing[key]
+        if after is _K.HELD:
+            tier.held[key] = None
+        elif after is _K.WRITING:
+            tier.writing[key] = job_id
+    return after
 
 
 class _Part:
@@ -96,7 +115,7 @@ def _evict(tier: LowerTier, count: int) -> list[bytes]:
         if key not in reading:
             victims.append(key)
     for key in victims:
-        del tier.held[key]
+        _move(tier, key, _K.HELD, "evicted")
     tier.counts["evictions"] += len(victims)
     return victims
 
@@ -144,11 +163,12 @@ def plan_spills(core: Core, keys: tuple, slot_ids: tuple, out: list[fx.Effect]) 
         job = Job(job_id, _SPILL, "", job_keys, tuple(() for _ in groups), job_slots, (),
                   (1 << core.config.world_size) - 1)
         job.tier = index
+        start_job(job)
         core.jobs[job_id] = job
         slots.load_planned(core, job_keys, job_slots)  # the slots are read until the spill ends
         spill_reads = core.spill_reads
         for _, key, slot in wanted:
-            writing[key] = job_id
+            _move(tier, key, _K.ABSENT, "spill_planned", job_id)
             spill_reads[slot] = spill_reads.get(slot, 0) + 1
         tier.counts["spills"] += 1
         out.append(fx.StartSpill(job_id=job_id, tier=index, keys=job_keys, source_slot_ids=job_slots))
@@ -173,12 +193,8 @@ def spill_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     written = []
     for group_keys in job.keys:
         for key in group_keys:
-            del tier.writing[key]
-            if job.stale or key in failed:
-                drop.append(key)
-            else:
-                tier.held[key] = None
-                written.append(key)
+            action = "spill_ended_stale" if job.stale else "spill_failed" if key in failed else "spill_written"
+            (written if _move(tier, key, _K.WRITING, action) is _K.HELD else drop).append(key)
     tier.counts["keys_written"] += len(written)
     tier.counts["write_failures"] += len(failed)
     if written:
@@ -209,8 +225,9 @@ def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]], out: 
     fresh, twice = iter(placed), iter(spare)
     got = [next(twice) if key in again else next(fresh) for _, _, key in taken]
     for _, tier_index, key in taken:
-        reading = core.lower[tier_index - 1].reading
-        reading[key] = reading.get(key, 0) + 1
+        tier = core.lower[tier_index - 1]
+        _move(tier, key, _K.HELD, "read_planned")  # held, and counted as read
+        tier.reading[key] = tier.reading.get(key, 0) + 1
     return got + [-1] * (len(promoted) - len(taken))
 
 
@@ -229,13 +246,13 @@ def promotions_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
             tier.reading[key] = count
         else:
             del tier.reading[key]
+        before = _K.HELD if key in tier.held else _K.ABSENT  # a reset may have removed it meanwhile
         if key in failed:
-            if key in tier.held:
-                del tier.held[key]
+            if _move(tier, key, before, "read_failed") is not before:
                 drops.setdefault(tier_index, []).append(key)
             tier.counts["read_failures"] += 1
         else:
-            if key in tier.held:  # most recently used now
+            if _move(tier, key, before, "read_ended") is _K.HELD:  # most recently used now
                 del tier.held[key]
                 tier.held[key] = None
             tier.counts["keys_read"] += 1
@@ -262,10 +279,11 @@ def host_part(job: Job) -> _Part | None:
 
 def keys_found(core: Core, index: int, keys: tuple[bytes, ...], out: list[fx.Effect]) -> None:
     tier = core.lower[index - 1]
-    held, writing = tier.held, tier.writing
-    new = [key for key in dict.fromkeys(keys) if key not in held and key not in writing]
-    for key in new:
-        held[key] = None
+    new = []
+    for key in dict.fromkeys(keys):
+        before = key_state(tier, key)
+        if _move(tier, key, before, "found") is not before:
+            new.append(key)
     tier.counts["keys_found"] += len(new)
     if new:
         out.append(fx.KeysLoadable(tier=index, keys=tuple(new)))
@@ -278,7 +296,10 @@ def drop_all(core: Core, out: list[fx.Effect]) -> int:
     dropped = 0
     for index, tier in enumerate(core.lower, start=1):
         keys = tuple(tier.held)
-        tier.held.clear()
+        for key in keys:
+            _move(tier, key, _K.HELD, "reset")
+        for key in tuple(tier.writing):
+            _move(tier, key, _K.WRITING, "reset")  # stays being written: removed when its now stale spill ends
         tier.counts["evictions"] += len(keys)
         dropped += len(keys)
         if keys:

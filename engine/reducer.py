@@ -51,21 +51,19 @@ from .state import LOAD as _LOAD
 from .state import SPILL as _SPILL
 from .state import STORE as _STORE
 from .state import Core, FreeRule, Job, JobKind, JobStage, RequestState, RequestStatus, State
-from .transitions import GONE, JOB_MOVES, REQUEST_MOVES, STEPPABLE, moves_by_kind, sources
+from .transitions import GONE, JOB_MOVES, REQUEST_MOVES, STEPPABLE, move_job, moves_by_kind, sources
 
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
 
 _PIN: Final = Protection.PIN
 _LAZY: Final = StoreMode.LAZY
 
-# A job's life as `JOB_MOVES` says: started in flight, flushed at most once
-# (`_flush` asserts it), ended by its last worker's report whatever its stage,
-# and left in its stage by a reset (`_cache_reset` marks it stale).
-assert JOB_MOVES[(None, "started")] is JobStage.IN_FLIGHT
+# A job's life: its stage moves as `JOB_MOVES` says, read per move (`transitions.move_job`).
+# What the code around the moves relies on: only an in-flight store is flushed (`_flush`
+# asserts it), and a job its last worker reported on is gone whatever its stage (its end
+# is then handled by kind).
 assert sources(JOB_MOVES, "flushed") == {JobStage.IN_FLIGHT}
 assert all(JOB_MOVES[(stage, "last_worker_reported")] is GONE for stage in JobStage)
-assert all(JOB_MOVES[(stage, "worker_reported")] is stage for stage in JobStage)
-assert all(JOB_MOVES[(stage, "reset")] is stage for stage in JobStage)
 
 # REQUEST_MOVES as the handlers read it: {kind: {status before: status after}},
 # and the statuses a step may schedule (`RequestState.step_limit` follows them).
@@ -326,7 +324,7 @@ def _flush(core: Core, job_ids: list[int], out: list[fx.Effect]) -> None:
         job = core.jobs[job_id]
         assert job.kind is _STORE and not job.flushed
         _release_sources(core, job)
-        job.flushed = True
+        move_job(job, "flushed")
     core.stats.flushes += 1
     core.stats.jobs_flushed += len(job_ids)
     out.append(fx.FlushStores(job_ids=tuple(job_ids)))
@@ -541,7 +539,9 @@ def _load_failed(core: Core, event: ev.LoadFailed, out: list[fx.Effect]) -> None
 def _worker_reported(core: Core, job: Job, worker: int, out: list[fx.Effect]) -> None:
     job.pending_workers &= ~(1 << worker)
     if job.pending_workers:
+        move_job(job, "worker_reported")
         return
+    move_job(job, "last_worker_reported")  # gone, whatever its stage
     del core.jobs[job.job_id]
     if job.kind is _STORE:
         _store_ended(core, job, out)
@@ -627,6 +627,7 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None
         raise ProtocolViolation("epoch_not_increasing", f"epoch {event.epoch} after {core.epoch}")
     dropped = slots.drop_all(core)
     for job in core.jobs.values():
+        move_job(job, "reset")
         job.stale = True
     for request in core.requests.values():
         _restart_stores(request)

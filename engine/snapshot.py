@@ -27,7 +27,7 @@ from typing import Any
 from kvledger.events.config import EngineConfig
 
 from .policies import ARC, LRU
-from .state import Core, Job, JobKind, LowerTier, RequestState, RequestStatus, State, reader_ids
+from .state import Core, Job, JobKind, JobStage, LowerTier, RequestState, RequestStatus, State, reader_ids
 
 SNAPSHOT_VERSION = 1
 """Bumped when the data's shape changes; `restore` refuses other versions."""
@@ -159,7 +159,7 @@ def _restore_job(row: Sequence[Any]) -> Job:
             _tuples(generations), pending_workers, num_tokens)
     j.failed_keys = frozenset(failed_keys)
     j.failed_blocks = frozenset(failed_blocks)
-    j.flushed = bool(flushed)
+    j.stage = JobStage.FLUSHED if flushed else JobStage.IN_FLIGHT
     j.stale = bool(stale)
     j.tier = tier
     j.promote_tiers = _tuples(promote_tiers)

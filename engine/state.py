@@ -207,7 +207,7 @@ class RequestState:
 
 _JOB_FIELDS = (
     "job_id", "kind", "request_id", "keys", "block_ids", "slot_ids", "generations",
-    "pending_workers", "failed_keys", "failed_blocks", "flushed", "stale", "num_tokens",
+    "pending_workers", "failed_keys", "failed_blocks", "stage", "stale", "num_tokens",
     "tier", "promote_tiers",
 )
 
@@ -244,7 +244,9 @@ class Job:
         # job is not two sets the cyclic collector counts; a failure rebinds a new one.
         self.failed_keys: AbstractSet[bytes] = _NO_KEYS
         self.failed_blocks: AbstractSet[int] = _NO_BLOCKS
-        self.flushed = False  # STORE: the worker waited for it; sources are free to reuse
+        # Its stage, moved only as `JOB_MOVES` says (the reducer); it starts in flight,
+        # `JOB_MOVES[(None, "started")]` (asserted there).
+        self.stage = JobStage.IN_FLIGHT
         self.stale = False  # started before a cache reset: its outcome no longer counts
         self.num_tokens = num_tokens  # LOAD: tokens the hit covers
         self.tier = 0  # SPILL: the lower tier written (1 = the first below host memory)
@@ -258,6 +260,11 @@ class Job:
         other.failed_keys = self.failed_keys  # never changed in place: shared
         other.failed_blocks = self.failed_blocks
         return other
+
+    @property
+    def flushed(self) -> bool:
+        """STORE: the worker waited for it; its sources are free to reuse."""
+        return self.stage is JobStage.FLUSHED
 
     def flat_blocks(self) -> list[int]:
         return [b for ids in self.block_ids for b in ids]

@@ -8,8 +8,9 @@ pseudo-kinds. The reducer takes both whether a move is legal and the status
 it leads to from `REQUEST_MOVES` (a pair that is missing is a protocol
 violation), and `engine/slots.py` takes each slot action's target from
 `SLOT_MOVES`. A key's life in a tier below host memory is `TIER_KEY_MOVES`
-(`engine/lower.py`), a transfer's between its start and its last report
-`JOB_MOVES` (the reducer); each asserts at import the rows its code relies on.
+(`engine/lower.py` reads a row per move), a transfer's between its start and
+its last report `JOB_MOVES` (`start_job` and `move_job`, below); each module
+asserts at import the states its moves start from.
 `tests/engine/test_transitions.py` checks the tables cell by cell, and that
 the reducer consults every request row; `docs/transitions.md` is rendered
 from them.
@@ -17,6 +18,7 @@ from them.
 
 from __future__ import annotations
 
+from .state import Job
 from .state import JobStage as J
 from .state import RequestStatus as R
 from .state import SlotState as S
@@ -131,6 +133,22 @@ def tier_key_move(state: K, action: str) -> K:
 
 def job_move(stage: J | None, action: str) -> J | None:
     return JOB_MOVES[(stage, action)]
+
+
+def start_job(job: Job) -> None:
+    """A job begins its life as `JOB_MOVES` says: the reducer's, admission's and the lower tiers' jobs alike."""
+    stage = JOB_MOVES[(None, "started")]
+    assert stage is not None
+    job.stage = stage
+
+
+def move_job(job: Job, action: str) -> J | None:
+    """The job's stage after `action`, as `JOB_MOVES` says (None: gone, its end the caller's to
+    handle); a move with no row is a broken invariant (the protocol checks refuse such reports first)."""
+    stage = JOB_MOVES[(job.stage, action)]
+    if stage is not None:
+        job.stage = stage
+    return stage
 
 
 def moves_by_kind(moves: dict[tuple[R | None, str], R | None]) -> dict[str, dict[R | None, R | None]]:

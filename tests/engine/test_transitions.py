@@ -11,7 +11,7 @@ import pytest
 
 from kvledger.adapters.log_files import open_log
 from kvledger.adapters.testing.simulator import Simulator, run_random
-from kvledger.engine import checks, queries, reducer
+from kvledger.engine import checks, lower, queries, reducer, transitions
 from kvledger.engine import effects as fx
 from kvledger.engine.invariants import check
 from kvledger.engine.replay import replay
@@ -554,3 +554,39 @@ def test_committed_doc_matches_the_tables():
     assert DOC.exists(), f"{DOC} is missing: run with KVLEDGER_UPDATE_GOLDEN=1"
     assert DOC.read_text(encoding="utf-8") == expected, (
         "docs/transitions.md is out of date: rerun with KVLEDGER_UPDATE_GOLDEN=1")
+
+
+# The tables are the mechanism: each lower-tier key move and job move reads its row.
+
+
+class _NotingMoves(dict):
+    """A move table that notes each row looked up."""
+
+    def __getitem__(self, pair):
+        self.noted.add(pair)
+        return dict.__getitem__(self, pair)
+
+
+def _noting(monkeypatch, module, name: str, table: dict) -> set:
+    noting = _NotingMoves(table)
+    noting.noted = set()
+    monkeypatch.setattr(module, name, noting)
+    return noting.noted
+
+
+@pytest.mark.parametrize("pair", list(TIER_KEY_MOVES), ids=lambda p: f"{p[0].value}-{p[1]}")
+def test_the_lower_tiers_read_every_key_row(pair, monkeypatch):
+    e, _, act = tier_key_scenarios()[pair]
+    noted = _noting(monkeypatch, lower, "_MOVES", TIER_KEY_MOVES)
+    act(e)
+    assert pair in noted, sorted(f"{state.value}-{action}" for state, action in noted)
+    assert noted <= set(TIER_KEY_MOVES)
+
+
+@pytest.mark.parametrize("pair", list(JOB_MOVES), ids=lambda p: f"{p[0].value if p[0] else 'new'}-{p[1]}")
+def test_the_engine_reads_every_job_row(pair, monkeypatch):
+    e, act = job_scenarios()[pair]
+    noted = _noting(monkeypatch, transitions, "JOB_MOVES", JOB_MOVES)
+    act(e)
+    assert pair in noted, sorted(noted, key=str)
+    assert noted <= set(JOB_MOVES)
