@@ -18,6 +18,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
@@ -105,7 +106,5 @@ def select() -> Build:
     if not build.compiled:
         sys.meta_path.insert(0, SourceFinder(build.modules))
         if build.reason.startswith("stale"):
-            import warnings
-
             warnings.warn(f"kvledger runs its engine from source: {build.reason}", RuntimeWarning, stacklevel=3)
     return build

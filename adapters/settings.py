@@ -23,7 +23,6 @@ from kvledger.adapters.tier_settings import (
     TierSettings,
     ValkeyTierSettings,
     block_file_bytes,
-    parse_tiers,
 )
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
 
@@ -224,7 +223,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         log_level=level,
         log_json=extra.get("log_json", False),
         faults=_parse_faults(extra.get("fault_injection", {})),
-        secondary_tiers=parse_tiers(extra.get("secondary_tiers", ())),
+        secondary_tiers=_parse_tiers(extra.get("secondary_tiers", ())),
         weights_version=weights_version,
         key_generations=generations,
         miss_metrics=extra.get("miss_metrics", False),
@@ -254,3 +253,11 @@ def _parse_faults(raw: Mapping[str, Any]) -> FaultSettings:
     if values.get("store_hold_steps", 0) < 0:
         raise ConfigError(f"fault_injection.store_hold_steps must be >= 0, got {values['store_hold_steps']}")
     return FaultSettings(**values)
+
+
+def _parse_tiers(raw: Any) -> tuple[TierSettings, ...]:
+    # At parse time only: the tier types' table loads their I/O and torch (0.9 s here), which
+    # a process reading settings without tiers (the CLI, a benchmark's config) never needs.
+    from kvledger.adapters.tier_types import parse_tiers
+
+    return parse_tiers(raw)

@@ -31,7 +31,7 @@ from kvledger.transfers.lower_tiers.block_file import PROBE_PREFIX, make_dir
 from kvledger.transfers.lower_tiers.block_file import SUFFIX as BLOCK_FILE_SUFFIX
 from kvledger.transfers.lower_tiers.block_seal import SECRET_BYTES_MIN, BlockSeal
 from kvledger.transfers.lower_tiers.block_value import KEY_PREFIX
-from kvledger.transfers.lower_tiers.valkey_store import StoreDown, ValkeyServer, ValkeyStore
+from kvledger.transfers.lower_tiers.valkey_store import BadCertificate, StoreDown, ValkeyServer, ValkeyStore
 
 _log = structlog.get_logger("kvledger.adapters.tier_settings")
 
@@ -74,38 +74,11 @@ class FsTierSettings:
     kind: ClassVar[str] = "fs"
 
 
-def parse_tiers(raw: list | tuple) -> tuple[TierSettings, ...]:
-    from kvledger.adapters.tier_types import TIER_TYPES  # its rows name this module's classes and parsers
-
-    tiers = []
-    for index, entry in enumerate(raw):
-        where = f"secondary_tiers[{index}]"
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"{where} must be a dict, got {entry!r}")
-        supported = ", ".join(map(repr, TIER_TYPES))
-        if "type" not in entry:
-            raise ConfigError(f"{where} needs a 'type': one of {supported}")
-        kind = entry["type"]
-        if kind not in TIER_TYPES:
-            raise ConfigError(f"{where}.type {kind!r} is not supported; supported types: {supported}")
-        keys, parse = TIER_TYPES[kind].keys, TIER_TYPES[kind].parse
-        unknown = sorted(set(entry) - set(keys) - set(SECRET_KEYS) - {"type"})
-        if unknown:
-            raise ConfigError(
-                f"unknown {where} key(s) {', '.join(map(repr, unknown))}; a {kind!r} tier knows: "
-                f"{', '.join(sorted({'type', *keys, *SECRET_KEYS}))}")
-        secret = _parse_secret(where, entry)
-        tier = parse(where, {k: v for k, v in entry.items() if k not in SECRET_KEYS})
-        tiers.append(attrs.evolve(tier, secret=secret))
-    _check_distinct_dirs(tiers)
-    return tuple(tiers)
-
-
 SECRET_KEYS = ("secret_env", "previous_secret_env", "encrypt")
 """Every tier type takes these: the secret is named by an environment variable, never written in the config."""
 
 
-def _parse_secret(where: str, entry: Mapping[str, Any]) -> TierSecret:
+def parse_secret(where: str, entry: Mapping[str, Any]) -> TierSecret:
     values = {}
     for name in ("secret_env", "previous_secret_env"):
         if name not in entry:
@@ -312,8 +285,6 @@ def _check_reachable(where: str, tier: ValkeyTierSettings) -> None:
     that does not verify, or a cluster node named as one server, stops start
     even with on_unreachable: 'warn': the settings are wrong (or someone is in
     the way), and waiting for the server would not mend them."""
-    from kvledger.transfers.lower_tiers.valkey_store import BadCertificate
-
     store = ValkeyStore(tier.server)
     try:
         store.ping()
@@ -432,7 +403,7 @@ def block_file_bytes(root: str) -> int:
     return total
 
 
-def _check_distinct_dirs(tiers: list[TierSettings]) -> None:
+def check_distinct_dirs(tiers: list[TierSettings]) -> None:
     """No two tiers share a directory, or hold one inside the other (a tier
     would count, and find at start, the other's blocks as its own)."""
     seen: dict[str, int] = {}

@@ -5,7 +5,7 @@ A row names its settings class and parser (`tier_settings`), what a block
 costs it besides the block's bytes, where its blocks are (for logs), how the
 scheduler looks up keys other processes wrote, whether and how the
 scheduler scans it at start, how a worker opens its I/O, and whether the
-scheduler keeps tombstones of keys it removed. `parse_tiers` and
+scheduler keeps tombstones of keys it removed. `parse_tiers` (here) and
 `adapters/vllm/lower_tiers.py` read the row of each tier and branch on
 nothing else.
 
@@ -14,8 +14,8 @@ The table is checked at import (`check_tier_types`): every member of the
 anything else, so a type without a row, or a row without a union member,
 fails at start rather than at its first spill.
 
-Importing this module loads the tiers' I/O (and torch): `tier_settings`
-imports it only when it parses, so `adapters.settings` stays light.
+Importing this module loads the tiers' I/O (and torch): `adapters.settings`
+imports it only when it parses tiers, so the settings stay light to import.
 """
 
 from __future__ import annotations
@@ -29,12 +29,16 @@ import attrs
 
 from kvledger.adapters.key_lookups import Find
 from kvledger.adapters.tier_settings import (
+    SECRET_KEYS,
     FsTierSettings,
     TierSettings,
     ValkeyTierSettings,
+    check_distinct_dirs,
     parse_fs_tier,
+    parse_secret,
     parse_valkey_tier,
 )
+from kvledger.events.config import ConfigError
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
 from kvledger.transfers.lower_tiers.fs_tier import FsTierIO, files_present, scan_keys
 from kvledger.transfers.lower_tiers.fs_tier import other_formats as other_fs_formats
@@ -178,6 +182,33 @@ def check_tier_types(table: Mapping[str, TierType], settings_types: tuple[type, 
 
 TIER_SETTINGS_TYPES: tuple[type, ...] = typing.get_args(TierSettings)
 check_tier_types(TIER_TYPES, TIER_SETTINGS_TYPES)
+
+
+def parse_tiers(raw: list | tuple) -> tuple[TierSettings, ...]:
+    """Each entry of `secondary_tiers`, by its type's row: its keys checked, its secret
+    parsed (every type takes the same secret keys), its own keys by the row's parser."""
+    tiers = []
+    for index, entry in enumerate(raw):
+        where = f"secondary_tiers[{index}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where} must be a dict, got {entry!r}")
+        supported = ", ".join(map(repr, TIER_TYPES))
+        if "type" not in entry:
+            raise ConfigError(f"{where} needs a 'type': one of {supported}")
+        kind = entry["type"]
+        if kind not in TIER_TYPES:
+            raise ConfigError(f"{where}.type {kind!r} is not supported; supported types: {supported}")
+        keys, parse = TIER_TYPES[kind].keys, TIER_TYPES[kind].parse
+        unknown = sorted(set(entry) - set(keys) - set(SECRET_KEYS) - {"type"})
+        if unknown:
+            raise ConfigError(
+                f"unknown {where} key(s) {', '.join(map(repr, unknown))}; a {kind!r} tier knows: "
+                f"{', '.join(sorted({'type', *keys, *SECRET_KEYS}))}")
+        secret = parse_secret(where, entry)
+        tier = parse(where, {k: v for k, v in entry.items() if k not in SECRET_KEYS})
+        tiers.append(attrs.evolve(tier, secret=secret))
+    check_distinct_dirs(tiers)
+    return tuple(tiers)
 
 
 def tier_type(tier: TierSettings) -> TierType:

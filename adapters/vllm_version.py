@@ -43,7 +43,7 @@ def installed_vllm() -> tuple[str, str] | None:
 def check_vllm_version(version: str | None = None) -> str:
     if version is None:
         try:
-            import vllm
+            import vllm  # the version check must run before, and without, anything else of vLLM
         except ImportError as exc:
             raise UnsupportedVLLMVersion(
                 f"kvledger's vLLM connector needs vLLM {supported_range()}: pip install 'kvledger[vllm]' "

@@ -9,6 +9,7 @@ inside the adapters."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,46 @@ def test_the_core_check_finds_a_read(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("def used(state):\n    return state.core.lower\n")
     assert _core_reads(probe, tmp_path) == ["probe.py:2"]
+
+
+# Imports inside functions: each hides a module from the import graph (import-linter does
+# not see a circle through one), so each must say why it is there: on its line, or in a
+# comment line just above the imports it begins.
+_PRODUCT = ("_build.py", "_identity.py", "__init__.py", "engine", "events", "transfers", "adapters")
+
+
+def _unexplained_inner_imports(path: Path, root: Path = ROOT) -> list[str]:
+
+    text = path.read_text()
+    lines = text.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for inner in ast.walk(node):
+            if not isinstance(inner, (ast.Import, ast.ImportFrom)):
+                continue
+            number = inner.lineno - 1
+            while number > 0 and lines[number - 1].lstrip().startswith(("import ", "from ")):
+                number -= 1  # the first of the imports this one is grouped with
+            said = "#" in lines[inner.lineno - 1] or (number > 0 and lines[number - 1].lstrip().startswith("#"))
+            if not said:
+                found.append(f"{path.relative_to(root)}:{inner.lineno}")
+    return sorted(set(found))
+
+
+def test_every_import_inside_a_function_says_why() -> None:
+    offenders = []
+    for entry in _PRODUCT:
+        paths = [ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py"))
+        for path in paths:
+            offenders += _unexplained_inner_imports(path)
+    assert not offenders, f"an import inside a function hides it from the import graph; say why in a comment: " \
+                          f"{offenders}"
+
+
+def test_the_inner_import_check_finds_one_without_a_reason(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def used():\n    import json\n    # heavy: only here\n    import torch\n    import numpy\n"
+                     "    import os  # stdlib, said here\n    return json\n")
+    assert _unexplained_inner_imports(probe, tmp_path) == ["probe.py:2"]

@@ -47,6 +47,7 @@ def open_transfers(
     tier = HostTier(capacity_bytes=capacity_bytes, slot_bytes=layout.slot_bytes)
     backend: CopyBackend
     if layout.device.type == "cuda":
+        # On a GPU only: the CUDA backend and its batch copies load Triton or the driver's API.
         from kvledger.transfers.copies.batch_copies import own_batch_copy
         from kvledger.transfers.copies.cuda_backend import CudaBackend
 

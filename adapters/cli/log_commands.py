@@ -29,6 +29,7 @@ from kvledger.engine.replay import ReplayResult, replay
 from kvledger.engine.snapshot import SnapshotError, restore
 from kvledger.engine.state import RequestStatus, State
 from kvledger.events import types as ev
+from kvledger.events.config import EngineConfig
 from kvledger.events.log_records import EventRecord, LogError, LogHeader, Record
 
 from . import report, report_series
@@ -478,9 +479,10 @@ SCENARIOS = {
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    # `simulate` only: the testing wing's simulator, and the live engine host it records through,
+    # stay out of the commands that only read logs.
     from kvledger.adapters.engine_host import EngineHost
     from kvledger.adapters.testing.simulator import Simulator, run_random
-    from kvledger.events.config import EngineConfig
 
     data = {"store_jobs": "step", **SCENARIOS[args.scenario]}  # absent, a config reads as an older log's
     if args.protection:

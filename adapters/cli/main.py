@@ -8,8 +8,13 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+import kvledger
+from kvledger._identity import commit
 from kvledger.adapters.engine_host import SNAPSHOT_INTERVAL_EVENTS
-from kvledger.events.log_records import LogError
+from kvledger.adapters.vllm_version import describe
+from kvledger.events.config import RULES
+from kvledger.events.log_binary import MAGIC
+from kvledger.events.log_records import LOG_SCHEMA_VERSION, LogError
 
 from . import log_commands
 from .bisect import cmd_bisect
@@ -24,12 +29,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def version_text() -> str:
-    import kvledger
-    from kvledger._identity import commit
-    from kvledger.adapters.vllm_version import describe
-    from kvledger.events.config import RULES
-    from kvledger.events.log_binary import MAGIC
-    from kvledger.events.log_records import LOG_SCHEMA_VERSION
+    # --version only: the tiers' formats load their checksum and cipher libraries.
     from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION as BLOCK_FORMAT
     from kvledger.transfers.lower_tiers.block_pack import PACK_VERSION
 
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _local_models() -> list[str]:
-    from kvledger.adapters.testing.tiny_models import MODELS
+    from kvledger.adapters.testing.tiny_models import MODELS  # the testing wing: for `demo --model` only
 
     return sorted(MODELS)
 

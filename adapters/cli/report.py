@@ -215,7 +215,7 @@ def _figures(full: dict, series: dict, k: int) -> dict[str, object]:
 
     Every step plot spans the whole run, first step to last, so the panels line up
     one under another, and marks the cache resets."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # only when a report is asked for: plotly takes a second to import
 
     steps = series["steps"]
     step_word = "step" if k == 1 else f"{k} steps"
@@ -350,7 +350,7 @@ MISS_COLORS = {
 
 def _misses_figure(full: dict) -> object:
     """Computed prompt tokens by cause, in bins of steps, stacked."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # only when a report is asked for: plotly takes a second to import
 
     by_cause = full["misses"]["by_cause"]
     causes = sorted(by_cause, key=lambda c: (c == "partial_block", -sum(by_cause[c])))
@@ -371,7 +371,7 @@ def _misses_figure(full: dict) -> object:
 
 def _tier_figure(tier: dict, full_tier: dict, steps: list[int], all_steps: list[int]) -> object:
     """One tier below host memory: blocks held (line), and what moved (bars, summed over bins of steps)."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # only when a report is asked for: plotly takes a second to import
 
     width = bar_bin(all_steps, len(TIER_BARS))
     bar_word = "step" if width == 1 else f"{width} steps"
@@ -445,7 +445,7 @@ for (const data of document.querySelectorAll('script.kvledger-figure')) {
 
 def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> str:
     """One self-contained page: the summary, the five figures, and the series as JSON."""
-    from plotly.offline import get_plotlyjs
+    from plotly.offline import get_plotlyjs  # only when a report is asked for, as the figures
 
     shown, k = bucketed(series, max_points)
     figures = _figures(series, shown, k)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from kvledger.adapters import whatif
+from kvledger.adapters import fleet, whatif
 from kvledger.events.config import RULES, ConfigError, EngineConfig, LowerTierSpec
 from kvledger.events.log_records import LogHeader
 
@@ -46,8 +46,6 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
 def _fleet(args: argparse.Namespace) -> int:
     """The replicas' logs, recorded apart, run again sharing one tier below host memory."""
-    from kvledger.adapters import fleet
-
     for flag in ("capacity_bytes", "capacity_blocks", "policy", "secondary_tiers", "sweep"):
         if getattr(args, flag):
             raise BadArgument(f"--{flag.replace('_', '-')} does not go with --shared-tier")

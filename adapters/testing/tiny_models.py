@@ -45,6 +45,7 @@ _CLASSES = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "gemma3": ("Gemma3ForC
 
 
 def _tokenizer():
+    # Building a model only: `kvledger --help` lists the models without loading these.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -64,6 +65,7 @@ def build_model(name: str, root: str | Path) -> Path:
         return path
     if name not in MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(MODELS)}")
+    # Building a model only, as the tokenizer's.
     import torch
     import transformers
 

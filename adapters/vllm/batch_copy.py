@@ -31,7 +31,7 @@ def vllm_batch_copy(kv_caches: Mapping[str, LayerCaches]) -> BatchCopy | None:
     if not kv_caches or _device_type(kv_caches) != "cuda":
         return None
     try:
-        from vllm import _custom_ops as ops
+        from vllm import _custom_ops as ops  # a CUDA build's kernels: vLLM-CPU has none to import
     except ImportError as exc:
         _log.warning("swap_blocks_batch_unavailable", reason=repr(exc), effect=_FALLBACK)
         return None

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 def _worker_index() -> int:
     try:
-        from vllm.distributed.parallel_state import get_world_group
+        from vllm.distributed.parallel_state import get_world_group  # set up only in a worker, after import
 
         return get_world_group().rank_in_group
     except (AssertionError, ImportError):  # no distributed group: a single in-process worker

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import attrs
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
 from kvledger.engine import effects as fx
 
@@ -38,7 +39,6 @@ class GroupEventSpec:
 
 
 def group_event_specs(kv_cache_config: KVCacheConfig) -> tuple[GroupEventSpec, ...]:
-    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
     specs = []
     for group in kv_cache_config.kv_cache_groups:

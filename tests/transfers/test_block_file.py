@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError
 from kvledger.transfers.lower_tiers.block_file import block_path, read_block_into, write_block
-from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES, BlockFileError
+from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))

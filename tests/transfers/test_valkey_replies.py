@@ -18,7 +18,7 @@ import pytest
 import valkey
 from structlog.testing import capture_logs
 
-from kvledger.adapters.tier_settings import parse_tiers
+from kvledger.adapters.tier_types import parse_tiers
 from kvledger.events.config import ConfigError
 from kvledger.transfers.lower_tiers.tier_io import TierJob
 from kvledger.transfers.lower_tiers.valkey_store import (

@@ -25,6 +25,7 @@ CHUNK_WORDS = 1024
 def triton_batch_copy(programs: int = PROGRAMS, chunk_words: int = CHUNK_WORDS) -> BatchCopy | None:
     """A `BatchCopy` on the current CUDA stream, or None without Triton."""
     try:
+        # Optional: Triton is installed with CUDA builds of vLLM only; None without it.
         import triton
         import triton.language as tl
     except ImportError:

@@ -7,6 +7,7 @@ valkey_tier   the Valkey tier's I/O: values in a shared store, in pipelined batc
 valkey_store  pipelined commands on a Valkey server or cluster, its replies not trusted
 replica_tier  a tier as seen by a rank whose KV another rank writes: read-only
 block_header  the header every stored block carries (namespace, key, checksums, seal), file or value
+block_errors  why a stored block cannot be served, for every tier and format
 block_file    one block as a file: the header padded to 4096 bytes, written aside and renamed
 block_pack    a write job's small blocks as one file, each key's name a link to it
 block_value   one block as a store's value: the header unpadded, under a namespaced key

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import xxhash
 
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError
 from kvledger.transfers.lower_tiers.block_header import (
     HEADER_BYTES,
-    BlockFileError,
     check_header,
     payload_checksum,
     seal_block,

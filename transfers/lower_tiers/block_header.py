@@ -26,6 +26,7 @@ import struct
 
 import xxhash
 
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal, SealFields
 
 MAGIC = b"KVLBLOCK"
@@ -41,20 +42,6 @@ _SEAL = struct.Struct("<8s12s32s")
 _HEADER_CHECKSUM = struct.Struct("<Q")
 FLAG_SEALED = 1
 FLAG_ENCRYPTED = 2
-
-
-class BlockFileError(Exception):
-    """A stored block (a file, or a store's value) cannot be served. `reason` is one of `REASONS`."""
-
-    # "forged": a tier with a secret got a block its key did not seal (written by someone else).
-    REASONS = ("missing", "truncated", "foreign", "corrupt", "forged", "unreadable", "unwritable")
-
-    def __init__(self, reason: str, path: str | os.PathLike, detail: str) -> None:
-        assert reason in self.REASONS, reason
-        super().__init__(f"{reason}: {os.fspath(path)}: {detail}")
-        self.reason = reason
-        self.path = os.fspath(path)
-        self.detail = detail
 
 
 def compact_header_bytes(key: bytes, sealed: bool = False) -> int:

@@ -35,11 +35,11 @@ import struct
 
 import xxhash
 
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError
 from kvledger.transfers.lower_tiers.block_header import (
     HEADER_BYTES,
     KEY_BYTES_MAX,
     NAMESPACE_BYTES,
-    BlockFileError,
 )
 
 TABLE_MAGIC = b"KVLBPACK"

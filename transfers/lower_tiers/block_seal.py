@@ -32,6 +32,8 @@ import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError
+
 SECRET_BYTES_MIN = 16
 KEY_ID_BYTES = 8
 NONCE_BYTES = 12
@@ -114,8 +116,6 @@ class BlockSeal:
     def open(self, where: str, namespace: bytes, key: bytes, fields: SealFields, stored: memoryview) -> None:
         """Check a block read into `stored`, decrypting it in place; raise
         `BlockFileError` ("foreign": another key; "forged": a bad tag)."""
-        from kvledger.transfers.lower_tiers.block_header import BlockFileError
-
         key_ = self._keys.get(fields.key_id)
         if key_ is None:
             raise BlockFileError("foreign", where, f"sealed with key id {fields.key_id.hex()}, which this tier "

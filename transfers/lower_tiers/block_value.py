@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError
 from kvledger.transfers.lower_tiers.block_header import (
-    BlockFileError,
     check_header,
     compact_header_bytes,
     payload_checksum,

@@ -48,6 +48,7 @@ import structlog
 import torch
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError
 from kvledger.transfers.lower_tiers.block_file import (
     ASIDE_SUFFIX,
     PROBE_PREFIX,
@@ -66,7 +67,6 @@ from kvledger.transfers.lower_tiers.block_header import (
     FORMAT_VERSION,
     HEADER_BYTES,
     NAMESPACE_BYTES,
-    BlockFileError,
     seal_block,
 )
 from kvledger.transfers.lower_tiers.block_pack import (

@@ -23,7 +23,8 @@ from collections.abc import Iterable, Sequence
 import structlog
 import torch
 
-from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION, BlockFileError, compact_header_bytes
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError
+from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION, compact_header_bytes
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal
 from kvledger.transfers.lower_tiers.block_value import (
     KEY_PREFIX,
