@@ -5,7 +5,7 @@
 # venv module and headers. Debian builds it with profile-guided optimisation and
 # LTO, linked statically; pyenv's default build (the `python3` on PATH here) is
 # neither, and folded engine_step.py's trace 1.09-1.23x slower with the same
-# compiled engine (bench/RESULTS.md, "Issue 16, 2026-11-27 (seventh session)").
+# compiled engine (bench/history/2026-11-27.md, "Issue 16, 2026-11-27 (seventh session)").
 # Any other: `make venv PYTHON=python3`.
 ifeq ($(origin PYTHON),undefined)
 PYTHON := $(shell /usr/bin/python3.11 -c 'import ensurepip, os, sys, sysconfig; \

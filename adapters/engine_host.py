@@ -25,7 +25,7 @@ _log = structlog.get_logger("kvledger.adapters.engine_host")
 SNAPSHOT_INTERVAL_EVENTS = 250_000
 """Events between snapshots in a binary log, by default. A reader starting at a
 snapshot replays at most this many events to reach any point: about 3 s at the
-~80k events/s replay runs at on 2 shared cores (bench/RESULTS.md, "Long logs").
+~80k events/s replay runs at on 2 shared cores (bench/history/2026-11-25.md, "Long logs").
 At about 70 events per step that is one snapshot every ~3,600 steps, minutes of
 serving, so the capture's 16-36 ms on the scheduler's thread (130 ms with a
 full 1M-slot tier) comes once in thousands of steps."""

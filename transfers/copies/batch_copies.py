@@ -1,6 +1,6 @@
 """kvledger's own batch copy for a CUDA worker that vLLM hands none.
 
-Measured on an H100 with 32 KiB spans (bench/RESULTS.md, 256 MiB jobs, one
+Measured on an H100 with 32 KiB spans (bench/history/2026-11-26.md, 256 MiB jobs, one
 direction): the Triton kernel 39-44 GB/s, the driver's `cuMemcpyBatchAsync`
 27-35, the torch path 22-26 (its launches, 64 per staging chunk, set the
 pace). Both batch copies need the tier pinned: the kernel reaches the tier

@@ -4,7 +4,7 @@
 bytes) triple per block and span and runs them all on the copy engines from
 one call, with no device staging and no compute units used. The torch path
 needs a kernel launch per span and a DMA per run of slots, and on a model of
-64 spans per block its launches, not the bus, set the pace (bench/RESULTS.md).
+64 spans per block its launches, not the bus, set the pace (bench/history/2026-11-26.md).
 
 It is looked up in the driver library (`libcuda.so.1`) through
 `cuGetProcAddress`, asking for the CUDA 12.8 signature (the one with

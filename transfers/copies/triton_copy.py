@@ -5,7 +5,7 @@ unified addressing), so a kernel reads and writes its slots directly over
 the bus. A bounded grid (`programs`) leaves the rest of the GPU to the
 forward pass, and lets a store and a load run at once on their own streams,
 where the copy engines' batch call spends its time per descriptor on the
-host (bench/RESULTS.md). Each program copies whole descriptors, 8 bytes a
+host (bench/history/2026-11-26.md). Each program copies whole descriptors, 8 bytes a
 word: it is offered only layouts whose every address and size is a multiple
 of 8 (`batch_copies.moves_in_words`).
 """

@@ -15,7 +15,7 @@ recorded in the header and checked on read.
 
 Checksums are XXH3-64 (python-xxhash): measured on this project's machine
 it runs at 63 GB/s on 64 KiB-2 MiB blocks, against 27 GB/s for CRC32C,
-4.3 GB/s for zlib's CRC32 and 0.9 GB/s for BLAKE2b (bench/RESULTS.md), so
+4.3 GB/s for zlib's CRC32 and 0.9 GB/s for BLAKE2b (bench/history/2026-11-24.md), so
 checking a block costs a small fraction of reading it.
 """
 

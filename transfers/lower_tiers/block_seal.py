@@ -10,7 +10,7 @@ corruption.
 
 The MAC is keyed BLAKE3 (the `blake3` package): 2.9 GB/s on one core of this
 project's machine at 256 KiB-2 MiB, against 1.45 GB/s for HMAC-SHA-256 with
-the CPU's SHA extensions and 0.5 GB/s for keyed BLAKE2b (bench/RESULTS.md).
+the CPU's SHA extensions and 0.5 GB/s for keyed BLAKE2b (bench/history/2026-11-28.md).
 Encryption is `cryptography`'s AES-GCM (3.2 GB/s at 2 MiB), whose tag
 authenticates the same fields, so an encrypted block carries no second MAC.
 
