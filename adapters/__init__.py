@@ -11,10 +11,8 @@ engine_host      runs the engine and records its inputs: a live system's one way
 log_files        event logs on disk: reading either form, writing step by step
 log_seek         reading a binary log from a snapshot
 log_rules        the decision rules of a kvledger 0.1.0 log, shown by its records
-misses           why each prompt block was restored or computed, from a log alone (`explain`)
+log_tools/       the log tools: explain's misses, whatif, the fleet, the report's series (engine and events only)
 miss_counter     missed prompt tokens by cause, counted while serving
-whatif           a log's traffic under another configuration
-fleet            what a tier shared between replicas would have saved them, from their logs
 structlog_setup  structlog, configured once for every kvledger process
 vllm_version     the vLLM releases kvledger follows, and what to say about the installed one
 """

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from kvledger.adapters.misses import Admission, MissLedger
+from kvledger.adapters.log_tools.misses import Admission, MissLedger
 from kvledger.engine.reducer import reduce
 from kvledger.engine.state import initial_state
 from kvledger.events import types as ev

@@ -92,8 +92,8 @@ def main() -> None:
 
 def _restored(log: Path) -> int:
     """`kvledger explain`'s restored tokens: hits whose load did not fail."""
-    from kvledger.adapters import whatif
     from kvledger.adapters.log_files import open_log
+    from kvledger.adapters.log_tools import whatif
 
     header, records = open_log(log)
     return whatif.recorded(header.config, records).misses["restored_tokens"]

@@ -92,8 +92,8 @@ def _slot_bytes(log: Path) -> int:
 
 
 def _measured(log: Path) -> int:
-    from kvledger.adapters import whatif
     from kvledger.adapters.log_files import open_log
+    from kvledger.adapters.log_tools import whatif
 
     header, records = open_log(log)
     return whatif.recorded(header.config, records).stats["hit_tokens"]
@@ -112,8 +112,8 @@ def _run(workload: str, capacity_bytes: int, log: Path, models: Path, **more: ob
 
 
 def validate(workload: str, out: Path) -> list[dict]:
-    from kvledger.adapters import whatif
     from kvledger.adapters.log_files import open_log
+    from kvledger.adapters.log_tools import whatif
 
     spec = WORKLOADS[workload]
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from kvledger.adapters.misses import CAUSES, HOST, Admission, MissLedger, Run, totals
+from kvledger.adapters.log_tools.misses import CAUSES, HOST, Admission, MissLedger, Run, totals
 from kvledger.engine.replay import replay
 
 from .log_commands import EXIT_OK, EXIT_PROBLEM, BadArgument, _load, _report_tear

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from kvledger import __version__
 from kvledger.adapters.log_files import open_log
 from kvledger.adapters.log_seek import LogStart, open_log_at
+from kvledger.adapters.log_tools import report_series
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.digest import digest
@@ -32,7 +33,7 @@ from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig
 from kvledger.events.log_records import EventRecord, LogError, LogHeader, Record
 
-from . import report, report_series
+from . import report
 
 EXIT_OK, EXIT_PROBLEM, EXIT_BAD_INPUT = 0, 1, 2
 KEY_PREFIX_DIGITS_MIN = 4

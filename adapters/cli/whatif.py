@@ -1,5 +1,5 @@
 """`kvledger whatif`: the log's traffic under another host capacity, policy or
-set of lower tiers, beside what the log recorded (`adapters/whatif.py` says
+set of lower tiers, beside what the log recorded (`adapters/log_tools/whatif.py` says
 what the prediction keeps as recorded)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from kvledger.adapters import fleet, whatif
+from kvledger.adapters.log_tools import fleet, whatif
 from kvledger.events.config import RULES, ConfigError, EngineConfig, LowerTierSpec
 from kvledger.events.log_records import LogHeader
 

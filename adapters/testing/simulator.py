@@ -111,7 +111,7 @@ class Simulator:
         # A simulated clock for the steps' wall time: a fixed start and a fixed step length.
         self.start_us = start_us
         self.step_us = step_us
-        # What this simulator knows of its own misses, for `adapters/misses.py`'s tests: at each
+        # What this simulator knows of its own misses, for `adapters/log_tools/misses.py`'s tests: at each
         # admission, which prompt blocks were restorable and whose keys this request named first;
         # and the stores it failed and the resets it made.
         self.truth: list[dict] | None = [] if record_truth else None

@@ -13,11 +13,11 @@ from kvledger.engine import effects as fx
 pytestmark = pytest.mark.fast
 
 TABLES = [
-    ("kvledger.adapters.misses", "_FACTS"),
-    ("kvledger.adapters.whatif", "_MOVES"),
-    ("kvledger.adapters.whatif", "_FOLLOW"),
-    ("kvledger.adapters.whatif", "_ACCESSES"),
-    ("kvledger.adapters.cli.report_series", "_SERIES"),
+    ("kvledger.adapters.log_tools.misses", "_FACTS"),
+    ("kvledger.adapters.log_tools.whatif", "_MOVES"),
+    ("kvledger.adapters.log_tools.whatif", "_FOLLOW"),
+    ("kvledger.adapters.log_tools.whatif", "_ACCESSES"),
+    ("kvledger.adapters.log_tools.report_series", "_SERIES"),
     ("kvledger.adapters.testing.simulator", "_PERFORM"),
 ]
 VLLM_TABLES = [

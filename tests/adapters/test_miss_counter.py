@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
+from kvledger.adapters.log_tools.misses import MissLedger, totals
 from kvledger.adapters.miss_counter import MissCounter
-from kvledger.adapters.misses import MissLedger, totals
 from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.events import types as ev
 from tests.adapters.test_misses import SMALL

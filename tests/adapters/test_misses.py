@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvledger.adapters.cli.main import main
 from kvledger.adapters.log_files import open_log
-from kvledger.adapters.misses import CAUSES, MissLedger, totals
+from kvledger.adapters.log_tools.misses import CAUSES, MissLedger, totals
 from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.engine import queries
 from kvledger.engine.replay import replay

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.adapters.cli import report, report_series
+from kvledger.adapters.cli import report
 from kvledger.adapters.cli.log_commands import summary
 from kvledger.adapters.cli.main import main
 from kvledger.adapters.log_files import open_log
+from kvledger.adapters.log_tools import report_series
 from kvledger.engine.replay import replay
 from kvledger.events.log_records import EventRecord
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.adapters import whatif
 from kvledger.adapters.cli.main import main
+from kvledger.adapters.log_tools import whatif
 from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.engine import queries
 from tests.engine.builders import SIMULATED_CONFIGS

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvledger.adapters.log_files import open_log
-from kvledger.adapters.misses import Admission, MissLedger, totals
+from kvledger.adapters.log_tools.misses import Admission, MissLedger, totals
 from kvledger.engine import effects as fx
 from kvledger.engine.replay import replay
 from kvledger.events import types as ev

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from kvledger.adapters.misses import MissLedger, totals
+from kvledger.adapters.log_tools.misses import MissLedger, totals
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.replay import ReplayResult, replay
