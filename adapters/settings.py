@@ -256,8 +256,11 @@ def _parse_faults(raw: Mapping[str, Any]) -> FaultSettings:
 
 
 def _parse_tiers(raw: Any) -> tuple[TierSettings, ...]:
+    """Parsed, then checked against the world: settings are parsed at start, so that is when."""
     # At parse time only: the tier types' table loads their I/O and torch (0.9 s here), which
     # a process reading settings without tiers (the CLI, a benchmark's config) never needs.
-    from kvledger.adapters.tier_types import parse_tiers
+    from kvledger.adapters.tier_types import check_tiers, parse_tiers
 
-    return parse_tiers(raw)
+    tiers = parse_tiers(raw)
+    check_tiers(tiers)
+    return tiers

@@ -109,7 +109,9 @@ def _positive_int(where: str, value: Any) -> int:
     return value
 
 
-def parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
+def parse_fs_tier(where: str, entry: Mapping[str, Any], *, located: bool = True) -> FsTierSettings:
+    """The settings alone, nothing on disk touched (`check_fs_tier` does that, at start).
+    `located` False: a tier described to be sized (`kvledger whatif`), which may name no path."""
     paths = {}
     for name in ("path", "root_dir"):  # root_dir: vLLM 0.33's name
         if name in entry:
@@ -117,12 +119,12 @@ def parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}.{name} must be a non-empty str, got {value!r}")
             paths[name] = os.path.abspath(os.path.expanduser(value))
-    if not paths:
+    if not paths and located:
         raise ConfigError(f"{where} needs 'path': the tier's directory ('root_dir', vLLM's name, also works)")
     if len(set(paths.values())) > 1:
         raise ConfigError(f"{where}.path and {where}.root_dir are the same setting and disagree: "
                           f"{entry['path']!r} and {entry['root_dir']!r}")
-    path = next(iter(paths.values()))
+    path = next(iter(paths.values()), "")
     if "capacity_bytes" not in entry:
         raise ConfigError(f"{where} needs 'capacity_bytes': bytes of block files the tier may hold")
     capacity = _positive_int(f"{where}.capacity_bytes", entry["capacity_bytes"])
@@ -134,16 +136,19 @@ def parse_fs_tier(where: str, entry: Mapping[str, Any]) -> FsTierSettings:
     if not isinstance(shared, bool):
         raise ConfigError(f"{where}.shared must be a bool, got {shared!r}")
     gid = _group_id(f"{where}.group", entry["group"]) if "group" in entry else None
-
-    _make_writable_dir(f"{where}.path", path, gid)
-    free = _free_bytes(path)
-    reusable = block_file_bytes(path)
-    if capacity > free + reusable:
-        raise ConfigError(
-            f"{where}.capacity_bytes {capacity} does not fit in {path!r}: the file system has {free} bytes "
-            f"free, and block files already there take {reusable}")
     return FsTierSettings(path=path, capacity_bytes=capacity, threads=threads, pack_bytes=pack_bytes, shared=shared,
                           gid=gid)
+
+
+def check_fs_tier(where: str, tier: FsTierSettings) -> None:
+    """At start: the directory made or found safe and writable, and the capacity fitting in its file system."""
+    _make_writable_dir(f"{where}.path", tier.path, tier.gid)
+    free = _free_bytes(tier.path)
+    reusable = block_file_bytes(tier.path)
+    if tier.capacity_bytes > free + reusable:
+        raise ConfigError(
+            f"{where}.capacity_bytes {tier.capacity_bytes} does not fit in {tier.path!r}: the file system has "
+            f"{free} bytes free, and block files already there take {reusable}")
 
 
 def _group_id(where: str, value: Any) -> int:
@@ -216,7 +221,11 @@ def _parse_url(where: str, url: Any) -> tuple[str, int, bool, int, str | None, s
             unquote(parts.username) if parts.username else None, unquote(parts.password) if parts.password else None)
 
 
-def parse_valkey_tier(where: str, entry: Mapping[str, Any]) -> ValkeyTierSettings:
+def parse_valkey_tier(where: str, entry: Mapping[str, Any], *, located: bool = True) -> ValkeyTierSettings:
+    """The settings alone, no server asked (`check_valkey_tier` does that, at start).
+    `located` False: a tier described to be sized (`kvledger whatif`), which may name no server."""
+    if not located and "url" not in entry and "urls" not in entry:
+        entry = {**entry, "url": "redis://unnamed"}  # sized only: never connected to
     if ("url" in entry) == ("urls" in entry):
         raise ConfigError(f"{where} needs 'url' (a server, 'redis://HOST:PORT') or 'urls' (a cluster's seed "
                           f"nodes), one of them")
@@ -259,8 +268,8 @@ def parse_valkey_tier(where: str, entry: Mapping[str, Any]) -> ValkeyTierSetting
     if ca_file is not None:
         if not tls:
             raise ConfigError(f"{where}.tls_ca_file is for TLS: use a rediss:// or valkeys:// URL")
-        if not isinstance(ca_file, str) or not os.path.isfile(ca_file):
-            raise ConfigError(f"{where}.tls_ca_file {ca_file!r} is not a readable file")
+        if not isinstance(ca_file, str) or not ca_file:
+            raise ConfigError(f"{where}.tls_ca_file must be a file's path, got {ca_file!r}")
     on_unreachable = entry.get("on_unreachable", "error")
     if on_unreachable not in ("error", "warn"):
         raise ConfigError(f"{where}.on_unreachable must be 'error' or 'warn', got {on_unreachable!r}")
@@ -274,17 +283,18 @@ def parse_valkey_tier(where: str, entry: Mapping[str, Any]) -> ValkeyTierSetting
     if any(c in prefix for c in "*?[]\\"):
         raise ConfigError(f"{where}.key_prefix {prefix!r} holds a glob character (* ? [ ] \\), which an ACL "
                           f"pattern or SCAN MATCH would read as a wildcard")
-    tier = ValkeyTierSettings(server=server, capacity_bytes=capacity, connections=connections,
+    return ValkeyTierSettings(server=server, capacity_bytes=capacity, connections=connections,
                               on_unreachable=on_unreachable, key_prefix=prefix.encode())
-    _check_reachable(where, tier)
-    return tier
 
 
-def _check_reachable(where: str, tier: ValkeyTierSettings) -> None:
-    """The server answers, and is what the settings say it is. A certificate
+def check_valkey_tier(where: str, tier: ValkeyTierSettings) -> None:
+    """At start: the CA file readable, and the server answering and being what the settings say it is. A certificate
     that does not verify, or a cluster node named as one server, stops start
     even with on_unreachable: 'warn': the settings are wrong (or someone is in
     the way), and waiting for the server would not mend them."""
+    ca_file = tier.server.tls_ca_file
+    if ca_file is not None and not os.path.isfile(ca_file):
+        raise ConfigError(f"{where}.tls_ca_file {ca_file!r} is not a readable file")
     store = ValkeyStore(tier.server)
     try:
         store.ping()

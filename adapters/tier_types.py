@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import structlog
 
 from kvledger.adapters.key_lookups import Find
 from kvledger.adapters.tier_settings import (
@@ -34,6 +35,8 @@ from kvledger.adapters.tier_settings import (
     TierSettings,
     ValkeyTierSettings,
     check_distinct_dirs,
+    check_fs_tier,
+    check_valkey_tier,
     parse_fs_tier,
     parse_secret,
     parse_valkey_tier,
@@ -77,7 +80,9 @@ class TierType:
 
     settings: type  # its settings class, a member of `TierSettings`; the class's `kind` is its config `type`
     keys: tuple[str, ...]  # what its dict takes besides 'type' and `tier_settings.SECRET_KEYS` (README's table)
-    parse: Callable[[str, Mapping[str, Any]], TierSettings]  # the dict (less the secret), checked against the world
+    # The dict (less the secret) into settings, touching nothing (`located` False: sizing only, no place named).
+    parse: Callable[..., TierSettings]
+    check: Callable[[str, Any], None]  # at start: the settings against the world (a directory, a server)
     header_bytes: Callable[[Any], int]  # what a block costs the tier besides its bytes (at most)
     where: Callable[[Any], dict[str, str]]  # where its blocks are, as log fields
     lookup: Callable[[Any, str, tuple[bytes, ...]], Lookup]  # (tier, name, every shard's namespace), scheduler's
@@ -149,13 +154,13 @@ def _valkey_open(tier: ValkeyTierSettings, site: WorkerSite) -> TierIO:
 TIER_TYPES: dict[str, TierType] = {
     FsTierSettings.kind: TierType(
         settings=FsTierSettings, keys=("path", "root_dir", "capacity_bytes", "threads", "pack_bytes", "shared", "group"),
-        parse=parse_fs_tier, header_bytes=lambda tier: HEADER_BYTES, where=lambda tier: {"path": tier.path},
+        parse=parse_fs_tier, check=check_fs_tier, header_bytes=lambda tier: HEADER_BYTES, where=lambda tier: {"path": tier.path},
         lookup=_fs_lookup, scan=_fs_scan, open_io=_fs_open, tombstones=True,
         other_formats=lambda tier: other_fs_formats(tier.path)),
     ValkeyTierSettings.kind: TierType(
         settings=ValkeyTierSettings, keys=("url", "urls", "cluster", "password_env", "capacity_bytes", "timeout_s",
                                            "connections", "on_unreachable", "tls_ca_file", "key_prefix"),
-        parse=parse_valkey_tier, header_bytes=_valkey_header_bytes, where=lambda tier: {"server": tier.server.where},
+        parse=parse_valkey_tier, check=check_valkey_tier, header_bytes=_valkey_header_bytes, where=lambda tier: {"server": tier.server.where},
         lookup=_valkey_lookup, scan=None, open_io=_valkey_open, tombstones=False,
         other_formats=_valkey_other_formats),
 }
@@ -180,13 +185,18 @@ def check_tier_types(table: Mapping[str, TierType], settings_types: tuple[type, 
         raise AssertionError("every tier type needs one row in TIER_TYPES: " + "; ".join(problems))
 
 
+_log = structlog.get_logger("kvledger.adapters.tier_types")
+
 TIER_SETTINGS_TYPES: tuple[type, ...] = typing.get_args(TierSettings)
 check_tier_types(TIER_TYPES, TIER_SETTINGS_TYPES)
 
 
-def parse_tiers(raw: list | tuple) -> tuple[TierSettings, ...]:
+def parse_tiers(raw: list | tuple, *, located: bool = True) -> tuple[TierSettings, ...]:
     """Each entry of `secondary_tiers`, by its type's row: its keys checked, its secret
-    parsed (every type takes the same secret keys), its own keys by the row's parser."""
+    parsed (every type takes the same secret keys), its own keys by the row's parser.
+    Nothing outside is touched (`check_tiers` does that, at start). The one parser of
+    the setting: serving's, and `kvledger whatif`'s (`located` False: tiers described
+    to be sized, which need not name a directory or a server)."""
     tiers = []
     for index, entry in enumerate(raw):
         where = f"secondary_tiers[{index}]"
@@ -205,10 +215,29 @@ def parse_tiers(raw: list | tuple) -> tuple[TierSettings, ...]:
                 f"unknown {where} key(s) {', '.join(map(repr, unknown))}; a {kind!r} tier knows: "
                 f"{', '.join(sorted({'type', *keys, *SECRET_KEYS}))}")
         secret = parse_secret(where, entry)
-        tier = parse(where, {k: v for k, v in entry.items() if k not in SECRET_KEYS})
+        tier = parse(where, {k: v for k, v in entry.items() if k not in SECRET_KEYS}, located=located)
         tiers.append(attrs.evolve(tier, secret=secret))
-    check_distinct_dirs(tiers)
     return tuple(tiers)
+
+
+def check_tiers(tiers: tuple[TierSettings, ...]) -> None:
+    """At start, the checks that touch the world: each tier's (its directory made and
+    probed, its server asked), then that no two tiers share a directory. Each tier that
+    passes says so in the log."""
+    for index, tier in enumerate(tiers):
+        where = f"secondary_tiers[{index}]"
+        row = tier_type(tier)
+        row.check(where, tier)
+        _log.info("tier_checked", tier=where, type=tier.kind, **row.where(tier))
+    check_distinct_dirs(list(tiers))
+
+
+def tier_blocks(tier: TierSettings, slot_bytes: int, copies: int = 1) -> int:
+    """The one rule for a tier's size in blocks, serving's and `kvledger whatif`'s: a block
+    is `copies` files or values (one per distinct shard of the ranks' KV), each its header
+    and at most a slot's bytes; `capacity_bytes` bounds them all."""
+    each = tier_type(tier).header_bytes(tier) + slot_bytes
+    return tier.capacity_bytes // (copies * each)
 
 
 def tier_type(tier: TierSettings) -> TierType:

@@ -97,7 +97,7 @@ class PolicyName(enum.Enum):
 LIMITS = {
     "block_size": 1 << 20, "window": 1 << 30, "hash_block_size": 1 << 20, "group_id": 1 << 10,
     "num_device_blocks": 1 << 24, "num_tier_slots": 1 << 28, "num_blocks": 1 << 40, "world_size": 1 << 12,
-    "slot_bytes": 1 << 40,
+    "slot_bytes": 1 << 40, "tier_copies": 1 << 12,
 }
 
 
@@ -177,6 +177,9 @@ class EngineConfig:
     # Bytes of one tier slot (a block of every layer of a KV group), for reading a
     # log in bytes (`kvledger whatif --capacity-bytes`); 0 where not known.
     slot_bytes: int = attrs.field(default=0, validator=_not_negative)
+    # Files (or values) a block takes in a tier below host memory: one per distinct shard of the
+    # ranks' KV, for reading a tier's capacity in blocks (`kvledger whatif`); 0 where not known.
+    tier_copies: int = attrs.field(default=0, validator=_not_negative)
     # The decision rules the engine follows (`RULES`): a log's own, from its header.
     rules: int = attrs.field(default=RULES, validator=_rules)
 
@@ -225,6 +228,8 @@ class EngineConfig:
             data["store_jobs"] = self.store_jobs.value
         if self.slot_bytes:  # absent means not known
             data["slot_bytes"] = self.slot_bytes
+        if self.tier_copies:  # likewise (logs before 0.2.0)
+            data["tier_copies"] = self.tier_copies
         data["rules"] = self.rules  # always, from 0.2.0 on (absent: see `from_dict`)
         return data
 

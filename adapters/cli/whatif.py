@@ -146,8 +146,11 @@ def _slots(capacity_bytes: int, config: EngineConfig, flag: str) -> int:
 
 
 def _tiers(text: str, config: EngineConfig, flag: str = "--secondary-tiers") -> tuple[LowerTierSpec, ...]:
-    """vLLM 0.33's `secondary_tiers` shape: a list of {"type", "capacity_bytes"}
-    (or {"num_blocks"}), in order below host memory."""
+    """vLLM 0.33's `secondary_tiers` shape, read by serving's own parser (`tier_types.parse_tiers`;
+    a tier here need not name its directory or server) and sized by serving's rule
+    (`tier_types.tier_blocks`: each block its header and its copies, one per shard of the
+    ranks' KV, as the log recorded them). `num_blocks` in place of `capacity_bytes` gives the
+    size in blocks itself."""
     try:
         tiers = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -155,25 +158,29 @@ def _tiers(text: str, config: EngineConfig, flag: str = "--secondary-tiers") -> 
     if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
         raise BadArgument(f"{flag} takes a JSON list of objects, e.g. "
                           '[{"type": "fs", "capacity_bytes": 10000000000}]')
+    # Only here: the tier types' table loads their I/O and torch, which no other question needs.
+    from kvledger.adapters.tier_types import parse_tiers, tier_blocks
+
+    copies = config.tier_copies or config.world_size  # logs before 0.2.0: one file per rank
     specs = []
-    for index, tier in enumerate(tiers, start=1):
-        kind = tier.get("type")
-        if not isinstance(kind, str) or not kind:
-            raise BadArgument(f"{flag}: tier {index} names no type")
-        unknown = sorted(set(tier) - {"type", "capacity_bytes", "num_blocks"})
-        if unknown:
-            raise BadArgument(f"{flag}: tier {index}: unknown keys {', '.join(unknown)}")
-        if "num_blocks" in tier:
-            blocks = tier["num_blocks"]
-        elif "capacity_bytes" in tier:
-            size = tier["capacity_bytes"]
-            if not isinstance(size, int) or isinstance(size, bool):
-                raise BadArgument(f"{flag}: tier {index}: capacity_bytes must be an integer")
-            blocks = _slots(size, config, f"{flag} tier {index}")
-        else:
+    for index, entry in enumerate(tiers, start=1):
+        counted = entry.get("num_blocks")
+        if counted is None and "capacity_bytes" not in entry:
             raise BadArgument(f"{flag}: tier {index} needs capacity_bytes or num_blocks")
+        sized = {**entry, "capacity_bytes": 1} if counted is not None else entry
         try:
-            specs.append(LowerTierSpec(name=f"{index}:{kind}", num_blocks=blocks))
+            (tier,) = parse_tiers([{k: v for k, v in sized.items() if k != "num_blocks"}], located=False)
+            if counted is not None:
+                blocks = counted
+            elif not config.slot_bytes:
+                raise BadArgument(f"{flag} tier {index}: this log does not record its slot size (recorded before "
+                                  f"it was); give num_blocks instead of capacity_bytes")
+            else:
+                blocks = tier_blocks(tier, config.slot_bytes, copies)
+                if blocks < 1:
+                    raise BadArgument(f"{flag} tier {index}: capacity_bytes {tier.capacity_bytes} holds no block "
+                                      f"of {copies} part(s) of {config.slot_bytes} bytes and a header")
+            specs.append(LowerTierSpec(name=f"{index}:{tier.kind}", num_blocks=blocks))
         except ConfigError as exc:
             raise BadArgument(f"{flag}: tier {index}: {exc}") from None
     return tuple(specs)

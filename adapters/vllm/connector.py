@@ -59,12 +59,13 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: LedgerWorker | None = None
         world_size = vllm_config.parallel_config.world_size
         if role == KVConnectorRole.SCHEDULER:
+            copies = tier_copies(vllm_config, kv_cache_config, world_size)
             config = engine_config(
                 kv_cache_config, capacity_bytes=settings.capacity_bytes, policy=settings.eviction_policy,
                 protection=settings.protection, store_mode=settings.store_mode,
                 world_size=world_size, block_size=vllm_config.cache_config.block_size,
-                lower_tiers=engine_tiers(settings, slot_bytes(transfer_config(kv_cache_config)),
-                                         tier_copies(vllm_config, kv_cache_config, world_size)))
+                lower_tiers=engine_tiers(settings, slot_bytes(transfer_config(kv_cache_config)), copies),
+                tier_copies=copies)
             events = vllm_config.kv_events_config
             tier_events = (TierEvents(group_event_specs(kv_cache_config), len(settings.secondary_tiers))
                            if events is not None and events.enable_kv_cache_events else None)

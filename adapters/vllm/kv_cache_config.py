@@ -104,7 +104,7 @@ def _engine_group(group_id: int, spec: vk.KVCacheSpec) -> GroupSpec:
 def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: PolicyName,
                   world_size: int, block_size: int, protection: Protection = Protection.FLUSH,
                   store_mode: StoreMode = StoreMode.EAGER,
-                  lower_tiers: tuple[LowerTierSpec, ...] = ()) -> EngineConfig:
+                  lower_tiers: tuple[LowerTierSpec, ...] = (), tier_copies: int = 0) -> EngineConfig:
     groups = tuple(_engine_group(i, g.kv_cache_spec) for i, g in enumerate(config.kv_cache_groups))
     hash_block_size = config.hash_block_size or block_size
     transfer = transfer_config(config)
@@ -119,4 +119,5 @@ def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: Poli
         store_mode=store_mode,
         lower_tiers=lower_tiers,
         slot_bytes=slot_bytes(transfer),
+        tier_copies=tier_copies if lower_tiers else 0,
     )

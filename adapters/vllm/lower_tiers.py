@@ -34,7 +34,7 @@ import structlog
 
 from kvledger.adapters.key_lookups import Find, KeyLookups
 from kvledger.adapters.settings import ConnectorSettings, TierSettings
-from kvledger.adapters.tier_types import WorkerSite, tier_type
+from kvledger.adapters.tier_types import WorkerSite, tier_blocks, tier_type
 from kvledger.adapters.vllm.chain_keys import CRYPTOGRAPHIC, FAST, KEYED
 from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, tp_replicas, write_identity
 from kvledger.events import types as ev
@@ -87,27 +87,19 @@ def tier_name(index: int, tier: TierSettings) -> str:
     return f"{index}:{tier.kind}"
 
 
-def _header_bytes(tier: TierSettings) -> int:
-    """What a block costs a tier besides its bytes: a file's header, a value's (at most)."""
-    return tier_type(tier).header_bytes(tier)
-
-
 def tier_copies(vllm_config: Any, kv_cache_config: Any, world_size: int) -> int:
     """How many files (or values) make one block: one per shard of the KV."""
     return world_size // tp_replicas(vllm_config, kv_cache_config, world_size)
 
 
 def engine_tiers(settings: ConnectorSettings, slot_bytes: int, copies: int = 1) -> tuple[LowerTierSpec, ...]:
-    """Each tier's size in blocks: a block is `copies` files (one per distinct shard
-    of the ranks' KV), each file its header and at most a slot's bytes; `capacity_bytes`
-    bounds them all."""
+    """Each tier's size in blocks, by the one rule (`tier_types.tier_blocks`)."""
     specs = []
     for index, tier in enumerate(settings.secondary_tiers, start=1):
-        each = _header_bytes(tier) + slot_bytes
-        blocks = tier.capacity_bytes // (copies * each)
+        blocks = tier_blocks(tier, slot_bytes, copies)
         if blocks < 1:
             raise ConfigError(f"secondary_tiers[{index - 1}].capacity_bytes={tier.capacity_bytes} holds no block: "
-                              f"{copies} part(s) of {each} bytes each")
+                              f"{copies} part(s) of {tier_type(tier).header_bytes(tier) + slot_bytes} bytes each")
         specs.append(LowerTierSpec(name=tier_name(index, tier), num_blocks=blocks))
     return tuple(specs)
 

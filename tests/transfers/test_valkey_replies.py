@@ -18,7 +18,7 @@ import pytest
 import valkey
 from structlog.testing import capture_logs
 
-from kvledger.adapters.tier_types import parse_tiers
+from kvledger.adapters.tier_types import check_tiers, parse_tiers
 from kvledger.events.config import ConfigError
 from kvledger.transfers.lower_tiers.tier_io import TierJob
 from kvledger.transfers.lower_tiers.valkey_store import (
@@ -238,7 +238,7 @@ def test_a_certificate_for_another_name_stops_start_even_with_warn(valkey_server
     entry = {"type": "valkey", "url": f"rediss://127.0.0.1:{process.port}", "capacity_bytes": 1 << 20,
              "tls_ca_file": ca_file, "on_unreachable": "warn"}
     with pytest.raises(ConfigError, match=r"does not verify for host 127\.0\.0\.1"):
-        parse_tiers([entry])
+        check_tiers(parse_tiers([entry]))
     store = store_at(process.port, tls=True, tls_ca_file=ca_file)
     try:
         with pytest.raises(BadCertificate, match="mismatch"):
@@ -252,9 +252,10 @@ def test_a_cluster_node_named_as_one_server_stops_start(valkey_server) -> None:
     node = valkey_server(cluster=True)
     entry = {"type": "valkey", "url": node.url, "capacity_bytes": 1 << 20, "on_unreachable": "warn"}
     with pytest.raises(ConfigError, match="set cluster: true"):
-        parse_tiers([entry])
+        check_tiers(parse_tiers([entry]))
     plain = valkey_server()
-    assert len(parse_tiers([{**entry, "url": plain.url}])) == 1
+    check_tiers(tiers := parse_tiers([{**entry, "url": plain.url}]))
+    assert len(tiers) == 1
 
 
 def test_a_job_failed_only_as_unreachable_logs_below_warning() -> None:
@@ -298,6 +299,6 @@ def test_a_tls_cluster_checks_every_node_s_host_name(name, works, needs_tls) -> 
             entry = {"type": "valkey", "urls": [f"rediss://127.0.0.1:{s.port}" for s in cluster.servers[:3]],
                      "capacity_bytes": 1 << 20, "tls_ca_file": ca_file, "on_unreachable": "warn"}
             with pytest.raises(ConfigError, match="127.0.0.1"):
-                parse_tiers([entry])
+                check_tiers(parse_tiers([entry]))
     finally:
         cluster.close()
