@@ -189,8 +189,8 @@ def spill_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
                 del spill_reads[slot]
     tier = core.lower[job.tier - 1]
     failed = job.failed_keys
-    drop = []
-    written = []
+    drop: list[bytes] = []
+    written: list[bytes] = []
     for group_keys in job.keys:
         for key in group_keys:
             action = "spill_ended_stale" if job.stale else "spill_failed" if key in failed else "spill_written"
