@@ -204,7 +204,7 @@ def dispatch_table(consumer: str, table: Mapping[type, _H | None]) -> dict[type,
     for. Checked when the consumer is imported: a table that does not name every
     kind fails there, so a new kind is a decision in each consumer, never a silent skip."""
     missing = [kind.__name__ for kind in EFFECT_TYPES if kind not in table]
-    strays = [getattr(kind, "__name__", repr(kind)) for kind in table if kind not in EFFECT_TYPES]
+    strays = [kind.__name__ if isinstance(kind, type) else repr(kind) for kind in table if kind not in EFFECT_TYPES]
     if missing or strays:
         raise AssertionError(f"{consumer}: its effect table must name every effect kind once"
                              + (f"; missing {', '.join(missing)}" if missing else "")

@@ -567,7 +567,7 @@ class _NotingMoves(dict):
         return dict.__getitem__(self, pair)
 
 
-def _noting(monkeypatch, module, name: str, table: dict) -> set:
+def _noting_moves(monkeypatch, module, name: str, table: dict) -> set:
     noting = _NotingMoves(table)
     noting.noted = set()
     monkeypatch.setattr(module, name, noting)
@@ -577,7 +577,7 @@ def _noting(monkeypatch, module, name: str, table: dict) -> set:
 @pytest.mark.parametrize("pair", list(TIER_KEY_MOVES), ids=lambda p: f"{p[0].value}-{p[1]}")
 def test_the_lower_tiers_read_every_key_row(pair, monkeypatch):
     e, _, act = tier_key_scenarios()[pair]
-    noted = _noting(monkeypatch, lower, "_MOVES", TIER_KEY_MOVES)
+    noted = _noting_moves(monkeypatch, lower, "_MOVES", TIER_KEY_MOVES)
     act(e)
     assert pair in noted, sorted(f"{state.value}-{action}" for state, action in noted)
     assert noted <= set(TIER_KEY_MOVES)
@@ -586,7 +586,7 @@ def test_the_lower_tiers_read_every_key_row(pair, monkeypatch):
 @pytest.mark.parametrize("pair", list(JOB_MOVES), ids=lambda p: f"{p[0].value if p[0] else 'new'}-{p[1]}")
 def test_the_engine_reads_every_job_row(pair, monkeypatch):
     e, act = job_scenarios()[pair]
-    noted = _noting(monkeypatch, transitions, "JOB_MOVES", JOB_MOVES)
+    noted = _noting_moves(monkeypatch, transitions, "JOB_MOVES", JOB_MOVES)
     act(e)
     assert pair in noted, sorted(noted, key=str)
     assert noted <= set(JOB_MOVES)
