@@ -240,6 +240,24 @@ def tier_blocks(tier: TierSettings, slot_bytes: int, copies: int = 1) -> int:
     return tier.capacity_bytes // (copies * each)
 
 
+def register_tier_type(row: TierType) -> Callable[[], None]:
+    """Add a tier type from outside this table (a plugin, or a test's): its row, under its
+    settings class's `kind`. A kind taken already is refused. The returned function takes
+    the row back out. The built-in types are the table's own lines above."""
+    kind = getattr(row.settings, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"{row.settings.__name__} names no kind (a `kind: ClassVar[str]`)")
+    if kind in TIER_TYPES:
+        raise ValueError(f"tier type {kind!r} is taken (by {TIER_TYPES[kind].settings.__name__})")
+    TIER_TYPES[kind] = row
+
+    def unregister() -> None:
+        if TIER_TYPES.get(kind) is row:
+            del TIER_TYPES[kind]
+
+    return unregister
+
+
 def tier_type(tier: TierSettings) -> TierType:
     """The row of a tier's type."""
     return TIER_TYPES[tier.kind]

@@ -34,6 +34,7 @@ connector hands over is checked against the engine state at that moment.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -163,6 +164,11 @@ def main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
 
     from kvledger.adapters.settings import kv_transfer_config
+
+    if spec.get("register_tiers"):  # tier types from outside kvledger's table (tests/support), in this process
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        for name in spec["register_tiers"]:
+            importlib.import_module(name).register()
 
     if spec.get("mutant_one_generation"):  # negative control: a reset keeps the key generation
         from kvledger.adapters.vllm import scheduler_side
