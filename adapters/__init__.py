@@ -3,9 +3,7 @@
 vllm/            the vLLM KV connector: scheduler and worker halves, metrics, KV events, the tiers' wiring
 cli/             the `kvledger` command
 testing/         stand-ins for vLLM shipped for `simulate` and `demo` (never imported by the connector)
-settings         `kv_connector_extra_config`, checked once at start
-tier_settings    `secondary_tiers`: each tier's settings, parsed and checked
-tier_types       one row per tier type: everything kvledger does differently for each
+settings         `kv_connector_extra_config`, checked once at start (the tiers' own: transfers/lower_tiers/)
 key_lookups      which keys a shared tier holds, asked off the scheduler's thread
 engine_host      runs the engine and records its inputs: a live system's one way to state and log
 log_files        event logs on disk: reading either form, writing step by step

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
 import structlog
 
 from kvledger.transfers.copies.backend import BackendClosed
+from kvledger.transfers.lower_tiers.contract import Find
 
 _log = structlog.get_logger("kvledger.adapters.key_lookups")
-
-Find = Callable[[tuple[bytes, ...]], tuple[bytes, ...]]
-"""Given keys, those the tier holds; it may raise (a store that is down): nothing found."""
 
 QUEUED_MAX = 256
 """Asks waiting behind a slow or hung one: past this, the oldest is answered "nothing found" at

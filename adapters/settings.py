@@ -18,13 +18,10 @@ import attrs
 
 from kvledger.adapters.engine_host import SNAPSHOT_INTERVAL_EVENTS
 from kvledger.adapters.miss_counter import MAX_KEYS
-from kvledger.adapters.tier_settings import (
-    FsTierSettings,
-    TierSettings,
-    ValkeyTierSettings,
-    block_file_bytes,
-)
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
+from kvledger.transfers.lower_tiers.fs.settings import FsTierSettings, block_file_bytes
+from kvledger.transfers.lower_tiers.tier_types import TierSettings
+from kvledger.transfers.lower_tiers.valkey.settings import ValkeyTierSettings
 
 __all__ = ["ConnectorSettings", "FaultSettings", "FsTierSettings", "TierSettings", "ValkeyTierSettings",
            "block_file_bytes", "kv_transfer_config", "parse_settings"]
@@ -259,7 +256,7 @@ def _parse_tiers(raw: Any) -> tuple[TierSettings, ...]:
     """Parsed, then checked against the world: settings are parsed at start, so that is when."""
     # At parse time only: the tier types' table loads their I/O and torch (0.9 s here), which
     # a process reading settings without tiers (the CLI, a benchmark's config) never needs.
-    from kvledger.adapters.tier_types import check_tiers, parse_tiers
+    from kvledger.transfers.lower_tiers.tier_types import check_tiers, parse_tiers
 
     tiers = parse_tiers(raw)
     check_tiers(tiers)

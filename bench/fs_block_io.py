@@ -1,6 +1,6 @@
 """Block files against raw sequential I/O of the same bytes on the same disk.
 
-The file-system tier writes each block as its own file (`transfers/lower_tiers/block_file.py`:
+The file-system tier writes each block as its own file (`transfers/lower_tiers/fs/block_file.py`:
 a 4 KiB header, written aside and renamed, checksummed) and reads it back with
 its header and checksum checked. Its ceiling is the disk: one large file
 written and read sequentially. Both sides move the same blocks, in one run,
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvledger.transfers.lower_tiers.block_file import block_path, read_block_into, write_block
+from kvledger.transfers.lower_tiers.fs.block_file import block_path, read_block_into, write_block
 
 NAMESPACE = bytes(16)
 

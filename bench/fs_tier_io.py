@@ -43,9 +43,9 @@ import torch
 import xxhash
 from fs_block_io import drop_caches  # the sibling script (bench/ is on sys.path when run)
 
-from kvledger.transfers.lower_tiers.block_file import block_path
 from kvledger.transfers.lower_tiers.block_header import _FIXED, HEADER_BYTES, check_header
-from kvledger.transfers.lower_tiers.fs_tier import DIRECT_ALIGN, FsTierIO
+from kvledger.transfers.lower_tiers.fs.block_file import block_path
+from kvledger.transfers.lower_tiers.fs.tier import DIRECT_ALIGN, FsTierIO
 
 NAMESPACE = bytes(range(16))
 CHUNK = 16 << 20

@@ -44,9 +44,9 @@ from valkey_tier_io import tier as valkey_job
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.support
 
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal  # noqa: E402
-from kvledger.transfers.lower_tiers.fs_tier import FsTierIO  # noqa: E402
-from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer  # noqa: E402
-from kvledger.transfers.lower_tiers.valkey_tier import ValkeyTierIO  # noqa: E402
+from kvledger.transfers.lower_tiers.fs.tier import FsTierIO  # noqa: E402
+from kvledger.transfers.lower_tiers.valkey.store import ValkeyServer  # noqa: E402
+from kvledger.transfers.lower_tiers.valkey.tier import ValkeyTierIO  # noqa: E402
 from tests.support.valkey_servers import ServerProcess  # noqa: E402
 
 NAMESPACE = bytes(range(16))

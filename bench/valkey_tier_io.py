@@ -39,8 +39,8 @@ import valkey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.support
 
-from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer  # noqa: E402
-from kvledger.transfers.lower_tiers.valkey_tier import ValkeyTierIO  # noqa: E402
+from kvledger.transfers.lower_tiers.valkey.store import ValkeyServer  # noqa: E402
+from kvledger.transfers.lower_tiers.valkey.tier import ValkeyTierIO  # noqa: E402
 from tests.support.valkey_servers import ServerProcess, server_binary  # noqa: E402
 
 NAMESPACE = bytes(range(16))

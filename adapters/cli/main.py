@@ -31,7 +31,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def version_text() -> str:
     # --version only: the tiers' formats load their checksum and cipher libraries.
     from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION as BLOCK_FORMAT
-    from kvledger.transfers.lower_tiers.block_pack import PACK_VERSION
+    from kvledger.transfers.lower_tiers.fs.block_pack import PACK_VERSION
 
     build = kvledger.BUILD
     engine = "compiled (mypyc)" if build.compiled else f"pure Python ({build.reason})"

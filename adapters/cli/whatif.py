@@ -159,7 +159,7 @@ def _tiers(text: str, config: EngineConfig, flag: str = "--secondary-tiers") -> 
         raise BadArgument(f"{flag} takes a JSON list of objects, e.g. "
                           '[{"type": "fs", "capacity_bytes": 10000000000}]')
     # Only here: the tier types' table loads their I/O and torch, which no other question needs.
-    from kvledger.adapters.tier_types import parse_tiers, tier_blocks
+    from kvledger.transfers.lower_tiers.tier_types import parse_tiers, tier_blocks
 
     copies = config.tier_copies or config.world_size  # logs before 0.2.0: one file per rank
     specs = []

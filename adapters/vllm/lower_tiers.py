@@ -20,7 +20,7 @@ asynchronous lookup of the keys a new request would need
 most `LOOKUP_TIMEOUT_S`). The worker moves the bytes (`FsTierIO`).
 
 What differs between tier types (the scan, the lookups, the worker's I/O)
-is their row in `adapters/tier_types.py:TIER_TYPES`; nothing here branches
+is their row in `transfers/lower_tiers/tier_types.py:TIER_TYPES`; nothing here branches
 on a tier's type.
 """
 
@@ -32,18 +32,19 @@ from typing import Any
 
 import structlog
 
-from kvledger.adapters.key_lookups import Find, KeyLookups
+from kvledger.adapters.key_lookups import KeyLookups
 from kvledger.adapters.settings import ConnectorSettings, TierSettings
-from kvledger.adapters.tier_types import WorkerSite, tier_blocks, tier_type
 from kvledger.adapters.vllm.chain_keys import CRYPTOGRAPHIC, FAST, KEYED
 from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, tp_replicas, write_identity
 from kvledger.events import types as ev
 from kvledger.events.config import ConfigError, LowerTierSpec
 from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION as BLOCK_FORMAT
 from kvledger.transfers.lower_tiers.block_seal import derive
+from kvledger.transfers.lower_tiers.contract import Find, WorkerSite
+from kvledger.transfers.lower_tiers.health import Health
 from kvledger.transfers.lower_tiers.replica_tier import ReplicaTierIO
 from kvledger.transfers.lower_tiers.tier_jobs import TierIO
-from kvledger.transfers.lower_tiers.valkey_tier import Health
+from kvledger.transfers.lower_tiers.tier_types import tier_blocks, tier_type
 
 _log = structlog.get_logger("kvledger.adapters.vllm.lower_tiers")
 

@@ -38,9 +38,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from kvledger.transfers.lower_tiers.block_file import aside_path, create_file, make_dir
 from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION, NAMESPACE_BYTES
-from kvledger.transfers.lower_tiers.fs_tier import IDENTITY_FILE
+from kvledger.transfers.lower_tiers.fs.block_file import aside_path, create_file, make_dir
+from kvledger.transfers.lower_tiers.fs.tier import IDENTITY_FILE
 
 # Per KV cache spec: what shapes a block's bytes, read where the spec has it.
 # page_size_bytes covers heads, head sizes, dtype and padding together; the

@@ -20,10 +20,10 @@ from valkey import Valkey
 
 from kvledger.adapters.settings import parse_settings
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, engine_tiers, open_worker_tiers, tier_copies
-from kvledger.transfers.lower_tiers.block_file import block_path, write_block
-from kvledger.transfers.lower_tiers.block_value import encode_value, store_key
-from kvledger.transfers.lower_tiers.fs_tier import FsTierIO
+from kvledger.transfers.lower_tiers.fs.block_file import block_path, write_block
+from kvledger.transfers.lower_tiers.fs.tier import FsTierIO
 from kvledger.transfers.lower_tiers.replica_tier import ReplicaTierIO
+from kvledger.transfers.lower_tiers.valkey.block_value import encode_value, store_key
 from tests.adapters.test_tier_namespace import kv_cache_config, mla_config, vllm_config
 
 pytestmark = pytest.mark.vllm

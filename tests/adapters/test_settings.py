@@ -19,7 +19,7 @@ from kvledger.adapters.settings import (
 )
 from kvledger.adapters.vllm_version import UnsupportedVLLMVersion, check_vllm_version
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
-from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer
+from kvledger.transfers.lower_tiers.valkey.store import ValkeyServer
 
 pytestmark = pytest.mark.fast
 
@@ -576,7 +576,8 @@ README_TIER_SECTIONS = {"fs": "### A disk tier below host memory", "valkey": "##
 
 
 def test_the_readme_tables_name_every_key_of_each_tier_type_and_of_fault_injection():
-    from kvledger.adapters import settings, tier_settings, tier_types
+    from kvledger.adapters import settings
+    from kvledger.transfers.lower_tiers import tier_settings, tier_types
 
     assert _readme_table_after("#### `fault_injection`") == set(settings._FAULT_FIELDS)
     assert set(README_TIER_SECTIONS) == set(tier_types.TIER_TYPES), "every tier type needs its README section"

@@ -14,9 +14,9 @@ pytest.importorskip("vllm", reason="needs the vllm package")
 
 from kvledger.adapters.cli.whatif import _other_config
 from kvledger.adapters.settings import parse_settings
-from kvledger.adapters.tier_types import TIER_TYPES
 from kvledger.adapters.vllm.lower_tiers import engine_tiers
 from kvledger.events.config import EngineConfig
+from kvledger.transfers.lower_tiers.tier_types import TIER_TYPES
 
 pytestmark = pytest.mark.fast
 SLOT_BYTES = 64 << 10

@@ -11,10 +11,17 @@ from pathlib import Path
 import attrs
 import pytest
 
-from kvledger.adapters.tier_settings import FsTierSettings, TierSettings, ValkeyTierSettings
-from kvledger.adapters.tier_types import TIER_SETTINGS_TYPES, TIER_TYPES, check_tier_types, tier_type
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES, KEY_BYTES_MAX, compact_header_bytes
-from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer
+from kvledger.transfers.lower_tiers.fs.settings import FsTierSettings
+from kvledger.transfers.lower_tiers.tier_types import (
+    TIER_SETTINGS_TYPES,
+    TIER_TYPES,
+    TierSettings,
+    check_tier_types,
+    tier_type,
+)
+from kvledger.transfers.lower_tiers.valkey.settings import ValkeyTierSettings
+from kvledger.transfers.lower_tiers.valkey.store import ValkeyServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -248,7 +248,7 @@ def _tamper(spec: dict) -> int:
     sealed = spec.get("tamper_sealed", True)  # False: the blocks of a tier without a secret
     count = 0
     if spec.get("tamper_dir"):
-        from kvledger.transfers.lower_tiers.block_pack import decode_table, is_pack
+        from kvledger.transfers.lower_tiers.fs.block_pack import decode_table, is_pack
 
         for path in Path(spec["tamper_dir"]).rglob("*.kvb"):
             namespace, key = bytes.fromhex(path.parent.parent.name), bytes.fromhex(path.stem)

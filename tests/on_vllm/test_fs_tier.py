@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
-from kvledger.transfers.lower_tiers.block_pack import decode_table, is_pack
+from kvledger.transfers.lower_tiers.fs.block_pack import decode_table, is_pack
 
 from .conftest import replay_summary, run_engine, worker_reports
 

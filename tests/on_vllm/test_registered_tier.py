@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvledger.adapters.settings import parse_settings
-from kvledger.adapters.tier_types import TIER_TYPES
 from kvledger.events.config import ConfigError
+from kvledger.transfers.lower_tiers.tier_types import TIER_TYPES
 from tests.support import memory_tier
 
 from .conftest import replay_summary, run_engine

@@ -17,10 +17,11 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from kvledger.adapters.tier_settings import TierSecret
-from kvledger.adapters.tier_types import Lookup, TierType, WorkerSite, register_tier_type
 from kvledger.events.config import ConfigError
+from kvledger.transfers.lower_tiers.contract import Lookup, TierType, WorkerSite
 from kvledger.transfers.lower_tiers.tier_io import Block, ThreadedTierIO, TierJob
+from kvledger.transfers.lower_tiers.tier_settings import TierSecret
+from kvledger.transfers.lower_tiers.tier_types import register_tier_type
 
 STORE: dict[tuple[bytes, bytes], bytes] = {}
 """(namespace, key) -> a block's payload, for every tier of this type in the process."""

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from kvledger.transfers.lower_tiers.block_errors import BlockFileError
-from kvledger.transfers.lower_tiers.block_file import block_path, read_block_into, write_block
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
+from kvledger.transfers.lower_tiers.fs.block_file import block_path, read_block_into, write_block
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))

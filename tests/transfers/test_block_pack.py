@@ -10,11 +10,11 @@ import os
 import numpy as np
 import pytest
 
-from kvledger.transfers.lower_tiers.block_file import block_path, write_block
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
-from kvledger.transfers.lower_tiers.block_pack import decode_table, is_pack
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal
-from kvledger.transfers.lower_tiers.fs_tier import files_present, scan_keys
+from kvledger.transfers.lower_tiers.fs.block_file import block_path, write_block
+from kvledger.transfers.lower_tiers.fs.block_pack import decode_table, is_pack
+from kvledger.transfers.lower_tiers.fs.tier import files_present, scan_keys
 from tests.transfers.test_fs_tier import (
     NS,
     OTHER_NS,
@@ -216,7 +216,7 @@ def test_a_full_disk_falls_back_to_a_file_per_block(small_tmpfs, tiers):
 
 
 def test_a_pack_holds_at_most_blocks_max_blocks_whatever_their_size(tmp_path, tiers):
-    from kvledger.transfers.lower_tiers.block_pack import BLOCKS_MAX
+    from kvledger.transfers.lower_tiers.fs.block_pack import BLOCKS_MAX
 
     count = BLOCKS_MAX + 45
     io = tiers(tmp_path, rows=random_rows(count, 64), sizes=(64,))  # 300 blocks of 64 bytes: 19 KB

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvledger.transfers.lower_tiers import block_file as bf
 from kvledger.transfers.lower_tiers import block_header as bh
-from kvledger.transfers.lower_tiers import block_value as bv
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal
+from kvledger.transfers.lower_tiers.fs import block_file as bf
+from kvledger.transfers.lower_tiers.valkey import block_value as bv
 
 NS = bytes(range(16))
 KEY = bytes(range(100, 116))

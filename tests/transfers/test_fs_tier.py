@@ -27,9 +27,9 @@ from structlog.testing import capture_logs
 
 from kvledger.adapters.key_lookups import KeyLookups
 from kvledger.transfers.copies.backend import BackendClosed, TransferTimeout
-from kvledger.transfers.lower_tiers.block_file import block_path, write_block
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
-from kvledger.transfers.lower_tiers.fs_tier import (
+from kvledger.transfers.lower_tiers.fs.block_file import block_path, write_block
+from kvledger.transfers.lower_tiers.fs.tier import (
     FsTierIO,
     TierIoOutcome,
     files_present,

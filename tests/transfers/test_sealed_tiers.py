@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from kvledger.transfers.copies.backend import TransferTimeout
-from kvledger.transfers.lower_tiers import block_file as bf
 from kvledger.transfers.lower_tiers import block_header as bh
 from kvledger.transfers.lower_tiers.block_seal import BlockSeal
-from kvledger.transfers.lower_tiers.block_value import encode_value, store_key
-from kvledger.transfers.lower_tiers.fs_tier import FsTierIO
+from kvledger.transfers.lower_tiers.fs import block_file as bf
+from kvledger.transfers.lower_tiers.fs.tier import FsTierIO
 from kvledger.transfers.lower_tiers.tier_jobs import LowerTierJobs
-from kvledger.transfers.lower_tiers.valkey_store import ValkeyServer, ValkeyStore
-from kvledger.transfers.lower_tiers.valkey_tier import ValkeyTierIO
+from kvledger.transfers.lower_tiers.valkey.block_value import encode_value, store_key
+from kvledger.transfers.lower_tiers.valkey.store import ValkeyServer, ValkeyStore
+from kvledger.transfers.lower_tiers.valkey.tier import ValkeyTierIO
 
 NS = bytes(range(16))
 SIZES = (64 << 10, 5000)

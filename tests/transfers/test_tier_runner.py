@@ -15,8 +15,8 @@ from kvledger.transfers.assemble import make_runner
 from kvledger.transfers.copies.cpu_backend import CpuBackend
 from kvledger.transfers.copies.host_tier import HostTier
 from kvledger.transfers.copies.layout import canonicalize
-from kvledger.transfers.lower_tiers.block_file import block_path
-from kvledger.transfers.lower_tiers.fs_tier import FsTierIO
+from kvledger.transfers.lower_tiers.fs.block_file import block_path
+from kvledger.transfers.lower_tiers.fs.tier import FsTierIO
 from tests.transfers import layouts
 from tests.transfers.harness import keys_for, store
 

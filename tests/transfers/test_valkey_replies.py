@@ -18,10 +18,10 @@ import pytest
 import valkey
 from structlog.testing import capture_logs
 
-from kvledger.adapters.tier_types import check_tiers, parse_tiers
 from kvledger.events.config import ConfigError
 from kvledger.transfers.lower_tiers.tier_io import TierJob
-from kvledger.transfers.lower_tiers.valkey_store import (
+from kvledger.transfers.lower_tiers.tier_types import check_tiers, parse_tiers
+from kvledger.transfers.lower_tiers.valkey.store import (
     BadCertificate,
     Landed,
     StoreDown,

@@ -11,16 +11,10 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from kvledger.transfers.lower_tiers.block_value import encode_value, store_key
-from kvledger.transfers.lower_tiers.valkey_store import StoreDown, ValkeyServer, ValkeyStore
-from kvledger.transfers.lower_tiers.valkey_tier import (
-    BATCH_BLOCKS,
-    FIRST_RETRY_S,
-    RETRY_S,
-    Health,
-    ValkeyTierIO,
-    keys_present,
-)
+from kvledger.transfers.lower_tiers.health import FIRST_RETRY_S, RETRY_S, Health
+from kvledger.transfers.lower_tiers.valkey.block_value import encode_value, store_key
+from kvledger.transfers.lower_tiers.valkey.store import StoreDown, ValkeyServer, ValkeyStore
+from kvledger.transfers.lower_tiers.valkey.tier import BATCH_BLOCKS, ValkeyTierIO, keys_present
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.transfers.lower_tiers import valkey_store
-from kvledger.transfers.lower_tiers.valkey_store import (
+from kvledger.transfers.lower_tiers.valkey import store as valkey_store
+from kvledger.transfers.lower_tiers.valkey.store import (
     SLACK_BYTES,
     Landed,
     ValkeyServer,

@@ -49,7 +49,14 @@ import torch
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
 from kvledger.transfers.lower_tiers.block_errors import BlockFileError
-from kvledger.transfers.lower_tiers.block_file import (
+from kvledger.transfers.lower_tiers.block_header import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    NAMESPACE_BYTES,
+    seal_block,
+)
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal
+from kvledger.transfers.lower_tiers.fs.block_file import (
     ASIDE_SUFFIX,
     PROBE_PREFIX,
     SUFFIX,
@@ -63,13 +70,7 @@ from kvledger.transfers.lower_tiers.block_file import (
     read_open_block,
     write_block,
 )
-from kvledger.transfers.lower_tiers.block_header import (
-    FORMAT_VERSION,
-    HEADER_BYTES,
-    NAMESPACE_BYTES,
-    seal_block,
-)
-from kvledger.transfers.lower_tiers.block_pack import (
+from kvledger.transfers.lower_tiers.fs.block_pack import (
     ALIGN,
     BLOCKS_MAX,
     encode_table,
@@ -77,7 +78,6 @@ from kvledger.transfers.lower_tiers.block_pack import (
     punch_block,
     round_up,
 )
-from kvledger.transfers.lower_tiers.block_seal import BlockSeal
 from kvledger.transfers.lower_tiers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
 
 DIRECT_ALIGN = ALIGN
