@@ -17,8 +17,8 @@ then copies it to the device, and at the end the slot is stored or freed
 like a store's.
 
 A key's state in a tier (`key_state`: which of the tier's tables holds it)
-moves only as `TIER_KEY_MOVES` says: `_move` reads the row and moves the key
-between the tables. The states each function starts a move from are
+moves only as `TIER_KEY_MOVES` says: each move's target is its row, read once
+at import, and `_move` moves the key between the tables. The states each function starts a move from are
 asserted below, at import.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from typing import Final
 
 from . import effects as fx
 from . import slots
@@ -52,11 +53,29 @@ assert _sources(_MOVES, "evicted") == {_K.HELD}
 assert _sources(_MOVES, "reset") == {_K.HELD, _K.WRITING}
 
 
-def _move(tier: LowerTier, key: bytes, before: _K, action: str, job_id: int = 0) -> _K:
-    """Move `key`, in state `before`, as `TIER_KEY_MOVES` says: out of the table of
-    its state, into the table of the next (a key entering HELD becomes the most
+# Each move's target, read from the table once, at import (a constant per move, as the
+# slots' are): the per-key paths below look nothing up.
+_EVICTED: Final = _MOVES[(_K.HELD, "evicted")]
+_SPILL_PLANNED: Final = _MOVES[(_K.ABSENT, "spill_planned")]
+_SPILL_WRITTEN: Final = _MOVES[(_K.WRITING, "spill_written")]
+_SPILL_FAILED: Final = _MOVES[(_K.WRITING, "spill_failed")]
+_SPILL_STALE: Final = _MOVES[(_K.WRITING, "spill_ended_stale")]
+_READ_PLANNED: Final = _MOVES[(_K.HELD, "read_planned")]
+_HELD_READ_ENDED: Final = _MOVES[(_K.HELD, "read_ended")]
+_ABSENT_READ_ENDED: Final = _MOVES[(_K.ABSENT, "read_ended")]
+_HELD_READ_FAILED: Final = _MOVES[(_K.HELD, "read_failed")]
+_ABSENT_READ_FAILED: Final = _MOVES[(_K.ABSENT, "read_failed")]
+_ABSENT_FOUND: Final = _MOVES[(_K.ABSENT, "found")]
+_HELD_FOUND: Final = _MOVES[(_K.HELD, "found")]
+_WRITING_FOUND: Final = _MOVES[(_K.WRITING, "found")]
+_HELD_RESET: Final = _MOVES[(_K.HELD, "reset")]
+_WRITING_RESET: Final = _MOVES[(_K.WRITING, "reset")]
+
+
+def _move(tier: LowerTier, key: bytes, before: _K, after: _K, job_id: int = 0) -> _K:
+    """Move `key` from state `before` to `after` (a `TIER_KEY_MOVES` target): out of the
+    table of its state, into the table of the next (a key entering HELD becomes the most
     recently used; `job_id` is the spill writing one that enters WRITING)."""
-    after = _MOVES[(before, action)]
     if after is not before:
         if before is _K.HELD:
             del tier.held[key]
@@ -115,7 +134,7 @@ def _evict(tier: LowerTier, count: int) -> list[bytes]:
         if key not in reading:
             victims.append(key)
     for key in victims:
-        _move(tier, key, _K.HELD, "evicted")
+        _move(tier, key, _K.HELD, _EVICTED)
     tier.counts["evictions"] += len(victims)
     return victims
 
@@ -168,7 +187,7 @@ def plan_spills(core: Core, keys: tuple, slot_ids: tuple, out: list[fx.Effect]) 
         slots.load_planned(core, job_keys, job_slots)  # the slots are read until the spill ends
         spill_reads = core.spill_reads
         for _, key, slot in wanted:
-            _move(tier, key, _K.ABSENT, "spill_planned", job_id)
+            _move(tier, key, _K.ABSENT, _SPILL_PLANNED, job_id)
             spill_reads[slot] = spill_reads.get(slot, 0) + 1
         tier.counts["spills"] += 1
         out.append(fx.StartSpill(job_id=job_id, tier=index, keys=job_keys, source_slot_ids=job_slots))
@@ -193,8 +212,8 @@ def spill_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     written: list[bytes] = []
     for group_keys in job.keys:
         for key in group_keys:
-            action = "spill_ended_stale" if job.stale else "spill_failed" if key in failed else "spill_written"
-            (written if _move(tier, key, _K.WRITING, action) is _K.HELD else drop).append(key)
+            after = _SPILL_STALE if job.stale else _SPILL_FAILED if key in failed else _SPILL_WRITTEN
+            (written if _move(tier, key, _K.WRITING, after) is _K.HELD else drop).append(key)
     tier.counts["keys_written"] += len(written)
     tier.counts["write_failures"] += len(failed)
     if written:
@@ -226,7 +245,7 @@ def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]], out: 
     got = [next(twice) if key in again else next(fresh) for _, _, key in taken]
     for _, tier_index, key in taken:
         tier = core.lower[tier_index - 1]
-        _move(tier, key, _K.HELD, "read_planned")  # held, and counted as read
+        _move(tier, key, _K.HELD, _READ_PLANNED)  # held, and counted as read
         tier.reading[key] = tier.reading.get(key, 0) + 1
     return got + [-1] * (len(promoted) - len(taken))
 
@@ -248,11 +267,11 @@ def promotions_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
             del tier.reading[key]
         before = _K.HELD if key in tier.held else _K.ABSENT  # a reset may have removed it meanwhile
         if key in failed:
-            if _move(tier, key, before, "read_failed") is not before:
+            if _move(tier, key, before, _HELD_READ_FAILED if before is _K.HELD else _ABSENT_READ_FAILED) is not before:
                 drops.setdefault(tier_index, []).append(key)
             tier.counts["read_failures"] += 1
         else:
-            if _move(tier, key, before, "read_ended") is _K.HELD:  # most recently used now
+            if _move(tier, key, before, _HELD_READ_ENDED if before is _K.HELD else _ABSENT_READ_ENDED) is _K.HELD:  # most recently used now
                 del tier.held[key]
                 tier.held[key] = None
             tier.counts["keys_read"] += 1
@@ -282,7 +301,8 @@ def keys_found(core: Core, index: int, keys: tuple[bytes, ...], out: list[fx.Eff
     new = []
     for key in dict.fromkeys(keys):
         before = key_state(tier, key)
-        if _move(tier, key, before, "found") is not before:
+        if _move(tier, key, before, _HELD_FOUND if before is _K.HELD else _WRITING_FOUND if before is _K.WRITING
+                 else _ABSENT_FOUND) is not before:
             new.append(key)
     tier.counts["keys_found"] += len(new)
     if new:
@@ -297,9 +317,9 @@ def drop_all(core: Core, out: list[fx.Effect]) -> int:
     for index, tier in enumerate(core.lower, start=1):
         keys = tuple(tier.held)
         for key in keys:
-            _move(tier, key, _K.HELD, "reset")
+            _move(tier, key, _K.HELD, _HELD_RESET)
         for key in tuple(tier.writing):
-            _move(tier, key, _K.WRITING, "reset")  # stays being written: removed when its now stale spill ends
+            _move(tier, key, _K.WRITING, _WRITING_RESET)  # stays being written: removed when its now stale spill ends
         tier.counts["evictions"] += len(keys)
         dropped += len(keys)
         if keys:

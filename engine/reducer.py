@@ -51,14 +51,14 @@ from .state import LOAD as _LOAD
 from .state import SPILL as _SPILL
 from .state import STORE as _STORE
 from .state import Core, FreeRule, Job, JobKind, JobStage, RequestState, RequestStatus, State
-from .transitions import GONE, JOB_MOVES, REQUEST_MOVES, STEPPABLE, move_job, moves_by_kind, sources
+from .transitions import GONE, JOB_MOVES, REQUEST_MOVES, STEPPABLE, flush_job, moves_by_kind, sources
 
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
 
 _PIN: Final = Protection.PIN
 _LAZY: Final = StoreMode.LAZY
 
-# A job's life: its stage moves as `JOB_MOVES` says, read per move (`transitions.move_job`).
+# A job's life: its stage moves as `JOB_MOVES` says (`transitions.start_job`, `flush_job`).
 # What the code around the moves relies on: only an in-flight store is flushed (`_flush`
 # asserts it), and a job its last worker reported on is gone whatever its stage (its end
 # is then handled by kind).
@@ -324,7 +324,7 @@ def _flush(core: Core, job_ids: list[int], out: list[fx.Effect]) -> None:
         job = core.jobs[job_id]
         assert job.kind is _STORE and not job.flushed
         _release_sources(core, job)
-        move_job(job, "flushed")
+        flush_job(job)
     core.stats.flushes += 1
     core.stats.jobs_flushed += len(job_ids)
     out.append(fx.FlushStores(job_ids=tuple(job_ids)))
@@ -539,9 +539,8 @@ def _load_failed(core: Core, event: ev.LoadFailed, out: list[fx.Effect]) -> None
 def _worker_reported(core: Core, job: Job, worker: int, out: list[fx.Effect]) -> None:
     job.pending_workers &= ~(1 << worker)
     if job.pending_workers:
-        move_job(job, "worker_reported")
-        return
-    move_job(job, "last_worker_reported")  # gone, whatever its stage
+        return  # its stage stays (`worker_reported` rows)
+    # gone, whatever its stage (`last_worker_reported` rows)
     del core.jobs[job.job_id]
     if job.kind is _STORE:
         _store_ended(core, job, out)
@@ -627,8 +626,7 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None
         raise ProtocolViolation("epoch_not_increasing", f"epoch {event.epoch} after {core.epoch}")
     dropped = slots.drop_all(core)
     for job in core.jobs.values():
-        move_job(job, "reset")
-        job.stale = True
+        job.stale = True  # its stage stays (`reset` rows)
     for request in core.requests.values():
         _restart_stores(request)
         if event.rekeyed:

@@ -18,6 +18,8 @@ from them.
 
 from __future__ import annotations
 
+from typing import Final
+
 from .state import Job
 from .state import JobStage as J
 from .state import RequestStatus as R
@@ -135,20 +137,27 @@ def job_move(stage: J | None, action: str) -> J | None:
     return JOB_MOVES[(stage, action)]
 
 
+# A job's moves, their targets read from the table once, here (a constant per move, as the
+# slots' are). A report from a worker that others still owe, and a reset, leave a job in its
+# stage (their rows, asserted), so those moves set nothing; the last report ends it, gone.
+_STARTED_OR_GONE = JOB_MOVES[(None, "started")]
+_FLUSHED_OR_GONE = JOB_MOVES[(J.IN_FLIGHT, "flushed")]
+assert _STARTED_OR_GONE is not None and _FLUSHED_OR_GONE is not None
+_STARTED: Final[J] = _STARTED_OR_GONE
+_FLUSHED: Final[J] = _FLUSHED_OR_GONE
+assert all(JOB_MOVES[(stage, "worker_reported")] is stage for stage in J)
+assert all(JOB_MOVES[(stage, "reset")] is stage for stage in J)
+assert all(JOB_MOVES[(stage, "last_worker_reported")] is GONE for stage in J)
+
+
 def start_job(job: Job) -> None:
     """A job begins its life as `JOB_MOVES` says: the reducer's, admission's and the lower tiers' jobs alike."""
-    stage = JOB_MOVES[(None, "started")]
-    assert stage is not None
-    job.stage = stage
+    job.stage = _STARTED
 
 
-def move_job(job: Job, action: str) -> J | None:
-    """The job's stage after `action`, as `JOB_MOVES` says (None: gone, its end the caller's to
-    handle); a move with no row is a broken invariant (the protocol checks refuse such reports first)."""
-    stage = JOB_MOVES[(job.stage, action)]
-    if stage is not None:
-        job.stage = stage
-    return stage
+def flush_job(job: Job) -> None:
+    """An in-flight store the worker waits for before the step's forward (`flushed`)."""
+    job.stage = _FLUSHED
 
 
 def moves_by_kind(moves: dict[tuple[R | None, str], R | None]) -> dict[str, dict[R | None, R | None]]:
