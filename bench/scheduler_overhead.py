@@ -348,12 +348,12 @@ class LedgerWorker(SimulatedWorker):
 
     def worker_meta(self, done):
         from kvledger.adapters.vllm.metadata import KVLedgerWorkerMetadata
-        from kvledger.events.types import LoadCompleted, StoreCompleted
+        from kvledger.events.types import transfer_report
 
         if not done:
             return None
-        kinds = {"store": StoreCompleted, "load": LoadCompleted}
-        return KVLedgerWorkerMetadata(events=tuple(kinds[kind](job_id=job_id) for kind, job_id, _ in done))
+        return KVLedgerWorkerMetadata(events=tuple(transfer_report(job_id, 0, load=kind == "load")
+                                                   for kind, job_id, _ in done))
 
 
 class OffloadingWorker(SimulatedWorker):

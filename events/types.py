@@ -281,5 +281,22 @@ Event = Union[
 TransferEvent = Union[StoreCompleted, StoreFailed, LoadCompleted, LoadFailed]
 """A transfer's outcome, as a worker reports it to the scheduler."""
 
+
+def transfer_report(job_id: int, worker_index: int, *, load: bool, failed: bool = False,
+                    block_ids: Iterable[int] = (), keys: Iterable[bytes] = ()) -> TransferEvent:
+    """What a worker says when its part of a job ends: the one model of that report, for the
+    runner and for everything that stands in for vLLM's workers (the simulator, whatif's
+    re-drive, the benchmarks). A store (or spill) fails whole (`failed`) or in `keys`; a load
+    fails in `block_ids`, the targets it could not fill, whose sources are `keys`."""
+    keys = tuple(keys)
+    if not load:
+        if failed or keys:
+            return StoreFailed(job_id=job_id, worker_index=worker_index, keys=keys)
+        return StoreCompleted(job_id=job_id, worker_index=worker_index)
+    block_ids = tuple(block_ids)
+    if failed or block_ids:
+        return LoadFailed(job_id=job_id, worker_index=worker_index, block_ids=block_ids, keys=keys)
+    return LoadCompleted(job_id=job_id, worker_index=worker_index)
+
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
 KIND_TO_TYPE: dict[str, type] = {t.kind: t for t in EVENT_TYPES}  # type: ignore[attr-defined]

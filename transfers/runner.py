@@ -36,7 +36,7 @@ from kvledger.engine.effects import (
     StartStore,
 )
 from kvledger.events.keys import hex_keys
-from kvledger.events.types import LoadCompleted, LoadFailed, StoreCompleted, StoreFailed, TransferEvent
+from kvledger.events.types import StoreFailed, TransferEvent, transfer_report
 from kvledger.transfers.copies.backend import CopyBackend, CopyJob, Direction, JobOutcome, TransferTimeout
 from kvledger.transfers.lower_tiers.tier_jobs import LowerTierJobs, Position, TierIO, TierStat
 from kvledger.transfers.preconditions import Limits, precondition_error
@@ -196,13 +196,10 @@ class TransferRunner:
             keys=hex_keys(keys),
             problem=problem,
         )
-        if isinstance(effect, StartStore):
-            self._ready.append(StoreFailed(job_id=effect.job_id, worker_index=self.worker_index, keys=keys))
-        else:
-            blocks = tuple(b for group in effect.target_block_ids for b in group)
-            self._ready.append(
-                LoadFailed(job_id=effect.job_id, worker_index=self.worker_index, block_ids=blocks, keys=keys)
-            )
+        load = not isinstance(effect, StartStore)
+        blocks = tuple(b for group in effect.target_block_ids for b in group) if load else ()
+        self._ready.append(transfer_report(effect.job_id, self.worker_index, load=load, failed=True,
+                                           block_ids=blocks, keys=keys))
 
     def poll(self) -> list[TransferEvent]:
         """Completion events since the last poll, in the order jobs finished."""
@@ -285,13 +282,9 @@ class TransferRunner:
         job_id, worker = effect.job_id, self.worker_index
         keys = tuple(effect.keys[g][i] for g, i in outcome.failed)
         if isinstance(effect, StartStore):
-            if outcome.ok:
-                return StoreCompleted(job_id=job_id, worker_index=worker)
-            return StoreFailed(job_id=job_id, worker_index=worker, keys=keys)
-        if outcome.ok:
-            return LoadCompleted(job_id=job_id, worker_index=worker)
+            return transfer_report(job_id, worker, load=False, failed=not outcome.ok, keys=keys)
         blocks = tuple(effect.target_block_ids[g][i] for g, i in outcome.failed)
-        return LoadFailed(job_id=job_id, worker_index=worker, block_ids=blocks, keys=keys)
+        return transfer_report(job_id, worker, load=True, failed=not outcome.ok, block_ids=blocks, keys=keys)
 
     def wait_loads(self, timeout_s: float) -> None:
         """Block, up to `timeout_s` and without raising, until every load in

@@ -307,15 +307,11 @@ class Redrive:
         """A worker's report that the job ended: a load whose promoted blocks a shared tier no
         longer holds (another replica's writes evicted them) fails for those."""
         if not load:
-            self._apply(ev.StoreCompleted(job_id=job, worker_index=worker))
+            self._apply(ev.transfer_report(job, worker, load=False))
             return
         shared = self.shared
         gone = [(key, block) for key, block in self._promoted.get(job, ()) if shared is not None and not shared.holds(key)]
-        if gone:
-            self._apply(ev.LoadFailed(job_id=job, worker_index=worker, block_ids=tuple(b for _, b in gone),
-                                      keys=tuple(k for k, _ in gone)))
-        else:
-            self._apply(ev.LoadCompleted(job_id=job, worker_index=worker))
+        self._apply(ev.transfer_report(job, worker, load=True, block_ids=[b for _, b in gone], keys=[k for k, _ in gone]))
         if queries.job_view(self.state, job) is None:
             self._promoted.pop(job, None)
 

@@ -632,17 +632,10 @@ class Simulator:
         if last:
             del self.jobs[job_id]
         if isinstance(effect, (fx.StartStore, fx.StartSpill)):
-            if fail:
-                self.emit(ev.StoreFailed(job_id=job_id, worker_index=worker))
-            else:
-                self.emit(ev.StoreCompleted(job_id=job_id, worker_index=worker))
+            self.emit(ev.transfer_report(job_id, worker, load=False, failed=fail))
             return
-        if fail:
-            keys = [k for ks, bs in zip(effect.keys, effect.target_block_ids)
-                    for k, b in zip(ks, bs) if b in job.failed]
-            self.emit(ev.LoadFailed(job_id=job_id, worker_index=worker, block_ids=sorted(job.failed), keys=keys))
-        else:
-            self.emit(ev.LoadCompleted(job_id=job_id, worker_index=worker))
+        keys = [k for ks, bs in zip(effect.keys, effect.target_block_ids) for k, b in zip(ks, bs) if b in job.failed]
+        self.emit(ev.transfer_report(job_id, worker, load=True, failed=fail, block_ids=sorted(job.failed), keys=keys))
         if last:
             self._load_ended(job, effect)
 

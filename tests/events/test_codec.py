@@ -158,3 +158,14 @@ def test_field_types_without_a_log_form_fail_at_import_time() -> None:
         value_codecs(float)
     with pytest.raises(TypeError, match="has no log form"):
         value_codecs(tuple[int, str])
+
+
+def test_a_workers_report_of_a_job_s_end_is_one_model() -> None:
+    from kvledger.events.types import transfer_report
+
+    assert transfer_report(3, 1, load=False) == ev.StoreCompleted(job_id=3, worker_index=1)
+    assert transfer_report(3, 1, load=False, failed=True) == ev.StoreFailed(job_id=3, worker_index=1)
+    assert transfer_report(3, 0, load=False, keys=[b"k"]) == ev.StoreFailed(job_id=3, worker_index=0, keys=(b"k",))
+    assert transfer_report(4, 0, load=True) == ev.LoadCompleted(job_id=4, worker_index=0)
+    assert transfer_report(4, 0, load=True, block_ids=[7], keys=[b"k"]) == ev.LoadFailed(
+        job_id=4, worker_index=0, block_ids=(7,), keys=(b"k",))
