@@ -80,10 +80,8 @@ def _open(path: Path) -> BinaryIO:
     check_regular(path)
     try:
         file: BinaryIO = path.open("rb")
-    except FileNotFoundError:
+    except FileNotFoundError:  # removed since `check_regular` looked
         raise LogError("no such log", source=str(path)) from None
-    except IsADirectoryError:
-        raise LogError("is a directory, not a log", source=str(path)) from None
     except OSError as exc:
         raise LogError(f"cannot open: {exc.strerror or exc}", source=str(path)) from None
     try:
@@ -162,8 +160,13 @@ def open_log(path: str | os.PathLike, *, resolve: bool = True) -> tuple[LogHeade
         raise
     if resolve and header.config.rules == RULES_UNRESOLVED:
         file.close()
-        return log_rules.resolve(source, header, _unresolved), _unresolved(source)[1]
+        return resolve_rules(source, header), _unresolved(source)[1]
     return header, records_closing(records, file, source)
+
+
+def resolve_rules(source: str, header: LogHeader) -> LogHeader:
+    """The header with the log's rules: for a 0.1.0 log, as its records show them (`log_rules`)."""
+    return log_rules.resolve(source, header, _unresolved)
 
 
 def _unresolved(path: str) -> tuple[LogHeader, Iterator[Record]]:

@@ -21,8 +21,7 @@ from typing import BinaryIO
 
 import attrs
 
-from kvledger.adapters import log_rules
-from kvledger.adapters.log_files import check_regular, open_log, records_closing
+from kvledger.adapters.log_files import check_regular, open_log, records_closing, resolve_rules
 from kvledger.events.log_binary import (
     MAGIC_PREFIX,
     TRAILER_BYTES,
@@ -130,7 +129,7 @@ def open_log_at(path: str | os.PathLike, events_before: int) -> LogStart:
         return LogStart(header, None, records, Snapshots((), "none"))
     file, log = opened
     with _closed_on_error(file, source):
-        header = _rules_resolved(source, log.header)
+        header = resolve_rules(source, log.header)
         snapshots = _marks(file, log)
         usable = [m for m in snapshots.marks if m.seq <= events_before]
         if not usable:
@@ -161,12 +160,8 @@ def read_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> tuple[LogHeade
     log's end; the file closes when they have been read)."""
     file, log, snapshot, records = _at_snapshot(path, mark)
     with _closed_on_error(file, str(path)):
-        header = _rules_resolved(str(path), log.header)
+        header = resolve_rules(str(path), log.header)
     return header, snapshot, records_closing(records, file, str(path))
-
-
-def _rules_resolved(path: str, header: LogHeader) -> LogHeader:
-    return log_rules.resolve(path, header, lambda source: open_log(source, resolve=False))
 
 
 def load_snapshot(path: str | os.PathLike, mark: SnapshotMark) -> SnapshotRecord:

@@ -40,30 +40,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # noop_connector, load
 BEFORE = "KVLEDGER_E2E_BEFORE"  # set only for kvledger-before's engine process: the tree its kvledger comes from
 
 
+def _tree_loader():
+    """The compat corpus's loader of kvledger from another checkout (tests/compat/tree_site), by path:
+    nothing of kvledger may be imported before it runs."""
+    spec = importlib.util.spec_from_file_location(
+        "_kvledger_tree_loader", Path(__file__).resolve().parents[1] / "tests" / "compat" / "tree_site" / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    return loader
+
+
 def _check_from(tree: Path) -> None:
     """Fail unless every kvledger module loaded came from `tree`."""
-    stray = [name for name, module in list(sys.modules.items()) if (name == "kvledger" or name.startswith("kvledger."))
-             and getattr(module, "__file__", None) and not Path(module.__file__).resolve().is_relative_to(tree)]
+    stray = _tree_loader().stray_modules(tree)
     if stray:
         raise SystemExit(f"kvledger-before: {', '.join(stray)} not loaded from {tree}")
 
 
-def _import_kvledger_from(tree: Path) -> None:
-    """Load the package from `tree`, before anything imports it: the editable
-    install maps the name `kvledger` to this checkout; submodules then follow
-    the package's path."""
-    spec = importlib.util.spec_from_file_location("kvledger", tree / "__init__.py",
-                                                  submodule_search_locations=[str(tree)])
-    assert spec is not None and spec.loader is not None, tree
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kvledger"] = module
-    spec.loader.exec_module(module)
-    _check_from(tree)
-    print(f"kvledger-before: kvledger from {module.__file__}, {module.BUILD}", flush=True)
-
-
 if os.environ.get(BEFORE):
-    _import_kvledger_from(Path(os.environ[BEFORE]).resolve())
+    _tree_loader().load(Path(os.environ[BEFORE]).resolve())
+    _check_from(Path(os.environ[BEFORE]).resolve())
+    print(f"kvledger-before: kvledger from {sys.modules['kvledger'].__file__}, {sys.modules['kvledger'].BUILD}",
+          flush=True)
 
 from kvledger.adapters.cli.demo import ask, words  # noqa: E402
 from kvledger.adapters.settings import kv_transfer_config  # noqa: E402

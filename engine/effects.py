@@ -199,17 +199,20 @@ WORKER_PHASES = (Phase.BEFORE_STEP, Phase.LOADS, Phase.AFTER_FORWARD)
 _H = TypeVar("_H")
 
 
-def dispatch_table(consumer: str, table: Mapping[type, _H | None]) -> dict[type, _H | None]:
-    """A consumer's handler for each effect kind, `None` for a kind it has no use
-    for. Checked when the consumer is imported: a table that does not name every
-    kind fails there, so a new kind is a decision in each consumer, never a silent skip."""
-    missing = [kind.__name__ for kind in EFFECT_TYPES if kind not in table]
-    strays = [kind.__name__ if isinstance(kind, type) else repr(kind) for kind in table if kind not in EFFECT_TYPES]
-    if missing or strays:
+def dispatch_table(consumer: str, handlers: Mapping[type, _H], ignored: Iterable[type]) -> dict[type, _H | None]:
+    """A consumer's handler for each effect kind it acts on, and `None` for each kind it
+    names as `ignored`. Checked when the consumer is imported: every kind named exactly
+    once, so a new kind is a decision in each consumer, never a silent skip."""
+    named = [*handlers, *ignored]
+    missing = [kind.__name__ for kind in EFFECT_TYPES if kind not in named]
+    twice = sorted({kind.__name__ for kind in named if isinstance(kind, type) and named.count(kind) > 1})
+    strays = [kind.__name__ if isinstance(kind, type) else repr(kind) for kind in named if kind not in EFFECT_TYPES]
+    if missing or twice or strays:
         raise AssertionError(f"{consumer}: its effect table must name every effect kind once"
                              + (f"; missing {', '.join(missing)}" if missing else "")
+                             + (f"; named twice {', '.join(twice)}" if twice else "")
                              + (f"; not effect kinds: {', '.join(strays)}" if strays else ""))
-    return dict(table)
+    return {**dict.fromkeys(ignored), **handlers}
 
 
 def route(effects: Iterable[Effect]) -> dict[Phase, list[Effect]]:

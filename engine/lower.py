@@ -18,8 +18,9 @@ like a store's.
 
 A key's state in a tier (`key_state`: which of the tier's tables holds it)
 moves only as `TIER_KEY_MOVES` says: each move's target is its row, read once
-at import, and `_move` moves the key between the tables. The states each function starts a move from are
-asserted below, at import.
+at import, and `_move` moves the key between the tables. The states each
+function starts a move from, and the rows that leave a key where it is (a
+read planned on a held key, a reset of one being written), are asserted below.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ assert _sources(_MOVES, "spill_ended_stale") == {_K.WRITING}
 assert _sources(_MOVES, "read_planned") == {_K.HELD} and _MOVES[(_K.HELD, "read_planned")] is _K.HELD
 assert _sources(_MOVES, "read_ended") == _sources(_MOVES, "read_failed") == {_K.HELD, _K.ABSENT}
 assert _sources(_MOVES, "evicted") == {_K.HELD}
-assert _sources(_MOVES, "reset") == {_K.HELD, _K.WRITING}
+assert _sources(_MOVES, "reset") == {_K.HELD, _K.WRITING} and _MOVES[(_K.WRITING, "reset")] is _K.WRITING
 
 
 # Each move's target, read from the table once, at import (a constant per move, as the
@@ -60,16 +61,11 @@ _SPILL_PLANNED: Final = _MOVES[(_K.ABSENT, "spill_planned")]
 _SPILL_WRITTEN: Final = _MOVES[(_K.WRITING, "spill_written")]
 _SPILL_FAILED: Final = _MOVES[(_K.WRITING, "spill_failed")]
 _SPILL_STALE: Final = _MOVES[(_K.WRITING, "spill_ended_stale")]
-_READ_PLANNED: Final = _MOVES[(_K.HELD, "read_planned")]
-_HELD_READ_ENDED: Final = _MOVES[(_K.HELD, "read_ended")]
-_ABSENT_READ_ENDED: Final = _MOVES[(_K.ABSENT, "read_ended")]
-_HELD_READ_FAILED: Final = _MOVES[(_K.HELD, "read_failed")]
-_ABSENT_READ_FAILED: Final = _MOVES[(_K.ABSENT, "read_failed")]
-_ABSENT_FOUND: Final = _MOVES[(_K.ABSENT, "found")]
-_HELD_FOUND: Final = _MOVES[(_K.HELD, "found")]
-_WRITING_FOUND: Final = _MOVES[(_K.WRITING, "found")]
 _HELD_RESET: Final = _MOVES[(_K.HELD, "reset")]
-_WRITING_RESET: Final = _MOVES[(_K.WRITING, "reset")]
+# Moves whose start is the key's state at the time: per state, its target.
+_READ_ENDED: Final = {state: _MOVES[(state, "read_ended")] for state in _sources(_MOVES, "read_ended")}
+_READ_FAILED: Final = {state: _MOVES[(state, "read_failed")] for state in _sources(_MOVES, "read_failed")}
+_FOUND: Final = {state: _MOVES[(state, "found")] for state in _sources(_MOVES, "found")}
 
 
 def _move(tier: LowerTier, key: bytes, before: _K, after: _K, job_id: int = 0) -> _K:
@@ -244,9 +240,8 @@ def reserve_promotions(core: Core, promoted: list[tuple[int, int, bytes]], out: 
     fresh, twice = iter(placed), iter(spare)
     got = [next(twice) if key in again else next(fresh) for _, _, key in taken]
     for _, tier_index, key in taken:
-        tier = core.lower[tier_index - 1]
-        _move(tier, key, _K.HELD, _READ_PLANNED)  # held, and counted as read
-        tier.reading[key] = tier.reading.get(key, 0) + 1
+        reading = core.lower[tier_index - 1].reading  # held still (`read_planned`), and counted as read
+        reading[key] = reading.get(key, 0) + 1
     return got + [-1] * (len(promoted) - len(taken))
 
 
@@ -267,11 +262,11 @@ def promotions_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
             del tier.reading[key]
         before = _K.HELD if key in tier.held else _K.ABSENT  # a reset may have removed it meanwhile
         if key in failed:
-            if _move(tier, key, before, _HELD_READ_FAILED if before is _K.HELD else _ABSENT_READ_FAILED) is not before:
+            if _move(tier, key, before, _READ_FAILED[before]) is not before:
                 drops.setdefault(tier_index, []).append(key)
             tier.counts["read_failures"] += 1
         else:
-            if _move(tier, key, before, _HELD_READ_ENDED if before is _K.HELD else _ABSENT_READ_ENDED) is _K.HELD:  # most recently used now
+            if _move(tier, key, before, _READ_ENDED[before]) is _K.HELD:  # most recently used now
                 del tier.held[key]
                 tier.held[key] = None
             tier.counts["keys_read"] += 1
@@ -301,8 +296,7 @@ def keys_found(core: Core, index: int, keys: tuple[bytes, ...], out: list[fx.Eff
     new = []
     for key in dict.fromkeys(keys):
         before = key_state(tier, key)
-        if _move(tier, key, before, _HELD_FOUND if before is _K.HELD else _WRITING_FOUND if before is _K.WRITING
-                 else _ABSENT_FOUND) is not before:
+        if _move(tier, key, before, _FOUND[before]) is not before:
             new.append(key)
     tier.counts["keys_found"] += len(new)
     if new:
@@ -316,10 +310,8 @@ def drop_all(core: Core, out: list[fx.Effect]) -> int:
     dropped = 0
     for index, tier in enumerate(core.lower, start=1):
         keys = tuple(tier.held)
-        for key in keys:
+        for key in keys:  # what is being written stays so (`reset` rows), removed when its now stale spill ends
             _move(tier, key, _K.HELD, _HELD_RESET)
-        for key in tuple(tier.writing):
-            _move(tier, key, _K.WRITING, _WRITING_RESET)  # stays being written: removed when its now stale spill ends
         tier.counts["evictions"] += len(keys)
         dropped += len(keys)
         if keys:

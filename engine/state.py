@@ -244,9 +244,7 @@ class Job:
         # job is not two sets the cyclic collector counts; a failure rebinds a new one.
         self.failed_keys: AbstractSet[bytes] = _NO_KEYS
         self.failed_blocks: AbstractSet[int] = _NO_BLOCKS
-        # Its stage, moved only as `JOB_MOVES` says (the reducer); it starts in flight,
-        # `JOB_MOVES[(None, "started")]` (asserted there).
-        self.stage = JobStage.IN_FLIGHT
+        self.stage = JobStage.IN_FLIGHT  # moved only as `JOB_MOVES` says (`transitions.start_job`, `flush_job`)
         self.stale = False  # started before a cache reset: its outcome no longer counts
         self.num_tokens = num_tokens  # LOAD: tokens the hit covers
         self.tier = 0  # SPILL: the lower tier written (1 = the first below host memory)

@@ -8,9 +8,9 @@ pseudo-kinds. The reducer takes both whether a move is legal and the status
 it leads to from `REQUEST_MOVES` (a pair that is missing is a protocol
 violation), and `engine/slots.py` takes each slot action's target from
 `SLOT_MOVES`. A key's life in a tier below host memory is `TIER_KEY_MOVES`
-(`engine/lower.py` reads a row per move), a transfer's between its start and
-its last report `JOB_MOVES` (`start_job` and `move_job`, below); each module
-asserts at import the states its moves start from.
+(`engine/lower.py`), a transfer's between its start and its last report
+`JOB_MOVES` (`start_job` and `flush_job`, below): each move's target is read
+from its row once, at import, and the states the moves start from are asserted.
 `tests/engine/test_transitions.py` checks the tables cell by cell, and that
 the reducer consults every request row; `docs/transitions.md` is rendered
 from them.
@@ -140,11 +140,14 @@ def job_move(stage: J | None, action: str) -> J | None:
 # A job's moves, their targets read from the table once, here (a constant per move, as the
 # slots' are). A report from a worker that others still owe, and a reset, leave a job in its
 # stage (their rows, asserted), so those moves set nothing; the last report ends it, gone.
-_STARTED_OR_GONE = JOB_MOVES[(None, "started")]
-_FLUSHED_OR_GONE = JOB_MOVES[(J.IN_FLIGHT, "flushed")]
-assert _STARTED_OR_GONE is not None and _FLUSHED_OR_GONE is not None
-_STARTED: Final[J] = _STARTED_OR_GONE
-_FLUSHED: Final[J] = _FLUSHED_OR_GONE
+def _stage_after(stage: J | None, action: str) -> J:
+    after = JOB_MOVES[(stage, action)]
+    assert after is not None, (stage, action)
+    return after
+
+
+_STARTED: Final = _stage_after(None, "started")
+_FLUSHED: Final = _stage_after(J.IN_FLIGHT, "flushed")
 assert all(JOB_MOVES[(stage, "worker_reported")] is stage for stage in J)
 assert all(JOB_MOVES[(stage, "reset")] is stage for stage in J)
 assert all(JOB_MOVES[(stage, "last_worker_reported")] is GONE for stage in J)

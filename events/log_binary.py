@@ -83,8 +83,8 @@ from kvledger.events.log_records import (
     install_words,
     is_digest,
     join_digest,
+    newer_words,
     split_digest,
-    writer_words,
 )
 from kvledger.events.schema import SCHEMAS, InvalidValue, KindSchema, Strings, json_form_decoder
 from kvledger.events.types import Event
@@ -352,13 +352,12 @@ def _layout(value: object) -> tuple[int, list] | None:
     return version, [list(f) for f in fields]
 
 
-def _row_readers(kinds: object, layouts: object, header: LogHeader | None = None
-                 ) -> tuple[dict[int, tuple[int, RowReader]], str | None]:
+def _row_readers(kinds: object, layouts: object, header: LogHeader) -> tuple[dict[int, tuple[int, RowReader]], str | None]:
     """code -> (version, reader) from the header; or a problem. Unknown kinds and newer
     versions fail only when a row uses them (naming the build that wrote them):
     a log may list kinds it never wrote."""
-    newer = "" if header is None else (f"; written by {header.writer}: replay it with that build or a later "
-                                       f"one ({install_words(header.engine_version, header.commit)})")
+    newer = (f"; written by {header.writer}: replay it with that build or a later one "
+             f"({install_words(header.engine_version, header.commit)})")
     if not isinstance(kinds, dict) or not isinstance(layouts, dict):
         return {}, "kinds and layouts must be mappings"
     readers: dict[int, tuple[int, RowReader]] = {}
@@ -492,9 +491,7 @@ def _read_header(chunks: _Chunks) -> BinaryLog:
         identity = _newer_identity(chunks)
         if identity is None:
             raise LogError(f"binary format version {version} is newer than this reader knows ({FORMAT_VERSION})")
-        raise LogError(f"written by {writer_words(*identity)} in binary format {version}; this build reads "
-                       f"formats 1-{FORMAT_VERSION}: replay it with that build or a later one "
-                       f"({install_words(*identity)})")
+        raise LogError(newer_words(*identity, f"in binary format {version}", f"formats 1-{FORMAT_VERSION}"))
     if version not in _HEADER_EXTRA_KEYS:
         raise LogError(f"binary format version {version} does not exist")
     payload = _read_frame(chunks, None)

@@ -97,8 +97,15 @@ def writer_words(engine_version: str, commit: str) -> str:
 
 def install_words(engine_version: str, commit: str) -> str:
     """How to install that build, from a clone of kvledger's repository."""
-    ref = commit.removesuffix("+dirty")[:12] if commit else f"the tag or commit of release {engine_version}"
-    return f"git checkout {ref} && pip install ." if commit else f"git checkout <{ref}> && pip install ."
+    ref = commit.removesuffix("+dirty")[:12] if commit else f"<the tag or commit of release {engine_version}>"
+    return f"git checkout {ref} && pip install ."
+
+
+def newer_words(engine_version: str, commit: str, written: str, reads: str) -> str:
+    """A log this build cannot read, refused naming the build that can: `written` says in what
+    (`in log schema 3`), `reads` what this build reads (`schemas 1-2`)."""
+    return (f"written by {writer_words(engine_version, commit)} {written}; this build reads {reads}: replay it "
+            f"with that build or a later one ({install_words(engine_version, commit)})")
 
 
 def _check_step_index(instance: EventRecord, _attribute: object, step_index: int) -> None:
@@ -183,9 +190,8 @@ def header_from_dict(data: object, *, extra_keys: Iterable[str] = (), line: int 
     if schema_version > LOG_SCHEMA_VERSION:
         version, commit = data.get("engine_version"), data.get("commit", "")
         if type(version) is str and type(commit) is str:
-            raise fail(f"written by {writer_words(version, commit)} in log schema {schema_version}; this "
-                       f"build reads schemas 1-{LOG_SCHEMA_VERSION}: replay it with that build or a later "
-                       f"one ({install_words(version, commit)})")
+            raise fail(newer_words(version, commit, f"in log schema {schema_version}",
+                                   f"schemas 1-{LOG_SCHEMA_VERSION}"))
         raise fail(f"schema_version {schema_version} is newer than this reader knows ({LOG_SCHEMA_VERSION})")
     known = {*_HEADER_KEYS, *_HEADER_KEYS_OPTIONAL, *extra_keys}
     missing = [key for key in (*_HEADER_KEYS, *extra_keys) if key not in data]
@@ -204,9 +210,7 @@ def header_from_dict(data: object, *, extra_keys: Iterable[str] = (), line: int 
     rules = data["config"].get("rules") if isinstance(data["config"], dict) else None
     if type(rules) is int and rules > RULES:
         version = str(data["engine_version"])
-        raise fail(f"written by {writer_words(version, commit)} under engine rules {rules}; this build "
-                   f"replays rules 1-{RULES}: replay it with that build or a later one "
-                   f"({install_words(version, commit)})")
+        raise fail(newer_words(version, commit, f"under engine rules {rules}", f"rules 1-{RULES}"))
     try:
         config = EngineConfig.from_dict(data["config"])
     except (TypeError, ValueError) as exc:

@@ -162,27 +162,22 @@ def _tiers(text: str, config: EngineConfig, flag: str = "--secondary-tiers") -> 
     from kvledger.transfers.lower_tiers.tier_types import parse_tiers, tier_blocks
 
     copies = config.tier_copies or config.world_size  # logs before 0.2.0: one file per rank
-    specs = []
-    for index, entry in enumerate(tiers, start=1):
-        counted = entry.get("num_blocks")
+    counts = [entry.get("num_blocks") for entry in tiers]
+    for index, (entry, counted) in enumerate(zip(tiers, counts), start=1):
         if counted is None and "capacity_bytes" not in entry:
             raise BadArgument(f"{flag}: tier {index} needs capacity_bytes or num_blocks")
-        sized = {**entry, "capacity_bytes": 1} if counted is not None else entry
-        try:
-            (tier,) = parse_tiers([{k: v for k, v in sized.items() if k != "num_blocks"}], located=False)
-            if counted is not None:
-                blocks = counted
-            elif not config.slot_bytes:
-                raise BadArgument(f"{flag} tier {index}: this log does not record its slot size (recorded before "
-                                  f"it was); give num_blocks instead of capacity_bytes")
-            else:
-                blocks = tier_blocks(tier, config.slot_bytes, copies)
-                if blocks < 1:
-                    raise BadArgument(f"{flag} tier {index}: capacity_bytes {tier.capacity_bytes} holds no block "
-                                      f"of {copies} part(s) of {config.slot_bytes} bytes and a header")
-            specs.append(LowerTierSpec(name=f"{index}:{tier.kind}", num_blocks=blocks))
-        except ConfigError as exc:
-            raise BadArgument(f"{flag}: tier {index}: {exc}") from None
+        if counted is None and not config.slot_bytes:
+            raise BadArgument(f"{flag} tier {index}: this log does not record its slot size (recorded before "
+                              f"it was); give num_blocks instead of capacity_bytes")
+    # A tier sized in blocks is parsed as any other, its capacity in bytes a placeholder never read.
+    entries = [{**{k: v for k, v in entry.items() if k != "num_blocks"}, **({"capacity_bytes": 1} if counted is not None else {})}
+               for entry, counted in zip(tiers, counts)]
+    try:
+        specs = [LowerTierSpec(name=f"{index + 1}:{tier.kind}", num_blocks=counted if counted is not None else
+                               tier_blocks(tier, config.slot_bytes, copies, f"secondary_tiers[{index}]"))
+                 for index, (tier, counted) in enumerate(zip(parse_tiers(entries, located=False), counts))]
+    except ConfigError as exc:
+        raise BadArgument(f"{flag}: {exc}") from None
     return tuple(specs)
 
 

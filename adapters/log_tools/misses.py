@@ -497,7 +497,8 @@ def totals(admissions: Iterable[Admission]) -> dict:
     }
 
 
-# What each effect kind tells the ledger about a key's history (None: nothing a miss depends on).
+# What each effect kind tells the ledger about a key's history. Ignored: a spill (the key stays
+# loadable from host memory meanwhile), removed copies (`KeysUnloadable` carries why), the rest.
 _FACTS = fx.dispatch_table("misses", {
     fx.KeysLoadable: MissLedger._loadable,
     fx.KeysUnloadable: MissLedger._unloadable,
@@ -505,10 +506,5 @@ _FACTS = fx.dispatch_table("misses", {
     fx.StartLoad: MissLedger._load_started,
     fx.KeysNotAdmitted: MissLedger._not_admitted,
     fx.TransferFailed: MissLedger._failed,
-    fx.StartSpill: None,  # a copy down: the key stays loadable from host memory meanwhile
-    fx.DropTierKeys: None,  # the copies removed; `KeysUnloadable` carries why
-    fx.FlushStores: None,
-    fx.PinDeviceBlocks: None,
-    fx.UnpinDeviceBlocks: None,
-    fx.ReportViolation: None,
-})
+}, ignored=(fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
+            fx.ReportViolation))

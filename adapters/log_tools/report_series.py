@@ -247,13 +247,5 @@ _SERIES = fx.dispatch_table("the report's series", {
     fx.StartStore: SeriesFold._store_started,
     fx.StartLoad: SeriesFold._load_started,
     fx.ReportViolation: SeriesFold._violation,
-    fx.StartSpill: None,
-    fx.DropTierKeys: None,
-    fx.FlushStores: None,
-    fx.PinDeviceBlocks: None,
-    fx.UnpinDeviceBlocks: None,
-    fx.KeysLoadable: None,
-    fx.KeysUnloadable: None,
-    fx.KeysNotAdmitted: None,
-    fx.TransferFailed: None,
-})
+}, ignored=(fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
+            fx.KeysLoadable, fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed))

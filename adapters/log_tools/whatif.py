@@ -102,21 +102,13 @@ def _spilled(counts: dict[str, int], effect: fx.StartSpill) -> None:
     counts[name] = counts.get(name, 0) + sum(map(len, effect.keys))
 
 
-# The blocks each effect kind moves (None: it moves none).
+# The blocks each effect kind moves; the ignored move none (a DropTierKeys removes, not moves).
 _MOVES = fx.dispatch_table("whatif's blocks moved", {
     fx.StartStore: _stored,
     fx.StartLoad: _loaded,
     fx.StartSpill: _spilled,
-    fx.DropTierKeys: None,  # removed, not moved
-    fx.FlushStores: None,
-    fx.PinDeviceBlocks: None,
-    fx.UnpinDeviceBlocks: None,
-    fx.KeysLoadable: None,
-    fx.KeysUnloadable: None,
-    fx.KeysNotAdmitted: None,
-    fx.TransferFailed: None,
-    fx.ReportViolation: None,
-})
+}, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysLoadable,
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.ReportViolation))
 
 
 def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
@@ -615,21 +607,15 @@ def hits_at(admissions: list[tuple[list[float], list[int]]], capacities: list[in
     return out
 
 
-# What the re-drive follows of each effect kind (None: nothing).
+# What the re-drive follows of each effect kind.
 _FOLLOW = fx.dispatch_table("whatif's re-drive", {
     fx.ReportViolation: Redrive._refused,
     fx.StartStore: Redrive._started,
     fx.StartSpill: Redrive._started,
     fx.StartLoad: Redrive._load_started,
     fx.KeysLoadable: Redrive._loadable,  # tier 1, for a fleet's shared tier
-    fx.DropTierKeys: None,
-    fx.FlushStores: None,
-    fx.PinDeviceBlocks: None,
-    fx.UnpinDeviceBlocks: None,
-    fx.KeysUnloadable: None,
-    fx.KeysNotAdmitted: None,
-    fx.TransferFailed: None,
-})
+}, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysUnloadable,
+            fx.KeysNotAdmitted, fx.TransferFailed))
 
 
 def _host_loadable(effect: fx.KeysLoadable) -> tuple[bytes, ...]:
@@ -641,17 +627,9 @@ def _loaded_keys(effect: fx.StartLoad) -> list[bytes]:
 
 
 # The keys each effect kind makes recently used in host memory, for the one-pass LRU estimate.
+# A store's keys are in host memory from its end (KeysLoadable), not its start.
 _ACCESSES = fx.dispatch_table("whatif's LRU estimate", {
     fx.KeysLoadable: _host_loadable,
     fx.StartLoad: _loaded_keys,
-    fx.StartStore: None,  # in host memory from its end (KeysLoadable), not its start
-    fx.StartSpill: None,
-    fx.DropTierKeys: None,
-    fx.FlushStores: None,
-    fx.PinDeviceBlocks: None,
-    fx.UnpinDeviceBlocks: None,
-    fx.KeysUnloadable: None,
-    fx.KeysNotAdmitted: None,
-    fx.TransferFailed: None,
-    fx.ReportViolation: None,
-})
+}, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.ReportViolation))

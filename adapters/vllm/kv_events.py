@@ -93,18 +93,9 @@ class TierEvents:
         return events
 
 
-# The KV events each effect kind becomes: what each tier can serve, and nothing else (None).
+# The KV events each effect kind becomes: what each tier can serve, and nothing else.
 _TRANSLATE = fx.dispatch_table("KV events", {
     fx.KeysLoadable: TierEvents._loadable,
     fx.KeysUnloadable: TierEvents._unloadable,
-    fx.StartStore: None,
-    fx.StartLoad: None,
-    fx.StartSpill: None,
-    fx.DropTierKeys: None,
-    fx.FlushStores: None,
-    fx.PinDeviceBlocks: None,
-    fx.UnpinDeviceBlocks: None,
-    fx.KeysNotAdmitted: None,
-    fx.TransferFailed: None,
-    fx.ReportViolation: None,
-})
+}, ignored=(fx.StartStore, fx.StartLoad, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks,
+            fx.UnpinDeviceBlocks, fx.KeysNotAdmitted, fx.TransferFailed, fx.ReportViolation))

@@ -37,7 +37,7 @@ from kvledger.adapters.settings import ConnectorSettings, TierSettings
 from kvledger.adapters.vllm.chain_keys import CRYPTOGRAPHIC, FAST, KEYED
 from kvledger.adapters.vllm.tier_namespace import identity, key_root, namespace, tp_replicas, write_identity
 from kvledger.events import types as ev
-from kvledger.events.config import ConfigError, LowerTierSpec
+from kvledger.events.config import LowerTierSpec
 from kvledger.transfers.lower_tiers.block_header import FORMAT_VERSION as BLOCK_FORMAT
 from kvledger.transfers.lower_tiers.block_seal import derive
 from kvledger.transfers.lower_tiers.contract import Find, WorkerSite
@@ -95,14 +95,9 @@ def tier_copies(vllm_config: Any, kv_cache_config: Any, world_size: int) -> int:
 
 def engine_tiers(settings: ConnectorSettings, slot_bytes: int, copies: int = 1) -> tuple[LowerTierSpec, ...]:
     """Each tier's size in blocks, by the one rule (`tier_types.tier_blocks`)."""
-    specs = []
-    for index, tier in enumerate(settings.secondary_tiers, start=1):
-        blocks = tier_blocks(tier, slot_bytes, copies)
-        if blocks < 1:
-            raise ConfigError(f"secondary_tiers[{index - 1}].capacity_bytes={tier.capacity_bytes} holds no block: "
-                              f"{copies} part(s) of {tier_type(tier).header_bytes(tier) + slot_bytes} bytes each")
-        specs.append(LowerTierSpec(name=tier_name(index, tier), num_blocks=blocks))
-    return tuple(specs)
+    return tuple(LowerTierSpec(name=tier_name(index, tier),
+                               num_blocks=tier_blocks(tier, slot_bytes, copies, f"secondary_tiers[{index - 1}]"))
+                 for index, tier in enumerate(settings.secondary_tiers, start=1))
 
 
 class SchedulerTiers:

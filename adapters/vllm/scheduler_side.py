@@ -297,8 +297,8 @@ class LedgerScheduler:
         return tuple(near)
 
 
-# What the scheduler half does with each effect kind at once (None: the workers carry it out, from
-# the step's metadata, or only the KV events read it).
+# What the scheduler half does with each effect kind at once. Ignored: what the workers carry out
+# (from the step's metadata) and what only the KV events read.
 _CARRY = fx.dispatch_table("scheduler side", {
     fx.PinDeviceBlocks: LedgerScheduler._pin,
     fx.UnpinDeviceBlocks: LedgerScheduler._unpin,
@@ -306,10 +306,4 @@ _CARRY = fx.dispatch_table("scheduler side", {
     fx.KeysUnloadable: LedgerScheduler._unloadable,
     fx.TransferFailed: LedgerScheduler._failed,
     fx.ReportViolation: LedgerScheduler._violation,
-    fx.StartStore: None,
-    fx.StartSpill: None,
-    fx.DropTierKeys: None,
-    fx.FlushStores: None,
-    fx.KeysLoadable: None,
-    fx.KeysNotAdmitted: None,
-})
+}, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.KeysLoadable, fx.KeysNotAdmitted))

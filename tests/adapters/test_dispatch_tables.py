@@ -26,13 +26,19 @@ VLLM_TABLES = [
 ]
 
 
-def test_a_table_missing_a_kind_or_naming_a_stranger_fails_naming_them() -> None:
-    table = {kind: None for kind in fx.EFFECT_TYPES if kind is not fx.KeysNotAdmitted}
+def test_a_table_missing_a_kind_or_naming_one_twice_or_a_stranger_fails_naming_them() -> None:
+    def handle(effect: object) -> None:
+        pass
+
+    rest = [kind for kind in fx.EFFECT_TYPES if kind not in (fx.KeysNotAdmitted, fx.StartStore)]
     with pytest.raises(AssertionError, match="the report: .*missing KeysNotAdmitted"):
-        fx.dispatch_table("the report", table)
+        fx.dispatch_table("the report", {fx.StartStore: handle}, ignored=rest)
+    with pytest.raises(AssertionError, match="named twice StartStore"):
+        fx.dispatch_table("the report", {fx.StartStore: handle}, ignored=[*rest, fx.KeysNotAdmitted, fx.StartStore])
     with pytest.raises(AssertionError, match="not effect kinds: int"):
-        fx.dispatch_table("the report", {**table, fx.KeysNotAdmitted: None, int: None})
-    assert fx.dispatch_table("the report", {**table, fx.KeysNotAdmitted: None}) == {**table, fx.KeysNotAdmitted: None}
+        fx.dispatch_table("the report", {fx.StartStore: handle}, ignored=[*rest, fx.KeysNotAdmitted, int])
+    table = fx.dispatch_table("the report", {fx.StartStore: handle}, ignored=[*rest, fx.KeysNotAdmitted])
+    assert table == {**dict.fromkeys(fx.EFFECT_TYPES), fx.StartStore: handle}
 
 
 @pytest.mark.parametrize(("module", "name"), TABLES)

@@ -71,3 +71,16 @@ def test_a_log_before_its_copies_were_recorded_is_sized_one_file_per_rank(tmp_pa
     entry = _entries(tmp_path, False)["fs"]
     settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [entry]})
     assert _whatif(entry, 2, 0) == engine_tiers(settings, SLOT_BYTES, 2)[0].num_blocks
+
+
+@pytest.mark.parametrize("kind", ["fs", "valkey"])
+def test_a_tier_too_small_for_one_block_is_refused_alike_naming_it(tmp_path, kind: str) -> None:
+    from kvledger.adapters.cli.log_commands import BadArgument
+    from kvledger.events.config import ConfigError
+
+    entry = {**_entries(tmp_path, False)[kind], "capacity_bytes": SLOT_BYTES}  # the header does not fit beside it
+    settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [entry]})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.capacity_bytes=65536 holds no block"):
+        engine_tiers(settings, SLOT_BYTES, 1)
+    with pytest.raises(BadArgument, match=r"secondary_tiers\[0\]\.capacity_bytes=65536 holds no block"):
+        _whatif(entry, 1, 1)

@@ -254,7 +254,7 @@ def _header_line(**changes: object) -> bytes:
          rf"written by kvledger 0.1.0 in log schema {LOG_SCHEMA_VERSION + 1}; this build reads schemas "
          rf"1-{LOG_SCHEMA_VERSION}: replay it with that build or a later one"),
         (_header_line(config={**CONFIG.to_dict(), "rules": RULES + 1}, commit="abc123"),
-         rf"written by kvledger 0.1.0 \(commit abc123\) under engine rules {RULES + 1}; this build replays "
+         rf"written by kvledger 0.1.0 \(commit abc123\) under engine rules {RULES + 1}; this build reads "
          rf"rules 1-{RULES}: replay it with that build or a later one \(git checkout abc123 && pip install \.\)"),
         (_header_line(config={**CONFIG.to_dict(), "rules": -1}), "config: rules must be an int from 1"),
         (_header_line(commit=7), "commit must be a str"),

@@ -98,12 +98,17 @@ def check_tiers(tiers: tuple[TierSettings, ...]) -> None:
     check_distinct_dirs(list(tiers))
 
 
-def tier_blocks(tier: TierSettings, slot_bytes: int, copies: int = 1) -> int:
+def tier_blocks(tier: TierSettings, slot_bytes: int, copies: int = 1, where: str = "secondary_tiers[0]") -> int:
     """The one rule for a tier's size in blocks, serving's and `kvledger whatif`'s: a block
     is `copies` files or values (one per distinct shard of the ranks' KV), each its header
-    and at most a slot's bytes; `capacity_bytes` bounds them all."""
+    and at most a slot's bytes; `capacity_bytes` bounds them all. A size that holds no
+    block is refused, naming the tier at `where`."""
     each = tier_type(tier).header_bytes(tier) + slot_bytes
-    return tier.capacity_bytes // (copies * each)
+    blocks = tier.capacity_bytes // (copies * each)
+    if blocks < 1:
+        raise ConfigError(f"{where}.capacity_bytes={tier.capacity_bytes} holds no block: {copies} part(s) of "
+                          f"{each} bytes each")
+    return blocks
 
 
 def register_tier_type(row: TierType) -> Callable[[], None]:
