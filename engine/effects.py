@@ -4,7 +4,7 @@ Effects only describe work; the effect runner (transfers/) and the adapter
 perform it, and outcomes come back as events. They hold no callables, so they
 compare equal and serialize. Commands are imperatives (`StartStore`);
 notifications are past-tense facts (`KeysLoadable`, `KeysUnloadable`,
-`TransferFailed`, `ReportViolation`) for logs, KV events, metrics and the
+`TransferFailed`, `JobEnded`, `ReportViolation`) for logs, KV events, metrics and the
 lower tiers' lookups, and ask for no work: whoever keeps a view of what the
 engine decided translates them, and never reads the state around a step.
 
@@ -149,6 +149,22 @@ class TransferFailed:
 
 
 @attrs.frozen(kw_only=True)
+class JobEnded:
+    """Notification: the last worker reported on this job, so it is gone. The
+    outcome a consumer would otherwise read from the state after a report:
+    which keys failed (a failed key's request may be admitted again), and
+    whether a cache reset made the outcome void (`stale`)."""
+
+    job_id: int
+    kind: str  # "store", "load" or "spill"
+    request_id: str  # "" for a spill and a lazy store
+    tier: int  # the lower tier a spill wrote to; 0 for stores and loads
+    keys: KeysByGroup
+    failed_keys: tuple[bytes, ...]  # sorted; empty when every worker completed
+    stale: bool
+
+
+@attrs.frozen(kw_only=True)
 class ReportViolation:
     """Notification: the caller broke the protocol; the event was not applied.
     `keys` are the named job's, when the violation names one still in flight."""
@@ -162,7 +178,7 @@ class ReportViolation:
 
 
 Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysLoadable, KeysUnloadable,
-               KeysNotAdmitted, TransferFailed, ReportViolation, StartSpill, DropTierKeys]
+               KeysNotAdmitted, TransferFailed, JobEnded, ReportViolation, StartSpill, DropTierKeys]
 
 EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 
@@ -189,6 +205,7 @@ ROUTES: dict[type, Phase] = {
     KeysUnloadable: Phase.NOTIFICATION,
     KeysNotAdmitted: Phase.NOTIFICATION,
     TransferFailed: Phase.NOTIFICATION,
+    JobEnded: Phase.NOTIFICATION,
     ReportViolation: Phase.NOTIFICATION,
 }
 assert set(ROUTES) == set(EFFECT_TYPES), "every effect kind needs a route"

@@ -542,6 +542,9 @@ def _worker_reported(core: Core, job: Job, worker: int, out: list[fx.Effect]) ->
         return  # its stage stays (`worker_reported` rows)
     # gone, whatever its stage (`last_worker_reported` rows)
     del core.jobs[job.job_id]
+    failed = job.failed_keys
+    out.append(fx.JobEnded(job_id=job.job_id, kind=job.kind.value, request_id=job.request_id, tier=job.tier,
+                           keys=job.keys, failed_keys=tuple(sorted(failed)) if failed else (), stale=job.stale))
     if job.kind is _STORE:
         _store_ended(core, job, out)
     elif job.kind is _LOAD:

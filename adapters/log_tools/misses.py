@@ -159,6 +159,7 @@ class MissLedger:
         self._ended: dict[str, int] = {}  # request -> seq it finished or was aborted
         self._attempts: dict[str, int] = {}
         self._jobs: dict[int, tuple[str, str, tuple[bytes, ...]]] = {}  # job -> kind, request, keys
+        self._ended_jobs: list[int] = []  # the jobs this event ended (`JobEnded`), folded after its other facts
         self._loads: dict[int, Admission] = {}  # load job -> the admission it restores
         self._late: dict[int, list[Run]] = {}  # store job -> runs "stored_too_late" waiting for its end
         self._load_failures: dict[int, tuple[int, set[bytes], int]] = {}  # load job -> first seq, keys, worker
@@ -182,14 +183,15 @@ class MissLedger:
             self._wall_us = event.wall_time_us
         elif isinstance(event, ev.CacheReset) and event.rekeyed:  # every request's keys start again
             self._named = {r: [0] * len(self.groups) for r in self._named}
-        for effect in effects:
-            self._fact(seq, effect, effects, state)
         if isinstance(event, (ev.StoreCompleted, ev.StoreFailed, ev.LoadCompleted, ev.LoadFailed)):
             job = self._jobs.get(event.job_id)
             if job is not None:
                 rid = job[1]
-                if queries.job_view(state, event.job_id) is None:
-                    self._job_ended(seq, event.job_id, state)
+        for effect in effects:
+            self._fact(seq, effect, effects, state)
+        ended, self._ended_jobs = self._ended_jobs, []
+        for job_id in ended:  # after the event's other facts (a store's end makes its keys loadable)
+            self._job_ended(seq, job_id, state)
         if rid:
             status = queries.request_status(state, rid)
             if status is None:
@@ -235,6 +237,10 @@ class MissLedger:
 
     def _load_started(self, seq: int, effect: fx.StartLoad, effects: tuple[fx.Effect, ...]) -> None:
         self._jobs[effect.job_id] = ("load", effect.request_id, ())
+
+    def _job_over(self, seq: int, effect: fx.JobEnded, effects: tuple[fx.Effect, ...]) -> None:
+        if effect.job_id in self._jobs:
+            self._ended_jobs.append(effect.job_id)
 
     def _not_admitted(self, seq: int, effect: fx.KeysNotAdmitted, effects: tuple[fx.Effect, ...]) -> None:
         for key in effect.keys:
@@ -506,5 +512,6 @@ _FACTS = fx.dispatch_table("misses", {
     fx.StartLoad: MissLedger._load_started,
     fx.KeysNotAdmitted: MissLedger._not_admitted,
     fx.TransferFailed: MissLedger._failed,
+    fx.JobEnded: MissLedger._job_over,
 }, ignored=(fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
             fx.ReportViolation))

@@ -48,7 +48,7 @@ class SeriesFold:
         self._resets: list[list[int]] = []  # [step, seq] of each cache reset, for the lines marking them
         self._timelines: dict[str, dict] = {}
         self._status: dict[str, str] = {}
-        self._load_owner: dict[int, str] = {}
+        self._load_ended_for: str | None = None  # the request whose load this event ended (`JobEnded`)
         self.num_requests = 0
         # Per tier below host memory, per column: its usage after the column's last event.
         self._lower: list[list[queries.LowerTierUsage]] = []
@@ -96,8 +96,9 @@ class SeriesFold:
     def _store_started(self, effect: fx.StartStore) -> None:
         self._store_blocks[-1] += sum(len(keys) for keys in effect.keys)
 
-    def _load_started(self, effect: fx.StartLoad) -> None:
-        self._load_owner[effect.job_id] = effect.request_id
+    def _job_over(self, effect: fx.JobEnded) -> None:
+        if effect.kind == "load":
+            self._load_ended_for = effect.request_id
 
     def _violation(self, effect: fx.ReportViolation) -> None:
         self._violations[-1] += 1
@@ -115,10 +116,8 @@ class SeriesFold:
     def _follow_request(self, seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
         """Note the request's status after the event, if the event can change it."""
         rid = getattr(event, "request_id", None)
-        if isinstance(event, (ev.LoadCompleted, ev.LoadFailed)):
-            rid = self._load_owner.get(event.job_id)
-            if queries.job_view(state, event.job_id) is None:
-                self._load_owner.pop(event.job_id, None)
+        if isinstance(event, (ev.LoadCompleted, ev.LoadFailed)):  # only its load's end moves a request on
+            rid, self._load_ended_for = self._load_ended_for, None
         if rid is None:
             return
         if isinstance(event, ev.RequestAdded) and not _rejected(effects):
@@ -245,7 +244,7 @@ def collect(config: EngineConfig, records: Iterable[object], *, max_requests: in
 # engine's stats, read each step, carry the rest).
 _SERIES = fx.dispatch_table("the report's series", {
     fx.StartStore: SeriesFold._store_started,
-    fx.StartLoad: SeriesFold._load_started,
     fx.ReportViolation: SeriesFold._violation,
+    fx.JobEnded: SeriesFold._job_over,  # a load's end moves its request on
 }, ignored=(fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
-            fx.KeysLoadable, fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed))
+            fx.KeysLoadable, fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.StartLoad))

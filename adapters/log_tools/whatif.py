@@ -108,7 +108,7 @@ _MOVES = fx.dispatch_table("whatif's blocks moved", {
     fx.StartLoad: _loaded,
     fx.StartSpill: _spilled,
 }, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysLoadable,
-            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.ReportViolation))
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.JobEnded, fx.ReportViolation))
 
 
 def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
@@ -148,6 +148,7 @@ class Redrive:
         self.twins: dict[int, int] = {}  # the log's job -> this engine's
         self.untimed: dict[int, tuple[bool, int]] = {}  # this engine's job with no twin -> (is a load, step)
         self.started: list[fx.Effect] = []  # the jobs the event being fed started
+        self.live: set[int] = set()  # this engine's jobs in flight, from their starts and `JobEnded`
         self._events: list[ev.Event] = []
         self._later: dict[str, list[int]] = {}  # request -> the indices of its allocations (`run`)
         # Where a request's admission may end: its preemption, end or prefix touch (an admission
@@ -207,7 +208,7 @@ class Redrive:
         if isinstance(event, _TRANSFER_REPORTS):
             twin = self.twins.get(event.job_id)
             self.started = []
-            if twin is not None and queries.job_view(self.state, twin) is not None:
+            if twin in self.live:
                 self._complete(twin, event.worker_index, isinstance(event, (ev.LoadCompleted, ev.LoadFailed)))
             self._pair(recorded_effects)  # the spills a store's end starts, twinned with the log's
             self._adopt()
@@ -304,14 +305,12 @@ class Redrive:
         shared = self.shared
         gone = [(key, block) for key, block in self._promoted.get(job, ()) if shared is not None and not shared.holds(key)]
         self._apply(ev.transfer_report(job, worker, load=True, block_ids=[b for _, b in gone], keys=[k for k, _ in gone]))
-        if queries.job_view(self.state, job) is None:
-            self._promoted.pop(job, None)
 
     def _adopt(self) -> None:
         """Jobs started by ending others (a store's spills): they have no twin."""
         for effect in self.started:
             job_id = effect.job_id  # type: ignore[attr-defined]
-            if queries.job_view(self.state, job_id) is not None:
+            if job_id in self.live:
                 self.untimed[job_id] = (isinstance(effect, fx.StartLoad), self.steps)
         self.started = []
 
@@ -418,15 +417,21 @@ class Redrive:
 
     def _started(self, effect: fx.StartStore | fx.StartSpill) -> None:
         self.started.append(effect)
+        self.live.add(effect.job_id)
 
     def _load_started(self, effect: fx.StartLoad) -> None:
         self.started.append(effect)
+        self.live.add(effect.job_id)
         if self.shared is not None and effect.promote_tiers:
             promoted = [(key, block) for tiers, keys, blocks in
                         zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
                         for tier, key, block in zip(tiers, keys, blocks) if tier == 1]
             self._promoted[effect.job_id] = promoted
             self.shared.read([key for key, _ in promoted])
+
+    def _job_over(self, effect: fx.JobEnded) -> None:
+        self.live.discard(effect.job_id)
+        self._promoted.pop(effect.job_id, None)
 
     def _loadable(self, effect: fx.KeysLoadable) -> None:
         if effect.tier == 1 and self.shared is not None:
@@ -614,6 +619,7 @@ _FOLLOW = fx.dispatch_table("whatif's re-drive", {
     fx.StartSpill: Redrive._started,
     fx.StartLoad: Redrive._load_started,
     fx.KeysLoadable: Redrive._loadable,  # tier 1, for a fleet's shared tier
+    fx.JobEnded: Redrive._job_over,
 }, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysUnloadable,
             fx.KeysNotAdmitted, fx.TransferFailed))
 
@@ -632,4 +638,4 @@ _ACCESSES = fx.dispatch_table("whatif's LRU estimate", {
     fx.KeysLoadable: _host_loadable,
     fx.StartLoad: _loaded_keys,
 }, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
-            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.ReportViolation))
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.JobEnded, fx.ReportViolation))

@@ -102,6 +102,7 @@ class Simulator:
         self.damaged: set[bytes] = set()  # keys removed from a disk behind the engine's back
         self.requests: dict[str, SimRequest] = {}
         self.jobs: dict[int, SimJob] = {}
+        self._last_reported: dict[int, fx.StartStore | fx.StartLoad | fx.StartSpill] = {}
         self.step_index = -1
         self.epoch = 0
         self.next_request = 0
@@ -196,6 +197,20 @@ class Simulator:
 
     def _failed(self, effect: fx.TransferFailed) -> None:
         """A notification for logs; the job's own reports carry the outcome."""
+
+    def _ended(self, effect: fx.JobEnded) -> None:
+        """Announced exactly when the job's last worker reported, as its own start named it."""
+        if effect.job_id in self.jobs:
+            raise SimulationError(f"job {effect.job_id} announced ended while a worker has yet to report")
+        if effect.job_id not in self._last_reported:
+            raise SimulationError(f"job {effect.job_id} announced ended by an event that was not its last report")
+        started = self._last_reported.pop(effect.job_id)
+        if effect.keys != started.keys or effect.kind != _KIND[type(started)]:
+            raise SimulationError(f"job {effect.job_id} announced ended with other keys or kind than it started with")
+        failed = set(effect.failed_keys)
+        if (effect.job_id in self.failed_jobs) != bool(failed):
+            raise SimulationError(f"job {effect.job_id}: its end names failed keys {bool(failed)}, its workers said "
+                                  f"{effect.job_id in self.failed_jobs}")
 
     def _not_admitted(self, effect: fx.KeysNotAdmitted) -> None:
         """Only a key host memory does not hold can be refused (one it holds is never offered)."""
@@ -631,12 +646,16 @@ class Simulator:
         last = not job.pending
         if last:
             del self.jobs[job_id]
+            self._last_reported[job_id] = effect  # its JobEnded must come with this report
         if isinstance(effect, (fx.StartStore, fx.StartSpill)):
             self.emit(ev.transfer_report(job_id, worker, load=False, failed=fail))
-            return
-        keys = [k for ks, bs in zip(effect.keys, effect.target_block_ids) for k, b in zip(ks, bs) if b in job.failed]
-        self.emit(ev.transfer_report(job_id, worker, load=True, failed=fail, block_ids=sorted(job.failed), keys=keys))
-        if last:
+        else:
+            keys = [k for ks, bs in zip(effect.keys, effect.target_block_ids) for k, b in zip(ks, bs) if b in job.failed]
+            self.emit(ev.transfer_report(job_id, worker, load=True, failed=fail, block_ids=sorted(job.failed),
+                                         keys=keys))
+        if self._last_reported.pop(job_id, None) is not None:
+            raise SimulationError(f"job {job_id}: its last worker reported and no JobEnded announced its end")
+        if last and isinstance(effect, fx.StartLoad):
             self._load_ended(job, effect)
 
     def _load_ended(self, job: SimJob, effect: fx.StartLoad) -> None:
@@ -743,11 +762,14 @@ _PERFORM = {
     fx.KeysLoadable: Simulator._loadable,
     fx.KeysUnloadable: Simulator._unloadable,
     fx.TransferFailed: Simulator._failed,
+    fx.JobEnded: Simulator._ended,
     fx.KeysNotAdmitted: Simulator._not_admitted,
     fx.StartSpill: Simulator._start,
     fx.DropTierKeys: Simulator._drop,
 }
 assert set(_PERFORM) == set(fx.EFFECT_TYPES), "the simulator must carry out every effect kind"
+
+_KIND = {fx.StartStore: "store", fx.StartLoad: "load", fx.StartSpill: "spill"}
 
 # Each job's copy, by the effect that started it: every kind `_PERFORM` starts as a job.
 _COPY = {

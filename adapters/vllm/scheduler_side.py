@@ -137,9 +137,11 @@ class LedgerScheduler:
         if effect.tier and self._tiers is not None:
             self._tiers.removed(effect.tier, effect.keys)
 
+    def _job_ended(self, effect: fx.JobEnded) -> None:
+        if effect.kind == "load":  # a failed load is recomputed: its time is not a restore's
+            self.restores.load_ended(effect.job_id, ok=not effect.failed_keys)
+
     def _failed(self, effect: fx.TransferFailed) -> None:
-        if effect.kind == "load":
-            self.restores.load_ended(effect.job_id, ok=False)
         if effect.tier and self._tiers is not None:  # a copy that failed to write may be partly there
             self._tiers.removed(effect.tier, effect.keys)
         _log.warning(f"{effect.kind}_failed", request_id=effect.request_id or None, job_id=effect.job_id,
@@ -214,9 +216,6 @@ class LedgerScheduler:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVLedgerWorkerMetadata) and meta.events:
             self._apply(list(meta.events))
-            for event in meta.events:
-                if type(event) is ev.LoadCompleted and queries.job_view(self.host.state, event.job_id) is None:
-                    self.restores.load_ended(event.job_id, ok=True)
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, None]:
         rid = request.request_id
@@ -305,5 +304,6 @@ _CARRY = fx.dispatch_table("scheduler side", {
     fx.StartLoad: LedgerScheduler._load_started,  # timed from here (restore_timing)
     fx.KeysUnloadable: LedgerScheduler._unloadable,
     fx.TransferFailed: LedgerScheduler._failed,
+    fx.JobEnded: LedgerScheduler._job_ended,  # restore_timing's last mark
     fx.ReportViolation: LedgerScheduler._violation,
 }, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.KeysLoadable, fx.KeysNotAdmitted))

@@ -56,6 +56,13 @@ def load_failed(request_id: str, *keys: bytes, job_id: int = 2, worker: int = 0)
                              keys=tuple(sorted(keys)))
 
 
+def ends(job_id: int, effects: tuple[fx.Effect, ...]) -> tuple[fx.Effect, ...]:
+    """The effects of a job's last report, less its one `JobEnded`, checked to name that job."""
+    ended = [e for e in effects if type(e) is fx.JobEnded]
+    assert [e.job_id for e in ended] == [job_id], f"expected job {job_id}'s end announced once: {ended}"
+    return tuple(e for e in effects if type(e) is not fx.JobEnded)
+
+
 def tier_keys(e: Engine) -> dict[bytes, int]:
     return dict(e.core.slot_of_key)
 
@@ -278,7 +285,7 @@ def test_reallocating_a_finished_requests_block_flushes_exactly_its_store():
     e.add("f", 64, tag="f")
     assert e.alloc("f", (4, 23), (5, 24)) == ()
     # The flushed store still completes and indexes its keys.
-    assert e.store_done(1) == (fx.KeysLoadable(tier=0, keys=KA0 + KA1),)
+    assert ends(1, e.store_done(1)) == (fx.KeysLoadable(tier=0, keys=KA0 + KA1),)
     assert all(e.core.slot_state[tier_keys(e)[k]] == SlotState.STORED for k in KA0 + KA1)
     check(e.state)
 
@@ -452,7 +459,7 @@ def test_abort_during_load_holds_the_blocks_until_the_load_ends():
     assert e.reject(ev.BlocksAllocated(request_id="c", block_ids=((9, 30), (31, 32)))) == "block_in_use"
     assert e.reject(ev.BlocksAllocated(request_id="c", block_ids=((13, 30), (31, 32)))) == "block_in_use"
     check(e.state)
-    assert e.load_done(2) == ()
+    assert ends(2, e.load_done(2)) == ()
     assert "b" not in e.core.requests
     assert all(e.core.block_refs[b] == 0 for b in held)
     assert e.core.block_writer == {} and e.core.slot_loads == {}
@@ -466,7 +473,7 @@ def test_abort_during_a_failing_load_also_ends_the_request():
     loading_b(e)
     e.abort("b")
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=()))
-    assert effects == (load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
+    assert ends(2, effects) == (load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
     assert "b" not in e.core.requests
     assert all(e.core.block_refs[b] == 0 for b in range(64))
     check(e.state)
@@ -601,7 +608,7 @@ def test_step_scheduled_violations():
 
 def test_store_completed_indexes_the_keys_in_store_order():
     e = running_with_store()
-    assert e.store_done(1) == (fx.KeysLoadable(tier=0, keys=KA0 + KA1),)
+    assert ends(1, e.store_done(1)) == (fx.KeysLoadable(tier=0, keys=KA0 + KA1),)
     c = e.core
     assert 1 not in c.jobs
     assert [c.slot_state[s] for s in range(8)] == [SlotState.STORED] * 8
@@ -627,7 +634,7 @@ def test_store_and_load_completion_violations():
 
 def test_store_failed_for_every_key_indexes_nothing_and_frees_the_slots():
     e = running_with_store()
-    assert e.apply(ev.StoreFailed(job_id=1)) == (store_failed("", *KA0, *KA1),)  # no keys named: all failed
+    assert ends(1, e.apply(ev.StoreFailed(job_id=1))) == (store_failed("", *KA0, *KA1),)  # no keys named: all failed
     c = e.core
     assert c.slot_of_key == {} and len(c.policy) == 0
     assert all(c.slot_state[s] == SlotState.FREE for s in range(8))
@@ -642,7 +649,7 @@ def test_store_failed_for_every_key_indexes_nothing_and_frees_the_slots():
 
 def test_store_failed_for_some_keys_indexes_the_rest():
     e = running_with_store()
-    assert e.apply(ev.StoreFailed(job_id=1, keys=(KA0[2],))) == (
+    assert ends(1, e.apply(ev.StoreFailed(job_id=1, keys=(KA0[2],)))) == (
         store_failed("", KA0[2]), fx.KeysLoadable(tier=0, keys=(*KA0[:2], KA0[3], *KA1)))
     c = e.core
     assert KA0[2] not in c.slot_of_key
@@ -660,7 +667,7 @@ def test_store_failed_for_some_keys_indexes_the_rest():
 def test_load_completed_runs_the_request_and_makes_the_keys_evictable_again():
     e = donor_stored()
     loading_b(e)
-    assert e.load_done(2) == ()
+    assert ends(2, e.load_done(2)) == ()
     c = e.core
     r = c.requests["b"]
     assert r.status is RequestStatus.RUNNING and r.load_job_id == -1
@@ -678,7 +685,7 @@ def test_load_failed_with_several_groups_drops_the_keys_and_starts_the_request_o
     slot = tier_keys(e)
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(), keys=(KA0[1],)))
-    assert effects == (load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
+    assert ends(2, effects) == (load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
     c = e.core
     assert KA0[1] not in c.slot_of_key
     assert c.slot_state[slot[KA0[1]]] == SlotState.FREE
@@ -702,7 +709,7 @@ def test_load_failed_with_one_group_runs_the_request_and_stores_the_block_again(
     e = donor_stored(full_only_config())
     e.add("b", 129, A)
     e.alloc("b", (9, 10, 11, 12, 13), ext=128)
-    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (
+    assert ends(2, e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=()))) == (
         load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
     r = e.core.requests["b"]
     assert r.status is RequestStatus.RUNNING and r.load_job_id == -1
@@ -719,7 +726,7 @@ def test_load_failed_block_drops_its_key_too():
     e = donor_stored()
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(14,), keys=()))
-    assert effects == (load_failed("b", KA1[2]), fx.KeysUnloadable(tier=0, keys=(KA1[2],), reason=fx.Reason.FAILED))
+    assert ends(2, effects) == (load_failed("b", KA1[2]), fx.KeysUnloadable(tier=0, keys=(KA1[2],), reason=fx.Reason.FAILED))
     assert KA1[2] not in e.core.slot_of_key
     assert e.core.jobs == {}
     e.add("c", 129, A)
@@ -757,9 +764,9 @@ def test_cache_reset_evicts_everything_and_ignores_older_jobs():
     e.add("c", 129, A)
     assert lookup(e.state, "c", 0) == MISS
     # Completions of pre-reset jobs are not violations and change nothing the tier offers.
-    assert e.store_done(3) == ()
+    assert ends(3, e.store_done(3)) == ()
     assert e.core.slot_of_key == {} and e.core.stats.keys_stored == 8
-    assert e.load_done(2) == ()
+    assert ends(2, e.load_done(2)) == ()
     assert e.core.requests["b"].status is RequestStatus.RUNNING
     assert e.core.num_used_slots() == 0 and len(e.core.policy) == 0
     check(e.state)
@@ -772,7 +779,7 @@ def test_cache_reset_evicts_everything_and_ignores_older_jobs():
 def test_cache_reset_stale_failures_are_not_violations():
     e = running_with_store()
     e.apply(ev.CacheReset(epoch=3))
-    assert e.apply(ev.StoreFailed(job_id=1)) == (store_failed("", *KA0, *KA1),)
+    assert ends(1, e.apply(ev.StoreFailed(job_id=1))) == (store_failed("", *KA0, *KA1),)
     assert e.core.num_used_slots() == 0
     check(e.state)
 
@@ -798,7 +805,7 @@ def test_pin_mode_pins_on_store_and_unpins_exactly_once():
     e.finish("a")
     e.add("b", 64, tag="b")
     assert e.reject(ev.BlocksAllocated(request_id="b", block_ids=((1, 20), (21, 22)))) == "block_in_use"
-    assert e.store_done(1) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4, 5, 6, 7, 8)),
+    assert ends(1, e.store_done(1)) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4, 5, 6, 7, 8)),
                                fx.KeysLoadable(tier=0, keys=KA0 + KA1))
     assert all(e.core.block_pins[b] == 0 for b in range(64))
     assert e.reject(ev.StoreCompleted(job_id=1)) == "unknown_job"
@@ -812,7 +819,7 @@ def test_pin_mode_unpins_a_failed_store_too():
     e.alloc("a", (1, 2), (3, 4))
     e.step(("a", 0, 64))
     effects = e.apply(ev.StoreFailed(job_id=1))
-    assert effects[1:] == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4)),) and type(effects[0]) is fx.TransferFailed
+    assert ends(1, effects)[1:] == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4)),) and type(effects[0]) is fx.TransferFailed
     assert e.core.block_pins == [0] * 64
     check(e.state)
 
@@ -831,7 +838,7 @@ def test_two_workers_a_store_completes_after_both():
     assert e.reject(ev.StoreCompleted(job_id=1, worker_index=1)) == "duplicate_completion"
     assert e.reject(ev.StoreFailed(job_id=1, worker_index=1)) == "duplicate_completion"
     assert e.reject(ev.StoreCompleted(job_id=1, worker_index=2)) == "bad_worker"
-    assert e.store_done(1, worker=0) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4, 5, 6, 7, 8)),
+    assert ends(1, e.store_done(1, worker=0)) == (fx.UnpinDeviceBlocks(block_ids=(1, 2, 3, 4, 5, 6, 7, 8)),
                                          fx.KeysLoadable(tier=0, keys=KA0 + KA1))
     assert e.core.stats.keys_stored == 8
     assert lookup(e.state, "b", 0) == LookupResult(128)
@@ -876,7 +883,7 @@ def test_two_workers_a_load_ends_after_both_and_keeps_either_failure():
         load_failed("b", KA0[2], worker=1),)  # the outcome waits for the other worker
     assert e.core.requests["b"].status is RequestStatus.LOADING
     assert e.reject(ev.LoadCompleted(job_id=2, worker_index=1)) == "duplicate_completion"
-    assert e.load_done(2, worker=0) == (fx.KeysUnloadable(tier=0, keys=(KA0[2],), reason=fx.Reason.FAILED),)
+    assert ends(2, e.load_done(2, worker=0)) == (fx.KeysUnloadable(tier=0, keys=(KA0[2],), reason=fx.Reason.FAILED),)
     assert e.core.requests["b"].status is RequestStatus.WAITING
     assert KA0[2] not in e.core.slot_of_key
     check(e.state)
@@ -1037,7 +1044,7 @@ def test_two_failed_loads_of_one_key_report_its_eviction_once():
     e.alloc("b", (9, 10, 11, 12, 13), ext=128)  # job 2
     e.add("c", 129, A)
     e.alloc("c", (20, 21, 22, 23, 24), ext=128)  # job 3 reads the same slots
-    assert e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=())) == (
+    assert ends(2, e.apply(ev.LoadFailed(job_id=2, block_ids=(10,), keys=()))) == (
         load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
     (store,) = e.step(("b", 32, 97))  # b recomputes block 1 and stores it again
     e.store_done(store.job_id)

@@ -292,3 +292,34 @@ def test_without_a_lower_tier_what_host_memory_cannot_take_is_not_stored() -> No
     e.finish_all_jobs()
     assert only(e.step(("a", 96, 1)), fx.StartStore) == []  # not offered again
     check(e.state)
+
+
+def test_a_jobs_end_is_announced_once_with_its_outcome() -> None:
+    """`JobEnded` carries what a consumer would otherwise read from the state after a report
+    (a step's store serves no one request: its request is "")."""
+    e = tiered()
+    e.add("a", 64)
+    e.alloc("a", (1, 2))
+    e.step(("a", 0, 64))
+    (store,) = list(e.core.jobs.values())
+    effects = e.store_done(store.job_id)
+    (spill,) = only(effects, fx.StartSpill)
+    assert only(effects, fx.JobEnded) == [fx.JobEnded(job_id=store.job_id, kind="store", request_id="", tier=0,
+                                                      keys=store.keys, failed_keys=(), stale=False)]
+    bad = spill.keys[0][0]
+    effects = e.apply(ev.StoreFailed(job_id=spill.job_id, keys=(bad,)))
+    assert only(effects, fx.JobEnded) == [fx.JobEnded(job_id=spill.job_id, kind="spill", request_id="", tier=1,
+                                                      keys=spill.keys, failed_keys=(bad,), stale=False)]
+
+
+def test_a_job_two_ranks_copy_ends_at_the_second_report_and_keeps_the_firsts_failure() -> None:
+    e = Engine(make_config(groups=(FULL,), num_tier_slots=8, world_size=2))
+    e.add("a", 64)
+    e.alloc("a", (1, 2))
+    e.step(("a", 0, 64))
+    (store,) = list(e.core.jobs.values())
+    failed = store.keys[0][1]
+    assert only(e.apply(ev.StoreFailed(job_id=store.job_id, worker_index=1, keys=(failed,))), fx.JobEnded) == []
+    e.apply(ev.CacheReset(epoch=1))
+    (ended,) = only(e.store_done(store.job_id, worker=0), fx.JobEnded)
+    assert ended.failed_keys == (failed,) and ended.stale
