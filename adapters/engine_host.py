@@ -92,16 +92,22 @@ class EngineHost:
             self._record((event,))
         return effects
 
-    def apply_step(self, events: list[ev.Event]) -> tuple[fx.Effect, ...]:
+    def apply_step(self, events: list[ev.Event], ends: list[int] | None = None) -> tuple[fx.Effect, ...]:
         """A planned step's events in one `reduce_step` (the tables move once);
         a `step_scheduled` may only come last. Strict mode folds `apply`, so
-        a violation leaves the state before the event that broke it."""
+        a violation leaves the state before the event that broke it. `ends`:
+        as `reduce_step`'s, where each event's effects end."""
         if self.strict:
-            return tuple(effect for event in events for effect in self.apply(event))
+            out: list[fx.Effect] = []
+            for event in events:
+                out.extend(self.apply(event))
+                if ends is not None:
+                    ends.append(len(out))
+            return tuple(out)
         if not events:
             return ()
         assert ev.StepScheduled not in map(type, events[:-1]), "step_scheduled ends a step"
-        self.state, effects = reduce_step(self.state, events)
+        self.state, effects = reduce_step(self.state, events, ends=ends)
         if self.writer is not None:
             self._record(events)
         return effects

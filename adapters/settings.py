@@ -69,7 +69,7 @@ class ConnectorSettings:
     secondary_tiers: tuple[TierSettings, ...] = ()  # below host memory, in order
     weights_version: str | None = None  # names the weights in the tiers' namespace (lower tiers)
     key_generations: str = "private"  # or "counted": see `_FIELDS`
-    miss_metrics: bool = False  # count missed tokens by cause live (`adapters.miss_counter`)
+    miss_metrics: bool = False  # count missed tokens by cause live (`adapters.miss_counter`): off, see RESULTS
     miss_memory_keys: int = MAX_KEYS
 
 
@@ -96,8 +96,8 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "key_generations": (str, "'private' (each cache reset starts block keys no other process shares) or "
                              "'counted' (every replica's Nth reset shares keys: only for a fleet that loads the "
                              "same new weights through one reset each)"),
-    "miss_metrics": (bool, "count missed prompt tokens by cause (vllm:kvledger_missed_tokens) on a thread of "
-                           "its own, from a twin of the engine's state"),
+    "miss_metrics": (bool, "count missed prompt tokens by cause (vllm:kvledger_missed_tokens), folding the "
+                           "engine's notifications on the scheduler's thread"),
     "miss_memory_keys": (int, "keys whose history the miss counter remembers (the oldest-named are forgotten)"),
 }
 

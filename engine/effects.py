@@ -4,7 +4,8 @@ Effects only describe work; the effect runner (transfers/) and the adapter
 perform it, and outcomes come back as events. They hold no callables, so they
 compare equal and serialize. Commands are imperatives (`StartStore`);
 notifications are past-tense facts (`KeysLoadable`, `KeysUnloadable`,
-`TransferFailed`, `JobEnded`, `ReportViolation`) for logs, KV events, metrics and the
+`TransferFailed`, `JobEnded`, `RequestAdmitted`, `RequestRequeued`,
+`ReportViolation`) for logs, KV events, metrics and the
 lower tiers' lookups, and ask for no work: whoever keeps a view of what the
 engine decided translates them, and never reads the state around a step.
 
@@ -165,6 +166,31 @@ class JobEnded:
 
 
 @attrs.frozen(kw_only=True)
+class RequestAdmitted:
+    """Notification: a waiting (or preempted) request was given its blocks. What
+    explaining its misses needs, as the engine saw it at that moment: the tokens
+    vLLM's own cache held (`local_tokens`), the hit kvledger restores
+    (`hit_tokens`, loaded by the `StartLoad` that follows for this request), and
+    its keys so far per group. Comes first among its event's effects."""
+
+    request_id: str
+    step_index: int
+    num_tokens: int
+    local_tokens: int
+    hit_tokens: int
+    keys: KeysByGroup
+
+
+@attrs.frozen(kw_only=True)
+class RequestRequeued:
+    """Notification: a failed load sent its request back to waiting (several
+    groups, or no valid token left): it is admitted again, from scratch."""
+
+    request_id: str
+    job_id: int
+
+
+@attrs.frozen(kw_only=True)
 class ReportViolation:
     """Notification: the caller broke the protocol; the event was not applied.
     `keys` are the named job's, when the violation names one still in flight."""
@@ -178,7 +204,8 @@ class ReportViolation:
 
 
 Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysLoadable, KeysUnloadable,
-               KeysNotAdmitted, TransferFailed, JobEnded, ReportViolation, StartSpill, DropTierKeys]
+               KeysNotAdmitted, TransferFailed, JobEnded, RequestAdmitted, RequestRequeued, ReportViolation, StartSpill,
+               DropTierKeys]
 
 EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 
@@ -206,6 +233,8 @@ ROUTES: dict[type, Phase] = {
     KeysNotAdmitted: Phase.NOTIFICATION,
     TransferFailed: Phase.NOTIFICATION,
     JobEnded: Phase.NOTIFICATION,
+    RequestAdmitted: Phase.NOTIFICATION,
+    RequestRequeued: Phase.NOTIFICATION,
     ReportViolation: Phase.NOTIFICATION,
 }
 assert set(ROUTES) == set(EFFECT_TYPES), "every effect kind needs a route"

@@ -13,7 +13,7 @@ hash at the block's last hash boundary, followed by `g` as 4 big-endian bytes.
 
 from __future__ import annotations
 
-from kvledger.events.config import GroupKind, GroupSpec
+from kvledger.events.config import EngineConfig, GroupKind, GroupSpec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,6 +22,11 @@ def cdiv(a: int, b: int) -> int:
 
 def group_suffix(group_id: int) -> bytes:
     return group_id.to_bytes(4, "big")
+
+
+def key_rules(config: EngineConfig) -> tuple[tuple[int, bytes], ...]:
+    """Per group: (hashes per block, key suffix), how `append_keys` derives its keys."""
+    return tuple((g.block_size // config.hash_block_size, group_suffix(g.group_id)) for g in config.groups)
 
 
 def append_keys(keys: list[bytes], hashes: list[bytes], per_block: int, suffix: bytes) -> None:

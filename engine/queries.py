@@ -15,12 +15,12 @@ from typing import Final, NamedTuple, cast
 
 import attrs
 
-from . import lower
+from . import lower, transitions
 from .state import STATS_FIELDS, STORED, JobStage, RequestStatus, State, TierKeyState
 
 _TOTALS: Final = attrgetter(*STATS_FIELDS)
 
-ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+ADMITTABLE = transitions.ADMITTABLE
 
 
 class TierUsage(NamedTuple):

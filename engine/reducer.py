@@ -51,6 +51,7 @@ from .state import LOAD as _LOAD
 from .state import SPILL as _SPILL
 from .state import STORE as _STORE
 from .state import Core, FreeRule, Job, JobKind, JobStage, RequestState, RequestStatus, State
+from .transitions import ADMITTABLE as _ADMITTABLE
 from .transitions import GONE, JOB_MOVES, REQUEST_MOVES, STEPPABLE, flush_job, moves_by_kind, sources
 
 __all__ = ["ProtocolViolation", "Transition", "reduce", "reduce_step"]
@@ -115,13 +116,15 @@ def reduce(state: State, event: ev.Event, *, strict: bool = False) -> Transition
     return _new_tuple(Transition, (State(core), tuple(out) if out else ()))
 
 
-def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, strict: bool = False) -> Transition:
+def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, strict: bool = False,
+                ends: list[int] | None = None) -> Transition:
     """Apply one scheduler step's events; equal to folding `reduce`.
 
     The fold's intermediate handles are never seen by the caller, so the
     tables move once, not once per event. As in the fold, a strict violation
     raises with the caller's handle restored only when the first event failed
-    (later, the fold had consumed it).
+    (later, the fold had consumed it). `ends`, when given, gets where each
+    event's effects end in the step's, so a consumer can fold them event by event.
     """
     core = state.take()
     out: list[fx.Effect] = []
@@ -137,6 +140,8 @@ def reduce_step(state: State, events: list[ev.Event] | tuple[ev.Event, ...], *, 
                 raise
             del out[mark:]
             out.append(_reported(violation, event, core))
+        if ends is not None:
+            ends.append(len(out))
     return _new_tuple(Transition, (State(core), tuple(out) if out else ()))
 
 
@@ -271,6 +276,9 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
     ext = event.num_external_tokens
     kind = "blocks_allocated+load" if ext else "blocks_allocated"
     request = legal_request(core, rid, kind)
+    admitted = request.status in _ADMITTABLE
+    local = request.num_computed_tokens
+    first = len(out)
     block_ids = event.block_ids
     if sum(map(len, block_ids)) < 16:  # a decode step's block per group: the per-block path is cheapest
         allocation_problem(core, block_ids, rid)
@@ -316,6 +324,10 @@ def _blocks_allocated(core: Core, event: ev.BlocksAllocated, out: list[fx.Effect
         _move(core, request, kind)
     if load is not None:
         admission.start_load(core, request, ext, load, out)
+    if admitted:  # first among the event's effects: what explains the admission comes before its consequences
+        out.insert(first, fx.RequestAdmitted(request_id=rid, step_index=core.step_index,
+                                             num_tokens=request.num_tokens, local_tokens=local, hit_tokens=ext,
+                                             keys=tuple([tuple(keys) for keys in request.keys])))
 
 
 def _flush(core: Core, job_ids: list[int], out: list[fx.Effect]) -> None:
@@ -609,6 +621,8 @@ def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     recompute = failed_any and (len(core.groups) > 1 or _first_failed_position(request, job) == 0)
     if _move(core, request, "load_failed+recompute" if recompute else "load_ended") is GONE:
         return  # aborted while loading: its blocks went back with it
+    if recompute:
+        out.append(fx.RequestRequeued(request_id=request.request_id, job_id=job.job_id))
     if failed_any:
         _restart_stores(request)  # the failed blocks are recomputed: store them again
     if recompute:

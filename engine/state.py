@@ -390,8 +390,7 @@ class Core:
         self.alignment = config.alignment_tokens
         self.block_sizes = tuple(g.block_size for g in config.groups)
         # Per group: (hashes per block, key suffix) to derive keys from hashes.
-        self.key_rules = tuple(
-            (g.block_size // config.hash_block_size, hma.group_suffix(g.group_id)) for g in config.groups)
+        self.key_rules = hma.key_rules(config)
         # Per group: (group id, block size, reachability pattern or None, its period).
         self.store_rules = tuple(
             (g.group_id, g.block_size, hma.reach_pattern(g, self.alignment), self.alignment // g.block_size)

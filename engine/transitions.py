@@ -178,3 +178,8 @@ def steppable(moves: dict[tuple[R | None, str], R | None]) -> tuple[R, ...]:
 
 
 STEPPABLE = steppable(REQUEST_MOVES)
+# The statuses a request is admitted from (a preempted one once resumed): an allocation in
+# any other is a running request's growth.
+ADMITTABLE = (R.WAITING, R.PREEMPTED)
+assert {s for (s, kind), t in REQUEST_MOVES.items() if kind.startswith("blocks_allocated") and s is not t} <= set(
+    ADMITTABLE)

@@ -20,7 +20,7 @@ from .log_commands import EXIT_OK, EXIT_PROBLEM, BadArgument, _load, _report_tea
 def cmd_explain(args: argparse.Namespace) -> int:
     header, records = _load(args.log)
     ledger = MissLedger(header.config)
-    result = replay(header.config, records, until_seq=args.until, observe=ledger.observe)
+    result = replay(header.config, records, until_seq=args.until, observe=ledger.replayed)
     admissions = ledger.admissions
     if args.request is not None:
         admissions = [a for a in admissions if a.request_id == args.request]

@@ -1,7 +1,9 @@
 """Why each prompt block was restored or computed, from a log alone.
 
-A fold over a replay: the events, and what the engine answered each with
-(`observe` of `engine.replay`). Each admission of a request (its allocation
+A fold over the events and what the engine answered each with, never the
+engine's state: the notifications say all it needs (`RequestAdmitted`,
+`JobEnded`, `RequestRequeued`, ...), so the same fold runs over a replay and
+live, on the connector's own effects (`adapters/miss_counter.py`). Each admission of a request (its allocation
 while waiting or preempted) splits its tokens into those vLLM's own prefix
 cache held, those kvledger restored (from which tier, by which load), and
 those computed, each computed block with the fact that made it a miss: the
@@ -19,14 +21,13 @@ event records that lookup.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import islice
-from typing import Final
+from itertools import chain, islice
+from typing import Any, Final
 
 import attrs
 
 from kvledger.engine import effects as fx
-from kvledger.engine import hma, queries
-from kvledger.engine.state import RequestStatus, State
+from kvledger.engine import hma
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, GroupKind, StoreMode
 
@@ -55,7 +56,6 @@ CAUSES: Final[dict[str, str]] = {
     "unexplained": "the log holds no fact that explains this miss",
 }
 HOST: Final = 0
-_ADMITTING: Final = queries.ADMITTABLE
 
 
 @attrs.define
@@ -116,29 +116,16 @@ class Admission:
         return data
 
 
-class _Key:
-    """What the log has said about one key so far."""
-
-    __slots__ = ("named_by", "loadable", "gone", "storing", "store_failed", "refused")
-
-    def __init__(self, named_by: str) -> None:
-        self.named_by = named_by
-        self.loadable = 0  # the tiers that hold it now, one bit each (bit 0: host memory)
-        self.gone: tuple[int, int, fx.Reason, int, str] | None = None  # tier, seq, reason, job, request
-        self.storing: tuple[int, int, str] | None = None  # seq, job, request of a store in flight
-        self.store_failed: tuple[int, int] | None = None  # seq, job
-        self.refused = -1  # seq of the last refusal
-
-
 class MissLedger:
-    """The fold. Feed it `observe(seq, event, state, effects)` from a replay,
-    then read `admissions`.
+    """The fold. Feed it `observe(seq, event, effects)` for each event, then
+    read `admissions`.
 
     Live (`on_admission` given), no admission is kept: each goes to
     `on_admission` once it can no longer change (at once, or when its load
-    ends), and at most about `max_keys` keys' facts are remembered, the
-    oldest-named forgotten first; a key forgotten and named again counts as
-    first seen if nothing newer is known about it.
+    ends), and `bound` (called after each batch) keeps at most about
+    `max_keys` entries of each fact, the oldest forgotten first; a key
+    forgotten and named again counts as first seen if nothing newer is known
+    about it.
     """
 
     def __init__(self, config: EngineConfig, *, on_admission: Callable[[Admission], None] | None = None,
@@ -152,15 +139,26 @@ class MissLedger:
         self.block_size = config.groups[self.axis].block_size
         self.alignment = config.alignment_tokens
         self.lazy = config.store_mode is StoreMode.LAZY
-        self.keys: dict[bytes, _Key | str] = {}  # a key only named: the request that named it first
+        # What the log has said about each key so far, one table per fact, each updated a notification
+        # at a time (no object and no Python step per key where a C-level update does: the live
+        # counter folds on the scheduler's thread). `keys`: the request that named each key first.
+        self.keys: dict[bytes, str] = {}
+        self._held: list[set[bytes]] = [set() for _ in range(1 + len(config.lower_tiers))]  # per tier, now
+        self._gone: dict[bytes, tuple[int, int, fx.Reason, int, str]] = {}  # tier, seq, reason, job, request
+        self._storing: dict[bytes, tuple[int, int, str]] = {}  # seq, job, request of its last store (in
+        # flight while its job is in `_jobs`)
+        self._store_failed: dict[bytes, tuple[int, int]] = {}  # seq, job
+        self._refused: dict[bytes, int] = {}  # seq of the last refusal
         self.admissions: list[Admission] = []
-        self._status: dict[str, RequestStatus] = {}
-        self._named: dict[str, list[int]] = {}  # request -> keys named so far, per group
+        self._key_rules = hma.key_rules(config)
+        self._hashes: dict[str, int] = {}  # request -> hashes it has named keys from so far
         self._ended: dict[str, int] = {}  # request -> seq it finished or was aborted
         self._attempts: dict[str, int] = {}
-        self._jobs: dict[int, tuple[str, str, tuple[bytes, ...]]] = {}  # job -> kind, request, keys
+        self._jobs: dict[int, str] = {}  # the stores and loads in flight -> their kind
         self._ended_jobs: list[int] = []  # the jobs this event ended (`JobEnded`), folded after its other facts
-        self._loads: dict[int, Admission] = {}  # load job -> the admission it restores
+        self._loads: dict[int, tuple[Admission, tuple[bytes, ...]]] = {}  # load job -> the admission it
+        # restores, and that admission's keys (in the group blocks are counted in)
+        self._requeued: dict[int, bool] = {}  # load job -> its failure sent its request back to waiting
         self._late: dict[int, list[Run]] = {}  # store job -> runs "stored_too_late" waiting for its end
         self._load_failures: dict[int, tuple[int, set[bytes], int]] = {}  # load job -> first seq, keys, worker
         self._wall_us = 0
@@ -168,134 +166,142 @@ class MissLedger:
 
     # The fold.
 
-    def observe(self, seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
-        rid = getattr(event, "request_id", None)
-        if isinstance(event, ev.BlocksAllocated) and self._status.get(event.request_id) in _ADMITTING:
-            self._admit(seq, event, state, effects)
-        if isinstance(event, (ev.RequestAdded, ev.BlockHashesAppended)):
-            self._name(seq, event.request_id, state)
-        elif isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
-            self._ended[event.request_id] = seq
-        elif isinstance(event, ev.BlockHashesRewound):
-            kept = queries.request_keys(state, event.request_id)
-            self._named[event.request_id] = [min(n, len(k)) for n, k in zip(self._named[event.request_id], kept)]
-        elif isinstance(event, ev.StepScheduled):
-            self._wall_us = event.wall_time_us
-        elif isinstance(event, ev.CacheReset) and event.rekeyed:  # every request's keys start again
-            self._named = {r: [0] * len(self.groups) for r in self._named}
-        if isinstance(event, (ev.StoreCompleted, ev.StoreFailed, ev.LoadCompleted, ev.LoadFailed)):
-            job = self._jobs.get(event.job_id)
-            if job is not None:
-                rid = job[1]
+    def observe(self, seq: int, event: ev.Event, effects: tuple[fx.Effect, ...]) -> None:
+        """One event and the effects the engine answered it with (its own, not its step's)."""
+        follow = _FOLLOW.get(type(event))
+        if follow is not None and not (effects and type(effects[0]) is fx.ReportViolation):  # applied
+            follow(self, seq, event)
+        facts = _FACTS
         for effect in effects:
-            self._fact(seq, effect, effects, state)
-        ended, self._ended_jobs = self._ended_jobs, []
-        for job_id in ended:  # after the event's other facts (a store's end makes its keys loadable)
-            self._job_ended(seq, job_id, state)
-        if rid:
-            status = queries.request_status(state, rid)
-            if status is None:
-                self._status.pop(rid, None)
-                self._named.pop(rid, None)
-                self._attempts.pop(rid, None)
-            else:
-                self._status[rid] = status
-        if self.max_keys:
-            _bound(self.keys, self.max_keys)
-            _bound(self._ended, self.max_keys)  # many requests may name few keys
+            handle = facts[type(effect)]
+            if handle is not None:
+                handle(self, seq, effect, effects)
+        if self._ended_jobs:
+            ended, self._ended_jobs = self._ended_jobs, []
+            for job_id in ended:  # after the event's other facts (a store's end makes its keys loadable)
+                self._job_ended(seq, job_id)
 
-    def _name(self, seq: int, rid: str, state: State) -> None:
-        named = self._named.setdefault(rid, [0] * len(self.groups))
-        for group_id, keys in enumerate(queries.request_keys(state, rid)):
-            setdefault = self.keys.setdefault
-            for key in keys[named[group_id]:]:
-                setdefault(key, rid)
-            named[group_id] = len(keys)
+    def bound(self) -> None:
+        """Live: past `max_keys` entries, a table forgets its oldest until a quarter of it is free
+        again (the ended requests too: many requests may name few keys). What each tier holds is
+        not bounded here: it is what the tier holds, bounded by the tier's own size."""
+        most = self.max_keys
+        if not most:  # unbounded (a replay's explain)
+            return
+        for table in (self.keys, self._gone, self._storing, self._store_failed, self._refused, self._ended):
+            _bound(table, most)
 
-    def _fact(self, seq: int, effect: fx.Effect, effects: tuple[fx.Effect, ...], state: State) -> None:
-        handle = _FACTS[type(effect)]
-        if handle is not None:
-            handle(self, seq, effect, effects)
+    def replayed(self, seq: int, event: ev.Event, state: object, effects: tuple[fx.Effect, ...]) -> None:
+        """`observe` as a replay's `observe` calls it (the state is not read)."""
+        self.observe(seq, event, effects)
 
-    def _loadable(self, seq: int, effect: fx.KeysLoadable, effects: tuple[fx.Effect, ...]) -> None:
-        for key in effect.keys:
-            facts = self._key(key)
-            facts.loadable |= 1 << effect.tier
+    # What the ledger follows of the events themselves: the keys each request names (derived
+    # from its hashes as the engine derives them), its end, and the steps' times.
+
+    def _added(self, seq: int, event: ev.RequestAdded) -> None:
+        self._hashes[event.request_id] = 0
+        self._name(event.request_id, event.block_hashes)
+
+    def _appended(self, seq: int, event: ev.BlockHashesAppended) -> None:
+        self._name(event.request_id, event.block_hashes)
+
+    def _name(self, rid: str, hashes: tuple[bytes, ...]) -> None:
+        """Name the keys of the blocks whose last hash is among these (`hma.append_keys`'s rule)."""
+        start = self._hashes.get(rid, 0)
+        self._hashes[rid] = start + len(hashes)
+        named = self.keys
+        for per_block, suffix in self._key_rules:
+            last = hashes[(start // per_block + 1) * per_block - 1 - start::per_block]
+            if last:
+                named.update({key: rid for key in [h + suffix for h in last] if key not in named})
+
+    def _rewound(self, seq: int, event: ev.BlockHashesRewound) -> None:
+        self._hashes[event.request_id] = event.num_hashes
+
+    def _request_ended(self, seq: int, event: ev.RequestFinished | ev.RequestAborted) -> None:
+        rid = event.request_id
+        self._ended[rid] = seq
+        self._hashes.pop(rid, None)
+        self._attempts.pop(rid, None)
+
+    def _step(self, seq: int, event: ev.StepScheduled) -> None:
+        self._wall_us = event.wall_time_us
+
+    def _reset(self, seq: int, event: ev.CacheReset) -> None:
+        if event.rekeyed:  # every request's keys start again
+            self._hashes = dict.fromkeys(self._hashes, 0)
+
+    def _became_loadable(self, seq: int, effect: fx.KeysLoadable, effects: tuple[fx.Effect, ...]) -> None:
+        self._held[effect.tier].update(effect.keys)
 
     def _unloadable(self, seq: int, effect: fx.KeysUnloadable, effects: tuple[fx.Effect, ...]) -> None:
         job, room = _room(effects)
-        for key in effect.keys:
-            facts = self._key(key)
-            facts.loadable &= ~(1 << effect.tier)
-            facts.gone = (effect.tier, seq, effect.reason, job, room)
+        self._held[effect.tier].difference_update(effect.keys)
+        self._gone.update(dict.fromkeys(effect.keys, (effect.tier, seq, effect.reason, job, room)))
 
     def _store_started(self, seq: int, effect: fx.StartStore, effects: tuple[fx.Effect, ...]) -> None:
-        keys = tuple(k for group in effect.keys for k in group)
-        self._jobs[effect.job_id] = ("store", effect.request_id, keys)
-        for key in keys:
-            self._key(key).storing = (seq, effect.job_id, effect.request_id)
+        self._jobs[effect.job_id] = "store"
+        self._storing.update(dict.fromkeys(chain.from_iterable(effect.keys), (seq, effect.job_id, effect.request_id)))
 
     def _load_started(self, seq: int, effect: fx.StartLoad, effects: tuple[fx.Effect, ...]) -> None:
-        self._jobs[effect.job_id] = ("load", effect.request_id, ())
+        self._jobs[effect.job_id] = "load"
+
+    def _tiers_holding(self, key: bytes) -> int:
+        """The tiers that hold the key now, one bit each (bit 0: host memory)."""
+        bits = 0
+        for tier, held in enumerate(self._held):
+            if key in held:
+                bits |= 1 << tier
+        return bits
 
     def _job_over(self, seq: int, effect: fx.JobEnded, effects: tuple[fx.Effect, ...]) -> None:
         if effect.job_id in self._jobs:
             self._ended_jobs.append(effect.job_id)
 
+    def _requeue(self, seq: int, effect: fx.RequestRequeued, effects: tuple[fx.Effect, ...]) -> None:
+        self._requeued[effect.job_id] = True
+
     def _not_admitted(self, seq: int, effect: fx.KeysNotAdmitted, effects: tuple[fx.Effect, ...]) -> None:
-        for key in effect.keys:
-            self._key(key).refused = seq
+        self._refused.update(dict.fromkeys(effect.keys, seq))
 
     def _failed(self, seq: int, effect: fx.TransferFailed, effects: tuple[fx.Effect, ...]) -> None:
         if effect.kind == "store":
-            for key in effect.keys:
-                self._key(key).store_failed = (seq, effect.job_id)
+            self._store_failed.update(dict.fromkeys(effect.keys, (seq, effect.job_id)))
         elif effect.kind == "load":
             seen = self._load_failures.get(effect.job_id)
             keys = set(effect.keys) if seen is None else seen[1] | set(effect.keys)
             self._load_failures[effect.job_id] = (seq if seen is None else seen[0], keys, effect.worker_index)
         # a spill's failure: its keys stay in host memory, and `KeysUnloadable` says if they leave
 
-    def _key(self, key: bytes) -> _Key:
-        facts = self.keys.get(key)
-        if facts is None or facts.__class__ is str:  # unnamed (found in a lower tier, say), or only named
-            facts = self.keys[key] = _Key(facts or "")  # type: ignore[arg-type]
-        return facts  # type: ignore[return-value]
-
-    def _job_ended(self, seq: int, job_id: int, state: State) -> None:
-        kind, _, keys = self._jobs.pop(job_id)
-        if kind == "store":
-            for key in keys:
-                facts = self.keys.get(key)
-                if isinstance(facts, _Key) and facts.storing is not None and facts.storing[1] == job_id:
-                    facts.storing = None
+    def _job_ended(self, seq: int, job_id: int) -> None:
+        if self._jobs.pop(job_id) == "store":  # its keys' `_storing` lapse with it
             for run in self._late.pop(job_id, ()):
                 run.detail = f"its store ended at seq {seq}"
         else:
-            self._load_ended(seq, job_id, state)
+            self._load_ended(seq, job_id)
 
-    def _load_ended(self, seq: int, job_id: int, state: State) -> None:
-        admission = self._loads.pop(job_id, None)
+    def _load_ended(self, seq: int, job_id: int) -> None:
+        loading = self._loads.pop(job_id, None)
         failure = self._load_failures.pop(job_id, None)
-        if admission is None:
+        requeued = self._requeued.pop(job_id, False)
+        if loading is None:
             return
+        admission, keys = loading
         if failure is not None:
-            self._load_failed(seq, job_id, admission, failure, state)
+            self._load_failed(seq, job_id, admission, keys, failure, requeued)
         if self.on_admission is not None:
             self.on_admission(admission)
 
-    def _load_failed(self, seq: int, job_id: int, admission: Admission, failure: tuple[int, set[bytes], int],
-                     state: State) -> None:
+    def _load_failed(self, seq: int, job_id: int, admission: Admission, keys: tuple[bytes, ...],
+                     failure: tuple[int, set[bytes], int], requeued: bool) -> None:
         """With a failure, the request either recomputes from the first failed
-        block or, sent back to waiting, is admitted again."""
+        block or, sent back to waiting (`RequestRequeued`), is admitted again."""
         failed_seq, failed, worker = failure
-        if queries.request_status(state, admission.request_id) in _ADMITTING:
+        if requeued:
             admission.superseded_at = seq  # its next admission counts instead
             return
-        every_group = queries.request_keys(state, admission.request_id)
-        if not every_group:  # aborted while loading: nothing was computed after all
-            return
-        keys = every_group[self.axis]
+        if self._ended.get(admission.request_id, -1) > admission.seq:  # aborted while loading: nothing was
+            return  # computed after all
         split: list[Run] = []
         for run in admission.runs:
             bad = [p for p in range(run.first_block, run.last_block + 1) if p < len(keys) and keys[p] in failed]
@@ -312,24 +318,22 @@ class MissLedger:
 
     # An admission, classified before this event's own effects are folded in.
 
-    def _admit(self, seq: int, event: ev.BlocksAllocated, state: State, effects: tuple[fx.Effect, ...]) -> None:
-        rid = event.request_id
-        view = queries.request_view(state, rid)
-        assert view is not None
-        keys = queries.request_keys(state, rid)
-        ext = event.num_external_tokens
-        local = view.num_computed_tokens - ext
-        n = view.num_tokens
+    def _admit(self, seq: int, admitted: fx.RequestAdmitted, effects: tuple[fx.Effect, ...]) -> None:
+        rid = admitted.request_id
+        keys = admitted.keys
+        ext = admitted.hit_tokens
+        local = admitted.local_tokens
+        n = admitted.num_tokens
         most = (n - 1) // self.alignment * self.alignment
         size = self.block_size
         self._attempts[rid] = attempt = self._attempts.get(rid, 0) + 1
-        admission = Admission(rid, seq, queries.position(state).step_index, n, attempt, self._wall_us)
+        admission = Admission(rid, seq, admitted.step_index, n, attempt, self._wall_us)
         load = next((e for e in effects if isinstance(e, fx.StartLoad)), None)
         promoted: dict[bytes, int] = {}
         job = -1
         if load is not None:
             admission.load_job = job = load.job_id
-            self._loads[job] = admission
+            self._loads[job] = (admission, keys[self.axis])
             for tiers, group_keys in zip(load.promote_tiers, load.keys):
                 promoted.update((k, t) for k, t in zip(group_keys, tiers) if t)
         axis_keys = keys[self.axis]
@@ -342,16 +346,16 @@ class MissLedger:
         first_missed = (local + ext) // size
         for p in range(first_missed, most // size):
             key = axis_keys[p] if p < len(axis_keys) else b""
-            facts = self.keys.get(key)
-            if facts is not None and facts.__class__ is _Key and facts.loadable:
+            loadable = self._tiers_holding(key)
+            if loadable:
                 if p == first_missed and self.cut.get(rid, -1) > ext:
                     why = ("log_table", -1, -1, -1, "", f"its lookup offered {self.cut[rid]} tokens")
                 elif p == first_missed:
-                    why = self._bounded(keys, p, facts)
+                    why = self._bounded(keys, p, loadable)
                 else:
                     why = ("after_gap", -1, -1, -1, "", f"block {first_missed} was not restorable")
             else:
-                why = self._why_not(key, facts, rid, self.groups[self.axis].kind)
+                why = self._why_not(key, rid, self.groups[self.axis].kind)
             whys.append(why)
         _merge(runs, first_missed, size, "missed", whys)
         start = max(most, local + ext)
@@ -366,30 +370,31 @@ class MissLedger:
         elif load is None:
             self.on_admission(admission)
 
-    def _why_not(self, key: bytes, facts: _Key | str | None, rid: str, kind: GroupKind) -> _Why:
+    def _why_not(self, key: bytes, rid: str, kind: GroupKind) -> _Why:
         """A key loadable nowhere: the latest fact about it."""
-        if facts is None:
-            return ("first_seen" if key else "unexplained", -1, -1, -1, "", "")
-        if facts.__class__ is str:  # named, and nothing since
-            return self._never_stored(facts, rid, kind)  # type: ignore[arg-type]
-        assert isinstance(facts, _Key)
-        if facts.storing is not None:
-            seq, job, other = facts.storing
+        storing = self._storing.get(key)
+        if storing is not None and storing[1] in self._jobs:
+            seq, job, other = storing
             return ("stored_too_late", -1, seq, job, other, "")
-        latest = max(facts.gone[1] if facts.gone else -1, facts.store_failed[0] if facts.store_failed else -1,
-                     facts.refused)
-        if facts.gone is not None and facts.gone[1] == latest:
-            tier, seq, reason, job, room = facts.gone
+        gone = self._gone.get(key)
+        store_failed = self._store_failed.get(key)
+        refused = self._refused.get(key, -1)
+        latest = max(gone[1] if gone else -1, store_failed[0] if store_failed else -1, refused)
+        if gone is not None and gone[1] == latest:
+            tier, seq, reason, job, room = gone
             if reason is fx.Reason.EVICTED:
                 return ("evicted", tier, seq, job, room,
                         f"policy {self.config.policy.value}" if tier == HOST else "by the tier's own eviction")
             return ("reset" if reason is fx.Reason.RESET else "transfer_failed", tier, seq, -1, "", "")
-        if facts.store_failed is not None and facts.store_failed[0] == latest:
-            seq, job = facts.store_failed
+        if store_failed is not None and store_failed[0] == latest:
+            seq, job = store_failed
             return ("store_failed", -1, seq, job, "", "")
-        if facts.refused >= 0:
-            return ("not_admitted", -1, facts.refused, -1, "", "")
-        return self._never_stored(facts.named_by, rid, kind)
+        if refused >= 0:
+            return ("not_admitted", -1, refused, -1, "", "")
+        named_by = self.keys.get(key)
+        if named_by is None and not key:
+            return ("unexplained", -1, -1, -1, "", "")
+        return self._never_stored(named_by or "", rid, kind)
 
     def _never_stored(self, named_by: str, rid: str, kind: GroupKind) -> _Why:
         if named_by in ("", rid):
@@ -402,7 +407,7 @@ class MissLedger:
             return ("request_ended", -1, self._ended[named_by], -1, named_by, "")
         return ("not_computed_yet", -1, -1, -1, named_by, "")
 
-    def _bounded(self, keys: tuple[tuple[bytes, ...], ...], position: int, facts: _Key) -> _Why:
+    def _bounded(self, keys: tuple[tuple[bytes, ...], ...], position: int, loadable: int) -> _Why:
         """The first missed block's key was loadable: what else stopped the hit."""
         end = (position + 1) * self.block_size
         for group in self.groups:
@@ -410,16 +415,15 @@ class MissLedger:
                 continue
             for p in hma.needed_range(group, 0, end):
                 key = keys[group.group_id][p] if p < len(keys[group.group_id]) else b""
-                other = self.keys.get(key)
-                if other is None or other.__class__ is not _Key or not other.loadable:  # type: ignore[union-attr]
-                    cause, _, seq, _, request, _ = self._why_not(key, other, "", group.kind)
+                if not self._tiers_holding(key):
+                    cause, _, seq, _, request, _ = self._why_not(key, "", group.kind)
                     return ("bounded_by_group", -1, seq, -1, request,
                             f"group {group.group_id} ({group.kind.value}) block {p}: {cause}")
         if end % self.alignment:
             return ("bounded_by_group", -1, -1, -1, "",
                     f"a hit must end on a multiple of {self.alignment} tokens (every group's block)")
         if self.config.lower_tiers:
-            return ("no_host_slot", (facts.loadable & -facts.loadable).bit_length() - 1, -1, -1, "",
+            return ("no_host_slot", (loadable & -loadable).bit_length() - 1, -1, -1, "",
                     f"host memory has {self.config.num_tier_slots} slots")
         return ("unexplained", -1, -1, -1, "", "")
 
@@ -506,12 +510,25 @@ def totals(admissions: Iterable[Admission]) -> dict:
 # What each effect kind tells the ledger about a key's history. Ignored: a spill (the key stays
 # loadable from host memory meanwhile), removed copies (`KeysUnloadable` carries why), the rest.
 _FACTS = fx.dispatch_table("misses", {
-    fx.KeysLoadable: MissLedger._loadable,
+    fx.KeysLoadable: MissLedger._became_loadable,
     fx.KeysUnloadable: MissLedger._unloadable,
     fx.StartStore: MissLedger._store_started,
     fx.StartLoad: MissLedger._load_started,
     fx.KeysNotAdmitted: MissLedger._not_admitted,
     fx.TransferFailed: MissLedger._failed,
     fx.JobEnded: MissLedger._job_over,
+    fx.RequestAdmitted: MissLedger._admit,
+    fx.RequestRequeued: MissLedger._requeue,
 }, ignored=(fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
             fx.ReportViolation))
+
+# What the ledger follows of the events themselves (the rest it learns from the effects).
+_FOLLOW: dict[type, Callable[[MissLedger, int, Any], None]] = {
+    ev.RequestAdded: MissLedger._added,
+    ev.BlockHashesAppended: MissLedger._appended,
+    ev.BlockHashesRewound: MissLedger._rewound,
+    ev.RequestFinished: MissLedger._request_ended,
+    ev.RequestAborted: MissLedger._request_ended,
+    ev.StepScheduled: MissLedger._step,
+    ev.CacheReset: MissLedger._reset,
+}

@@ -108,7 +108,7 @@ _MOVES = fx.dispatch_table("whatif's blocks moved", {
     fx.StartLoad: _loaded,
     fx.StartSpill: _spilled,
 }, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysLoadable,
-            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.JobEnded, fx.ReportViolation))
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))
 
 
 def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
@@ -117,7 +117,7 @@ def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
     moved: dict[str, int] = {}
 
     def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
-        ledger.observe(seq, event, state, effects)
+        ledger.observe(seq, event, effects)
         _moved(moved, effects)
 
     result = replay(config, records, observe=observe)
@@ -401,7 +401,7 @@ class Redrive:
 
     def _apply(self, event: ev.Event) -> None:
         self.state, effects = reduce(self.state, event)
-        self.ledger.observe(self.seq, event, self.state, effects)
+        self.ledger.observe(self.seq, event, effects)
         self.seq += 1
         _moved(self.moved, effects)
         if self.on_effects is not None:
@@ -621,7 +621,7 @@ _FOLLOW = fx.dispatch_table("whatif's re-drive", {
     fx.KeysLoadable: Redrive._loadable,  # tier 1, for a fleet's shared tier
     fx.JobEnded: Redrive._job_over,
 }, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysUnloadable,
-            fx.KeysNotAdmitted, fx.TransferFailed))
+            fx.KeysNotAdmitted, fx.TransferFailed, fx.RequestAdmitted, fx.RequestRequeued))
 
 
 def _host_loadable(effect: fx.KeysLoadable) -> tuple[bytes, ...]:
@@ -638,4 +638,4 @@ _ACCESSES = fx.dispatch_table("whatif's LRU estimate", {
     fx.KeysLoadable: _host_loadable,
     fx.StartLoad: _loaded_keys,
 }, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
-            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.JobEnded, fx.ReportViolation))
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))

@@ -103,6 +103,8 @@ class Simulator:
         self.requests: dict[str, SimRequest] = {}
         self.jobs: dict[int, SimJob] = {}
         self._last_reported: dict[int, fx.StartStore | fx.StartLoad | fx.StartSpill] = {}
+        self._admitting: tuple[str, int, int] | None = None  # the admission being emitted: request, local, hit
+        self._requeues: set[int] = set()  # loads announced as sending their request back to waiting
         self.step_index = -1
         self.epoch = 0
         self.next_request = 0
@@ -211,6 +213,22 @@ class Simulator:
         if (effect.job_id in self.failed_jobs) != bool(failed):
             raise SimulationError(f"job {effect.job_id}: its end names failed keys {bool(failed)}, its workers said "
                                   f"{effect.job_id in self.failed_jobs}")
+
+    def _admitted(self, effect: fx.RequestAdmitted) -> None:
+        """Announced for each admission this simulator makes, with the hit it chose."""
+        expected = self._admitting
+        if expected is None or expected != (effect.request_id, effect.local_tokens, effect.hit_tokens):
+            raise SimulationError(f"admission announced as {effect}, made as {expected}")
+        view = queries.request_view(self.state, effect.request_id)  # the engine's, just after the admission
+        assert view is not None
+        if (effect.num_tokens, effect.keys, effect.step_index) != (
+                view.num_tokens, queries.request_keys(self.state, effect.request_id), self.state.core.step_index):
+            raise SimulationError(f"{effect.request_id}: admission announced with other tokens, keys or step "
+                                  "than the engine's state holds")
+        self._admitting = None
+
+    def _requeued(self, effect: fx.RequestRequeued) -> None:
+        self._requeues.add(effect.job_id)
 
     def _not_admitted(self, effect: fx.KeysNotAdmitted) -> None:
         """Only a key host memory does not hold can be refused (one it holds is never offered)."""
@@ -385,7 +403,10 @@ class Simulator:
             self._note_truth(request, local, ext)
         request.computed = local + ext
         request.status = "loading" if ext else "running"
+        self._admitting = (rid, local, ext)
         effects = self.emit(ev.BlocksAllocated(request_id=rid, block_ids=allocated, num_external_tokens=ext))
+        if self._admitting is not None:
+            raise SimulationError(f"{rid}: admitted without a RequestAdmitted")
         loads = [e for e in effects if isinstance(e, fx.StartLoad)]
         if ext:
             if len(loads) != 1:
@@ -657,6 +678,8 @@ class Simulator:
             raise SimulationError(f"job {job_id}: its last worker reported and no JobEnded announced its end")
         if last and isinstance(effect, fx.StartLoad):
             self._load_ended(job, effect)
+        if self._requeues:
+            raise SimulationError(f"loads {sorted(self._requeues)} announced their request requeued; it was not")
 
     def _load_ended(self, job: SimJob, effect: fx.StartLoad) -> None:
         request = self.requests.get(effect.request_id)
@@ -671,22 +694,26 @@ class Simulator:
         if job.failed:
             self.load_failures += 1
             if len(self.groups) > 1:  # vLLM 0.32: failed_recving; blocks freed, admitted again
-                self._free_table(request)
-                request.computed = 0
-                request.status = "waiting"
+                self._requeue(request, effect.job_id)
                 return
             group = self.groups[0]
             first = min(request.table[0].index(b) for b in job.failed)
             if first == 0:  # no valid token left: vLLM frees the table too
-                self._free_table(request)
-                request.computed = 0
-                request.status = "waiting"
+                self._requeue(request, effect.job_id)
                 return
             request.computed = min(request.computed, first * group.block_size)
         for blocks, keys in zip(effect.target_block_ids, effect.keys):
             for block, key in zip(blocks, keys):
                 if block not in job.failed:
                     self._cache(key, block)
+
+    def _requeue(self, request: SimRequest, job_id: int) -> None:
+        if job_id not in self._requeues:
+            raise SimulationError(f"{request.rid}: sent back to waiting by load {job_id}, not announced")
+        self._requeues.discard(job_id)
+        self._free_table(request)
+        request.computed = 0
+        request.status = "waiting"
 
     # The model check.
 
@@ -763,6 +790,8 @@ _PERFORM = {
     fx.KeysUnloadable: Simulator._unloadable,
     fx.TransferFailed: Simulator._failed,
     fx.JobEnded: Simulator._ended,
+    fx.RequestAdmitted: Simulator._admitted,
+    fx.RequestRequeued: Simulator._requeued,
     fx.KeysNotAdmitted: Simulator._not_admitted,
     fx.StartSpill: Simulator._start,
     fx.DropTierKeys: Simulator._drop,

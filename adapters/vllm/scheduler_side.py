@@ -100,9 +100,12 @@ class LedgerScheduler:
 
     def _apply(self, events: list[ev.Event]) -> tuple[fx.Effect, ...]:
         """Apply one step's (or one call's) events; carry out what is the scheduler's."""
-        effects = self.host.apply_step(events)
-        if self._misses is not None:
-            self._misses.feed(events)
+        if self._misses is None:
+            effects = self.host.apply_step(events)
+        else:
+            ends: list[int] = []
+            effects = self.host.apply_step(events, ends)
+            self._misses.feed(events, effects, ends)
         if effects:
             self._carry_out(effects)
         return effects
@@ -306,4 +309,4 @@ _CARRY = fx.dispatch_table("scheduler side", {
     fx.TransferFailed: LedgerScheduler._failed,
     fx.JobEnded: LedgerScheduler._job_ended,  # restore_timing's last mark
     fx.ReportViolation: LedgerScheduler._violation,
-}, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.KeysLoadable, fx.KeysNotAdmitted))
+}, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.KeysLoadable, fx.KeysNotAdmitted, fx.RequestAdmitted, fx.RequestRequeued))

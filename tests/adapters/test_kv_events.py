@@ -9,9 +9,10 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvledger.adapters.vllm.kv_events import GroupEventSpec, TierEvents
+from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.events import types as ev
-from tests.engine.builders import Engine, chain, full_only_config, make_config
+from tests.engine.builders import Engine, chain, full_only_config, make_config, only
 
 pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
 
@@ -121,7 +122,7 @@ def test_a_failed_load_withdraws_the_keys_it_dropped(monkeypatch):
     e.take()
     assert (0, chain(3)[1]) in e.advertised["CPU"]
     e.add("b", 97, chain(3))
-    (load,) = e.alloc("b", (4, 5, 6, 7), ext=96)
+    (load,) = only(e.alloc("b", (4, 5, 6, 7), ext=96), fx.StartLoad)
     e.apply(ev.LoadFailed(job_id=load.job_id, block_ids=(5,), keys=()))
     events = e.take()
     assert hashes_of(events, BlockRemoved) == [chain(3)[1]]

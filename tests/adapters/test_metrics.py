@@ -234,11 +234,10 @@ def test_blocks_a_reset_drops_are_not_counted_as_evictions():
         assert queries.stats(scheduler.host.state)["evictions"] == 6
         assert registry.get_sample_value("vllm:kvledger_evictions_total", LABELS) == 2
         assert registry.get_sample_value("vllm:kvledger_reset_dropped_blocks_total", LABELS) == 4
-        scheduler._misses.settle()  # the missed tokens, counted on the counter's thread, come with some step
-        prom.observe(scheduler.take_stats().data)
         assert scheduler.take_stats() is None  # reported once
         # The requests' prompts were new: 4 + 2 blocks missed for want of an earlier request, by cause
-        # (each prompt's last block holds its last token, which vLLM always computes).
+        # (each prompt's last block holds its last token, which vLLM always computes), counted with
+        # the step that admitted them.
         block = scheduler.config.groups[0].block_size
         missed = {cause: registry.get_sample_value("vllm:kvledger_missed_tokens_total", {**LABELS, "cause": cause})
                   for cause in ("first_seen", "partial_block")}

@@ -1,17 +1,19 @@
 """The live miss counter counts what `kvledger explain` counts over the same
-events, on its thread or not, with a bounded memory of keys; and stops,
-rather than stalls or breaks serving, when its fold cannot keep up."""
+events, fed as the connector feeds it (a step's events, the effects the
+engine answered them with, and where each event's end), with a bounded
+memory of keys; and stops, rather than breaks serving, when its fold raises."""
 
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
 from kvledger.adapters.log_tools.misses import MissLedger, totals
 from kvledger.adapters.miss_counter import MissCounter
 from kvledger.adapters.testing.simulator import Simulator, run_random
+from kvledger.engine.reducer import reduce_step
+from kvledger.engine.state import initial_state
 from kvledger.events import types as ev
 from tests.adapters.test_misses import SMALL
 from tests.engine.builders import SIMULATED_CONFIGS
@@ -23,7 +25,7 @@ def _steps(config, seed: int) -> tuple[list[list[ev.Event]], dict[str, int]]:
     steps: list[list[ev.Event]] = [[]]
 
     def observe(seq, event, state, effects):
-        ledger.observe(seq, event, state, effects)
+        ledger.observe(seq, event, effects)
         steps[-1].append(event)
         if isinstance(event, ev.StepScheduled):
             steps.append([])
@@ -37,10 +39,25 @@ def _steps(config, seed: int) -> tuple[list[list[ev.Event]], dict[str, int]]:
     return steps, by_cause
 
 
-def _counted(counter: MissCounter, steps: list[list[ev.Event]]) -> dict[str, int]:
+class Served:
+    """The engine as the connector runs it: a step's events in one `reduce_step`,
+    the counter fed what it answered."""
+
+    def __init__(self, config, counter: MissCounter) -> None:
+        self.state = initial_state(config)
+        self.counter = counter
+
+    def apply(self, events: list[ev.Event]) -> None:
+        ends: list[int] = []
+        self.state, effects = reduce_step(self.state, events, ends=ends)
+        self.counter.feed(events, effects, ends)
+
+
+def _counted(config, counter: MissCounter, steps: list[list[ev.Event]]) -> dict[str, int]:
+    served = Served(config, counter)
     counts: dict[str, int] = {}
     for events in steps:
-        counter.feed(events)
+        served.apply(events)
         for cause, tokens in counter.take().items():  # taken as vLLM does, every step
             counts[cause] = counts.get(cause, 0) + tokens
     counter.close()
@@ -50,11 +67,10 @@ def _counted(counter: MissCounter, steps: list[list[ev.Event]]) -> dict[str, int
 
 
 @pytest.mark.parametrize("config", [*SIMULATED_CONFIGS, SMALL], ids=lambda c: f"{len(c.groups)}g-{c.num_tier_slots}")
-@pytest.mark.parametrize("background", [False, True], ids=["inline", "thread"])
-def test_it_counts_what_explain_counts(config, background) -> None:
+def test_it_counts_what_explain_counts(config) -> None:
     steps, expected = _steps(config, seed=3)
-    counter = MissCounter(config, background=background)
-    assert _counted(counter, steps) == expected
+    counter = MissCounter(config)
+    assert _counted(config, counter, steps) == expected
     assert counter.stopped is None
     assert expected  # the workload misses, for more than one reason
     assert len(expected) > 2
@@ -63,11 +79,12 @@ def test_it_counts_what_explain_counts(config, background) -> None:
 @pytest.mark.fast
 def test_a_small_memory_forgets_keys_but_counts_every_missed_token() -> None:
     steps, expected = _steps(SMALL, seed=5)
-    counter = MissCounter(SMALL, max_keys=16, background=False)
+    counter = MissCounter(SMALL, max_keys=16)
+    served = Served(SMALL, counter)
     largest = 0
     counts: dict[str, int] = {}
     for events in steps:
-        counter.feed(events)
+        served.apply(events)
         largest = max(largest, len(counter._ledger.keys))
         for cause, tokens in counter.take().items():
             counts[cause] = counts.get(cause, 0) + tokens
@@ -79,45 +96,20 @@ def test_a_small_memory_forgets_keys_but_counts_every_missed_token() -> None:
 @pytest.mark.fast
 def test_the_memory_bounds_the_ends_of_requests_too_where_they_name_few_keys() -> None:
     steps, _ = _steps(SMALL, seed=3)  # 35 keys named, 67 requests ended
-    counter = MissCounter(SMALL, max_keys=40, background=False)
+    counter = MissCounter(SMALL, max_keys=40)
+    served = Served(SMALL, counter)
     for events in steps:
-        counter.feed(events)
+        served.apply(events)
         assert len(counter._ledger.keys) <= 40 and len(counter._ledger._ended) <= 40
     assert len(counter._ledger.keys) == 35 and len(counter._ledger._ended) > 20
 
 
 @pytest.mark.fast
-def test_a_fold_that_falls_behind_stops_the_counter_not_the_caller(monkeypatch) -> None:
-    steps, _ = _steps(SMALL, seed=1)
-    release = threading.Event()
-    folding = threading.Event()
-    fold = MissCounter._fold
-
-    def slow_fold(self, events):
-        folding.set()
-        release.wait(10)
-        fold(self, events)
-
-    monkeypatch.setattr(MissCounter, "MAX_QUEUED", 2)
-    monkeypatch.setattr(MissCounter, "_fold", slow_fold)
-    counter = MissCounter(SMALL)
-    counter.feed(steps[0])
-    assert folding.wait(10)
-    for events in steps[1:4]:  # two wait, the third finds the queue full
-        counter.feed(events)
-    assert counter.stopped == "the fold fell 2 batches of events behind"
-    counter.feed(steps[4])  # ignored from now on
-    release.set()
-    counter.close()
-    assert counter.take() == {}
-    assert counter._thread is None
-
-
-@pytest.mark.fast
 def test_a_fold_that_raises_stops_the_counter() -> None:
-    counter = MissCounter(SMALL, background=False)
-    counter.feed([object()])  # type: ignore[list-item]  # no event: the reducer has no handler for it
+    counter = MissCounter(SMALL)
+    counter.feed([ev.StepScheduled(step_index=0, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=())],
+                 (object(),), [1])  # type: ignore[arg-type]  # no effect the ledger's table names
     assert counter.stopped is not None and counter.stopped.startswith("KeyError")
-    counter.feed(steps_of_nothing := [ev.StepScheduled(step_index=0, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=())])
-    assert steps_of_nothing
-    assert counter.take() == {}
+    steps, _ = _steps(SMALL, seed=1)
+    Served(SMALL, counter).apply(steps[0])  # ignored from now on
+    assert counter.take() == {} and counter._ledger is None

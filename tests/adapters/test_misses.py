@@ -33,7 +33,7 @@ assert NOT_RESTORABLE | RESTORABLE | LATER | WHATIF == set(CAUSES) - {"unexplain
 
 def _run(config: EngineConfig, seed: int, *, prefix_caching: bool, **rates: float) -> tuple[Simulator, MissLedger]:
     ledger = MissLedger(config)
-    sim = Simulator(config, prefix_caching=prefix_caching, observe=ledger.observe, record_truth=True)
+    sim = Simulator(config, prefix_caching=prefix_caching, observe=ledger.replayed, record_truth=True)
     run_random(sim, random.Random(seed), steps=120, arrivals=0.8, max_tokens=12, **rates)
     return sim, ledger
 

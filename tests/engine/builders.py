@@ -201,6 +201,13 @@ def only(effects: tuple, kind: type) -> list:
     return [e for e in effects if isinstance(e, kind)]
 
 
+def admits(rid: str, effects: tuple) -> tuple:
+    """An admission's effects less the `RequestAdmitted` that comes first, checked to name `rid`."""
+    assert effects and type(effects[0]) is fx.RequestAdmitted and effects[0].request_id == rid, effects[:1]
+    assert not only(effects[1:], fx.RequestAdmitted)
+    return effects[1:]
+
+
 def seed_tier(state: State, keys: list[bytes] | tuple[bytes, ...], slot_state: SlotState = SlotState.STORED) -> None:
     """Index `keys` in fresh slots, as if stored; STORED keys join the policy."""
     core = state.core

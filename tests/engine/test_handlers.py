@@ -14,7 +14,7 @@ from kvledger.engine.lookup import MISS, LookupResult, lookup
 from kvledger.engine.reducer import ProtocolViolation, reduce, reduce_step
 from kvledger.engine.state import JobKind, RequestStatus, SlotState, StaleStateError
 from kvledger.events import types as ev
-from tests.engine.builders import Engine, chain, full_only_config, key, make_config, only, violations
+from tests.engine.builders import Engine, admits, chain, full_only_config, key, make_config, only, violations
 
 A = chain(4, "a")
 KA0 = tuple(key(h, 0) for h in A)  # full-attention keys of prefix "a"
@@ -42,7 +42,7 @@ def donor_stored(config=None) -> Engine:
 def loading_b(e: Engine) -> tuple:
     """Request "b" (129 tokens, prefix "a") admits a 128-token hit: job 2."""
     e.add("b", 129, A)
-    return e.alloc("b", (9, 10, 11, 12, 13), (0, 0, 14, 15, 16), ext=128)
+    return admits("b", e.alloc("b", (9, 10, 11, 12, 13), (0, 0, 14, 15, 16), ext=128))
 
 
 def store_failed(request_id: str, *keys: bytes, job_id: int = 1) -> fx.TransferFailed:
@@ -196,7 +196,7 @@ def test_blocks_allocated_without_a_hit_starts_running():
     e = Engine()
     e.add("a", 128)
     gen_before = list(e.core.block_generation)
-    assert e.alloc("a", *A_BLOCKS) == ()
+    assert admits("a", e.alloc("a", *A_BLOCKS)) == ()
     r = e.core.requests["a"]
     assert r.status is RequestStatus.RUNNING
     assert r.table == [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -255,12 +255,24 @@ def test_blocks_allocated_after_a_touched_prefix_loads_from_its_end():
     e = donor_stored()
     e.add("b", 129, A)
     e.touch("b", (1,), (5,))
-    effects = e.alloc("b", (9, 10, 11, 12), (0, 14, 15, 16), ext=96)
+    effects = admits("b", e.alloc("b", (9, 10, 11, 12), (0, 14, 15, 16), ext=96))
     (load,) = effects
     assert load.keys == (KA0[1:], KA1[2:])
     assert load.target_block_ids == ((9, 10, 11), (14, 15))
     assert e.core.requests["b"].num_computed_tokens == 128
     check(e.state)
+
+
+def test_an_admission_is_announced_first_with_what_explains_it_and_a_growth_is_not():
+    e = donor_stored()
+    e.add("b", 129, A)
+    e.touch("b", (1,), (5,))
+    effects = e.alloc("b", (9, 10, 11, 12), (0, 14, 15, 16), ext=96)
+    assert effects[0] == fx.RequestAdmitted(request_id="b", step_index=e.core.step_index, num_tokens=129,
+                                            local_tokens=32, hit_tokens=96, keys=(KA0, KA1))
+    e.load_done(effects[1].job_id)
+    e.step(("b", 128, 1))
+    assert not only(e.alloc("b", (17,), (18,)), fx.RequestAdmitted)  # a running request's growth
 
 
 def test_reallocating_a_finished_requests_block_flushes_exactly_its_store():
@@ -275,7 +287,7 @@ def test_reallocating_a_finished_requests_block_flushes_exactly_its_store():
     e.finish("a")
     assert e.core.block_refs[3] == 0 and e.core.block_readers[3] == 1
     e.add("b", 64, tag="b")
-    effects = e.alloc("b", (3, 20), (21, 22))
+    effects = admits("b", e.alloc("b", (3, 20), (21, 22)))
     assert effects == (fx.FlushStores(job_ids=(1,)),)
     assert e.core.jobs[1].flushed and not e.core.jobs[2].flushed
     assert sorted(e.core.block_readers) == list(range(9, 17))  # job 1 released every source
@@ -283,7 +295,7 @@ def test_reallocating_a_finished_requests_block_flushes_exactly_its_store():
     check(e.state)
     # A second reuse of job 1's sources flushes nothing more.
     e.add("f", 64, tag="f")
-    assert e.alloc("f", (4, 23), (5, 24)) == ()
+    assert admits("f", e.alloc("f", (4, 23), (5, 24))) == ()
     # The flushed store still completes and indexes its keys.
     assert ends(1, e.store_done(1)) == (fx.KeysLoadable(tier=0, keys=KA0 + KA1),)
     assert all(e.core.slot_state[tier_keys(e)[k]] == SlotState.STORED for k in KA0 + KA1)
@@ -294,7 +306,7 @@ def test_reallocating_a_block_freed_from_the_window_flushes_its_store():
     e = running_with_store()
     e.free("a", (), (5,))
     e.add("b", 64, tag="b")
-    assert e.alloc("b", (20, 21), (5, 22)) == (fx.FlushStores(job_ids=(1,)),)
+    assert admits("b", e.alloc("b", (20, 21), (5, 22))) == (fx.FlushStores(job_ids=(1,)),)
     check(e.state)
 
 
@@ -464,7 +476,7 @@ def test_abort_during_load_holds_the_blocks_until_the_load_ends():
     assert all(e.core.block_refs[b] == 0 for b in held)
     assert e.core.block_writer == {} and e.core.slot_loads == {}
     assert len(e.core.policy) == 8  # the source keys are evictable again
-    assert e.alloc("c", (9, 13), (14, 15)) == ()
+    assert admits("c", e.alloc("c", (9, 13), (14, 15))) == ()
     check(e.state)
 
 
@@ -685,7 +697,8 @@ def test_load_failed_with_several_groups_drops_the_keys_and_starts_the_request_o
     slot = tier_keys(e)
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(), keys=(KA0[1],)))
-    assert ends(2, effects) == (load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED))
+    assert ends(2, effects) == (load_failed("b", KA0[1]), fx.KeysUnloadable(tier=0, keys=(KA0[1],), reason=fx.Reason.FAILED),
+                                fx.RequestRequeued(request_id="b", job_id=2))
     c = e.core
     assert KA0[1] not in c.slot_of_key
     assert c.slot_state[slot[KA0[1]]] == SlotState.FREE
@@ -700,7 +713,7 @@ def test_load_failed_with_several_groups_drops_the_keys_and_starts_the_request_o
     assert (c.stats.load_failures, c.stats.keys_failed) == (1, 1)
     assert lookup(e.state, "b", 0) == LookupResult(32)  # the hit stops before the dropped key
     check(e.state)
-    (load,) = e.alloc("b", (9, 10), (14, 15), ext=32)
+    (load,) = admits("b", e.alloc("b", (9, 10), (14, 15), ext=32))
     assert load.keys == ((KA0[0],), (KA1[0],))
     check(e.state)
 
@@ -726,7 +739,8 @@ def test_load_failed_block_drops_its_key_too():
     e = donor_stored()
     loading_b(e)
     effects = e.apply(ev.LoadFailed(job_id=2, block_ids=(14,), keys=()))
-    assert ends(2, effects) == (load_failed("b", KA1[2]), fx.KeysUnloadable(tier=0, keys=(KA1[2],), reason=fx.Reason.FAILED))
+    assert ends(2, effects) == (load_failed("b", KA1[2]), fx.KeysUnloadable(tier=0, keys=(KA1[2],), reason=fx.Reason.FAILED),
+                                fx.RequestRequeued(request_id="b", job_id=2))
     assert KA1[2] not in e.core.slot_of_key
     assert e.core.jobs == {}
     e.add("c", 129, A)
@@ -809,7 +823,7 @@ def test_pin_mode_pins_on_store_and_unpins_exactly_once():
                                fx.KeysLoadable(tier=0, keys=KA0 + KA1))
     assert all(e.core.block_pins[b] == 0 for b in range(64))
     assert e.reject(ev.StoreCompleted(job_id=1)) == "unknown_job"
-    assert e.alloc("b", (1, 20), (21, 22)) == ()  # no flush: pins kept the block safe
+    assert admits("b", e.alloc("b", (1, 20), (21, 22))) == ()  # no flush: pins kept the block safe
     check(e.state)
 
 
@@ -883,7 +897,8 @@ def test_two_workers_a_load_ends_after_both_and_keeps_either_failure():
         load_failed("b", KA0[2], worker=1),)  # the outcome waits for the other worker
     assert e.core.requests["b"].status is RequestStatus.LOADING
     assert e.reject(ev.LoadCompleted(job_id=2, worker_index=1)) == "duplicate_completion"
-    assert ends(2, e.load_done(2, worker=0)) == (fx.KeysUnloadable(tier=0, keys=(KA0[2],), reason=fx.Reason.FAILED),)
+    assert ends(2, e.load_done(2, worker=0)) == (fx.KeysUnloadable(tier=0, keys=(KA0[2],), reason=fx.Reason.FAILED),
+                                                 fx.RequestRequeued(request_id="b", job_id=2))
     assert e.core.requests["b"].status is RequestStatus.WAITING
     assert KA0[2] not in e.core.slot_of_key
     check(e.state)
@@ -1000,7 +1015,7 @@ def test_reduce_step_equals_folding_reduce():
     state, effects = reduce_step(Engine().state, events)
     assert digest(state) == digest(one.state)
     assert effects == tuple(folded)
-    assert [type(x) for x in effects] == [fx.ReportViolation, fx.StartStore]
+    assert [type(x) for x in effects] == [fx.RequestAdmitted, fx.ReportViolation, fx.StartStore]
 
 
 def test_a_load_target_still_read_by_a_store_is_flushed_before_the_load():
@@ -1010,7 +1025,7 @@ def test_a_load_target_still_read_by_a_store_is_flushed_before_the_load():
     e.step(("x", 0, 64))  # store job 2 reads 20-23
     e.finish("x")
     e.add("b", 129, A)
-    effects = e.alloc("b", (20, 10, 11, 12, 13), (0, 0, 14, 15, 16), ext=128)
+    effects = admits("b", e.alloc("b", (20, 10, 11, 12, 13), (0, 0, 14, 15, 16), ext=128))
     assert [type(x) for x in effects] == [fx.FlushStores, fx.StartLoad]
     assert effects[0] == fx.FlushStores(job_ids=(2,))
     assert effects[1].target_block_ids == ((20, 10, 11, 12), (14, 15))

@@ -31,7 +31,7 @@ from kvledger.engine.transitions import (
     tier_key_move,
 )
 from kvledger.events import types as ev
-from tests.engine.builders import FULL, Engine, chain, full_only_config, key, make_config, only
+from tests.engine.builders import FULL, Engine, admits, chain, full_only_config, key, make_config, only
 from tests.support.transitions_doc import render
 
 A = chain(5, "a")
@@ -468,7 +468,7 @@ def job_scenarios() -> dict:
         e.step(("a", 0, 64))
         e.finish("a")
         e.add("b", 64, tag="b")
-        assert e.alloc("b", (1, 20)) == (fx.FlushStores(job_ids=(1,)),)
+        assert admits("b", e.alloc("b", (1, 20))) == (fx.FlushStores(job_ids=(1,)),)
         return e
 
     def started(world_size: int = 1) -> Engine:
