@@ -10,7 +10,7 @@ _identity   which build this is: the version and commit a log's header records
 
 from kvledger import _build
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 BUILD = _build.select()
 """The engine build in use: compiled with mypyc, or the pure source (and why)."""

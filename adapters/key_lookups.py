@@ -35,7 +35,8 @@ class KeyLookups:
         self.keys_found = 0
         self._asks: collections.deque[tuple[Hashable, tuple[bytes, ...]] | None] = collections.deque()
         self._cond = threading.Condition()
-        self._answers: list[tuple[Hashable, tuple[bytes, ...]]] = []
+        # (token, keys found, how it ended: "answered", or a `LOOKUP_FAILURES` reason)
+        self._answers: list[tuple[Hashable, tuple[bytes, ...], str]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._work, name=f"kvledger-lookups-{name}", daemon=True)
         self._thread.start()
@@ -47,7 +48,7 @@ class KeyLookups:
             if len(self._asks) >= self.queued_max:
                 oldest = self._asks.popleft()
                 assert oldest is not None
-                self._answers.append((oldest[0], ()))
+                self._answers.append((oldest[0], (), "dropped"))
                 self.dropped += 1
             self._asks.append((token, tuple(keys)))
             self._cond.notify()
@@ -64,7 +65,7 @@ class KeyLookups:
         with self._cond:
             return self.keys_asked, self.keys_found
 
-    def poll(self) -> list[tuple[Hashable, tuple[bytes, ...]]]:
+    def poll(self) -> list[tuple[Hashable, tuple[bytes, ...], str]]:
         with self._cond:
             answers, self._answers = self._answers, []
         return answers
@@ -89,15 +90,15 @@ class KeyLookups:
             if ask is None:
                 return
             token, keys = ask
-            answered = True
+            outcome = "answered"
             try:
                 found = self.find(keys)
             except Exception as exc:  # a store that is down finds nothing; the request computes
                 _log.debug("tier_lookup_failed", tier=self.name, error=repr(exc))
-                found, answered = (), False
+                found, outcome = (), "down"
             with self._cond:
                 if not self._closed:
-                    self._answers.append((token, found))
-                    if answered:
+                    self._answers.append((token, found, outcome))
+                    if outcome == "answered":
                         self.keys_asked += len(keys)
                         self.keys_found += len(found)

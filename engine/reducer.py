@@ -667,6 +667,15 @@ def _tier_keys_found(core: Core, event: ev.TierKeysFound, out: list[fx.Effect]) 
     lower.keys_found(core, event.tier, event.keys, out)
 
 
+def _tier_lookup_failed(core: Core, event: ev.TierLookupFailed, out: list[fx.Effect]) -> None:
+    """On the record for `explain`; nothing in the state changes."""
+    if not 1 <= event.tier <= len(core.lower):
+        raise ProtocolViolation("unknown_tier", f"tier {event.tier}: the engine has {len(core.lower)} lower tiers")
+    if event.reason not in ev.LOOKUP_FAILURES:
+        raise ProtocolViolation("unknown_reason", f"lookup failure {event.reason!r} is not one of "
+                                f"{', '.join(ev.LOOKUP_FAILURES)}", request_id=event.request_id)
+
+
 _HANDLERS: Final[dict[type, Callable[[Core, Any, list[fx.Effect]], None]]] = {
     ev.RequestAdded: _request_added,
     ev.BlockHashesAppended: _block_hashes_appended,
@@ -686,5 +695,6 @@ _HANDLERS: Final[dict[type, Callable[[Core, Any, list[fx.Effect]], None]]] = {
     ev.LoadFailed: _load_failed,
     ev.CacheReset: _cache_reset,
     ev.TierKeysFound: _tier_keys_found,
+    ev.TierLookupFailed: _tier_lookup_failed,
 }
 assert set(_HANDLERS) == set(ev.EVENT_TYPES), "every event kind needs a handler"

@@ -245,6 +245,26 @@ class TierKeysFound:
     keys: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
 
 
+LOOKUP_FAILURES = ("down", "timed_out", "dropped")
+"""Why a lower tier's lookup for a request went unanswered: the tier raised
+(unreachable, refused, or marked down), the request stopped waiting for it,
+or its queue was full (the oldest ask is answered "nothing" at once)."""
+
+
+@attrs.frozen(kw_only=True)
+class TierLookupFailed:
+    """A shared lower tier was asked which of a request's keys it holds and did
+    not answer (`reason`, one of `LOOKUP_FAILURES`): the request was admitted
+    without what that tier may hold. A fact for `explain`; the engine keeps
+    nothing of it."""
+
+    kind: ClassVar[str] = "tier_lookup_failed"
+    version: ClassVar[int] = 1
+    tier: int
+    request_id: str
+    reason: str
+
+
 @attrs.frozen(kw_only=True)
 class BlockHashesRewound:
     """vLLM dropped the request's hashes from index `num_hashes` on: a streaming
@@ -276,6 +296,7 @@ Event = Union[
     CacheReset,
     TierKeysFound,
     BlockHashesRewound,
+    TierLookupFailed,
 ]
 
 TransferEvent = Union[StoreCompleted, StoreFailed, LoadCompleted, LoadFailed]

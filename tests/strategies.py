@@ -40,6 +40,7 @@ EXAMPLE_EVENTS: dict[str, ev.Event] = {
         ev.CacheReset(epoch=2),
         ev.TierKeysFound(tier=1, keys=(_H[2], _H[3])),
         ev.BlockHashesRewound(request_id="cmpl-7f3a-0", num_hashes=2),
+        ev.TierLookupFailed(tier=1, request_id="cmpl-91c2-0", reason="timed_out"),
     )
 }
 assert set(EXAMPLE_EVENTS) == set(ev.KIND_TO_TYPE), "every event kind needs an example"
@@ -101,6 +102,8 @@ _BY_KIND: dict[str, st.SearchStrategy] = {
     "cache_reset": st.builds(ev.CacheReset, epoch=ints, forget_device=st.booleans(), rekeyed=st.booleans()),
     "tier_keys_found": st.builds(ev.TierKeysFound, tier=small_ints, keys=hash_tuples),
     "block_hashes_rewound": st.builds(ev.BlockHashesRewound, request_id=request_ids, num_hashes=small_ints),
+    "tier_lookup_failed": st.builds(ev.TierLookupFailed, tier=small_ints, request_id=request_ids,
+                                    reason=st.sampled_from(ev.LOOKUP_FAILURES)),
 }
 assert set(_BY_KIND) == set(ev.KIND_TO_TYPE), "every event kind needs a strategy"
 

@@ -113,6 +113,8 @@ def describe(run: Run, tiers: list[str]) -> str:
         text += f": request {run.other_request} ended at seq {run.seq}"
     elif run.cause == "not_computed_yet":
         text += f": request {run.other_request} had it first"
+    elif run.cause in ("tier_down", "lookup_timed_out", "lookup_dropped"):
+        text += f": {where}'s lookup for this request, at seq {run.seq}"
     elif run.cause == "no_host_slot":
         text += f": held by {where}"
     elif run.cause == "bounded_by_group" and run.seq >= 0:

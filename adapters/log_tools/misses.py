@@ -35,6 +35,11 @@ from kvledger.events.config import EngineConfig, GroupKind, StoreMode
 # stable: the JSON output and the metrics' labels use them.
 CAUSES: Final[dict[str, str]] = {
     "first_seen": "first time seen: no earlier request had this block",
+    "tier_down": "first seen here, while a shared tier that may hold it was down: its lookup for this request "
+                 "failed",
+    "lookup_timed_out": "first seen here; a shared tier's lookup for this request did not answer in time",
+    "lookup_dropped": "first seen here; a shared tier's lookups queued too deep, so this request's was answered "
+                      "empty",
     "evicted": "evicted to make room for other blocks",
     "reset": "dropped by a cache reset",
     "transfer_failed": "dropped when a transfer of it failed",
@@ -153,6 +158,7 @@ class MissLedger:
         self._key_rules = hma.key_rules(config)
         self._hashes: dict[str, int] = {}  # request -> hashes it has named keys from so far
         self._ended: dict[str, int] = {}  # request -> seq it finished or was aborted
+        self._unanswered: dict[str, tuple[int, int, str]] = {}  # request -> its lookup's failure: tier, seq, reason
         self._attempts: dict[str, int] = {}
         self._jobs: dict[int, str] = {}  # the stores and loads in flight -> their kind
         self._ended_jobs: list[int] = []  # the jobs this event ended (`JobEnded`), folded after its other facts
@@ -188,7 +194,8 @@ class MissLedger:
         most = self.max_keys
         if not most:  # unbounded (a replay's explain)
             return
-        for table in (self.keys, self._gone, self._storing, self._store_failed, self._refused, self._ended):
+        for table in (self.keys, self._gone, self._storing, self._store_failed, self._refused, self._ended,
+                      self._unanswered):
             _bound(table, most)
 
     def replayed(self, seq: int, event: ev.Event, state: object, effects: tuple[fx.Effect, ...]) -> None:
@@ -218,9 +225,13 @@ class MissLedger:
     def _rewound(self, seq: int, event: ev.BlockHashesRewound) -> None:
         self._hashes[event.request_id] = event.num_hashes
 
+    def _lookup_failed(self, seq: int, event: ev.TierLookupFailed) -> None:
+        self._unanswered.setdefault(event.request_id, (event.tier, seq, event.reason))
+
     def _request_ended(self, seq: int, event: ev.RequestFinished | ev.RequestAborted) -> None:
         rid = event.request_id
         self._ended[rid] = seq
+        self._unanswered.pop(rid, None)
         self._hashes.pop(rid, None)
         self._attempts.pop(rid, None)
 
@@ -398,6 +409,10 @@ class MissLedger:
 
     def _never_stored(self, named_by: str, rid: str, kind: GroupKind) -> _Why:
         if named_by in ("", rid):
+            unanswered = self._unanswered.get(rid)
+            if unanswered is not None:  # the one place it may have been: the shared tier, unasked
+                tier, seq, reason = unanswered
+                return (_LOOKUP_CAUSES[reason], tier, seq, -1, "", "")
             return ("first_seen", -1, -1, -1, "", "")
         if kind is not GroupKind.FULL:
             return ("never kept by its group", -1, -1, -1, "", "")
@@ -427,6 +442,9 @@ class MissLedger:
                     f"host memory has {self.config.num_tier_slots} slots")
         return ("unexplained", -1, -1, -1, "", "")
 
+
+_LOOKUP_CAUSES: Final = {"down": "tier_down", "timed_out": "lookup_timed_out", "dropped": "lookup_dropped"}
+assert set(_LOOKUP_CAUSES) == set(ev.LOOKUP_FAILURES) and set(_LOOKUP_CAUSES.values()) <= set(CAUSES)
 
 # Why a block was computed, or where it was restored from: a run's fields after its outcome.
 _Why = tuple[str, int, int, int, str, str]
@@ -531,4 +549,5 @@ _FOLLOW: dict[type, Callable[[MissLedger, int, Any], None]] = {
     ev.RequestAborted: MissLedger._request_ended,
     ev.StepScheduled: MissLedger._step,
     ev.CacheReset: MissLedger._reset,
+    ev.TierLookupFailed: MissLedger._lookup_failed,
 }

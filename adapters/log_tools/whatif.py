@@ -216,7 +216,7 @@ class Redrive:
                 if isinstance(effect, fx.TransferFailed) and effect.kind == "load":  # are vLLM's again
                     self._send_back(effect.request_id)
             return
-        if isinstance(event, ev.TierKeysFound) and event.tier > len(self.config.lower_tiers):
+        if isinstance(event, (ev.TierKeysFound, ev.TierLookupFailed)) and event.tier > len(self.config.lower_tiers):
             return
         if readmitted:
             self._send_back(event.request_id, as_the_log=False)

@@ -120,6 +120,7 @@ class Simulator:
         self.truth: list[dict] | None = [] if record_truth else None
         self.first_named: dict[bytes, str] = {}
         self.failed_jobs: set[int] = set()
+        self.unanswered: dict[str, tuple[str, int]] = {}  # request -> its lookup's failure: reason, seq
         self.reset_seqs: list[int] = []
 
     # Driving the engine.
@@ -435,6 +436,7 @@ class Simulator:
             "loadable": [queries.is_loadable(self.state, k) or any(queries.tier_holds(self.state, t, k) for t in tiers)
                          for k in keys],
             "named_first": [self.first_named.get(k) == request.rid for k in keys],
+            "unanswered": self.unanswered.get(request.rid),
             "storing": [k in storing for k in keys]})
 
     def _check_hit(self, request: SimRequest, local: int, ext: int) -> None:
@@ -501,6 +503,12 @@ class Simulator:
                 self.disks[0][key] = key
                 found.append(key)
         self.emit(ev.TierKeysFound(tier=1, keys=tuple(found)))
+
+    def lookup_failed(self, rid: str, reason: str) -> None:
+        """Lower tier 1, shared, could not answer this request's lookup (down, timed out,
+        dropped): asked once per request, as the connector asks."""
+        self.unanswered[rid] = (reason, self.events)
+        self.emit(ev.TierLookupFailed(tier=1, request_id=rid, reason=reason))
 
     def reset(self, *, sleep: bool = False) -> None:
         """A cache reset; with `sleep`, then vLLM's sleep, which discards the KV
@@ -748,9 +756,11 @@ class Simulator:
 def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: float = 0.5,
                docs: int = 3, max_prompt_blocks: int = 6, max_tokens: int = 6, fail_rate: float = 0.05,
                reset_rate: float = 0.0, abort_rate: float = 0.02, completion_rate: float = 0.4,
-               check_every: int = 0, damage_rate: float = 0.0, foreign_rate: float = 0.0) -> None:
+               check_every: int = 0, damage_rate: float = 0.0, foreign_rate: float = 0.0,
+               lookup_fail_rate: float = 0.0) -> None:
     """A seeded workload: arrivals, admissions, steps and completions in random order;
-    with lower tiers, blocks damaged on disk and blocks another process wrote."""
+    with lower tiers, blocks damaged on disk, blocks another process wrote, and
+    lookups of tier 1 that go unanswered."""
     size = sim.config.hash_block_size
     for n in range(steps):
         if damage_rate and sim.disks and rng.random() < damage_rate:  # no draw without lower tiers
@@ -761,6 +771,9 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
             prompt = rng.randint(1, max_prompt_blocks) * size + rng.randrange(size)
             sim.add_request(rng.randrange(docs), prompt, rng.randint(1, max_tokens))
         for rid in sim.waiting():
+            if (lookup_fail_rate and sim.disks and rid not in sim.unanswered and sim.requests[rid].status == "waiting"
+                    and rng.random() < lookup_fail_rate):
+                sim.lookup_failed(rid, rng.choice(ev.LOOKUP_FAILURES))
             if not sim.admit(rid):
                 break
         if rng.random() < abort_rate and sim.abortable():

@@ -70,10 +70,11 @@ class HitLookups:
         self._pending_promotions[rid] = (result.slots_taken, result.promotions)
         return result.num_hit_tokens, result.num_hit_tokens > 0  # loads are asynchronous (WAITING_FOR_REMOTE_KVS)
 
-    def _enter(self, found: list[ev.TierKeysFound]) -> bool:
-        if found:
-            self._apply(list(found))
-        return bool(found)
+    def _enter(self, learned: list[ev.TierKeysFound | ev.TierLookupFailed]) -> bool:
+        """Apply what lookups learned; True when one found keys (the hit may be longer)."""
+        if learned:
+            self._apply(list(learned))
+        return any(type(event) is ev.TierKeysFound for event in learned)
 
     def admitted(self, request_id: str, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks (`update_state_after_alloc`)."""

@@ -125,7 +125,7 @@ class SchedulerTiers:
             index: {"lookup_keys": 0, "lookup_timeouts": 0} for index, tier in enumerate(self.tiers, start=1)
             if tier.shared}
         self._answered: set[str] = set()
-        self._found: list[ev.TierKeysFound] = []
+        self._found: list[ev.TierKeysFound | ev.TierLookupFailed] = []  # lookups' outcomes, to apply
         self._wait_left = LOOKUP_WAIT_S  # of this step's
         self.clock = time.monotonic  # for tombstones' age; a test's own clock in tests
         # Per tier, keys this process asked its workers to remove, oldest first. A lookup can see
@@ -195,8 +195,9 @@ class SchedulerTiers:
         self._wait_left = max(0.0, deadline - time.monotonic())
         if request_id in self._asked and time.monotonic() - self._asked[request_id] > LOOKUP_TIMEOUT_S:
             _log.warning("tier_lookup_timed_out", request_id=request_id, timeout_s=LOOKUP_TIMEOUT_S)
-            for counts in self.counts.values():
+            for index, counts in self.counts.items():
                 counts["lookup_timeouts"] += 1
+                self._found.append(ev.TierLookupFailed(tier=index, request_id=request_id, reason="timed_out"))
             self._done(request_id)
             for lookups in self._lookups.values():
                 lookups.cancel(request_id)
@@ -227,18 +228,21 @@ class SchedulerTiers:
             tombstones = self._tombstones.get(index, {})
             if tombstones:
                 _expire(tombstones, self.clock() - TOMBSTONE_S)
-            for request_id, found in lookups.poll():
+            for request_id, found, outcome in lookups.poll():
                 found = tuple(k for k in found if k not in tombstones)
                 if found:
                     self._found.append(ev.TierKeysFound(tier=index, keys=found))
+                if outcome != "answered" and request_id in self._asked:  # the request goes on without it
+                    self._found.append(ev.TierLookupFailed(tier=index, request_id=request_id, reason=outcome))
                 self._done(request_id)  # with several shared tiers, the first answer releases the request
 
     def _done(self, request_id: object) -> None:
         if self._asked.pop(request_id, None) is not None:  # type: ignore[call-overload]
             self._answered.add(request_id)  # type: ignore[arg-type]
 
-    def answers(self) -> list[ev.TierKeysFound]:
-        """Keys lookups found since the last call, to apply before the next lookup."""
+    def answers(self) -> list[ev.TierKeysFound | ev.TierLookupFailed]:
+        """Keys lookups found, and lookups that went unanswered, since the last call: to apply
+        before the next lookup."""
         self._collect()
         found, self._found = self._found, []
         return found

@@ -40,11 +40,13 @@ def test_asks_queued_behind_a_hung_one_are_bounded_and_the_oldest_answered_empty
             lookups.submit(n, (b"k%d" % n,))
         assert len(lookups._asks) == 8 and lookups.dropped == 1992
         early = lookups.poll()
-        assert [token for token, _ in early] == list(range(1992)) and all(found == () for _, found in early)
+        assert [token for token, _, _ in early] == list(range(1992))
+        assert all((found, outcome) == ((), "dropped") for _, found, outcome in early)
         store.release.set()
         late = answers(lookups, 9)
-        assert [token for token, _ in late] == ["hung", *range(1992, 2000)]
-        assert all(found == (b"k%d" % token if token != "hung" else b"k0",) for token, found in late)
+        assert [token for token, _, _ in late] == ["hung", *range(1992, 2000)]
+        assert all(found == (b"k%d" % token if token != "hung" else b"k0",) and outcome == "answered"
+                   for token, found, outcome in late)
         assert lookups.answered() == (9, 9)  # the asks dropped unasked count in neither
     finally:
         store.release.set()
@@ -61,7 +63,7 @@ def test_a_cancelled_ask_never_reaches_the_store() -> None:
         lookups.cancel("gone")
         lookups.cancel("never-asked")
         store.release.set()
-        assert [token for token, _ in answers(lookups, 2)] == ["hung", "kept"]
+        assert [token for token, _, _ in answers(lookups, 2)] == ["hung", "kept"]
         assert store.asked == [(b"a",), (b"c",)]
     finally:
         store.release.set()
@@ -78,7 +80,7 @@ def test_an_ask_the_store_failed_is_answered_empty_and_counts_as_no_query() -> N
     try:
         lookups.submit("failed", (b"down",))
         lookups.submit("asked", (b"a", b"b"))
-        assert answers(lookups, 2) == [("failed", ()), ("asked", (b"a",))]
+        assert answers(lookups, 2) == [("failed", (), "down"), ("asked", (b"a",), "answered")]
         assert lookups.answered() == (2, 1)
     finally:
         lookups.close()

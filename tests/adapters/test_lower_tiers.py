@@ -20,6 +20,7 @@ from valkey import Valkey
 
 from kvledger.adapters.settings import parse_settings
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, engine_tiers, open_worker_tiers, tier_copies
+from kvledger.events import types as ev
 from kvledger.transfers.lower_tiers.fs.block_file import block_path, write_block
 from kvledger.transfers.lower_tiers.fs.tier import FsTierIO
 from kvledger.transfers.lower_tiers.replica_tier import ReplicaTierIO
@@ -173,7 +174,9 @@ def test_a_valkey_tier_is_looked_up_not_scanned_and_counts_for_metrics(valkey_se
         tiers.removed(1, [b"a" * 20])  # nothing is deleted from a shared store: still found
         assert _ask_until_answered(tiers, "r2", [b"a" * 20])[0].keys == (b"a" * 20,)
         server.kill()
-        assert _ask_until_answered(tiers, "r3", [b"a" * 20]) == []  # down: found nothing, in bounded time
+        # Down: found nothing, in bounded time, and the lookup's failure goes on the record.
+        assert _ask_until_answered(tiers, "r3", [b"a" * 20]) == [
+            ev.TierLookupFailed(tier=1, request_id="r3", reason="down")]
         assert not tiers.health[1].up
         assert tiers.answered() == {1: (4, 3)}  # an ask the server never answered is no query
     finally:
@@ -216,7 +219,8 @@ def test_a_valkey_tier_down_at_start_with_warn_comes_up_with_its_server(valkey_s
     server.kill()
     tiers = _valkey_tiers(f"redis://127.0.0.1:{port}", on_unreachable="warn")
     try:
-        assert _ask_until_answered(tiers, "r1", [b"a" * 20]) == []
+        assert _ask_until_answered(tiers, "r1", [b"a" * 20]) == [
+            ev.TierLookupFailed(tier=1, request_id="r1", reason="down")]
         assert not tiers.health[1].up
         server.start()
         time.sleep(1.1)  # the tier's retry interval

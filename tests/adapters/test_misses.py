@@ -22,8 +22,10 @@ from kvledger.events.config import EngineConfig, GroupSpec
 from tests.engine.builders import SIMULATED_CONFIGS
 
 # Said of a block that was not restorable when its request was admitted.
+# A shared tier's unanswered lookup, by the reason the simulator chose (`ev.LOOKUP_FAILURES`).
+LOOKUP = {"tier_down": "down", "lookup_timed_out": "timed_out", "lookup_dropped": "dropped"}
 NOT_RESTORABLE = {"first_seen", "evicted", "reset", "transfer_failed", "store_failed", "not_admitted",
-                  "stored_too_late", "not_computed_yet", "request_ended", "lazy_not_offloaded"}
+                  "stored_too_late", "not_computed_yet", "request_ended", "lazy_not_offloaded", *LOOKUP}
 # Said of a block that was.
 RESTORABLE = {"after_gap", "bounded_by_group", "no_host_slot"}
 LATER = {"load_failed", "partial_block"}  # decided after the admission, or by the prompt's length
@@ -65,6 +67,11 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
                 assert all(truth["loadable"][p] for p in blocks), (where, run)
             if run.cause == "first_seen":
                 assert all(truth["named_first"][p] for p in blocks), (where, run)
+                assert truth["unanswered"] is None, (where, run)  # else the lookup's failure is the cause
+            elif run.cause in LOOKUP:
+                assert all(truth["named_first"][p] for p in blocks), (where, run)
+                reason, seq = truth["unanswered"]
+                assert (LOOKUP[run.cause], run.tier, run.seq) == (reason, 1, seq) and seq < admission.seq, (where, run)
             elif run.cause in ("not_computed_yet", "request_ended"):
                 assert run.other_request != admission.request_id, (where, run)
                 assert not any(truth["named_first"][p] for p in blocks), (where, run)
@@ -95,7 +102,7 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
        fail_rate=st.sampled_from([0.0, 0.1]), reset_rate=st.sampled_from([0.0, 0.03]))
 def test_every_admission_is_explained_as_the_simulator_saw_it(config, seed, prefix_caching, fail_rate, reset_rate):
     sim, ledger = _run(config, seed, prefix_caching=prefix_caching, fail_rate=fail_rate, reset_rate=reset_rate,
-                       damage_rate=0.05, foreign_rate=0.05)
+                       damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.05)
     _check(sim, ledger)
 
 
@@ -111,7 +118,7 @@ def test_every_cause_is_reached_and_checked():
     for config in (*SIMULATED_CONFIGS, SMALL):
         for seed in range(6):
             sim, ledger = _run(config, seed, prefix_caching=seed % 2 == 0, fail_rate=0.1, reset_rate=0.03,
-                               damage_rate=0.05, foreign_rate=0.05)
+                               damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.1)
             seen |= _check(sim, ledger)
     assert seen == set(CAUSES) - {"unexplained"} - WHATIF, f"never reached: {set(CAUSES) - seen - {'unexplained'}}"
 

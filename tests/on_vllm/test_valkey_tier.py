@@ -79,3 +79,20 @@ def test_a_server_killed_mid_run_costs_recomputes_not_wrong_output(models, tmp_p
     # to or from the Valkey tier failed (at the seq of the failure, as replay_summary checks).
     failed = [run for admission in summary["explained"] for run in admission.runs if run.cause == "transfer_failed"]
     assert any(run.tier == 1 for run in failed)
+
+
+def test_a_server_down_at_the_second_start_names_its_misses(models, tmp_path, valkey_server):
+    """The second instance starts while the server the first wrote to is down (`on_unreachable:
+    warn`): it computes everything, and `kvledger explain` says why, block by block: the tier's
+    lookup for the request failed (`tier_down`, at the seq of that failure), not `first_seen`."""
+    server = valkey_server()
+    tier = {"url": server.url, "on_unreachable": "warn"}
+    first, one = _engine(models, "tiny-llama", tmp_path / "one.log", tier, hash_seed=None)
+    assert one["lower_tiers"][0]["keys_written"] > 0
+    server.kill()
+    second, two = _engine(models, "tiny-llama", tmp_path / "two.log", tier, hash_seed="4242")
+    assert second["first"]["tokens"] == first["first"]["tokens"]
+    runs = [run for admission in two["explained"] for run in admission.runs if run.outcome == "missed"]
+    causes = {run.cause for run in runs}
+    assert "tier_down" in causes and "first_seen" not in causes, causes
+    assert all(run.tier == 1 and run.seq >= 0 for run in runs if run.cause == "tier_down")

@@ -57,5 +57,8 @@ def _names(run, event: ev.Event, effects: tuple[fx.Effect, ...]) -> bool:
         "request_ended": lambda: isinstance(event, (ev.RequestFinished, ev.RequestAborted))
         and event.request_id == run.other_request,
     }
+    for cause, reason in (("tier_down", "down"), ("lookup_timed_out", "timed_out"), ("lookup_dropped", "dropped")):
+        checks[cause] = lambda reason=reason: (isinstance(event, ev.TierLookupFailed) and event.reason == reason
+                                               and event.tier == run.tier)
     check = checks.get(run.cause)
     return True if check is None else check()

@@ -414,10 +414,11 @@ def test_key_lookups_find_a_key_only_where_every_namespace_has_it(tmp_path):
         lookups.submit(("b", 1), (key(1), key(2)))
         lookups.submit("c", ())
         got = answers(lookups, 3)
-        assert got == [("a", (key(2), key(1))), (("b", 1), (key(1), key(2))), ("c", ())]
+        assert got == [("a", (key(2), key(1)), "answered"), (("b", 1), (key(1), key(2)), "answered"),
+                       ("c", (), "answered")]
         touch(tmp_path, 3, 100, OTHER_NS)  # the second rank catches up
         lookups.submit("d", (key(3),))
-        assert answers(lookups, 1) == [("d", (key(3),))]
+        assert answers(lookups, 1) == [("d", (key(3),), "answered")]
         assert lookups.poll() == []
     finally:
         lookups.close()
@@ -427,7 +428,7 @@ def test_key_lookups_find_a_key_only_where_every_namespace_has_it(tmp_path):
     only_one = KeyLookups(functools.partial(files_present, str(tmp_path / "nowhere"), (NS,)), "1:fs")
     try:
         only_one.submit("f", (key(1),))
-        assert answers(only_one, 1) == [("f", ())]
+        assert answers(only_one, 1) == [("f", (), "answered")]
     finally:
         only_one.close()
 
@@ -441,7 +442,7 @@ def test_a_lookup_that_raises_finds_nothing() -> None:
     lookups = KeyLookups(down, "2:valkey")
     try:
         lookups.submit("a", (key(1),))
-        assert answers(lookups, 1) == [("a", ())]
+        assert answers(lookups, 1) == [("a", (), "down")]
     finally:
         lookups.close()
 
