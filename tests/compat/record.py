@@ -323,6 +323,34 @@ def valkey(r: Recorder) -> dict:
                     "phases first, again, shifted", runs, shows)
 
 
+def valkey_down_at_start(r: Recorder) -> dict:
+    def runs(folder: Path, scratch: Path):
+        server = r.server(scratch)
+        tier = [{**r.valkey_tier(server)[0], "on_unreachable": "warn"}]
+        try:
+            first = r.spec(LLAMA, folder / "process1.kvlog", ["first"],
+                           {"capacity_bytes": 192 << 10, "secondary_tiers": tier, "log_json": True})
+            entries = [("process1.kvlog", first, r.engine(first))]
+            server.kill()
+            second = r.spec(LLAMA, folder / "process2.kvlog", ["first", "again"],
+                            {"capacity_bytes": 192 << 10, "secondary_tiers": tier, "log_json": True})
+            entries.append(("process2.kvlog", second, r.engine(second, hash_seed="4242")))
+        finally:
+            server.close()
+        return entries
+
+    def shows(logs):
+        kinds = logs["process2.kvlog"]["log"]["kinds"]
+        shown = {"tier_lookup_failed_events": kinds.get("tier_lookup_failed", 0),
+                 "process1_lower_tier": (logs["process1.kvlog"]["summary"].get("lower_tiers") or [{}])[0]}
+        return shown, [] if shown["tier_lookup_failed_events"] else ["no tier_lookup_failed event"]
+
+    return r.record("valkey-down-at-start", "plain Llama over a Valkey tier (on_unreachable: warn): "
+                    "process1.kvlog writes to a real valkey-server (phase first); the server is SIGKILLed; "
+                    "process2.kvlog, a new process (another PYTHONHASHSEED), starts with it down and runs first, "
+                    "again: its lookups fail (tier_lookup_failed, from 9fb1517 on)", runs, shows)
+
+
 def failed_loads(r: Recorder) -> dict:
     def runs(folder: Path, scratch: Path):
         tier = scratch / "tier"
@@ -425,7 +453,7 @@ def crash(r: Recorder) -> dict:
 SCENARIOS: dict[str, Callable[[Recorder], dict]] = {
     "host-evictions": host_evictions, "disk-small-host": disk_small_host, "disk-new-process": disk_new_process,
     "disk-tiny-host": disk_tiny_host,
-    "valkey": valkey, "failed-loads": failed_loads, "reset": reset, "tp2": tp2, "crash": crash,
+    "valkey": valkey, "valkey-down-at-start": valkey_down_at_start, "failed-loads": failed_loads, "reset": reset, "tp2": tp2, "crash": crash,
 }
 
 
