@@ -147,6 +147,7 @@ class TransferFailed:
     tier: int  # the lower tier a spill wrote to; 0 for stores and loads
     worker_index: int
     keys: tuple[bytes, ...]
+    reason: str = ""  # the worker's (`events.types.FAILURE_REASONS`; "" when it gave none)
 
 
 @attrs.frozen(kw_only=True)

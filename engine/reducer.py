@@ -517,7 +517,8 @@ def _store_failed(core: Core, event: ev.StoreFailed, out: list[fx.Effect]) -> No
                                 job_id=job.job_id)
     job.failed_keys = job.failed_keys | failed
     out.append(fx.TransferFailed(job_id=job.job_id, kind=job.kind.value, request_id=job.request_id,
-                                 tier=job.tier, worker_index=event.worker_index, keys=tuple(sorted(failed))))
+                                 tier=job.tier, worker_index=event.worker_index, keys=tuple(sorted(failed)),
+                                 reason=event.reason))
     _worker_reported(core, job, event.worker_index, out)
 
 
@@ -544,7 +545,7 @@ def _load_failed(core: Core, event: ev.LoadFailed, out: list[fx.Effect]) -> None
     job.failed_blocks = job.failed_blocks | failed_blocks
     job.failed_keys = job.failed_keys | failed_keys
     out.append(fx.TransferFailed(job_id=job.job_id, kind=job.kind.value, request_id=job.request_id, tier=0,
-                                 worker_index=event.worker_index, keys=tuple(sorted(failed_keys))))
+                                 worker_index=event.worker_index, keys=tuple(sorted(failed_keys)), reason=event.reason))
     _worker_reported(core, job, event.worker_index, out)
 
 

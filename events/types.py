@@ -188,13 +188,15 @@ class StoreCompleted:
 
 @attrs.frozen(kw_only=True)
 class StoreFailed:
-    """A worker failed to store `keys` of the job; empty `keys` means all of them."""
+    """A worker failed to store `keys` of the job; empty `keys` means all of them.
+    `reason`: why, in the worker's words (`FAILURE_REASONS`; "" when it gave none)."""
 
     kind: ClassVar[str] = "store_failed"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3
     job_id: int
     worker_index: int = 0
     keys: tuple[bytes, ...] = attrs.field(default=(), converter=_bytes_tuple)
+    reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -207,14 +209,16 @@ class LoadCompleted:
 
 @attrs.frozen(kw_only=True)
 class LoadFailed:
-    """A worker could not load these target blocks; `keys` are their sources."""
+    """A worker could not load these target blocks; `keys` are their sources.
+    `reason`: why, in the worker's words (`FAILURE_REASONS`; "" when it gave none)."""
 
     kind: ClassVar[str] = "load_failed"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
     job_id: int
     worker_index: int = 0
     block_ids: tuple[int, ...] = attrs.field(converter=_ints)
     keys: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
+    reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -303,20 +307,39 @@ TransferEvent = Union[StoreCompleted, StoreFailed, LoadCompleted, LoadFailed]
 """A transfer's outcome, as a worker reports it to the scheduler."""
 
 
+FAILURE_REASONS = {
+    "missing": "the block was not in the tier (removed, or evicted by another process)",
+    "truncated": "the stored block was shorter than its header says",
+    "foreign": "the stored block belongs to another key, layout or deployment",
+    "corrupt": "the stored block's checksum did not match",
+    "forged": "the stored block's seal did not verify under the deployment's secret",
+    "unreadable": "the tier could not read it (an I/O error)",
+    "unwritable": "the tier could not write it (an I/O error)",
+    "disk_full": "the tier's file system had no room",
+    "unreachable": "the tier's store was down or did not answer in time",
+    "timed_out": "the transfer outlived its timeout (load_timeout_s, a tier's read timeout)",
+    "rejected": "the worker refused the job (shut down, asleep, or a bad slot or tier)",
+    "copy_failed": "the copy between host and device memory failed",
+}
+"""Why a transfer failed, as a worker's report says: `StoreFailed.reason` and
+`LoadFailed.reason` hold one of these, or "" (a report that named none)."""
+
+
 def transfer_report(job_id: int, worker_index: int, *, load: bool, failed: bool = False,
-                    block_ids: Iterable[int] = (), keys: Iterable[bytes] = ()) -> TransferEvent:
+                    block_ids: Iterable[int] = (), keys: Iterable[bytes] = (), reason: str = "") -> TransferEvent:
     """What a worker says when its part of a job ends: the one model of that report, for the
     runner and for everything that stands in for vLLM's workers (the simulator, whatif's
     re-drive, the benchmarks). A store (or spill) fails whole (`failed`) or in `keys`; a load
-    fails in `block_ids`, the targets it could not fill, whose sources are `keys`."""
+    fails in `block_ids`, the targets it could not fill, whose sources are `keys`; a failure
+    says why (`reason`, one of `FAILURE_REASONS`)."""
     keys = tuple(keys)
     if not load:
         if failed or keys:
-            return StoreFailed(job_id=job_id, worker_index=worker_index, keys=keys)
+            return StoreFailed(job_id=job_id, worker_index=worker_index, keys=keys, reason=reason)
         return StoreCompleted(job_id=job_id, worker_index=worker_index)
     block_ids = tuple(block_ids)
     if failed or block_ids:
-        return LoadFailed(job_id=job_id, worker_index=worker_index, block_ids=block_ids, keys=keys)
+        return LoadFailed(job_id=job_id, worker_index=worker_index, block_ids=block_ids, keys=keys, reason=reason)
     return LoadCompleted(job_id=job_id, worker_index=worker_index)
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]

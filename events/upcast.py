@@ -26,8 +26,15 @@ def upcast_step_scheduled_v1_v2(fields: dict) -> dict:
     return {**fields, "wall_time_us": 0}
 
 
+def upcast_failure_reason(fields: dict) -> dict:
+    """store_failed v2 and load_failed v1 carried no reason: "" says none was given."""
+    return {**fields, "reason": ""}
+
+
 UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {
     ("store_failed", 1): upcast_store_failed_v1_v2,
+    ("store_failed", 2): upcast_failure_reason,
+    ("load_failed", 1): upcast_failure_reason,
     ("cache_reset", 1): upcast_cache_reset_v1_v2,
     ("step_scheduled", 1): upcast_step_scheduled_v1_v2,
 }

@@ -61,6 +61,7 @@ class _Job:
     kept: tuple[tuple[int, ...], ...] | None = None  # a promoted load's copy skips what failed to read
     failed: frozenset[Position] = frozenset()  # positions that failed before the copy
     started_s: float = 0.0  # when the copy was submitted, on the runner's clock
+    reason: str = ""  # why the positions before the copy failed (a lower tier's read)
 
 
 class TransferRunner:
@@ -119,7 +120,8 @@ class TransferRunner:
 
     def _spill(self, effect: StartSpill) -> None:
         failed = self._lower.spill(effect) if not self._closed else StoreFailed(
-            job_id=effect.job_id, worker_index=self.worker_index, keys=tuple(k for g in effect.keys for k in g))
+            job_id=effect.job_id, worker_index=self.worker_index, keys=tuple(k for g in effect.keys for k in g),
+            reason="rejected")
         if failed is not None:
             self._ready.append(failed)
 
@@ -146,7 +148,7 @@ class TransferRunner:
         if isinstance(effect, StartLoad) and effect.promote_tiers:
             failed = self._lower.promote(effect)
             if failed is not None:  # nothing to read: copy what needs no promotion
-                self._copy(effect, failed)
+                self._copy(effect, failed, "rejected")
             return
         self._copy(effect, set())
 
@@ -162,8 +164,8 @@ class TransferRunner:
             return None
         return f"host slot(s) {stray[:8]} may still be written by a tier read that timed out"
 
-    def _copy(self, effect: StartStore | StartLoad, failed: set[Position]) -> None:
-        """Start the device copy of every position but the `failed` ones."""
+    def _copy(self, effect: StartStore | StartLoad, failed: set[Position], reason: str = "") -> None:
+        """Start the device copy of every position but the `failed` ones (failed for `reason`)."""
         if isinstance(effect, StartStore):
             direction, blocks, slots = Direction.STORE, effect.source_block_ids, effect.target_slot_ids
         else:
@@ -176,14 +178,14 @@ class TransferRunner:
             if not copy.num_blocks:
                 self._ready.append(self._event(effect, JobOutcome(
                     job_id=effect.job_id, direction=direction, failed=tuple(sorted(failed)),
-                    error="no block could be read from a lower tier")))
+                    error="no block could be read from a lower tier"), reason))
                 return
         try:
             self._backend.submit(copy)
         except Exception as exc:
             self._reject(effect, f"the copy backend refused the job: {exc!r}")
             return
-        self._jobs[effect.job_id] = _Job(effect, copy, kept, frozenset(failed), self._clock())
+        self._jobs[effect.job_id] = _Job(effect, copy, kept, frozenset(failed), self._clock(), reason)
 
     def _reject(self, effect: StartStore | StartLoad, problem: str) -> None:
         """Every block of a job that never ran has failed."""
@@ -199,7 +201,7 @@ class TransferRunner:
         load = not isinstance(effect, StartStore)
         blocks = tuple(b for group in effect.target_block_ids for b in group) if load else ()
         self._ready.append(transfer_report(effect.job_id, self.worker_index, load=load, failed=True,
-                                           block_ids=blocks, keys=keys))
+                                           block_ids=blocks, keys=keys, reason="rejected"))
 
     def poll(self) -> list[TransferEvent]:
         """Completion events since the last poll, in the order jobs finished."""
@@ -207,13 +209,13 @@ class TransferRunner:
             return []  # vLLM asks every step; most steps have no job in flight
         spilled, promoted = self._lower.poll()
         self._ready.extend(spilled)
-        for effect, failed in promoted:
+        for effect, failed, reason in promoted:
             if self._closed:
                 self._reject(effect, "the runner was shut down")
             elif self._suspended:
                 self._reject(effect, _ASLEEP)
             else:
-                self._copy(effect, failed)
+                self._copy(effect, failed, reason)
         events, self._ready = self._ready, []
         for outcome in self._backend.poll():
             job = self._jobs.pop(outcome.job_id, None)
@@ -240,7 +242,7 @@ class TransferRunner:
                     keys=hex_keys(job.effect.keys[g][i] for g, i in outcome.failed),
                     error=outcome.error,
                 )
-            events.append(self._event(job.effect, outcome))
+            events.append(self._event(job.effect, outcome, _failure(job, outcome)))
         events.extend(self._time_out_loads())
         return events
 
@@ -266,7 +268,7 @@ class TransferRunner:
                                  error=f"no outcome within {self.load_timeout_s:.3g} s")
             outcome = _in_own_positions(job, outcome)
             self._stats.append(TransferStat(Direction.LOAD, tuple(0 for _ in job.effect.keys), 0.0, False))
-            events.append(self._event(job.effect, outcome))
+            events.append(self._event(job.effect, outcome, "timed_out"))
         return events
 
     def take_stats(self) -> list[TransferStat]:
@@ -278,13 +280,15 @@ class TransferRunner:
         """Lower-tier reads and writes that finished since the last call."""
         return self._lower.take_stats()
 
-    def _event(self, effect: StartStore | StartLoad, outcome: JobOutcome) -> TransferEvent:
+    def _event(self, effect: StartStore | StartLoad, outcome: JobOutcome, reason: str = "") -> TransferEvent:
         job_id, worker = effect.job_id, self.worker_index
         keys = tuple(effect.keys[g][i] for g, i in outcome.failed)
+        reason = reason if not outcome.ok else ""
         if isinstance(effect, StartStore):
-            return transfer_report(job_id, worker, load=False, failed=not outcome.ok, keys=keys)
+            return transfer_report(job_id, worker, load=False, failed=not outcome.ok, keys=keys, reason=reason)
         blocks = tuple(effect.target_block_ids[g][i] for g, i in outcome.failed)
-        return transfer_report(job_id, worker, load=True, failed=not outcome.ok, block_ids=blocks, keys=keys)
+        return transfer_report(job_id, worker, load=True, failed=not outcome.ok, block_ids=blocks, keys=keys,
+                               reason=reason)
 
     def wait_loads(self, timeout_s: float) -> None:
         """Block, up to `timeout_s` and without raising, until every load in
@@ -367,3 +371,13 @@ _RUN = {StartStore: TransferRunner._start, StartLoad: TransferRunner._start, Flu
         StartSpill: TransferRunner._spill, DropTierKeys: TransferRunner._drop}
 assert set(_RUN) == {kind for kind, phase in ROUTES.items() if phase in WORKER_PHASES}, \
     "the runner must carry out every worker effect, and only those"
+
+
+def _failure(job: _Job, outcome: JobOutcome) -> str:
+    """Why a copy's outcome failed: a lower tier's read for the positions it failed before
+    the copy, else the copy itself."""
+    if outcome.ok:
+        return ""
+    if job.failed and job.reason and any(position in job.failed for position in outcome.failed):
+        return job.reason
+    return "rejected" if outcome.error == "cancelled" else "copy_failed"  # cancelled: shut down undrained

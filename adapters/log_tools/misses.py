@@ -55,6 +55,8 @@ CAUSES: Final[dict[str, str]] = {
                         "layers read)",
     "no_host_slot": "restorable, but a longer hit would promote more blocks than host memory holds",
     "load_failed": "restored, then its load failed: recomputed",
+    "promotion_failed": "restored from a tier below host memory, then reading it from that tier failed (the "
+                        "report says why): recomputed",
     "partial_block": "the prompt's partial last block and last token: always computed, by design",
     "log_table": "what-if only: the log's block table, allocated for a shorter hit, lacks window blocks "
                  "this longer one needs",
@@ -149,10 +151,11 @@ class MissLedger:
         # counter folds on the scheduler's thread). `keys`: the request that named each key first.
         self.keys: dict[bytes, str] = {}
         self._held: list[set[bytes]] = [set() for _ in range(1 + len(config.lower_tiers))]  # per tier, now
-        self._gone: dict[bytes, tuple[int, int, fx.Reason, int, str]] = {}  # tier, seq, reason, job, request
+        # tier, seq, reason, job, request, and the worker's word for a failure (`FAILURE_REASONS`)
+        self._gone: dict[bytes, tuple[int, int, fx.Reason, int, str, str]] = {}
         self._storing: dict[bytes, tuple[int, int, str]] = {}  # seq, job, request of its last store (in
         # flight while its job is in `_jobs`)
-        self._store_failed: dict[bytes, tuple[int, int]] = {}  # seq, job
+        self._store_failed: dict[bytes, tuple[int, int, str]] = {}  # seq, job, the worker's reason
         self._refused: dict[bytes, int] = {}  # seq of the last refusal
         self.admissions: list[Admission] = []
         self._key_rules = hma.key_rules(config)
@@ -166,7 +169,8 @@ class MissLedger:
         # restores, and that admission's keys (in the group blocks are counted in)
         self._requeued: dict[int, bool] = {}  # load job -> its failure sent its request back to waiting
         self._late: dict[int, list[Run]] = {}  # store job -> runs "stored_too_late" waiting for its end
-        self._load_failures: dict[int, tuple[int, set[bytes], int]] = {}  # load job -> first seq, keys, worker
+        # load job -> the first report's seq, every failed key, and the first report's worker and reason
+        self._load_failures: dict[int, tuple[int, set[bytes], int, str]] = {}
         self._wall_us = 0
         self.cut: dict[str, int] = {}  # what-if: request -> the hit its lookup offered, cut to fit the log's table
 
@@ -248,7 +252,8 @@ class MissLedger:
     def _unloadable(self, seq: int, effect: fx.KeysUnloadable, effects: tuple[fx.Effect, ...]) -> None:
         job, room = _room(effects)
         self._held[effect.tier].difference_update(effect.keys)
-        self._gone.update(dict.fromkeys(effect.keys, (effect.tier, seq, effect.reason, job, room)))
+        why = _failure_reason(effects) if effect.reason is fx.Reason.FAILED else ""
+        self._gone.update(dict.fromkeys(effect.keys, (effect.tier, seq, effect.reason, job, room, why)))
 
     def _store_started(self, seq: int, effect: fx.StartStore, effects: tuple[fx.Effect, ...]) -> None:
         self._jobs[effect.job_id] = "store"
@@ -277,11 +282,13 @@ class MissLedger:
 
     def _failed(self, seq: int, effect: fx.TransferFailed, effects: tuple[fx.Effect, ...]) -> None:
         if effect.kind == "store":
-            self._store_failed.update(dict.fromkeys(effect.keys, (seq, effect.job_id)))
+            self._store_failed.update(dict.fromkeys(effect.keys, (seq, effect.job_id, effect.reason)))
         elif effect.kind == "load":
             seen = self._load_failures.get(effect.job_id)
-            keys = set(effect.keys) if seen is None else seen[1] | set(effect.keys)
-            self._load_failures[effect.job_id] = (seq if seen is None else seen[0], keys, effect.worker_index)
+            if seen is None:
+                self._load_failures[effect.job_id] = (seq, set(effect.keys), effect.worker_index, effect.reason)
+            else:  # another worker's: the first report's seq, worker and reason stand
+                seen[1].update(effect.keys)
         # a spill's failure: its keys stay in host memory, and `KeysUnloadable` says if they leave
 
     def _job_ended(self, seq: int, job_id: int) -> None:
@@ -304,10 +311,13 @@ class MissLedger:
             self.on_admission(admission)
 
     def _load_failed(self, seq: int, job_id: int, admission: Admission, keys: tuple[bytes, ...],
-                     failure: tuple[int, set[bytes], int], requeued: bool) -> None:
+                     failure: tuple[int, set[bytes], int, str], requeued: bool) -> None:
         """With a failure, the request either recomputes from the first failed
-        block or, sent back to waiting (`RequestRequeued`), is admitted again."""
-        failed_seq, failed, worker = failure
+        block or, sent back to waiting (`RequestRequeued`), is admitted again. A
+        block restored from a lower tier whose report names a tier's reason failed
+        in its read there (`promotion_failed`); a report with no reason (logs
+        before 0.3.0) or a copy's says only that the load failed."""
+        failed_seq, failed, worker, reason = failure
         if requeued:
             admission.superseded_at = seq  # its next admission counts instead
             return
@@ -322,9 +332,11 @@ class MissLedger:
             first = min(bad)  # the engine recomputes from the first failed block on
             if first > run.first_block:
                 split.append(attrs.evolve(run, last_block=first - 1, end_token=first * self.block_size))
+            promoted = run.tier > HOST and reason not in ("", "copy_failed")
             split.append(attrs.evolve(run, first_block=first, first_token=first * self.block_size,
-                                      outcome="missed", cause="load_failed", seq=failed_seq, job_id=job_id,
-                                      detail=f"worker {worker} reported it failed"))
+                                      outcome="missed", cause="promotion_failed" if promoted else "load_failed",
+                                      seq=failed_seq, job_id=job_id,
+                                      detail=f"worker {worker} reported it failed" + _reason_words(reason, ": ")))
         admission.runs = split
 
     # An admission, classified before this event's own effects are folded in.
@@ -392,14 +404,15 @@ class MissLedger:
         refused = self._refused.get(key, -1)
         latest = max(gone[1] if gone else -1, store_failed[0] if store_failed else -1, refused)
         if gone is not None and gone[1] == latest:
-            tier, seq, reason, job, room = gone
+            tier, seq, reason, job, room, why = gone
             if reason is fx.Reason.EVICTED:
                 return ("evicted", tier, seq, job, room,
                         f"policy {self.config.policy.value}" if tier == HOST else "by the tier's own eviction")
-            return ("reset" if reason is fx.Reason.RESET else "transfer_failed", tier, seq, -1, "", "")
+            return ("reset" if reason is fx.Reason.RESET else "transfer_failed", tier, seq, -1, "",
+                    _reason_words(why))
         if store_failed is not None and store_failed[0] == latest:
-            seq, job = store_failed
-            return ("store_failed", -1, seq, job, "", "")
+            seq, job, why = store_failed
+            return ("store_failed", -1, seq, job, "", _reason_words(why))
         if refused >= 0:
             return ("not_admitted", -1, refused, -1, "", "")
         named_by = self.keys.get(key)
@@ -477,6 +490,21 @@ def _bound(memory: dict, most: int) -> None:
             del memory[key]
 
 
+def _failure_reason(effects: tuple[fx.Effect, ...]) -> str:
+    """The worker's reason for the failure that dropped keys (the event's `TransferFailed`)."""
+    for effect in effects:
+        if type(effect) is fx.TransferFailed:
+            return effect.reason
+    return ""
+
+
+def _reason_words(reason: str, lead: str = "") -> str:
+    """A worker's failure reason for a run's detail: the word and what it means ("" for none)."""
+    if not reason:
+        return ""
+    return f"{lead}{reason} ({ev.FAILURE_REASONS.get(reason, 'a reason this build does not know')})"
+
+
 def _room(effects: tuple[fx.Effect, ...]) -> tuple[int, str]:
     """The job an eviction made room for: the store or load started with it."""
     for effect in effects:
@@ -507,7 +535,7 @@ def totals(admissions: Iterable[Admission]) -> dict:
                 name = "host" if run.tier == HOST else f"tier {run.tier}"
                 restored[name] = restored.get(name, 0) + run.tokens
     superseded = [a for a in admissions if a.superseded_at >= 0]
-    missed_load = by_cause.get("load_failed", {}).get("tokens", 0)
+    missed_load = sum(by_cause.get(cause, {}).get("tokens", 0) for cause in ("load_failed", "promotion_failed"))
     return {
         "admissions": len(counted),
         # Admissions whose load failed and sent the request back to waiting: its next one counts

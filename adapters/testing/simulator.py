@@ -61,13 +61,14 @@ class SimRequest:
 
 
 class SimJob:
-    __slots__ = ("effect", "pending", "copied", "failed")
+    __slots__ = ("effect", "pending", "copied", "failed", "unread")
 
     def __init__(self, effect: fx.StartStore | fx.StartLoad | fx.StartSpill, workers: int) -> None:
         self.effect = effect
         self.pending = set(range(workers))
         self.copied = False
         self.failed: set[int] = set()  # LOAD: target blocks that failed
+        self.unread = ""  # LOAD: why a promoted block could not be read from its tier ("" if none failed)
 
 
 class Simulator:
@@ -277,6 +278,7 @@ class Simulator:
                     continue
                 content = self.disks[tier - 1].get(key)
                 if slot < 0 or content != key:  # the header and checksum catch anything else
+                    job.unread = job.unread or ("rejected" if slot < 0 else "missing" if content is None else "corrupt")
                     job.failed.add(block)
                     if slot >= 0:
                         self.slot_content[slot] = None
@@ -668,6 +670,8 @@ class Simulator:
         if isinstance(effect, fx.StartSpill) and fail:
             job.copied = True  # a failed write leaves nothing on disk
         self._copy(job)
+        # Why, as a worker says it: a promoted block its tier could not give, else the copy.
+        reason = job.unread or ("copy_failed" if fail else "")
         fail = fail or bool(job.failed)  # a promoted block that could not be read
         if fail:
             self.failed_jobs.add(job_id)
@@ -677,11 +681,12 @@ class Simulator:
             del self.jobs[job_id]
             self._last_reported[job_id] = effect  # its JobEnded must come with this report
         if isinstance(effect, (fx.StartStore, fx.StartSpill)):
-            self.emit(ev.transfer_report(job_id, worker, load=False, failed=fail))
+            self.emit(ev.transfer_report(job_id, worker, load=False, failed=fail,
+                                         reason="unwritable" if isinstance(effect, fx.StartSpill) and fail else reason))
         else:
             keys = [k for ks, bs in zip(effect.keys, effect.target_block_ids) for k, b in zip(ks, bs) if b in job.failed]
             self.emit(ev.transfer_report(job_id, worker, load=True, failed=fail, block_ids=sorted(job.failed),
-                                         keys=keys))
+                                         keys=keys, reason=reason))
         if self._last_reported.pop(job_id, None) is not None:
             raise SimulationError(f"job {job_id}: its last worker reported and no JobEnded announced its end")
         if last and isinstance(effect, fx.StartLoad):

@@ -28,7 +28,7 @@ NOT_RESTORABLE = {"first_seen", "evicted", "reset", "transfer_failed", "store_fa
                   "stored_too_late", "not_computed_yet", "request_ended", "lazy_not_offloaded", *LOOKUP}
 # Said of a block that was.
 RESTORABLE = {"after_gap", "bounded_by_group", "no_host_slot"}
-LATER = {"load_failed", "partial_block"}  # decided after the admission, or by the prompt's length
+LATER = {"load_failed", "promotion_failed", "partial_block"}  # decided after the admission, or by the prompt's length
 WHATIF = {"log_table"}  # `kvledger whatif`'s own (tests/adapters/test_whatif.py)
 assert NOT_RESTORABLE | RESTORABLE | LATER | WHATIF == set(CAUSES) - {"unexplained"}
 
@@ -54,7 +54,8 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
         assert runs[0].first_token == 0 and runs[-1].end_token == truth["num_tokens"], where
         assert all(a.end_token == b.first_token for a, b in zip(runs, runs[1:])), where
         assert admission.tokens("device") == truth["local"], where
-        assert admission.tokens("restored") + admission.tokens("missed", "load_failed") == truth["ext"], where
+        assert (admission.tokens("restored") + admission.tokens("missed", "load_failed")
+                + admission.tokens("missed", "promotion_failed")) == truth["ext"], where
         for run in runs:
             if run.outcome != "missed":
                 continue
@@ -79,12 +80,16 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
                 assert all(truth["storing"][p] for p in blocks), (where, run)
             elif run.cause == "store_failed":
                 assert run.job_id in sim.failed_jobs and run.seq < admission.seq, (where, run)
+                assert run.detail.startswith("copy_failed ("), (where, run)  # the simulated worker's reason
             elif run.cause == "reset":
                 assert run.seq in sim.reset_seqs and run.seq < admission.seq, (where, run)
             elif run.cause in ("evicted", "transfer_failed", "not_admitted"):
                 assert 0 <= run.seq < admission.seq, (where, run)
             elif run.cause == "load_failed":
                 assert run.job_id == admission.load_job and run.job_id in sim.failed_jobs, (where, run)
+            elif run.cause == "promotion_failed":  # restored from a lower tier, whose read failed
+                assert run.job_id == admission.load_job and run.job_id in sim.failed_jobs and run.tier >= 1, (where, run)
+                assert run.detail.split(": ", 1)[1].split(" ")[0] in ("missing", "corrupt", "rejected"), (where, run)
             elif run.cause == "partial_block":
                 assert run.end_token == truth["num_tokens"] and run.tokens <= sim.config.alignment_tokens, (where, run)
             if run.cause != "partial_block":

@@ -108,7 +108,8 @@ def test_layout_is_magic_header_frame_then_one_frame_per_step() -> None:
     assert head["schema_version"] == LOG_SCHEMA_VERSION and head["config"] == CONFIG.to_dict()
     assert head["compression"] == "zstd" and head["snapshot_interval_events"] == 0
     assert head["kinds"] == {kind: code for code, kind in enumerate(SCHEMAS, start=1)}
-    assert head["layouts"]["store_failed"] == [2, [["job_id", "int"], ["worker_index", "int"], ["keys", "tuple[bytes]"]]]
+    assert head["layouts"]["store_failed"] == [3, [["job_id", "int"], ["worker_index", "int"], ["keys", "tuple[bytes]"],
+                                                ["reason", "str"]]]
     assert len(steps) == 2
     first_seq, step_index, rows = msgpack.unpackb(steps[1])
     assert (first_seq, step_index) == (8, 1)
@@ -245,12 +246,12 @@ def test_readers_accept_plain_and_packed_forms() -> None:
     head = header_map()
     code = head["kinds"]["load_failed"]
     rows = [
-        [code, 1, 1, 0, [1, 2, 3, 4, 5], [b"k" * 4] * 4],
-        [code, 1, 2, 0, pack_ints((1, 2, 3, 4, 5)), pack_bytes((b"k" * 4,) * 4)],
+        [code, 2, 1, 0, [1, 2, 3, 4, 5], [b"k" * 4] * 4, ""],
+        [code, 2, 2, 0, pack_ints((1, 2, 3, 4, 5)), pack_bytes((b"k" * 4,) * 4), "corrupt"],
     ]
     events = [r.event for r in read_all(log(head, [0, 0, rows]))[1]]
     assert events[0] == ev.LoadFailed(job_id=1, block_ids=(1, 2, 3, 4, 5), keys=(b"kkkk",) * 4)
-    assert events[1] == ev.LoadFailed(job_id=2, block_ids=(1, 2, 3, 4, 5), keys=(b"kkkk",) * 4)
+    assert events[1] == ev.LoadFailed(job_id=2, block_ids=(1, 2, 3, 4, 5), keys=(b"kkkk",) * 4, reason="corrupt")
 
 
 # --- old layouts ------------------------------------------------------------
@@ -457,7 +458,7 @@ def test_header_needs_kinds_and_layouts() -> None:
 def test_a_changed_layout_without_a_version_bump_is_refused() -> None:
     head = header_map()
     head["layouts"]["load_failed"][1].reverse()
-    fails(MAGIC + frame(head), "header: load_failed v1: layout .* differs from this reader's", None)
+    fails(MAGIC + frame(head), "header: load_failed v2: layout .* differs from this reader's", None)
 
 
 def test_unknown_kind_fails_when_a_row_uses_it() -> None:
@@ -476,10 +477,10 @@ def test_unknown_kind_code() -> None:
 
 def test_record_version_too_new() -> None:
     head = header_map()
-    head["layouts"]["store_failed"][0] = 3
+    head["layouts"]["store_failed"][0] = 4
     code = head["kinds"]["store_failed"]
-    data = log(head, [0, 0, [[code, 3, 1, 0, []]]])
-    fails(data, r"store_failed: v3 is newer than this reader knows \(v2\)", 0)
+    data = log(head, [0, 0, [[code, 4, 1, 0, [], ""]]])
+    fails(data, r"store_failed: v4 is newer than this reader knows \(v3\)", 0)
 
 
 def test_row_version_must_match_the_header() -> None:
@@ -495,8 +496,8 @@ def test_row_version_must_match_the_header() -> None:
         (["store_completed", 1, 1], "store_completed: row has 1 fields, the layout 2"),
         (["request_aborted", 1, 5], r"request_aborted.request_id: string reference 5 is not in the table \(0 entries\)"),
         (["request_aborted", 1, b"r"], "request_aborted.request_id: expected str, got bytes"),
-        (["load_failed", 1, 1, 0, b"Z", []], "load_failed.block_ids: packed ints: bad format"),
-        (["load_failed", 1, 1, 0, [], [1]], "load_failed.keys: expected bytes, got int"),
+        (["load_failed", 2, 1, 0, b"Z", [], ""], "load_failed.block_ids: packed ints: bad format"),
+        (["load_failed", 2, 1, 0, [], [1], ""], "load_failed.keys: expected bytes, got int"),
         (["blocks_touched", 1, "r", [[1, "2"]]], "blocks_touched.block_ids: expected int, got str"),
     ],
 )

@@ -49,6 +49,15 @@ def test_store_failed_v1_upcasts_to_all_keys() -> None:
     assert event == ev.StoreFailed(job_id=5, worker_index=2, keys=())
 
 
+def test_failures_before_reasons_upcast_to_no_reason_given() -> None:
+    assert from_record({"kind": "store_failed", "v": 2, "job_id": 5, "worker_index": 1, "keys": ["ab"]}) == \
+        ev.StoreFailed(job_id=5, worker_index=1, keys=(b"\xab",), reason="")
+    assert from_record({"kind": "load_failed", "v": 1, "job_id": 6, "worker_index": 0, "block_ids": [3],
+                        "keys": ["cd"]}) == \
+        ev.LoadFailed(job_id=6, block_ids=(3,), keys=(b"\xcd",), reason="")
+    assert from_record({"kind": "store_failed", "v": 1, "job_id": 5, "worker_index": 0}).reason == ""  # through two upcasters
+
+
 def test_step_scheduled_v1_upcasts_to_no_recorded_time() -> None:
     event = from_record({"kind": "step_scheduled", "v": 1, "step_index": 3, "request_ids": ["a"],
                          "num_computed_tokens": [0], "num_scheduled_tokens": [16]})
@@ -101,7 +110,7 @@ _DROP = object()
     [
         ({"kind": "request_teleported", "v": 1}, None, None, "unknown kind 'request_teleported'"),
         ({"v": 1, "job_id": 1}, None, None, "unknown kind None"),
-        (_record(v=2), "load_failed", None, "v2 is newer than this reader knows (v1)"),
+        (_record(v=3), "load_failed", None, "v3 is newer than this reader knows (v2)"),
         (_record(v=0), "load_failed", "v", "version must be an int >= 1"),
         (_record(v="1"), "load_failed", "v", "version must be an int >= 1"),
         (_record(keys=_DROP), "load_failed", "keys", "missing field"),

@@ -34,6 +34,15 @@ def _forged_reads(result: dict) -> int:
                if line.get("event") == "tier_io_failed")
 
 
+def _explained_as_forged(summary: dict) -> None:
+    """`kvledger explain` says why each refused block was computed, in the worker's word: its
+    read from the tier failed as forged (`promotion_failed`), or, where that sent the request
+    back to waiting, the next admission found it dropped by that failure (`transfer_failed`)."""
+    failed = [run for admission in summary["explained"] for run in admission.runs
+              if run.cause in ("promotion_failed", "transfer_failed")]
+    assert failed and all("forged (" in run.detail and run.tier == 1 for run in failed), failed
+
+
 def test_a_valkey_tier_with_a_secret_serves_no_forged_block_and_other_secrets_share_nothing(
         models, tmp_path, valkey_server, monkeypatch):
     monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)
@@ -56,6 +65,7 @@ def test_a_valkey_tier_with_a_secret_serves_no_forged_block_and_other_secrets_sh
     lower = summary["lower_tiers"][0]
     assert lower["keys_found"] > 0 and lower["read_failures"] > 0
     assert _forged_reads(again) > 0
+    _explained_as_forged(summary)
     assert again["first"]["tokens"] == first["first"]["tokens"]
 
 
@@ -72,6 +82,7 @@ def test_forged_block_files_are_refused_with_a_secret_and_served_without(models,
     lower = summary["lower_tiers"][0]
     if secret:
         assert lower["read_failures"] > 0 and _forged_reads(again) > 0
+        _explained_as_forged(summary)
         assert again["first"]["tokens"] == again["recomputed"]["tokens"]
     else:  # the attack works on a tier that trusts whoever can write it
         assert lower["keys_read"] > 0 and lower["read_failures"] == 0

@@ -52,6 +52,7 @@ def _names(run, event: ev.Event, effects: tuple[fx.Effect, ...]) -> bool:
         "transfer_failed": lambda: dropped(fx.Reason.FAILED),
         "store_failed": lambda: failed("store"),
         "load_failed": lambda: failed("load"),
+        "promotion_failed": lambda: failed("load"),
         "not_admitted": lambda: any(isinstance(e, fx.KeysNotAdmitted) for e in effects),
         "stored_too_late": lambda: any(isinstance(e, fx.StartStore) and e.job_id == run.job_id for e in effects),
         "request_ended": lambda: isinstance(event, (ev.RequestFinished, ev.RequestAborted))

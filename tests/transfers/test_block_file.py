@@ -165,7 +165,7 @@ def test_a_full_disk_fails_the_write_and_leaves_nothing_torn(small_tmpfs):
         try:
             write_block(path, NS, key, data)
         except BlockFileError as error:
-            assert error.reason == "unwritable" and "No space left" in error.detail
+            assert error.reason == "disk_full" and "No space left" in error.detail
             assert not path.exists()
             continue
         stored.append(key)

@@ -207,7 +207,7 @@ def test_a_full_disk_falls_back_to_a_file_per_block(small_tmpfs, tiers):
     keys = (tuple(key(n) for n in range(8)),)
     outcome = run(io, "write", 1, keys, (tuple(range(8)),))
     stored = [n for n in range(8) if (0, n) not in outcome.failed]
-    assert set(outcome.reasons) == {"unwritable"} and 1 <= len(stored) <= 3
+    assert set(outcome.reasons) == {"disk_full"} and 1 <= len(stored) <= 3
     assert leftovers(small_tmpfs) == []
     expected = [payload(io, n, 0) for n in stored]
     io.rows.zero_()

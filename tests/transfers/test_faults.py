@@ -37,9 +37,9 @@ def test_chosen_jobs_fail_whole() -> None:
     events = sorted(rig.runner.poll(), key=lambda e: e.job_id)
     assert events == [
         StoreCompleted(job_id=1, worker_index=3),
-        StoreFailed(job_id=2, worker_index=3, keys=(b"k2-0-0", b"k2-1-0", b"k2-1-1")),
+        StoreFailed(job_id=2, worker_index=3, keys=(b"k2-0-0", b"k2-1-0", b"k2-1-1"), reason="copy_failed"),
         LoadCompleted(job_id=3, worker_index=3),
-        LoadFailed(job_id=4, worker_index=3, block_ids=(3,), keys=(b"k4-0-0",)),
+        LoadFailed(job_id=4, worker_index=3, block_ids=(3,), keys=(b"k4-0-0",), reason="copy_failed"),
     ]
 
 
@@ -49,7 +49,7 @@ def test_chosen_blocks_fail_alone_and_the_rest_load_exactly() -> None:
     rig.runner.submit([load(2, SLOTS, BLOCKS)])
     rig.runner.wait([2])
     assert rig.runner.poll() == [
-        LoadFailed(job_id=2, worker_index=3, block_ids=(2, 5), keys=(b"k2-0-1", b"k2-0-4"))
+        LoadFailed(job_id=2, worker_index=3, block_ids=(2, 5), keys=(b"k2-0-1", b"k2-0-4"), reason="copy_failed")
     ]
     restored = rig.block_mask({0: [1, 3, 4]})
     untouched = [~m for m in restored]
@@ -63,7 +63,7 @@ def test_failed_store_blocks_name_their_keys_and_the_rest_are_stored() -> None:
     rig = make_rig(layouts.cpu_attention(num_blocks=8), faults=FaultPlan(block_ids={3}, directions={"store"}))
     original = rig.snapshot()
     rig.runner.submit([store(1, [[2, 3, 4]], [[0, 1, 2]]), FlushStores(job_ids=(1,))])
-    assert rig.runner.poll() == [StoreFailed(job_id=1, worker_index=3, keys=(b"k1-0-1",))]
+    assert rig.runner.poll() == [StoreFailed(job_id=1, worker_index=3, keys=(b"k1-0-1",), reason="copy_failed")]
     rig.scramble(seed=1)
     rig.runner.submit([load(2, [[0, 2]], [[2, 4]])])
     rig.runner.wait([2])

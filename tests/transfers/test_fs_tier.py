@@ -167,7 +167,7 @@ def test_a_full_disk_fails_the_writes_that_do_not_fit_and_leaves_no_temp_files(s
     io = tiers(small_tmpfs, rows=random_rows(16, size), sizes=(size,), threads=4, direct_writes=direct_writes)
     keys = (tuple(key(n) for n in range(8)),)
     outcome = run(io, "write", 1, keys, (tuple(range(8)),))
-    assert set(outcome.reasons) == {"unwritable"}
+    assert set(outcome.reasons) == {"disk_full"}
     stored = [n for n in range(8) if (0, n) not in outcome.failed]
     assert 1 <= len(stored) <= 3 and len(outcome.failed) == 8 - len(stored)
     assert outcome.nbytes == len(stored) * size

@@ -106,9 +106,10 @@ def test_an_exception_in_a_copy_is_a_failure_event_and_the_thread_lives_on() -> 
         runner.wait([3, 4])
         events = runner.poll()
     assert sorted(events, key=lambda e: e.job_id) == [
-        StoreFailed(job_id=1, worker_index=3, keys=keys_for(1, [[1], [2, 3]])[0] + keys_for(1, [[1], [2, 3]])[1]),
+        StoreFailed(job_id=1, worker_index=3, keys=keys_for(1, [[1], [2, 3]])[0] + keys_for(1, [[1], [2, 3]])[1],
+                    reason="copy_failed"),
         StoreCompleted(job_id=2, worker_index=3),
-        LoadFailed(job_id=3, worker_index=3, block_ids=(5, 6), keys=(b"k3-0-0", b"k3-1-0")),
+        LoadFailed(job_id=3, worker_index=3, block_ids=(5, 6), keys=(b"k3-0-0", b"k3-1-0"), reason="copy_failed"),
         LoadCompleted(job_id=4, worker_index=3),
     ]
     assert any(log["event"] == "copy_failed" and "disk on fire" in log["error"] for log in logs)
@@ -138,9 +139,9 @@ def test_a_failed_precondition_is_a_failure_event_and_moves_nothing(name: str) -
     keys = tuple(k for group in effect.keys for k in group)
     if isinstance(effect, StartLoad):
         blocks = tuple(b for group in effect.target_block_ids for b in group)
-        expected = [LoadFailed(job_id=10, worker_index=3, block_ids=blocks, keys=keys)]
+        expected = [LoadFailed(job_id=10, worker_index=3, block_ids=blocks, keys=keys, reason="rejected")]
     else:
-        expected = [StoreFailed(job_id=10, worker_index=3, keys=keys)]
+        expected = [StoreFailed(job_id=10, worker_index=3, keys=keys, reason="rejected")]
     assert rig.runner.poll() == expected
     assert [log["event"] for log in logs] == ["transfer_rejected"]
     assert logs[0]["log_level"] == "warning" and logs[0]["job_id"] == 10
@@ -154,7 +155,7 @@ def test_a_job_id_already_in_flight_is_rejected() -> None:
     gate = threading.Event()
     rig = make_rig(layouts.cpu_attention(), backend_cls=GatedBackend, gates={1: gate})
     rig.runner.submit([store(1, [[1]], [[0]]), store(1, [[2]], [[1]])])
-    assert rig.runner.poll() == [StoreFailed(job_id=1, worker_index=3, keys=(b"k1-0-0",))]
+    assert rig.runner.poll() == [StoreFailed(job_id=1, worker_index=3, keys=(b"k1-0-0",), reason="rejected")]
     gate.set()
     rig.runner.submit([FlushStores(job_ids=(1,))])
     assert rig.runner.poll() == [StoreCompleted(job_id=1, worker_index=3)]
@@ -176,7 +177,7 @@ def test_shutdown_drains_queued_jobs() -> None:
     rig.runner.shutdown(drain=True)
     assert sorted(e.job_id for e in rig.runner.poll()) == [1, 2, 3, 4]
     rig.runner.submit([store(9, [[1]], [[0]])])
-    assert rig.runner.poll() == [StoreFailed(job_id=9, worker_index=3, keys=(b"k9-0-0",))]
+    assert rig.runner.poll() == [StoreFailed(job_id=9, worker_index=3, keys=(b"k9-0-0",), reason="rejected")]
 
 
 def test_shutdown_without_drain_cancels_queued_jobs_within_its_timeout() -> None:
@@ -193,8 +194,8 @@ def test_shutdown_without_drain_cancels_queued_jobs_within_its_timeout() -> None
     events = sorted(rig.runner.poll(), key=lambda e: e.job_id)
     assert events == [
         StoreCompleted(job_id=1, worker_index=3),
-        StoreFailed(job_id=2, worker_index=3, keys=(b"k2-0-0",)),
-        StoreFailed(job_id=3, worker_index=3, keys=(b"k3-0-0",)),
+        StoreFailed(job_id=2, worker_index=3, keys=(b"k2-0-0",), reason="rejected"),  # cancelled by the shutdown
+        StoreFailed(job_id=3, worker_index=3, keys=(b"k3-0-0",), reason="rejected"),
     ]
 
 
@@ -225,7 +226,7 @@ def test_open_transfers_builds_a_working_runner_from_what_vllm_registers() -> No
     runner.submit([store(1, [[1], [2]], [[0], [1]]), store(2, [[3], []], [[2], []]), FlushStores(job_ids=(1, 2))])
     assert sorted(runner.poll(), key=lambda e: e.job_id) == [
         StoreCompleted(job_id=1, worker_index=2),
-        StoreFailed(job_id=2, worker_index=2, keys=(b"k2-0-0",)),
+        StoreFailed(job_id=2, worker_index=2, keys=(b"k2-0-0",), reason="copy_failed"),
     ]
     runner.shutdown()
 
@@ -314,8 +315,8 @@ def test_suspend_waits_for_every_device_copy_and_then_refuses_new_ones() -> None
         runner.submit([load(2, [[0]], [[5]]), store(3, [[4]], [[2]])])
     assert sorted(runner.poll(), key=lambda e: e.job_id) == [
         StoreCompleted(job_id=1, worker_index=3),  # outcomes still travel
-        LoadFailed(job_id=2, worker_index=3, block_ids=(5,), keys=keys_for(2, [[5]])[0]),
-        StoreFailed(job_id=3, worker_index=3, keys=keys_for(3, [[4]])[0])]
+        LoadFailed(job_id=2, worker_index=3, block_ids=(5,), keys=keys_for(2, [[5]])[0], reason="rejected"),
+        StoreFailed(job_id=3, worker_index=3, keys=keys_for(3, [[4]])[0], reason="rejected")]
     assert all(torch.equal(a, b) for a, b in zip(before, rig.snapshot())), "a refused job touched the device"
     assert [log["problem"] for log in logs if log["event"] == "transfer_rejected"] == [
         "vLLM's KV cache is unmapped (asleep): unregister_kv_caches came before this job"] * 2
@@ -367,7 +368,7 @@ def test_a_polled_load_that_outlives_its_timeout_fails_and_its_late_end_is_dropp
     clock.now = 30.5
     with capture_logs() as logs:
         events = runner.poll()
-    assert events == [LoadFailed(job_id=2, worker_index=3, block_ids=(5,), keys=keys_for(2, [[5]])[0])]
+    assert events == [LoadFailed(job_id=2, worker_index=3, block_ids=(5,), keys=keys_for(2, [[5]])[0], reason="timed_out")]
     assert runner.in_flight == frozenset()
     names = [entry["event"] for entry in logs]
     assert "load_timed_out" in names and "timed_out_load_still_running" in names  # host memory cannot order it

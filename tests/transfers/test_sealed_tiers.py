@@ -116,7 +116,7 @@ def test_forged_blocks_are_counted_apart_in_the_tier_stats(made, tmp_path, rows)
         _, promoted = jobs.poll()
         if promoted:
             break
-    assert promoted == [(load, {(1, 2)})]
+    assert promoted == [(load, {(1, 2)}, "forged")]  # the read it failed, and why
     (stat,) = jobs.take_stats()
     assert (stat.forged, stat.unreachable, stat.ok) == (1, 0, False)
 

@@ -99,7 +99,8 @@ def test_a_damaged_or_unplaced_block_fails_alone(tmp_path) -> None:
     runner.submit([StartLoad(job_id=3, request_id="r", keys=keys, source_slot_ids=((8, 9, -1),),
                              target_block_ids=blocks, promote_tiers=((1, 1, 1),))])
     events = _poll_until(runner, 1)
-    assert events == [LoadFailed(job_id=3, worker_index=1, block_ids=(2, 3), keys=(keys[0][1], keys[0][2]))]
+    assert events == [LoadFailed(job_id=3, worker_index=1, block_ids=(2, 3), keys=(keys[0][1], keys[0][2]),
+                                 reason="corrupt")]  # the read's reason (block 3 was refused: no slot)
     restored = _device_bytes(case, layout, blocks)
     assert torch.equal(restored[0], original[0])  # block 1 was read and copied
     assert not torch.equal(restored[1], original[1])  # the damaged one was never copied
@@ -126,7 +127,7 @@ def test_drops_remove_files_and_a_spill_to_an_unknown_tier_fails(tmp_path) -> No
     assert not any(block_path(tmp_path, NAMESPACE, k).exists() for k in keys[0])
     # A spill to a tier the worker does not have fails whole, at once.
     runner.submit([StartSpill(job_id=4, tier=2, keys=keys, source_slot_ids=slots)])
-    assert runner.poll() == [StoreFailed(job_id=4, worker_index=1, keys=keys[0])]
+    assert runner.poll() == [StoreFailed(job_id=4, worker_index=1, keys=keys[0], reason="rejected")]
 
 
 def test_a_promotion_that_ends_while_vllm_sleeps_fails_without_touching_the_device(tmp_path) -> None:
@@ -139,7 +140,8 @@ def test_a_promotion_that_ends_while_vllm_sleeps_fails_without_touching_the_devi
     runner.submit([StartLoad(job_id=3, request_id="r", keys=keys, source_slot_ids=((8, 9),),
                              target_block_ids=blocks, promote_tiers=((1, 1),))])
     runner.suspend()
-    assert _poll_until(runner, 1) == [LoadFailed(job_id=3, worker_index=1, block_ids=(1, 2), keys=keys[0])]
+    assert _poll_until(runner, 1) == [LoadFailed(job_id=3, worker_index=1, block_ids=(1, 2), keys=keys[0],
+                                                 reason="rejected")]
     assert all(bool((raw == -3).all()) for raw in case.raws)
     runner.resume()
     runner.submit([StartLoad(job_id=4, request_id="r", keys=keys, source_slot_ids=((8, 9),),
@@ -178,10 +180,12 @@ def test_a_tier_read_stuck_past_the_load_timeout_fails_and_its_slot_waits_until_
         time.sleep(0.3)
         assert runner.poll() == []  # slot 0's read is stuck; the load waits
         now[0] = 6.0
-        assert runner.poll() == [LoadFailed(job_id=3, worker_index=1, block_ids=(1, 2), keys=keys[0])]
+        assert runner.poll() == [LoadFailed(job_id=3, worker_index=1, block_ids=(1, 2), keys=keys[0],
+                                            reason="timed_out")]
         # Slot 0 (and 3, read by the same job) may still be written: a store into it fails at once.
         runner.submit([store(4, ((5,),), ((0,),))])
-        assert runner.poll() == [StoreFailed(job_id=4, worker_index=1, keys=keys_for(4, ((5,),))[0])]
+        assert runner.poll() == [StoreFailed(job_id=4, worker_index=1, keys=keys_for(4, ((5,),))[0],
+                                             reason="rejected")]
         runner.submit([store(5, ((4,),), ((7,),))])  # another slot is fine
         assert _poll_until(runner, 1) == [StoreCompleted(job_id=5, worker_index=1)]
         stuck.release()

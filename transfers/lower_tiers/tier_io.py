@@ -17,6 +17,7 @@ import torch
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
 from kvledger.transfers.copies.backend import BackendClosed, join_all, wait_all
+from kvledger.transfers.lower_tiers.block_errors import report_reason
 from kvledger.transfers.lower_tiers.block_header import KEY_BYTES_MAX
 
 _log = structlog.get_logger("kvledger.transfers.tier_io")
@@ -34,6 +35,12 @@ class TierIoOutcome:
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    @property
+    def reason(self) -> str:
+        """The job's failure in one word for its report (`events.types.FAILURE_REASONS`): its
+        blocks' most common reason ("" when none failed)."""
+        return report_reason(self.reasons)
 
 
 class TierJob:

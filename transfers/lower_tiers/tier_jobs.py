@@ -21,6 +21,7 @@ from kvledger.engine.effects import DropTierKeys, IdsByGroup, KeysByGroup, Start
 from kvledger.events.keys import hex_keys
 from kvledger.events.types import StoreCompleted, StoreFailed
 from kvledger.transfers.copies.backend import TransferTimeout
+from kvledger.transfers.lower_tiers.block_errors import report_reason
 
 _log = structlog.get_logger("kvledger.transfers.tier_jobs")
 
@@ -56,6 +57,7 @@ class _Promotion:
     positions: dict[int, list[Position]]  # tier -> the load's positions, in the order submitted
     failed: set[Position]
     started_s: float = 0.0
+    reasons: list[str] = attrs.Factory(list)  # the failed blocks' reasons, in the order their reads ended
 
 
 class LowerTierJobs:
@@ -111,7 +113,7 @@ class LowerTierJobs:
             keys = tuple(k for group in effect.keys for k in group)
             _log.warning("spill_rejected", job_id=effect.job_id, tier=effect.tier, keys=hex_keys(keys),
                          problem=problem)
-            return StoreFailed(job_id=effect.job_id, worker_index=self.worker_index, keys=keys)
+            return StoreFailed(job_id=effect.job_id, worker_index=self.worker_index, keys=keys, reason="rejected")
         assert io is not None
         self._spills[effect.job_id] = effect
         io.write(effect.job_id, effect.keys, effect.source_slot_ids)
@@ -127,8 +129,8 @@ class LowerTierJobs:
 
     def promote(self, effect: StartLoad) -> set[Position] | None:
         """Start reading the load's promoted keys into their host slots. Returns
-        the positions failed at once (no slot, no such tier) when nothing is left
-        to read, else None: `poll` hands the load back when the reads end."""
+        the positions failed at once (no slot, no such tier: refused) when nothing
+        is left to read, else None: `poll` hands the load back when the reads end."""
         failed: set[Position] = set()
         by_tier: dict[int, list[Position]] = {}
         for g, (tiers, slots) in enumerate(zip(effect.promote_tiers, effect.source_slot_ids)):
@@ -161,10 +163,11 @@ class LowerTierJobs:
                     return False
         return True
 
-    def poll(self) -> tuple[list[StoreCompleted | StoreFailed], list[tuple[StartLoad, set[Position]]]]:
-        """(spill outcomes, promoted loads whose reads all ended with their failed positions)."""
+    def poll(self) -> tuple[list[StoreCompleted | StoreFailed], list[tuple[StartLoad, set[Position], str]]]:
+        """(spill outcomes, promoted loads whose reads all ended with their failed positions and
+        why they failed)."""
         spilled: list[StoreCompleted | StoreFailed] = []
-        promoted: list[tuple[StartLoad, set[Position]]] = []
+        promoted: list[tuple[StartLoad, set[Position], str]] = []
         for tier, io in self._tiers.items():
             for outcome in io.poll():
                 self._stats.append(TierStat(tier, outcome.kind, outcome.nbytes, outcome.seconds, outcome.ok,
@@ -178,7 +181,8 @@ class LowerTierJobs:
                         spilled.append(StoreCompleted(job_id=outcome.job_id, worker_index=self.worker_index))
                     else:
                         keys = tuple(effect.keys[g][i] for g, i in outcome.failed)
-                        spilled.append(StoreFailed(job_id=outcome.job_id, worker_index=self.worker_index, keys=keys))
+                        spilled.append(StoreFailed(job_id=outcome.job_id, worker_index=self.worker_index, keys=keys,
+                                                   reason=outcome.reason))
                     continue
                 if self._stray.pop((tier, outcome.job_id), None) is not None:
                     self._stray_changed()
@@ -191,14 +195,17 @@ class LowerTierJobs:
                     continue
                 mine = _own_positions(promotion.positions[tier])
                 promotion.failed.update(mine[position] for position in outcome.failed)
+                promotion.reasons.extend(outcome.reasons)
                 promotion.waiting.discard(tier)
                 if not promotion.waiting:
                     del self._promotions[outcome.job_id]
-                    promoted.append((promotion.effect, promotion.failed))
+                    # Its reads' reason; positions refused before any read (no slot) say "rejected".
+                    reason = report_reason(promotion.reasons) or ("rejected" if promotion.failed else "")
+                    promoted.append((promotion.effect, promotion.failed, reason))
         promoted.extend(self._time_out_reads())
         return spilled, promoted
 
-    def _time_out_reads(self) -> list[tuple[StartLoad, set[Position]]]:
+    def _time_out_reads(self) -> list[tuple[StartLoad, set[Position], str]]:
         if not self.read_timeout_s or not self._promotions:
             return []
         now = self._clock()
@@ -216,7 +223,7 @@ class LowerTierJobs:
                        tiers=sorted(promotion.waiting), timeout_s=self.read_timeout_s,
                        keys=hex_keys(k for group in effect.keys for k in group),
                        effect="the request is recomputed; the read's host slots wait until it ends")
-            ended.append((effect, promotion.failed))
+            ended.append((effect, promotion.failed, "timed_out"))
         if late:
             self._stray_changed()
         return ended

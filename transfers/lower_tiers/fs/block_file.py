@@ -22,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvledger.transfers.lower_tiers.block_errors import BlockFileError
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError, write_error
 from kvledger.transfers.lower_tiers.block_header import (
     HEADER_BYTES,
     check_header,
@@ -68,7 +68,7 @@ def write_block(path: str | os.PathLike, namespace: bytes, key: bytes, payload: 
             os.unlink(aside)
         except OSError:
             pass
-        raise BlockFileError("unwritable", final, f"{exc.strerror or exc} (errno {exc.errno})") from exc
+        raise write_error(final, exc) from exc
     return HEADER_BYTES + data.nbytes
 
 

@@ -48,7 +48,7 @@ import structlog
 import torch
 
 from kvledger.engine.effects import IdsByGroup, KeysByGroup
-from kvledger.transfers.lower_tiers.block_errors import BlockFileError
+from kvledger.transfers.lower_tiers.block_errors import BlockFileError, write_error
 from kvledger.transfers.lower_tiers.block_header import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -502,7 +502,7 @@ def _write_file(aside: Path, data: memoryview, gid: int | None, *, direct: bool,
         with contextlib.suppress(OSError):
             os.unlink(aside)
         if isinstance(exc, OSError):
-            raise BlockFileError("unwritable", where or aside, f"{exc.strerror or exc} (errno {exc.errno})") from exc
+            raise write_error(where or aside, exc) from exc
         raise
 
 
@@ -533,7 +533,7 @@ def _write_direct(path: Path, namespace: bytes, key: bytes, payload: memoryview,
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(aside)
-        raise BlockFileError("unwritable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
+        raise write_error(path, exc) from exc
 
 
 def remove_leftovers(root: str, namespace: bytes, *, grace_s: float = LEFTOVER_GRACE_S) -> int:
