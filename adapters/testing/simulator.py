@@ -122,6 +122,10 @@ class Simulator:
         self.first_named: dict[bytes, str] = {}
         self.failed_jobs: set[int] = set()
         self.unanswered: dict[str, tuple[str, int]] = {}  # request -> its lookup's failure: reason, seq
+        # Each key's last removal from a tier (seq, reason, tier) and last refusal (seq), as this
+        # simulator saw the engine's notifications while carrying them out.
+        self.gone_at: dict[bytes, tuple[int, fx.Reason, int]] = {}
+        self.refused_at: dict[bytes, int] = {}
         self.reset_seqs: list[int] = []
 
     # Driving the engine.
@@ -198,6 +202,8 @@ class Simulator:
         if not announced.issuperset(effect.keys):
             raise SimulationError(f"tier {effect.tier}: keys announced unloadable that were not loadable")
         announced.difference_update(effect.keys)
+        if self.truth is not None:
+            self.gone_at.update(dict.fromkeys(effect.keys, (self.events - 1, effect.reason, effect.tier)))
 
     def _failed(self, effect: fx.TransferFailed) -> None:
         """A notification for logs; the job's own reports carry the outcome."""
@@ -236,6 +242,8 @@ class Simulator:
         """Only a key host memory does not hold can be refused (one it holds is never offered)."""
         if not effect.keys or not self.announced[0].isdisjoint(effect.keys):
             raise SimulationError(f"keys refused that host memory holds, or none: {effect}")
+        if self.truth is not None:
+            self.refused_at.update(dict.fromkeys(effect.keys, self.events - 1))
 
     def _copy(self, job: SimJob) -> None:
         """The worker's copy; the simulator runs it as late as it may."""
@@ -439,6 +447,8 @@ class Simulator:
                          for k in keys],
             "named_first": [self.first_named.get(k) == request.rid for k in keys],
             "unanswered": self.unanswered.get(request.rid),
+            "gone": [self.gone_at.get(k) for k in keys],
+            "refused": [self.refused_at.get(k, -1) for k in keys],
             "storing": [k in storing for k in keys]})
 
     def _check_hit(self, request: SimRequest, local: int, ext: int) -> None:

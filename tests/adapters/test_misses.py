@@ -16,12 +16,15 @@ from kvledger.adapters.cli.main import main
 from kvledger.adapters.log_files import open_log
 from kvledger.adapters.log_tools.misses import CAUSES, MissLedger, totals
 from kvledger.adapters.testing.simulator import Simulator, run_random
+from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.replay import replay
 from kvledger.events.config import EngineConfig, GroupSpec
 from tests.engine.builders import SIMULATED_CONFIGS
 
 # Said of a block that was not restorable when its request was admitted.
+# A key's removal from a tier, by the reason the engine gave it.
+GONE = {"evicted": fx.Reason.EVICTED, "reset": fx.Reason.RESET, "transfer_failed": fx.Reason.FAILED}
 # A shared tier's unanswered lookup, by the reason the simulator chose (`ev.LOOKUP_FAILURES`).
 LOOKUP = {"tier_down": "down", "lookup_timed_out": "timed_out", "lookup_dropped": "dropped"}
 NOT_RESTORABLE = {"first_seen", "evicted", "reset", "transfer_failed", "store_failed", "not_admitted",
@@ -81,10 +84,11 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
             elif run.cause == "store_failed":
                 assert run.job_id in sim.failed_jobs and run.seq < admission.seq, (where, run)
                 assert run.detail.startswith("copy_failed ("), (where, run)  # the simulated worker's reason
-            elif run.cause == "reset":
-                assert run.seq in sim.reset_seqs and run.seq < admission.seq, (where, run)
-            elif run.cause in ("evicted", "transfer_failed", "not_admitted"):
-                assert 0 <= run.seq < admission.seq, (where, run)
+            elif run.cause in GONE:  # the key's last removal, at that seq, from that tier, for that reason
+                assert all(truth["gone"][p] == (run.seq, GONE[run.cause], run.tier) for p in blocks), (where, run)
+                assert run.seq < admission.seq and (run.cause != "reset" or run.seq in sim.reset_seqs), (where, run)
+            elif run.cause == "not_admitted":
+                assert all(truth["refused"][p] == run.seq for p in blocks) and run.seq < admission.seq, (where, run)
             elif run.cause == "load_failed":
                 assert run.job_id == admission.load_job and run.job_id in sim.failed_jobs, (where, run)
             elif run.cause == "promotion_failed":  # restored from a lower tier, whose read failed

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvledger.adapters.log_files import open_log
+from kvledger.events import types as ev
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
 from kvledger.transfers.lower_tiers.fs.block_pack import decode_table, is_pack
 
@@ -186,6 +188,10 @@ def test_a_full_disk_fails_writes_and_the_outputs_stay_right(models, tmp_path, m
     assert not list(tier.rglob("*.tmp")) and not list(tier.rglob(".*.tmp"))
     failed = [line for line in result["logs"] if line.get("event") == "tier_io_failed"]
     assert failed and all(line["kind"] == "write" for line in failed)
+    # The workers' reports say why, on the record: the file system had no room.
+    _, records = open_log(tmp_path / "events.log")
+    reasons = [r.event.reason for r in records if type(getattr(r, "event", None)) is ev.StoreFailed]
+    assert reasons and set(reasons) == {"disk_full"}
 
 
 def test_a_tier_directory_removed_under_a_running_engine(models, tmp_path):
