@@ -126,6 +126,8 @@ class Simulator:
         # simulator saw the engine's notifications while carrying them out.
         self.gone_at: dict[bytes, tuple[int, fx.Reason, int]] = {}
         self.refused_at: dict[bytes, int] = {}
+        self.ended_at: dict[str, int] = {}  # request -> the seq it finished or was aborted
+        self.started_at: dict[int, int] = {}  # job -> the seq of the event that started it
         self.reset_seqs: list[int] = []
 
     # Driving the engine.
@@ -147,6 +149,8 @@ class Simulator:
             for group in self.groups:
                 for key in self.keys(request, group.group_id):
                     self.first_named.setdefault(key, request.rid)
+        elif self.truth is not None and isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
+            self.ended_at[event.request_id] = self.events - 1
         for effect in effects:
             self._perform(effect)
         if self.check_every_event:
@@ -170,6 +174,8 @@ class Simulator:
 
     def _start(self, effect: fx.StartStore | fx.StartLoad | fx.StartSpill) -> None:
         self.jobs[effect.job_id] = SimJob(effect, self.config.world_size)
+        if self.truth is not None:
+            self.started_at[effect.job_id] = self.events - 1
 
     def _drop(self, effect: fx.DropTierKeys) -> None:
         disk = self.disks[effect.tier - 1]
@@ -437,8 +443,12 @@ class Simulator:
         num_tokens = view.num_tokens
         most = (num_tokens - 1) // self.config.alignment_tokens * self.config.alignment_tokens
         keys = self.keys(request, axis)[:most // size]
-        storing = {k for job in self.jobs.values() if isinstance(job.effect, fx.StartStore)
-                   for group in job.effect.keys for k in group}
+        storing: dict[bytes, tuple[int, int]] = {}  # key -> the last store in flight on it: job, its start's seq
+        for job_id in sorted(self.jobs):
+            effect = self.jobs[job_id].effect
+            if isinstance(effect, fx.StartStore):
+                storing.update(dict.fromkeys((k for group in effect.keys for k in group),
+                                             (job_id, self.started_at[job_id])))
         tiers = range(1, 1 + len(self.config.lower_tiers))
         self.truth.append({
             "request_id": request.rid, "seq": self.events, "local": local, "ext": ext,
@@ -446,10 +456,12 @@ class Simulator:
             "loadable": [queries.is_loadable(self.state, k) or any(queries.tier_holds(self.state, t, k) for t in tiers)
                          for k in keys],
             "named_first": [self.first_named.get(k) == request.rid for k in keys],
+            "named_by": [self.first_named.get(k) for k in keys],
+            "ended_at": dict(self.ended_at),
             "unanswered": self.unanswered.get(request.rid),
             "gone": [self.gone_at.get(k) for k in keys],
             "refused": [self.refused_at.get(k, -1) for k in keys],
-            "storing": [k in storing for k in keys]})
+            "storing": [storing.get(k) for k in keys]})
 
     def _check_hit(self, request: SimRequest, local: int, ext: int) -> None:
         """Lookup soundness: every key the hit needs is stored with the right content."""

@@ -76,11 +76,16 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
                 assert all(truth["named_first"][p] for p in blocks), (where, run)
                 reason, seq = truth["unanswered"]
                 assert (LOOKUP[run.cause], run.tier, run.seq) == (reason, 1, seq) and seq < admission.seq, (where, run)
-            elif run.cause in ("not_computed_yet", "request_ended"):
+            elif run.cause in ("not_computed_yet", "request_ended"):  # another named it first: which, and its end
                 assert run.other_request != admission.request_id, (where, run)
-                assert not any(truth["named_first"][p] for p in blocks), (where, run)
-            elif run.cause == "stored_too_late":
-                assert all(truth["storing"][p] for p in blocks), (where, run)
+                assert all(truth["named_by"][p] == run.other_request for p in blocks), (where, run)
+                ended = truth["ended_at"].get(run.other_request)
+                if run.cause == "request_ended":
+                    assert ended == run.seq, (where, run)
+                else:
+                    assert ended is None, (where, run)
+            elif run.cause == "stored_too_late":  # the last store on it still in flight: that job, its start
+                assert all(truth["storing"][p] == (run.job_id, run.seq) for p in blocks), (where, run)
             elif run.cause == "store_failed":
                 assert run.job_id in sim.failed_jobs and run.seq < admission.seq, (where, run)
                 assert run.detail.startswith("copy_failed ("), (where, run)  # the simulated worker's reason
