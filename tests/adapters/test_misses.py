@@ -6,6 +6,7 @@ which resets it made. Every generated workload; every cause reached."""
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -180,3 +181,18 @@ def test_the_readme_names_every_cause():
     table = text.split("## Why did it miss, and what if", 1)[1].split("\n| cause", 1)[1].split("\n\n", 1)[0]
     named = {row.split("`")[1] for row in table.splitlines() if row.startswith("| `")}
     assert named == set(CAUSES) - {"unexplained"} - WHATIF
+
+
+@pytest.mark.fast
+def test_the_page_of_one_example_per_cause_is_current():
+    """docs/causes.md shows every cause explain can name from a log, rendered from seeded runs."""
+    from pathlib import Path
+
+    from tests.support.causes_doc import SHOWN, render
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "causes.md"
+    text = render()
+    if os.environ.get("KVLEDGER_UPDATE_GOLDEN") == "1":
+        page.write_text(text + "\n")
+    assert page.read_text() == text + "\n", "docs/causes.md is stale: KVLEDGER_UPDATE_GOLDEN=1 rewrites it"
+    assert "(no seeded run reaches it)" not in text and all(f"## `{cause}`" in text for cause in SHOWN)
