@@ -28,7 +28,11 @@ Chromium: `chromium`, `chromium-browser` or `google-chrome` on the PATH
     step plot (and on the requests' timelines);
   - "Why prompt tokens were computed, not restored": stacked bars of computed
     tokens by cause (`kvledger explain`'s), summed per window as "Blocks
-    moved" is, each cause's total in its legend entry.
+    moved" is, each cause's total in its legend entry;
+  - reset-sweep.png, `whatif --sweep --report` of the reset run: hit tokens
+    against host capacity under LRU and ARC with the recorded point (a red
+    diamond) on the asked policy's curve, and blocks stored, loaded and written
+    to the disk tier at each capacity.
 """
 
 from __future__ import annotations
@@ -85,6 +89,15 @@ def report(log: Path, page: Path) -> None:
         raise SystemExit(f"replay {log} exited {status}:\n{out.getvalue()}")
 
 
+def sweep_report(log: Path, page: Path) -> None:
+    from kvledger.adapters.cli.main import main
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        status = main(["whatif", str(log), "--sweep", "--report", str(page), "--force"])
+    if status:
+        raise SystemExit(f"whatif {log} exited {status}:\n{out.getvalue()}")
+
+
 def page_height(page: Path) -> int:
     """The page's height, near enough: its figures' heights, their notes, and the summary above them."""
     text = page.read_text()
@@ -124,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         report(log, page)
         screenshot(browser, page, png)
         print(f"{png}  ({log})", flush=True)
+    # The sweep's page (`whatif --sweep --report`), of the run with a reset and a disk tier.
+    page, png = args.out / "reset-sweep.html", args.out / "reset-sweep.png"
+    sweep_report(logs["reset"], page)
+    screenshot(browser, page, png)
+    print(f"{png}  (whatif --sweep of {logs['reset']})", flush=True)
     return 0
 
 

@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secondary-tiers", metavar="JSON", help='tiers below host memory, as vLLM 0.33 takes them: '
                    '[{"type": "fs", "capacity_bytes": N}, ...] ([] for none)')
     p.add_argument("--sweep", action="store_true", help="hit tokens against host capacity, 1/8x to 8x")
+    p.add_argument("--report", metavar="PATH", help="with --sweep: also write an HTML page of its curves here (a new "
+                   "file; --force replaces one)")
+    p.add_argument("--force", action="store_true", help="let --report replace an existing file")
     p.add_argument("--shared-tier", metavar="JSON", help='a tier the logs\' replicas would share, e.g. '
                    '{"type": "valkey", "capacity_bytes": N}: their steps in wall-time order, each finding what '
                    'the others wrote')

@@ -97,7 +97,11 @@ def write_report(path: str, series: dict, *, source: str, max_points: int = MAX_
     leaves half a page behind.
     """
     check_report_path(path, source=source, force=force)
-    page = render_html(series, source=source, max_points=max_points).encode()
+    return write_page(path, render_html(series, source=source, max_points=max_points).encode())
+
+
+def write_page(path: str, page: bytes) -> int:
+    """Write a checked path's page through a temporary file and a rename; its size in bytes."""
     folder = os.path.dirname(path) or "."
     try:
         fd, temporary = tempfile.mkstemp(prefix=".kvledger-report-", suffix=".html", dir=folder)

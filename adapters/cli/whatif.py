@@ -11,10 +11,12 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from kvledger.adapters.log_tools import fleet, whatif
-from kvledger.events.config import RULES, ConfigError, EngineConfig, LowerTierSpec
+from kvledger.events.config import RULES, ConfigError, EngineConfig, LowerTierSpec, PolicyName
 from kvledger.events.log_records import LogHeader
 
 from .log_commands import EXIT_OK, BadArgument, _load
+from .report import ReportError, check_report_path
+from .sweep_report import write_sweep_report
 
 SWEEP_FACTORS = (0.125, 0.25, 0.5, 1, 2, 4, 8)
 
@@ -35,8 +37,15 @@ def cmd_whatif(args: argparse.Namespace) -> int:
             "self_check": _error(same.stats["hit_tokens"], outcome.stats["hit_tokens"])}
     if other != config:
         data["predicted"] = whatif.predict(config, other, cached).as_dict()
+    if args.report and not args.sweep:
+        raise BadArgument("--report draws the sweep: give --sweep too")
+    if args.report:
+        _page(check_report_path, args.report, source=args.log, force=args.force)  # before the sweep's work
     if args.sweep:
         data["sweep"] = _sweep(config, other, cached)
+        data["sweep"]["recorded"]["hit_tokens"] = outcome.stats["hit_tokens"]
+    if args.report:
+        _page(write_sweep_report, args.report, data, source=args.log, force=args.force)
     if args.json:
         print(json.dumps(data, indent=2))
     else:
@@ -44,9 +53,17 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _page(write: Callable, *args: object, **kwargs: object) -> None:
+    """A page that cannot be written is a bad argument, named, exit 2."""
+    try:
+        write(*args, **kwargs)
+    except ReportError as exc:
+        raise BadArgument(str(exc)) from None
+
+
 def _fleet(args: argparse.Namespace) -> int:
     """The replicas' logs, recorded apart, run again sharing one tier below host memory."""
-    for flag in ("capacity_bytes", "capacity_blocks", "policy", "secondary_tiers", "sweep"):
+    for flag in ("capacity_bytes", "capacity_blocks", "policy", "secondary_tiers", "sweep", "report"):
         if getattr(args, flag):
             raise BadArgument(f"--{flag.replace('_', '-')} does not go with --shared-tier")
     replicas = [fleet.Replica(path, *_read(path)) for path in args.logs]
@@ -182,16 +199,23 @@ def _tiers(text: str, config: EngineConfig, flag: str = "--secondary-tiers") -> 
 
 
 def _sweep(recorded: EngineConfig, config: EngineConfig, cached: list) -> dict:
-    """Hit tokens against host capacity: the engine driven again at each point,
-    and (LRU) the one-pass estimate from stack distances at the same points."""
+    """Hit tokens against host capacity: the engine driven again at each point, under the
+    asked policy and (`by_policy`) under LRU and ARC each, with the blocks each moved; and
+    (LRU) the one-pass estimate from stack distances at the same points."""
     bound = whatif.distinct_keys_bound(recorded, cached)
     points = sorted({max(1, min(bound, int(config.num_tier_slots * f))) for f in SWEEP_FACTORS} | {bound})
     rows = []
     for slots in points:
-        outcome = whatif.predict(recorded, attrs.evolve(config, num_tier_slots=slots), cached)
-        rows.append({"num_tier_slots": slots, "hit_tokens": outcome.stats["hit_tokens"],
-                     "capacity_bytes": slots * recorded.slot_bytes if recorded.slot_bytes else None})
-    result: dict = {"points": rows, "every_key_fits_at": bound}
+        by_policy = {}
+        for policy in PolicyName:
+            outcome = whatif.predict(recorded, attrs.evolve(config, num_tier_slots=slots, policy=policy), cached)
+            by_policy[policy.value] = {"hit_tokens": outcome.stats["hit_tokens"], "blocks_moved": outcome.moved}
+        rows.append({"num_tier_slots": slots, "hit_tokens": by_policy[config.policy.value]["hit_tokens"],
+                     "capacity_bytes": slots * recorded.slot_bytes if recorded.slot_bytes else None,
+                     "by_policy": by_policy})
+    result: dict = {"points": rows, "every_key_fits_at": bound, "policy": config.policy.value,
+                    "recorded": {"num_tier_slots": recorded.num_tier_slots, "policy": recorded.policy.value,
+                                 "slot_bytes": recorded.slot_bytes}}
     if config.policy.value == "lru" and not config.lower_tiers:
         admissions = whatif.lru_curve(recorded, cached, bound)
         for row, estimate in zip(rows, whatif.hits_at(admissions, points)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import attrs
 import pytest
@@ -106,6 +107,35 @@ def test_the_command_beside_the_recorded_run(log, capsys):
     assert main(["whatif", str(log), "--capacity-blocks", "96"]) == 0
     text = capsys.readouterr().out
     assert "predicted, other config" in text and "self-check" in text
+
+
+def test_the_sweep_as_a_page_of_curves(log, tmp_path, capsys):
+    """`--sweep --report`: both policies at every point (the asked one's are the table's), the recorded
+    point marked, the blocks moved; the page refuses to replace a file without --force."""
+    page = tmp_path / "sweep.html"
+    assert main(["whatif", str(log), "--sweep", "--json", "--report", str(page)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    sweep = data["sweep"]
+    assert sweep["recorded"] == {"num_tier_slots": 24, "policy": "lru", "slot_bytes": 0,
+                                 "hit_tokens": data["recorded"]["hit_tokens"]}
+    for point in sweep["points"]:
+        assert set(point["by_policy"]) == {"lru", "arc"}
+        assert point["hit_tokens"] == point["by_policy"]["lru"]["hit_tokens"]
+        assert point["by_policy"]["lru"]["blocks_moved"].get("stored", 0) > 0
+    at_recorded = next(p for p in sweep["points"] if p["num_tier_slots"] == 24)
+    assert at_recorded["hit_tokens"] == data["predicted_as_recorded"]["hit_tokens"]
+    text = page.read_text()
+    figures = re.findall(r'<script type="application/json" class="kvledger-figure"[^>]*>(.*?)</script>', text, re.S)
+    hits, moved = (json.loads(f) for f in figures)
+    names = [trace["name"] for trace in hits["data"]]
+    assert names == ["predicted, LRU", "predicted, ARC", "LRU, one-pass estimate", "recorded (LRU)"]
+    assert hits["data"][-1]["x"] == [24] and hits["data"][-1]["y"] == [data["recorded"]["hit_tokens"]]
+    assert hits["data"][1]["y"] == [p["by_policy"]["arc"]["hit_tokens"] for p in sweep["points"]]
+    assert {trace["name"] for trace in moved["data"]} >= {"stored, LRU", "stored, ARC", "loaded, LRU"}
+    assert main(["whatif", str(log), "--sweep", "--report", str(page)]) == 2  # exists: --force replaces it
+    assert "exists" in capsys.readouterr().err
+    assert main(["whatif", str(log), "--report", str(tmp_path / "other.html")]) == 2
+    assert "give --sweep too" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, words", [
