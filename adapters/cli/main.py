@@ -42,6 +42,18 @@ def version_text() -> str:
             f"tiers: writes and reads block format {BLOCK_FORMAT}, pack format {PACK_VERSION}\n{describe()}")
 
 
+class _Version(argparse.Action):
+    """`--version`, its text made only when asked for: it loads the tiers' modules (and with them
+    torch, a second and 200 MB), which every other command does without."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> NoReturn:
+        parser.exit(message=version_text() + "\n")
+
+
 class _Parser(argparse.ArgumentParser):
     """One line and exit 2 for a bad argument: the usage block buries the problem (`--help` shows it)."""
 
@@ -78,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvledger", description="kvledger: KV-cache offloading for vLLM, "
                      "as a replayable event log.",
                      formatter_class=argparse.RawDescriptionHelpFormatter)  # keeps --version's lines
-    parser.add_argument("--version", action="version", version=version_text(),
-                        help="kvledger's version and build, and the installed vLLM's")
+    parser.add_argument("--version", action=_Version, help="kvledger's version and build, and the installed vLLM's")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("replay", help="fold a log through the engine and summarize it")
     p.add_argument("log")
