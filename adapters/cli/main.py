@@ -51,7 +51,8 @@ class _Version(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> NoReturn:
-        parser.exit(message=version_text() + "\n")
+        print(version_text())  # on stdout, as argparse's own version action writes it
+        parser.exit()
 
 
 class _Parser(argparse.ArgumentParser):
