@@ -26,7 +26,7 @@ from typing import Any, cast
 from kvledger.events.config import EngineConfig
 from kvledger.events.log_records import join_digest, split_digest
 
-from .state import Core, State, reader_ids
+from .state import Core, RequestState, State, reader_ids
 
 PART_ROWS = 8192
 """Rows of the largest table (device blocks or tier slots) per part: about
@@ -35,11 +35,13 @@ takes 100-150 ms there)."""
 
 
 def _hasher() -> tuple[Any, Callable[[object], None]]:
-    """A blake2b and `put`, which hashes a value's repr with a separator."""
+    """A blake2b and `put`, which hashes a value's repr with a separator (a request's repr as
+    `RequestState.canonical_repr` makes it, the same text as `repr(canonical())`)."""
     h = hashlib.blake2b(digest_size=16)
 
     def put(value: object) -> None:
-        h.update(repr(value).encode())
+        text = value.canonical_repr() if isinstance(value, RequestState) else repr(value)
+        h.update(text.encode())
         h.update(b"\x1f")
 
     return h, put
@@ -67,7 +69,7 @@ def digest(state: State) -> str:
     put(tuple(core.free_slots))  # a stack: its order decides the next slot
     put(core.policy.canonical())
     for rid in sorted(core.requests):
-        put(core.requests[rid].canonical())
+        put(core.requests[rid])
     for jid in sorted(core.jobs):
         put(core.jobs[jid].canonical())
     put(sorted(core.stats.as_dict().items()))
@@ -126,7 +128,7 @@ def part_digest(state: State, part: int, parts: int) -> str:
     rids = sorted(core.requests)
     lo, hi = _bounds(len(rids), part, parts)
     for rid in islice(rids, lo, hi):
-        put(core.requests[rid].canonical())
+        put(core.requests[rid])
     return join_digest(part, parts, h.digest())
 
 

@@ -189,6 +189,7 @@ def _request_added(core: Core, event: ev.RequestAdded, out: list[fx.Effect]) -> 
 def _append_hashes(core: Core, request: RequestState, hashes: tuple[bytes, ...]) -> None:
     known = request.hashes
     known.extend(hashes)
+    request.hashes_repr = ""
     for keys, (per_block, suffix) in zip(request.keys, core.key_rules):
         hma.append_keys(keys, known, per_block, suffix)
 
@@ -220,6 +221,7 @@ def _block_hashes_rewound(core: Core, event: ev.BlockHashesRewound, out: list[fx
         raise ProtocolViolation("rewind_past_end", f"rewound to {keep} of {len(request.hashes)} hashes",
                                 request_id=event.request_id)
     del request.hashes[keep:]
+    request.hashes_repr = ""
     block_key = core.block_key
     lazy_keys = core.lazy_keys
     for keys, table, (per_block, _) in zip(request.keys, request.table, core.key_rules):
@@ -649,6 +651,7 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None
         _restart_stores(request)
         if event.rekeyed:
             request.hashes.clear()
+            request.hashes_repr = ""
             for keys in request.keys:
                 keys.clear()
     if event.forget_device:

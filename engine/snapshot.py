@@ -137,6 +137,7 @@ def _restore_request(row: Sequence[Any], groups: int) -> RequestState:
     r.num_prompt_tokens = num_prompt_tokens
     r.num_tokens = num_tokens
     r.hashes = list(hashes)
+    r.hashes_repr = ""
     r.keys = [list(k) for k in keys]
     r.table = [list(t) for t in table]
     r.num_computed_tokens = num_computed_tokens

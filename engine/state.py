@@ -94,7 +94,7 @@ STORED_CODE: Final[int] = int(STORED)
 _REQUEST_FIELDS = (
     "request_id", "status", "num_prompt_tokens", "num_tokens", "hashes", "keys",
     "table", "num_computed_tokens", "next_store", "next_store_tokens", "load_job_id",
-    "num_preemptions", "capacity_tokens", "step_limit", "free_floor", "next_free_tokens",
+    "num_preemptions", "capacity_tokens", "step_limit", "free_floor", "next_free_tokens", "hashes_repr",
 )
 
 _ALWAYS: Final = -(1 << 62)  # a lag no token count falls below: scan in every step
@@ -133,6 +133,9 @@ class RequestState:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = num_prompt_tokens
         self.hashes: list[bytes] = []
+        # repr(tuple(hashes)) for the digests, kept while the hashes stay as they are: whoever
+        # changes `hashes` sets it to "" (the reducer's append, rewind and reset; a snapshot's restore).
+        self.hashes_repr = ""
         self.keys: list[list[bytes]] = [[] for _ in groups]
         self.table: list[list[int]] = [[] for _ in groups]
         self.num_computed_tokens = 0
@@ -203,6 +206,18 @@ class RequestState:
             tuple(self.hashes), tuple(tuple(t) for t in self.table), self.num_computed_tokens,
             tuple(self.next_store), self.next_store_tokens, self.load_job_id, self.num_preemptions,
         )
+
+    def canonical_repr(self) -> str:
+        """`repr(self.canonical())`, what a digest hashes, with the hashes' part (most of its
+        cost: a request keeps them while it waits) made once until they change."""
+        hashes = self.hashes_repr
+        if not hashes:
+            hashes = self.hashes_repr = repr(tuple(self.hashes))
+        return "(" + ", ".join((
+            repr(self.request_id), repr(self.status.value), repr(self.num_prompt_tokens), repr(self.num_tokens),
+            hashes, repr(tuple(tuple(t) for t in self.table)), repr(self.num_computed_tokens),
+            repr(tuple(self.next_store)), repr(self.next_store_tokens), repr(self.load_job_id),
+            repr(self.num_preemptions))) + ")"
 
 
 _JOB_FIELDS = (

@@ -210,3 +210,31 @@ def test_part_digests_are_independent_of_hash_seed() -> None:
         assert done.returncode == 0, done.stderr
         outputs.add(done.stdout)
     assert len(outputs) == 1
+
+
+@pytest.mark.parametrize("scenario, seed", [("full", 1), ("hybrid", 2), ("mamba", 3)])
+def test_a_requests_digest_text_is_its_canonical_repr_after_every_event(scenario: str, seed: int) -> None:
+    """The digest's text of a request keeps its hashes' part between digests; every change to
+    the hashes (appends, rewinds, rekeying resets, snapshots' restores) must drop it. After each
+    event of seeded runs with resets and failures, each request's text equals `repr(canonical())`,
+    and the digests of a snapshot's restore and of a clone equal the state's."""
+    import random
+
+    from kvledger.adapters.cli.log_commands import SCENARIOS
+    from kvledger.adapters.testing.simulator import Simulator, run_random
+    from kvledger.engine.snapshot import capture, restore
+    from kvledger.events.config import EngineConfig
+
+    config = EngineConfig.from_dict(dict(SCENARIOS[scenario]))
+    checked = 0
+
+    def observe(seq, event, state, effects) -> None:
+        nonlocal checked
+        for request in state.core.requests.values():
+            assert request.canonical_repr() == repr(request.canonical()), (seq, event)
+            checked += 1
+
+    sim = Simulator(config, observe=observe)
+    run_random(sim, random.Random(seed), steps=80, arrivals=0.9, max_tokens=20, fail_rate=0.1, reset_rate=0.05)
+    assert checked > 1000
+    assert digest(restore(config, capture(sim.state))) == digest(sim.state) == digest(sim.state.clone())

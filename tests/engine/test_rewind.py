@@ -63,3 +63,24 @@ def test_a_rewind_cannot_add_hashes_or_name_an_unknown_request() -> None:
     e.add("s", 128, OLD[:2])
     assert e.reject(ev.BlockHashesRewound(request_id="s", num_hashes=3)) == "rewind_past_end"
     assert e.reject(ev.BlockHashesRewound(request_id="nobody", num_hashes=0)) == "illegal_request_event"
+
+
+def test_a_digest_after_a_rewind_to_the_same_length_or_a_rekeying_reset_sees_the_new_hashes() -> None:
+    """The digest keeps a request's hashes' text between digests: a rewind then an append back
+    to the same length, and a reset that drops every request's hashes, must each be seen."""
+    from kvledger.engine.digest import digest
+
+    e = Engine(full_only_config())
+    e.add("s", 128, OLD)
+    request = e.core.requests["s"]
+    before = digest(e.state)  # the text of OLD's hashes is kept now
+    e.apply(ev.BlockHashesRewound(request_id="s", num_hashes=2))
+    request = e.core.requests["s"]
+    assert request.canonical_repr() == repr(request.canonical())  # two hashes now, not four
+    e.apply(ev.BlockHashesAppended(request_id="s", num_tokens=128, block_hashes=NEW[2:]))
+    request = e.core.requests["s"]
+    assert len(request.hashes) == len(OLD) and request.canonical_repr() == repr(request.canonical())
+    assert digest(e.state) != before
+    e.apply(ev.CacheReset(epoch=1, rekeyed=True))
+    request = e.core.requests["s"]
+    assert request.hashes == [] and request.canonical_repr() == repr(request.canonical())
