@@ -84,7 +84,7 @@ def test_blocks_round_trip_in_batches_and_land_in_their_slots(valkey_server, tie
 def test_a_missing_corrupt_truncated_or_foreign_value_fails_its_position_only(valkey_server, tier, rows) -> None:
     process = valkey_server()
     io = tier(server_of(process))
-    numbers = list(range(6))
+    numbers = list(range(7))
     keys, slots = both_groups(numbers, 0)
     assert run(io, 1, "write", keys, slots).ok
     store = ValkeyStore(server_of(process))
@@ -98,6 +98,7 @@ def test_a_missing_corrupt_truncated_or_foreign_value_fails_its_position_only(va
         client.set(store_key(NS, key(4, 1)), encode_value(NS, key(4, 1), rows[0, :512].numpy()))  # another size
         client.delete(store_key(NS, key(5)))
         client.rpush(store_key(NS, key(5)), b"x")  # another program's list under the key: an error reply
+        client.set(store_key(NS, key(6)), bytes(4 << 20))  # 4 MiB where a block is asked for: read past
     finally:
         store.close()
     before = rows.clone()
@@ -106,9 +107,10 @@ def test_a_missing_corrupt_truncated_or_foreign_value_fails_its_position_only(va
         read = run(io, 2, "read", back, back_slots)
     assert dict(zip(read.failed, read.reasons)) == {
         (0, 0): "missing", (0, 1): "corrupt", (0, 2): "truncated", (0, 3): "foreign", (1, 4): "foreign",
-        (0, 5): "unreadable"}
-    assert read.nbytes == sum(SIZES[g] for g in range(2) for i in range(6) if (g, i) not in read.failed)
-    assert [e for e in logs if e["event"] == "tier_io_failed"][0]["failed"] == 6
+        (0, 5): "unreadable", (0, 6): "foreign"}
+    assert io.health.up  # one key's value fails that key, not the tier
+    assert read.nbytes == sum(SIZES[g] for g in range(2) for i in numbers if (g, i) not in read.failed)
+    assert [e for e in logs if e["event"] == "tier_io_failed"][0]["failed"] == 7
     for g, size in enumerate(SIZES):  # the good positions hold the blocks written
         for i, (src, dst) in enumerate(zip(slots[g], back_slots[g])):
             if (g, i) not in read.failed:

@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 
 from kvledger.transfers.lower_tiers.valkey import store as valkey_store
 from kvledger.transfers.lower_tiers.valkey.store import (
-    SLACK_BYTES,
+    SKIP_BYTES,
     Landed,
     ValkeyServer,
     ValkeyStore,
+    ValueTooLarge,
     _ProtocolError,
     _Replies,
     _Wire,
@@ -154,10 +155,17 @@ def test_a_missing_value_among_many_costs_a_few_calls_not_the_rest_of_the_batch(
     assert calls <= 3
 
 
-def test_a_value_too_long_for_its_slack_fails_the_batch_read_scattered() -> None:
-    stream = b"$%d\r\n" % (HEAD + 100 + SLACK_BYTES + 1) + bytes(HEAD + 100 + SLACK_BYTES + 1) + b"\r\n"
-    with pytest.raises(_ProtocolError, match="asked for"):
-        read(stream, [len(stream)], [100], scattered=True)
+@pytest.mark.parametrize("scattered", [True, False])
+def test_a_value_too_long_for_its_slack_fails_its_key_alone_and_is_read_past_in_pieces(scattered) -> None:
+    """Someone wrote 1 MiB under a key of a 100-byte block: that key fails (`ValueTooLarge`),
+    the replies around it land, and the value is read past 64 KiB at a time, never kept."""
+    big = 1 << 20
+    stream = (reply("value", 0, 100) + b"$%d\r\n" % big + bytes(big) + b"\r\n" + reply("value", 2, 100))
+    answers, _, _ = read(stream, [1 << 16] * (len(stream) // (1 << 16) + 1), [100] * 3, scattered=scattered)
+    assert isinstance(answers[0], Landed) and isinstance(answers[2], Landed)
+    assert isinstance(answers[1], ValueTooLarge) and f"a {big}-byte value" in str(answers[1])
+    assert SKIP_BYTES == 1 << 16
+
 
 
 def test_a_batch_of_sets_is_sent_in_one_call_and_its_replies_read_in_one(valkey_server, monkeypatch) -> None:

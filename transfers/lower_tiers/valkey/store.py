@@ -7,9 +7,11 @@ handle.
 The server is shared, so its replies are not trusted: on one server they are
 read here (`_Replies`), and only the lengths a command can answer are taken
 (a value of the size asked for, or close to it; a status or a number on a
-short line). A reply that claims more, or is not one a command gives, fails
-the batch as the server being down and drops the connection: whatever the
-server sends, memory stays bounded by the blocks asked for.
+short line). A GET's value longer than that is read past in small pieces and
+fails its key alone (`ValueTooLarge`: someone wrote something else there);
+any other reply that claims more, or is not one a command gives, fails the
+batch as the server being down and drops the connection. Whatever the server
+sends, memory stays bounded by the blocks asked for.
 
 The client is valkey-py with libvalkey's parser (bench/valkey_clients.py
 compares it with valkey-glide and redis-py; bench/RESULTS.md has the numbers):
@@ -179,7 +181,8 @@ class ValkeyStore:
         from the socket straight into `targets[n]`, unchecked (the caller checks
         it). A value of another length, up to `SLACK_BYTES` longer, is returned
         whole (its check fails it), a missing key as None, an error reply (a key
-        of another type) as its `ResponseError`; a longer value fails the batch.
+        of another type) as its `ResponseError`, a longer value as `ValueTooLarge`
+        (read past, not kept).
 
         On one server only, as `set_many` frames its commands: a reply read into
         its block costs no allocation and no copy, where valkey-py's reader
@@ -443,6 +446,14 @@ class _ProtocolError(Exception):
     """A reply that is not what the command sent answers."""
 
 
+class ValueTooLarge(Exception):
+    """A GET answered a value longer than any block of the size asked for: read past, not kept."""
+
+
+SKIP_BYTES = 1 << 16
+"""The piece an oversized value is read past in: the memory it costs, whatever its size."""
+
+
 class _Replies:
     """RESP replies to the commands sent, read with a small buffer for the
     lines and `recv_into` for values, which land in place or in a buffer of
@@ -567,10 +578,22 @@ class _Replies:
             self._into(target)
         elif size <= expected + SLACK_BYTES:
             value = self._exact(size)
-        else:
-            raise _ProtocolError(f"a GET answered a {size}-byte value where {expected} bytes were asked for")
+        else:  # another writer's: its key fails, the batch's other keys and the connection go on
+            self._skip(size)
+            self._end()
+            return ValueTooLarge(f"a {size}-byte value where {expected} bytes were asked for")
         self._end()
         return value
+
+    def _skip(self, size: int) -> None:
+        """Read past `size` bytes, `SKIP_BYTES` at a time, within the batch's time."""
+        took = min(len(self.buffer), size)
+        del self.buffer[:took]
+        scratch = memoryview(bytearray(min(SKIP_BYTES, size - took)))
+        while took < size:
+            piece = scratch[: min(scratch.nbytes, size - took)]
+            self.wire.recv_into(piece)
+            took += piece.nbytes
 
     def status(self, ok: bytes) -> str | None:
         """A reply of `ok` (None), or an error reply: why."""

@@ -34,7 +34,13 @@ from kvledger.transfers.lower_tiers.valkey.block_value import (
     store_key,
     value_header,
 )
-from kvledger.transfers.lower_tiers.valkey.store import Landed, StoreDown, ValkeyServer, ValkeyStore
+from kvledger.transfers.lower_tiers.valkey.store import (
+    Landed,
+    StoreDown,
+    ValkeyServer,
+    ValkeyStore,
+    ValueTooLarge,
+)
 
 _log = structlog.get_logger("kvledger.transfers.valkey_tier")
 
@@ -144,6 +150,8 @@ class ValkeyTierIO(ThreadedTierIO):
         nbytes = 0
         for (g, i, key, _), name, value, target in zip(blocks, names, values, targets):
             try:
+                if isinstance(value, ValueTooLarge):  # not a block of this size: another writer's
+                    raise BlockFileError("foreign", name.decode(), str(value))
                 if isinstance(value, Exception):
                     raise BlockFileError("unreadable", name.decode(), str(value))
                 if isinstance(value, Landed):
