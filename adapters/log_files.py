@@ -123,10 +123,23 @@ def create_unused(path: str | os.PathLike) -> tuple[BinaryIO, Path]:
     engines starting at once on one path each get a file of their own."""
     for candidate in _candidates(os.fspath(path)):
         try:
-            return open(candidate, "xb", buffering=0), Path(candidate)
+            return create_private(candidate, overwrite=False), Path(candidate)
         except FileExistsError:
             continue
     raise AssertionError("unreachable")
+
+
+def create_private(path: str | os.PathLike, *, overwrite: bool) -> BinaryIO:
+    """A log file only its owner reads (0600, whatever the umask): it holds the chain keys of
+    every prompt, which name what a shared tier holds. An overwritten file is made private too."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
+        return os.fdopen(fd, "wb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def open_log(path: str | os.PathLike, *, resolve: bool = True) -> tuple[LogHeader, Iterator[Record]]:
@@ -244,7 +257,7 @@ class LogWriter:
         if next_free and not overwrite:
             self._file, self.path = create_unused(self.path)
         else:
-            self._file = self.path.open("wb" if overwrite else "xb", buffering=0)
+            self._file = create_private(self.path, overwrite=overwrite)
         self._owner = os.getpid()
         try:
             self._write(head)

@@ -496,3 +496,28 @@ def test_without_keep_serving_a_full_log_disk_is_raised(tiny_tmpfs: Path) -> Non
     with pytest.raises(LogError, match="No space left"):
         run_random(Simulator(SIMULATED_CONFIGS[0], host=host), random.Random(1), steps=600, arrivals=0.9,
                    max_tokens=20, completion_rate=0.4)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("fmt", ["jsonl", "binary"])
+def test_a_log_is_private_to_its_owner_however_it_is_created(tmp_path: Path, fmt: str) -> None:
+    """A log names every prompt's chain keys: 0600 whatever the umask, fresh, overwritten or the
+    next free name."""
+    old = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh.log"
+        with LogWriter(fresh, HEADER, fmt=fmt):  # type: ignore[arg-type]
+            pass
+        taken = tmp_path / "taken.log"
+        taken.write_bytes(b"old")
+        os.chmod(taken, 0o644)
+        with LogWriter(taken, HEADER, fmt=fmt, overwrite=True):  # type: ignore[arg-type]
+            pass
+        with LogWriter(taken, HEADER, fmt=fmt, next_free=True) as writer:  # type: ignore[arg-type]
+            beside = writer.path
+    finally:
+        os.umask(old)
+    assert beside != taken
+    for path in (fresh, taken, beside):
+        assert os.stat(path).st_mode & 0o777 == 0o600, path
+    assert open_log(taken)[0] == open_log(fresh)[0]  # the overwritten file holds the new log whole

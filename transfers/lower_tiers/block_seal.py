@@ -23,6 +23,7 @@ is "foreign", not "forged".
 
 from __future__ import annotations
 
+import hmac
 import os
 import struct
 import threading
@@ -124,7 +125,7 @@ class BlockSeal:
         if not fields.encrypted:
             mac = blake3.blake3(associated, key=key_.mac)
             mac.update(stored)
-            if mac.digest(TAG_BYTES) != fields.tag:
+            if not hmac.compare_digest(mac.digest(TAG_BYTES), fields.tag):  # in constant time
                 raise BlockFileError("forged", where, "the MAC does not match: not written by a holder of the secret")
             return
         if fields.tag[GCM_TAG_BYTES:] != bytes(TAG_BYTES - GCM_TAG_BYTES):
