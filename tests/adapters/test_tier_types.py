@@ -91,3 +91,30 @@ def test_no_module_outside_the_table_picks_a_tier_by_its_settings_class(path):
     source = (ROOT / path).read_text()
     assert not re.search(r"isinstance\([^)]*TierSettings", source), path
 
+
+
+def test_a_shared_tier_without_a_secret_and_a_password_in_clear_are_warned_of_at_start(
+        tmp_path: Path, valkey_server, monkeypatch) -> None:
+    """Whoever can write a shared tier can serve its readers unchecked, and AUTH over plain
+    redis:// shows the password to the path: each says so once, at start. A private directory,
+    or one with a secret, says nothing."""
+    import structlog
+
+    from kvledger.transfers.lower_tiers.tier_types import check_tiers, parse_tiers
+
+    monkeypatch.setenv("KVLEDGER_TEST_SECRET", "0123456789abcdef0123456789abcdef")
+    monkeypatch.setenv("KVLEDGER_TEST_PASSWORD", "hunter2")
+    server = valkey_server()
+    tiers = parse_tiers([
+        {"type": "fs", "path": str(tmp_path / "shared"), "capacity_bytes": 1 << 20},
+        {"type": "fs", "path": str(tmp_path / "private"), "capacity_bytes": 1 << 20, "shared": False},
+        {"type": "fs", "path": str(tmp_path / "sealed"), "capacity_bytes": 1 << 20, "secret_env": "KVLEDGER_TEST_SECRET"},
+        {"type": "valkey", "url": server.url, "capacity_bytes": 1 << 20, "password_env": "KVLEDGER_TEST_PASSWORD",
+         "on_unreachable": "warn", "secret_env": "KVLEDGER_TEST_SECRET"},
+    ])
+    with structlog.testing.capture_logs() as logs:
+        check_tiers(tiers)
+    unsealed = [line["tier"] for line in logs if line["event"] == "shared_tier_without_secret"]
+    in_clear = [line["where"] for line in logs if line["event"] == "tier_password_in_clear"]
+    assert unsealed == ["secondary_tiers[0]"] and in_clear == ["secondary_tiers[3]"]
+    assert "hunter2" not in repr(logs)

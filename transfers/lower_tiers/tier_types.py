@@ -95,6 +95,11 @@ def check_tiers(tiers: tuple[TierSettings, ...]) -> None:
         row = tier_type(tier)
         row.check(where, tier)
         _log.info("tier_checked", tier=where, type=tier.kind, **row.where(tier))
+        secret = getattr(tier, "secret", None)
+        if getattr(tier, "shared", False) and (secret is None or secret.current is None):
+            _log.warning("shared_tier_without_secret", tier=where, type=tier.kind, **row.where(tier),
+                         why="whoever can write this tier can serve blocks to this process unchecked: set "
+                             "secret_env (README: the trust model)")
     check_distinct_dirs(list(tiers))
 
 

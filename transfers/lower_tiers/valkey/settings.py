@@ -148,6 +148,9 @@ def check_valkey_tier(where: str, tier: ValkeyTierSettings) -> None:
     ca_file = tier.server.tls_ca_file
     if ca_file is not None and not os.path.isfile(ca_file):
         raise ConfigError(f"{where}.tls_ca_file {ca_file!r} is not a readable file")
+    if tier.server.password is not None and not tier.server.tls:
+        _log.warning("tier_password_in_clear", where=where, server=tier.server.where,
+                     why="AUTH goes over plain redis://: anyone on the path reads the password; use rediss://")
     store = ValkeyStore(tier.server)
     try:
         store.ping()
