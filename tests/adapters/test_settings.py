@@ -465,7 +465,8 @@ def test_an_unreachable_server_stops_start_or_with_warn_starts_the_tier_down(val
     with capture_logs() as logs:
         tier, = parse_settings(with_tiers(valkey(f"redis://127.0.0.1:{port}", on_unreachable="warn"))).secondary_tiers
     assert tier.on_unreachable == "warn"
-    assert [e["event"] for e in logs] == ["tier_unreachable_at_start", "tier_checked"]  # checked: down, as asked
+    assert [e["event"] for e in logs] == ["tier_unreachable_at_start", "tier_checked",  # checked: down, as asked
+                                         "shared_tier_without_secret"]
 
 
 @pytest.mark.slow  # the session's six-server cluster, started for it if no slow test did

@@ -27,6 +27,7 @@ from kvledger.transfers.lower_tiers.valkey.store import (
     StoreDown,
     ValkeyServer,
     ValkeyStore,
+    ValueTooLarge,
 )
 from tests.support.valkey_servers import LyingServer
 
@@ -155,9 +156,10 @@ def test_a_reply_no_get_gives_fails_the_batch_as_down(lying, reply) -> None:
         store.close()
 
 
-def test_a_value_of_another_length_fails_its_key_and_a_much_longer_one_the_batch(valkey_server) -> None:
+def test_a_value_of_another_length_fails_its_key_and_a_much_longer_one_fails_its_key_alone(valkey_server) -> None:
     """A value written by another program may be a little off (its key's check fails
-    it); one far longer than asked for is a length to refuse before reading it."""
+    it); one far longer than asked for is read past, not kept, and fails its key alone:
+    the batch's other keys land and the connection goes on."""
     process = valkey_server()
     store = store_at(process.port)
     other = valkey.Valkey(port=process.port)
@@ -170,8 +172,12 @@ def test_a_value_of_another_length_fails_its_key_and_a_much_longer_one_the_batch
         assert [type(v) for v in values[1:]] == [bytes, bytes]
         assert [len(v) for v in values[1:]] == [HEAD + PAYLOAD + 100, HEAD + PAYLOAD - 100]
         other.set(b"k1", b"x" * 2 * (HEAD + PAYLOAD))
-        with pytest.raises(StoreDown, match=f"{2 * (HEAD + PAYLOAD)}-byte value"):
-            get(store, targets(3))
+        other.set(b"k2", b"x" * (8 << 20))
+        into = targets(3)
+        values = get(store, into)
+        assert isinstance(values[0], Landed) and bytes(into[0]) == BLOCK
+        assert [type(v) for v in values[1:]] == [ValueTooLarge, ValueTooLarge]
+        assert f"{2 * (HEAD + PAYLOAD)}-byte value" in str(values[1]) and f"{8 << 20}-byte value" in str(values[2])
         into = targets(1)
         assert isinstance(get(store, into)[0], Landed) and bytes(into[0]) == BLOCK
     finally:

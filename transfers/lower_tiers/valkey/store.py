@@ -453,6 +453,10 @@ class ValueTooLarge(Exception):
 SKIP_BYTES = 1 << 16
 """The piece an oversized value is read past in: the memory it costs, whatever its size."""
 
+BULK_MAX = 512 << 20
+"""Valkey's longest value (`proto-max-bulk-len`'s default): a claim past it is the server lying,
+not a value to read past, and fails the batch at once."""
+
 
 class _Replies:
     """RESP replies to the commands sent, read with a small buffer for the
@@ -578,6 +582,8 @@ class _Replies:
             self._into(target)
         elif size <= expected + SLACK_BYTES:
             value = self._exact(size)
+        elif size > BULK_MAX:
+            raise _ProtocolError(f"a GET answered a {size}-byte value, longer than a server stores")
         else:  # another writer's: its key fails, the batch's other keys and the connection go on
             self._skip(size)
             self._end()
