@@ -74,6 +74,12 @@ def chain_secret(tiers: Sequence[TierSettings]) -> bytes | None:
     return derive(b"".join(len(n).to_bytes(4, "little") + n for n in named), "names")
 
 
+def naming_fingerprint(secret: bytes | None) -> str | None:
+    """What a namespace carries of the naming key: 8 bytes derived from it (a key id, telling
+    nothing of the key), so deployments under other secrets never share a directory."""
+    return None if secret is None else derive(secret, "namespace", 8).hex()
+
+
 def block_keys(vllm_config: Any, secret: bytes | None) -> str:
     """How block keys are hashed: keyed with the tiers' secret; else as strong
     as vLLM's own prefix-cache hash (`prefix_caching_hash_algo`): a collision
@@ -109,13 +115,16 @@ class SchedulerTiers:
         weights = settings.weights_version
         self.chain_secret = chain_secret(self.tiers)
         self.block_keys = block_keys(vllm_config, self.chain_secret)
+        naming = naming_fingerprint(self.chain_secret)
         base = identity(vllm_config, kv_cache_config, rank=0, world_size=world_size, weights_version=weights,
-                        block_keys=self.block_keys)
+                        block_keys=self.block_keys, naming=naming)
         self.key_root = key_root(base)
         self.namespaces = tuple(dict.fromkeys(  # one per distinct shard, in rank order
             namespace(identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size, weights_version=weights,
-                               block_keys=self.block_keys))
+                               block_keys=self.block_keys, naming=naming))
             for rank in range(world_size)))
+        if naming is not None:  # which deployment this is, without the secret: compare it across replicas
+            _log.info("tier_naming_key", fingerprint=naming, namespaces=[space.hex() for space in self.namespaces])
         self.health: dict[int, Health] = {}  # per tier on a server, as the scheduler's lookups see the server
         self._closes: list[Callable[[], None]] = []
         self._lookups = {index: KeyLookups(self._finder(index, tier), tier_name(index, tier))
@@ -281,9 +290,10 @@ def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_co
                       world_size: int, rows: Any, payload_bytes: tuple[int, ...]) -> Mapping[int, TierIO]:
     """This worker's I/O on each tier, in its own shard's namespace: read-only
     where another rank writes the same bytes."""
+    secret = chain_secret(settings.secondary_tiers)
     ident = identity(vllm_config, kv_cache_config, rank=rank, world_size=world_size,
-                     weights_version=settings.weights_version,
-                     block_keys=block_keys(vllm_config, chain_secret(settings.secondary_tiers)))
+                     weights_version=settings.weights_version, block_keys=block_keys(vllm_config, secret),
+                     naming=naming_fingerprint(secret))
     space = namespace(ident)
     writes = rank % tp_replicas(vllm_config, kv_cache_config, world_size) == 0
     ios: dict[int, TierIO] = {}

@@ -111,12 +111,16 @@ def _spec(spec: Any, where: str) -> dict[str, Any]:
 
 
 def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: int,
-             weights_version: str | None = None, block_keys: str | None = None) -> dict[str, Any]:
+             weights_version: str | None = None, block_keys: str | None = None,
+             naming: str | None = None) -> dict[str, Any]:
     """Everything that makes this worker's block bytes meaningful, as a JSON-able dict.
     `weights_version` is the operator's name for the weights (the setting of that
     name): vLLM's configs cannot tell new weights under the same model path.
     `block_keys` names the keys' hash (`chain_keys`): blocks keyed another way
-    live in another directory, not as files no key ever finds."""
+    live in another directory, not as files no key ever finds. `naming`, a
+    fingerprint of the tiers' naming key (`lower_tiers.naming_fingerprint`):
+    deployments under other secrets never share a directory, so none adopts,
+    counts, evicts or resets another's blocks."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     parallel_config = _read(vllm_config, "parallel_config")
@@ -158,6 +162,8 @@ def identity(vllm_config: Any, kv_cache_config: Any, *, rank: int, world_size: i
         out["device_type"] = str(device)
     if block_keys is not None:
         out["block_keys"] = block_keys
+    if naming is not None:
+        out["naming"] = naming
     out["parallel"] = {"world_size": int(world_size), **_fields(parallel_config, _PARALLEL_FIELDS, "parallel")}
     replicas = tp_replicas(vllm_config, kv_cache_config, world_size)
     first = rank - rank % replicas

@@ -20,6 +20,7 @@ from valkey import Valkey
 
 from kvledger.adapters.settings import parse_settings
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers, engine_tiers, open_worker_tiers, tier_copies
+from kvledger.adapters.vllm.tier_namespace import identity, namespace
 from kvledger.events import types as ev
 from kvledger.transfers.lower_tiers.fs.block_file import block_path, write_block
 from kvledger.transfers.lower_tiers.fs.tier import FsTierIO
@@ -278,3 +279,38 @@ def test_a_worker_opens_its_tier_with_the_tiers_group_and_clears_old_leftovers(t
     os.utime(leftover, (time.time() - 3600,) * 2)
     open_and_close()
     assert not leftover.exists()
+
+
+def test_deployments_under_other_secrets_never_share_a_directory(tmp_path, monkeypatch) -> None:
+    """The namespace carries a fingerprint of the naming key: two secrets on one directory are
+    two namespaces (so neither scans, counts, evicts or resets the other's blocks), one secret is
+    one namespace for the scheduler and every worker, and no secret leaves namespaces as they were."""
+    monkeypatch.setenv("KVLEDGER_TEST_A", "a" * 64)
+    monkeypatch.setenv("KVLEDGER_TEST_B", "b" * 64)
+
+    def tiers(secret: str | None) -> SchedulerTiers:
+        extra = {"secret_env": secret} if secret else {}
+        settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [
+            {"type": "fs", "path": str(tmp_path), "capacity_bytes": 1 << 20, **extra}]})
+        return SchedulerTiers(settings, vllm_config(), kv_cache_config(), world_size=1)
+
+    with structlog.testing.capture_logs() as logs:
+        a, b, again, plain = tiers("KVLEDGER_TEST_A"), tiers("KVLEDGER_TEST_B"), tiers("KVLEDGER_TEST_A"), tiers(None)
+    try:
+        assert a.namespaces != b.namespaces and a.namespaces == again.namespaces
+        assert plain.namespaces[0] == namespace(identity(vllm_config(), kv_cache_config(), rank=0, world_size=1,
+                                                         block_keys=plain.block_keys))  # as before: no "naming"
+        fingerprints = [line["fingerprint"] for line in logs if line["event"] == "tier_naming_key"]
+        assert len(fingerprints) == 3 and fingerprints[0] == fingerprints[2] != fingerprints[1]
+        assert "a" * 16 not in repr(logs)  # the secret is never logged
+        settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [
+            {"type": "fs", "path": str(tmp_path), "capacity_bytes": 1 << 20, "secret_env": "KVLEDGER_TEST_A"}]})
+        io = open_worker_tiers(settings, vllm_config(), kv_cache_config(), rank=0, world_size=1,
+                               rows=torch.zeros((4, 64), dtype=torch.int8), payload_bytes=(64,))[1]
+        try:
+            assert io.namespace == a.namespaces[0]  # the worker writes where the scheduler looks
+        finally:
+            io.shutdown()
+    finally:
+        for made in (a, b, again, plain):
+            made.close()

@@ -105,3 +105,27 @@ def test_two_replicas_with_different_weights_reset_once_each_never_share_a_block
     lower = summary["lower_tiers"][0]
     assert lower["keys_found"] > 0 and lower["keys_read"] > 0
     assert stale["first"]["tokens"] != b["recomputed"]["tokens"]
+
+
+def test_two_deployments_with_other_secrets_on_one_directory_keep_each_others_blocks(models, tmp_path, monkeypatch):
+    """A deployment under one secret writes its blocks; another, under another secret and with a
+    tier too small for its own, runs on the same directory: it evicts only its own, and the
+    first's files are all still there for the first's next start to find and serve."""
+    monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)
+    monkeypatch.setenv("KVLEDGER_TEST_OTHER", OTHER)
+    tier = {"type": "fs", "path": str(tmp_path / "tier"), "secret_env": "KVLEDGER_TEST_SECRET"}
+    first, _ = _run(models, tmp_path / "one.log", tier, ("first",))
+    spaces = {path.parent.parent for path in (tmp_path / "tier").rglob("*.kvb")}
+    theirs = sorted((tmp_path / "tier").rglob("*.kvb"))
+    assert len(spaces) == 1 and theirs
+    other, summary = _run(models, tmp_path / "other.log",
+                          {**tier, "secret_env": "KVLEDGER_TEST_OTHER", "capacity_bytes": 96 << 10},
+                          ("first",), hash_seed="4242")
+    assert other["first"]["tokens"] == first["first"]["tokens"]
+    lower = summary["lower_tiers"][0]
+    assert lower["keys_found"] == 0 and lower["evictions"] > 0  # its own, in its own namespace
+    assert all(path.exists() for path in theirs)
+    assert len({path.parent.parent for path in (tmp_path / "tier").rglob("*.kvb")}) == 2
+    back, summary = _run(models, tmp_path / "back.log", tier, ("first",), hash_seed="77")
+    assert back["first"]["tokens"] == first["first"]["tokens"]
+    assert summary["lower_tiers"][0]["keys_found"] == len(theirs)
