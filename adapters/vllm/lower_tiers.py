@@ -304,5 +304,6 @@ def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_co
                                            rows=rows, payload_bytes=payload_bytes, writes=writes))
         ios[index] = io if writes else ReplicaTierIO(io)
         _log.info("tier_opened", tier=name, **row.where(tier), namespace=space.hex(), rank=rank, writes=writes,
-                  sealed=tier.secret.current is not None, encrypted=tier.secret.encrypt)
+                  sealed=tier.secret.current is not None, encrypted=tier.secret.encrypt,
+                  **({"trusted_key_ids": seal.trusted()} if (seal := tier.secret.seal()) is not None else {}))
     return ios

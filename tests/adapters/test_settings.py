@@ -207,7 +207,7 @@ def test_parsing_twice_as_the_worker_does_gives_the_same_settings(tmp_path):
     ([{"type": "nfs"}], "secondary_tiers[0].type 'nfs' is not supported; supported types: 'fs'"),
     ([{"type": "fs", "path": "/tmp/x", "capacity_bytes": 1, "size": 2}],
      "unknown secondary_tiers[0] key(s) 'size'; a 'fs' tier knows: capacity_bytes, encrypt, group, pack_bytes, path, "
-     "previous_secret_env, root_dir, secret_env, shared, threads, type"),
+     "previous_secret_env, previous_secret_until, root_dir, secret_env, shared, threads, type"),
     ([{"type": "fs", "capacity_bytes": 1}], "secondary_tiers[0] needs 'path'"),
     ([{"type": "fs", "path": ""}], "secondary_tiers[0].path must be a non-empty str, got ''"),
     ([{"type": "fs", "root_dir": 7}], "secondary_tiers[0].root_dir must be a non-empty str, got 7"),
@@ -508,6 +508,18 @@ def test_a_secret_comes_from_the_environment_and_is_never_shown(tmp_path, monkey
     assert plain.secret.seal() is None and plain.secret.naming is None
 
 
+def test_a_rotation_ends_at_its_date_and_names_then_follow_the_new_secret(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)
+    monkeypatch.setenv("KVLEDGER_TEST_OLD", "f" * 32)
+    rotation = {"secret_env": "KVLEDGER_TEST_SECRET", "previous_secret_env": "KVLEDGER_TEST_OLD"}
+    ended, = parse_settings(with_tiers(fs(tmp_path, **rotation, previous_secret_until="2020-01-01"))).secondary_tiers
+    assert ended.secret.previous_until == 1577836800.0  # midnight UTC
+    assert ended.secret.naming == SECRET.encode()  # ended: names are the new secret's
+    going, = parse_settings(with_tiers(fs(tmp_path, **rotation,
+                                          previous_secret_until="2999-01-01T12:00:00+01:00"))).secondary_tiers
+    assert going.secret.previous_until == 32472183600.0 and going.secret.naming == b"f" * 32  # 11:00 UTC
+
+
 @pytest.mark.parametrize("keys, words", [
     ({"secret_env": "KVLEDGER_SURELY_UNSET"}, "secret_env names 'KVLEDGER_SURELY_UNSET', which is not set"),
     ({"secret_env": "KVLEDGER_TEST_SHORT"}, "holds 5 bytes; a tier secret needs at least 16"),
@@ -515,6 +527,12 @@ def test_a_secret_comes_from_the_environment_and_is_never_shown(tmp_path, monkey
     ({"previous_secret_env": "KVLEDGER_TEST_SECRET"}, "previous_secret_env is for a rotation: it needs secret_env"),
     ({"encrypt": True}, "encrypt needs secret_env"),
     ({"encrypt": "yes", "secret_env": "KVLEDGER_TEST_SECRET"}, "encrypt must be a bool"),
+    ({"secret_env": "KVLEDGER_TEST_SECRET", "previous_secret_until": "2026-12-31"},
+     "previous_secret_until ends a rotation: it needs previous_secret_env"),
+    ({"secret_env": "KVLEDGER_TEST_SECRET", "previous_secret_env": "KVLEDGER_TEST_SECRET",
+      "previous_secret_until": "next week"}, "previous_secret_until: 'next week' is not an ISO 8601 date or time"),
+    ({"secret_env": "KVLEDGER_TEST_SECRET", "previous_secret_env": "KVLEDGER_TEST_SECRET",
+      "previous_secret_until": 20261231}, "previous_secret_until must be an ISO 8601 date or time"),
 ])
 def test_bad_secret_settings_name_the_problem(tmp_path, monkeypatch, keys, words):
     monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)

@@ -96,6 +96,24 @@ def test_a_rotation_reads_blocks_of_the_previous_secret_and_writes_with_the_new(
     assert reason_reading(new, BlockSeal(OTHER)) == "foreign"  # a replica not yet given the new secret
 
 
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_rotation_ends_at_its_date_and_the_old_secret_is_then_refused_as_forged(tmp_path, encrypt) -> None:
+    """After `previous_secret_until`, a block sealed with the old secret is one a leaker could
+    have made: refused as forged, while the new secret's blocks read on."""
+    data = payload()
+    old, new = tmp_path / "old.kvb", tmp_path / "new.kvb"
+    bf.write_block(old, NS, KEY, data, BlockSeal(OTHER, encrypt=encrypt))
+    now = [1000.0]
+    rotating = BlockSeal(SECRET, previous=OTHER, encrypt=encrypt, previous_until=2000.0, clock=lambda: now[0])
+    bf.write_block(new, NS, KEY, data, rotating)
+    assert np.array_equal(read_file(old, rotating), data)  # before the end: read
+    now[0] = 2000.0
+    assert reason_reading(old, rotating) == "forged"
+    assert np.array_equal(read_file(new, rotating), data)
+    trusted = rotating.trusted()
+    assert list(trusted.values()) == ["no end", "1970-01-01T00:33:20Z"] and len(trusted) == 2
+
+
 def test_a_sealed_value_round_trips_and_a_forged_one_is_refused(seal) -> None:
     data = payload()
     value = bv.encode_value(NS, KEY, data, seal)

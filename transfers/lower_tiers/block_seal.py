@@ -27,6 +27,8 @@ import hmac
 import os
 import struct
 import threading
+import time
+from collections.abc import Callable
 
 import attrs
 import blake3
@@ -76,25 +78,38 @@ class _Key:
 
 
 class BlockSeal:
-    """Seals with `secret`; opens what `secret` or `previous` sealed. Thread-safe:
+    """Seals with `secret`; opens what `secret` or `previous` sealed, the latter only
+    before `previous_until` (seconds since the epoch, on `clock`), after which a block
+    sealed with it counts as forged: whoever leaked it could have made it. Thread-safe:
     each I/O thread keeps its own scratch buffer for decryption."""
 
-    def __init__(self, secret: bytes, *, previous: bytes | None = None, encrypt: bool = False) -> None:
+    def __init__(self, secret: bytes, *, previous: bytes | None = None, encrypt: bool = False,
+                 previous_until: float | None = None, clock: Callable[[], float] = time.time) -> None:
         for name, value in (("secret", secret), ("previous secret", previous)):
             if value is not None and len(value) < SECRET_BYTES_MIN:
                 raise ValueError(f"a tier's {name} is {len(value)} bytes; use at least {SECRET_BYTES_MIN} "
                                  f"(for example `openssl rand -hex 32`)")
         self._current = _Key(secret)
         self._keys = {self._current.key_id: self._current}
+        self._retired: dict[bytes, float] = {}  # key id -> when it stops being trusted
         if previous is not None and previous != secret:
             old = _Key(previous)
             self._keys[old.key_id] = old
+            if previous_until is not None:
+                self._retired[old.key_id] = previous_until
+        self._clock = clock
         self.encrypt = encrypt
         self._local = threading.local()
 
     @property
     def key_id(self) -> bytes:
         return self._current.key_id
+
+    def trusted(self) -> dict[str, str]:
+        """The key ids blocks are opened under, each with until when (for the start's log)."""
+        return {key_id.hex(): (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._retired[key_id]))
+                               if key_id in self._retired else "no end")
+                for key_id in self._keys}
 
     def seal(self, namespace: bytes, key: bytes, payload: memoryview, out: memoryview | None = None) -> SealFields:
         """The fields a sealed header carries. Encrypting, the ciphertext goes to
@@ -121,6 +136,10 @@ class BlockSeal:
         if key_ is None:
             raise BlockFileError("foreign", where, f"sealed with key id {fields.key_id.hex()}, which this tier "
                                  f"does not hold (another deployment's secret)")
+        until = self._retired.get(fields.key_id)
+        if until is not None and self._clock() >= until:
+            raise BlockFileError("forged", where, f"sealed with the previous secret (key id {fields.key_id.hex()}), "
+                                 "whose rotation has ended (previous_secret_until): no longer trusted")
         associated = _associated(namespace, key, stored.nbytes, fields.key_id, fields.nonce, fields.encrypted)
         if not fields.encrypted:
             mac = blake3.blake3(associated, key=key_.mac)

@@ -4,7 +4,9 @@ keys, the same for every type) and the checks of a value.
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,19 +24,23 @@ class TierSecret:
     current: bytes | None = attrs.field(default=None, repr=False)
     previous: bytes | None = attrs.field(default=None, repr=False)  # accepted for reads during a rotation
     encrypt: bool = False
+    previous_until: float | None = None  # when the rotation ends (seconds since the epoch): None, never
 
     def seal(self) -> BlockSeal | None:
         if self.current is None:
             return None
-        return BlockSeal(self.current, previous=self.previous, encrypt=self.encrypt)
+        return BlockSeal(self.current, previous=self.previous, encrypt=self.encrypt,
+                         previous_until=self.previous_until)
 
     @property
     def naming(self) -> bytes | None:
-        """The secret that names blocks: the previous one while a rotation lasts,
-        so replicas not yet given the new secret still find what others write."""
-        return self.previous if self.previous is not None else self.current
+        """The secret that names blocks: the previous one while a rotation lasts, so
+        replicas not yet given the new secret still find what others write; the new one
+        once `previous_until` has passed (read at start: names change at the next start)."""
+        rotating = self.previous is not None and (self.previous_until is None or time.time() < self.previous_until)
+        return self.previous if rotating else self.current
 
-SECRET_KEYS = ("secret_env", "previous_secret_env", "encrypt")
+SECRET_KEYS = ("secret_env", "previous_secret_env", "previous_secret_until", "encrypt")
 """Every tier type takes these: the secret is named by an environment variable, never written in the config."""
 
 
@@ -55,12 +61,34 @@ def parse_secret(where: str, entry: Mapping[str, Any]) -> TierSecret:
         values[name] = value.encode()
     if "previous_secret_env" in values and "secret_env" not in values:
         raise ConfigError(f"{where}.previous_secret_env is for a rotation: it needs secret_env, the new secret")
+    until = None
+    if "previous_secret_until" in entry:
+        if "previous_secret_env" not in values:
+            raise ConfigError(f"{where}.previous_secret_until ends a rotation: it needs previous_secret_env")
+        until = _instant(f"{where}.previous_secret_until", entry["previous_secret_until"])
     encrypt = entry.get("encrypt", False)
     if not isinstance(encrypt, bool):
         raise ConfigError(f"{where}.encrypt must be a bool, got {encrypt!r}")
     if encrypt and "secret_env" not in values:
         raise ConfigError(f"{where}.encrypt needs secret_env: the key is derived from the tier's secret")
-    return TierSecret(current=values.get("secret_env"), previous=values.get("previous_secret_env"), encrypt=encrypt)
+    return TierSecret(current=values.get("secret_env"), previous=values.get("previous_secret_env"), encrypt=encrypt,
+                      previous_until=until)
+
+
+def _instant(where: str, value: Any) -> float:
+    """An ISO 8601 date or time, as seconds since the epoch: a date is its midnight in UTC, a
+    time without an offset is in UTC."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be an ISO 8601 date or time, e.g. '2026-12-31' or "
+                          f"'2026-12-31T18:00:00+01:00', got {value!r}")
+    try:
+        moment = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise ConfigError(f"{where}: {value!r} is not an ISO 8601 date or time, e.g. '2026-12-31' or "
+                          f"'2026-12-31T18:00:00+01:00'") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment.timestamp()
 
 
 def positive_int(where: str, value: Any) -> int:
