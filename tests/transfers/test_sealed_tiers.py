@@ -90,10 +90,12 @@ def test_an_fs_tier_with_a_secret_serves_its_own_blocks_and_refuses_forged_ones(
     assert (path.read_bytes()[bh.HEADER_BYTES:] == rows[1, :SIZES[0]].numpy().tobytes()) is not encrypt
 
     # Whoever can write the directory rewrites a block with kvledger's own writer, no secret.
-    bf.write_block(path, NS, key(2), np.zeros(SIZES[0], np.int8))
+    bf.write_block(path, NS, key(2), np.full(SIZES[0], 5, np.int8))
     rows[8:14] = 7
     outcome = run(io, 3, "read", KEYS, READ_SLOTS)
     assert dict(zip(outcome.failed, outcome.reasons)) == {(0, 1): "forged"}
+    # The refused block's bytes are not left in its host row (nor, encrypted, what decrypting it made).
+    assert not rows[READ_SLOTS[0][1], :SIZES[0]].any()
 
     # A replica with another secret: every block foreign, none served.
     other = fs_tier(made, tmp_path, rows, BlockSeal(OTHER))
@@ -137,6 +139,7 @@ def test_a_valkey_tier_with_a_secret_refuses_values_set_by_anyone_else(made, val
         store.close()
     outcome = run(io, 3, "read", KEYS, READ_SLOTS)
     assert dict(zip(outcome.failed, outcome.reasons)) == {(0, 0): "forged"}
+    assert not rows[READ_SLOTS[0][0], :SIZES[0]].any()  # the forged value's ones are not left in the row
     other = valkey_tier(made, process, rows, BlockSeal(OTHER))
     outcome = run(other, 4, "read", KEYS, READ_SLOTS)
     assert len(outcome.failed) == 6 and set(outcome.reasons) == {"foreign", "forged"}

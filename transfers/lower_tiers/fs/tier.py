@@ -263,7 +263,8 @@ class FsTierIO(ThreadedTierIO):
         try:
             got = os.preadv(fd, buffers, start)
         except OSError as exc:
-            for g, i, _key, _slot in blocks:
+            for (g, i, _key, _slot), (_header, target) in zip(blocks, parts):
+                target[:] = bytes(target.nbytes)  # whatever the read left: never a block's
                 self._settle(job, g, i, "unreadable", path, 0, (started, time.perf_counter()))
             _log.debug("tier_read_failed", path=str(path), error=repr(exc))
             return
@@ -276,6 +277,7 @@ class FsTierIO(ThreadedTierIO):
             except BlockFileError as error:
                 # A header of zeros in a pack: the key was removed, its extent punched out.
                 reason = "missing" if error.reason == "foreign" and not any(header[:64]) else error.reason
+                target[:] = bytes(target.nbytes)  # refused bytes (or a forged block decrypted) stay nowhere
             self._settle(job, g, i, reason, path, 0 if reason else target.nbytes, (started, ended))
             at += HEADER_BYTES + round_up(target.nbytes)
 
@@ -288,6 +290,7 @@ class FsTierIO(ThreadedTierIO):
             read_open_block(fd, path, self.namespace, key, payload, self.seal)
         except BlockFileError as error:
             reason = error.reason
+            payload[:] = 0  # refused bytes (or a forged block decrypted) stay nowhere
         self._settle(job, g, i, reason, path, 0 if reason else payload.nbytes, (started, time.perf_counter()))
 
     # Writes.

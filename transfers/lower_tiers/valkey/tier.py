@@ -160,6 +160,7 @@ class ValkeyTierIO(ThreadedTierIO):
                     decode_value_into(value, self.namespace, key, target, self.seal, name.decode())
                 nbytes += self.payload_bytes[g]
             except BlockFileError as error:
+                target[:] = bytes(target.nbytes)  # refused bytes (or a forged block decrypted) stay nowhere
                 failed.append((g, i, key, error.reason))
         return nbytes, failed
 
