@@ -506,6 +506,9 @@ def test_a_secret_comes_from_the_environment_and_is_never_shown(tmp_path, monkey
     assert seal is not None and seal.encrypt
     plain, = parse_settings(with_tiers(fs(tmp_path))).secondary_tiers
     assert plain.secret.seal() is None and plain.secret.naming is None
+    strict, = parse_settings(with_tiers(fs(tmp_path, secret_env="KVLEDGER_TEST_SECRET",
+                                           encrypt="required"))).secondary_tiers
+    assert strict.secret.encrypt and strict.secret.require_encrypted and strict.secret.seal().require_encrypted
 
 
 def test_a_rotation_ends_at_its_date_and_names_then_follow_the_new_secret(tmp_path, monkeypatch):
@@ -526,7 +529,8 @@ def test_a_rotation_ends_at_its_date_and_names_then_follow_the_new_secret(tmp_pa
     ({"secret_env": ""}, "secret_env must name an environment variable"),
     ({"previous_secret_env": "KVLEDGER_TEST_SECRET"}, "previous_secret_env is for a rotation: it needs secret_env"),
     ({"encrypt": True}, "encrypt needs secret_env"),
-    ({"encrypt": "yes", "secret_env": "KVLEDGER_TEST_SECRET"}, "encrypt must be a bool"),
+    ({"encrypt": "yes", "secret_env": "KVLEDGER_TEST_SECRET"}, 'encrypt must be true, false or "required"'),
+    ({"encrypt": "required"}, "encrypt needs secret_env"),
     ({"secret_env": "KVLEDGER_TEST_SECRET", "previous_secret_until": "2026-12-31"},
      "previous_secret_until ends a rotation: it needs previous_secret_env"),
     ({"secret_env": "KVLEDGER_TEST_SECRET", "previous_secret_env": "KVLEDGER_TEST_SECRET",

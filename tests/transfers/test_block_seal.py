@@ -114,6 +114,19 @@ def test_a_rotation_ends_at_its_date_and_the_old_secret_is_then_refused_as_forge
     assert list(trusted.values()) == ["no end", "1970-01-01T00:33:20Z"] and len(trusted) == 2
 
 
+def test_a_reader_that_requires_encryption_refuses_a_block_sealed_in_plaintext(tmp_path) -> None:
+    """`encrypt: "required"`: a holder of the secret writing without encryption (a replica left
+    on `encrypt: false`) is not served; an encrypted block is."""
+    data = payload()
+    plain, sealed = tmp_path / "plain.kvb", tmp_path / "sealed.kvb"
+    bf.write_block(plain, NS, KEY, data, BlockSeal(SECRET))
+    bf.write_block(sealed, NS, KEY, data, BlockSeal(SECRET, encrypt=True))
+    strict = BlockSeal(SECRET, encrypt=True, require_encrypted=True)
+    assert reason_reading(plain, strict) == "foreign"
+    assert np.array_equal(read_file(sealed, strict), data)
+    assert np.array_equal(read_file(plain, BlockSeal(SECRET, encrypt=True)), data)  # not required: read
+
+
 def test_a_sealed_value_round_trips_and_a_forged_one_is_refused(seal) -> None:
     data = payload()
     value = bv.encode_value(NS, KEY, data, seal)

@@ -84,7 +84,8 @@ class BlockSeal:
     each I/O thread keeps its own scratch buffer for decryption."""
 
     def __init__(self, secret: bytes, *, previous: bytes | None = None, encrypt: bool = False,
-                 previous_until: float | None = None, clock: Callable[[], float] = time.time) -> None:
+                 previous_until: float | None = None, clock: Callable[[], float] = time.time,
+                 require_encrypted: bool = False) -> None:
         for name, value in (("secret", secret), ("previous secret", previous)):
             if value is not None and len(value) < SECRET_BYTES_MIN:
                 raise ValueError(f"a tier's {name} is {len(value)} bytes; use at least {SECRET_BYTES_MIN} "
@@ -99,6 +100,7 @@ class BlockSeal:
                 self._retired[old.key_id] = previous_until
         self._clock = clock
         self.encrypt = encrypt
+        self.require_encrypted = require_encrypted  # a block sealed in plaintext is refused ("foreign")
         self._local = threading.local()
 
     @property
@@ -140,6 +142,9 @@ class BlockSeal:
         if until is not None and self._clock() >= until:
             raise BlockFileError("forged", where, f"sealed with the previous secret (key id {fields.key_id.hex()}), "
                                  "whose rotation has ended (previous_secret_until): no longer trusted")
+        if self.require_encrypted and not fields.encrypted:
+            raise BlockFileError("foreign", where, "stored in plaintext, where this tier requires encryption "
+                                 "(encrypt: \"required\")")
         associated = _associated(namespace, key, stored.nbytes, fields.key_id, fields.nonce, fields.encrypted)
         if not fields.encrypted:
             mac = blake3.blake3(associated, key=key_.mac)

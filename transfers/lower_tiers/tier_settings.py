@@ -24,13 +24,14 @@ class TierSecret:
     current: bytes | None = attrs.field(default=None, repr=False)
     previous: bytes | None = attrs.field(default=None, repr=False)  # accepted for reads during a rotation
     encrypt: bool = False
+    require_encrypted: bool = False  # `encrypt: "required"`: a block sealed without encryption is refused
     previous_until: float | None = None  # when the rotation ends (seconds since the epoch): None, never
 
     def seal(self) -> BlockSeal | None:
         if self.current is None:
             return None
         return BlockSeal(self.current, previous=self.previous, encrypt=self.encrypt,
-                         previous_until=self.previous_until)
+                         previous_until=self.previous_until, require_encrypted=self.require_encrypted)
 
     @property
     def naming(self) -> bytes | None:
@@ -67,12 +68,15 @@ def parse_secret(where: str, entry: Mapping[str, Any]) -> TierSecret:
             raise ConfigError(f"{where}.previous_secret_until ends a rotation: it needs previous_secret_env")
         until = _instant(f"{where}.previous_secret_until", entry["previous_secret_until"])
     encrypt = entry.get("encrypt", False)
+    required = encrypt == "required"  # encrypt, and read no block stored in plaintext
+    if required:
+        encrypt = True
     if not isinstance(encrypt, bool):
-        raise ConfigError(f"{where}.encrypt must be a bool, got {encrypt!r}")
+        raise ConfigError(f"{where}.encrypt must be true, false or \"required\", got {encrypt!r}")
     if encrypt and "secret_env" not in values:
         raise ConfigError(f"{where}.encrypt needs secret_env: the key is derived from the tier's secret")
     return TierSecret(current=values.get("secret_env"), previous=values.get("previous_secret_env"), encrypt=encrypt,
-                      previous_until=until)
+                      require_encrypted=required, previous_until=until)
 
 
 def _instant(where: str, value: Any) -> float:
