@@ -47,17 +47,11 @@ class MissCounter:
             return
         seq = self._seq
         try:
-            if not effects:
-                observe = ledger.observe
-                for event in events:
-                    observe(seq, event, ())
-                    seq += 1
-            else:
-                start = 0
-                for event, end in zip(events, ends, strict=True):
-                    ledger.observe(seq, event, effects[start:end])
-                    start = end
-                    seq += 1
+            start = 0
+            for event, end in zip(events, ends, strict=True):
+                ledger.observe(seq, event, effects[start:end])
+                start = end
+                seq += 1
             ledger.bound()
         except Exception as exc:  # a defect of the fold: the counts stop, serving does not
             self._stop(f"{type(exc).__name__}: {exc}")

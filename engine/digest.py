@@ -26,7 +26,7 @@ from typing import Any, cast
 from kvledger.events.config import EngineConfig
 from kvledger.events.log_records import join_digest, split_digest
 
-from .state import Core, RequestState, State, reader_ids
+from .state import Core, State, reader_ids
 
 PART_ROWS = 8192
 """Rows of the largest table (device blocks or tier slots) per part: about
@@ -34,22 +34,24 @@ PART_ROWS = 8192
 takes 100-150 ms there)."""
 
 
-def _hasher() -> tuple[Any, Callable[[object], None]]:
-    """A blake2b and `put`, which hashes a value's repr with a separator (a request's repr as
-    `RequestState.canonical_repr` makes it, the same text as `repr(canonical())`)."""
+def _hasher() -> tuple[Any, Callable[[object], None], Callable[[str], None]]:
+    """A blake2b, `put`, which hashes a value's repr with a separator, and `put_text`, which
+    hashes a repr already made (a request's `canonical_repr()`) the same way."""
     h = hashlib.blake2b(digest_size=16)
 
-    def put(value: object) -> None:
-        text = value.canonical_repr() if isinstance(value, RequestState) else repr(value)
+    def put_text(text: str) -> None:
         h.update(text.encode())
         h.update(b"\x1f")
 
-    return h, put
+    def put(value: object) -> None:
+        put_text(repr(value))
+
+    return h, put, put_text
 
 
 def digest(state: State) -> str:
     core = state.core
-    h, put = _hasher()
+    h, put, put_text = _hasher()
     # Not the rules: a log names them in its header, and logs written before
     # they were named (kvledger 0.1.0) were digested without them.
     put(sorted(item for item in core.config.to_dict().items() if item[0] != "rules"))
@@ -69,7 +71,7 @@ def digest(state: State) -> str:
     put(tuple(core.free_slots))  # a stack: its order decides the next slot
     put(core.policy.canonical())
     for rid in sorted(core.requests):
-        put(core.requests[rid])
+        put_text(core.requests[rid].canonical_repr())
     for jid in sorted(core.jobs):
         put(core.jobs[jid].canonical())
     put(sorted(core.stats.as_dict().items()))
@@ -90,7 +92,7 @@ def part_digest(state: State, part: int, parts: int) -> str:
     if not 0 <= part < parts:
         raise ValueError(f"part {part} of {parts}")
     core = state.core
-    h, put = _hasher()
+    h, put, put_text = _hasher()
     # Whole: the scalars, what is in flight, and the sizes of what is cut.
     put((core.step_index, core.epoch, core.next_job_id, core.next_fresh_slot, part, parts))
     put((len(core.slot_of_key), len(core.free_slots), len(core.requests), len(core.lazy_keys)))
@@ -128,7 +130,7 @@ def part_digest(state: State, part: int, parts: int) -> str:
     rids = sorted(core.requests)
     lo, hi = _bounds(len(rids), part, parts)
     for rid in islice(rids, lo, hi):
-        put(core.requests[rid])
+        put_text(core.requests[rid].canonical_repr())
     return join_digest(part, parts, h.digest())
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from typing import TypeVar, Union
+from typing import Any, TypeVar, Union
 
 import attrs
 
@@ -260,6 +260,15 @@ def dispatch_table(consumer: str, handlers: Mapping[type, _H], ignored: Iterable
                              + (f"; named twice {', '.join(twice)}" if twice else "")
                              + (f"; not effect kinds: {', '.join(strays)}" if strays else ""))
     return {**dict.fromkeys(ignored), **handlers}
+
+
+def dispatch(table: Mapping[type, Any], owner: object, effects: Iterable[Effect]) -> None:
+    """Hand each effect to `owner`'s handler for its kind in `table` (a consumer's
+    `dispatch_table`), skipping the kinds it names as ignored."""
+    for effect in effects:
+        handle = table[type(effect)]
+        if handle is not None:
+            handle(owner, effect)
 
 
 def route(effects: Iterable[Effect]) -> dict[Phase, list[Effect]]:

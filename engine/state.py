@@ -209,7 +209,10 @@ class RequestState:
 
     def canonical_repr(self) -> str:
         """`repr(self.canonical())`, what a digest hashes, with the hashes' part (most of its
-        cost: a request keeps them while it waits) made once until they change."""
+        cost: a request keeps them while it waits) made once until they change. Its fields are
+        `canonical()`'s, spelled out: built from `canonical()` it saved nothing (same-process
+        replays, bench/history 2026-12-06); tests/engine/test_digest.py checks the two agree
+        after every event of seeded runs."""
         hashes = self.hashes_repr
         if not hashes:
             hashes = self.hashes_repr = repr(tuple(self.hashes))

@@ -424,12 +424,12 @@ def _positions(series: dict) -> Callable[[int, int | None], float]:
     return position
 
 
-def _script_json(text: str) -> str:
+def script_json(text: str) -> str:
     """JSON text that cannot end the <script> element it sits in (request ids come from the log)."""
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-_STYLE = """
+STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1400px; color: #222; }
 h1 { font-size: 1.5em; margin-bottom: 0.2em; }
 .note { color: #555; }
@@ -439,7 +439,7 @@ td, th { padding: 2px 12px 2px 0; text-align: left; font-variant-numeric: tabula
 .figure { margin: 12px 0 28px; }
 """
 
-_DRAW = """
+DRAW = """
 for (const data of document.querySelectorAll('script.kvledger-figure')) {
   const figure = JSON.parse(data.textContent);
   Plotly.newPlot(data.dataset.target, figure.data, figure.layout,
@@ -534,14 +534,14 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
             f'<div class="figure"><div id="plot-{name}"></div>'
             f'<p class="note">{e(notes[name])}</p>'
             f'<script type="application/json" class="kvledger-figure" id="figure-{name}" '
-            f'data-target="plot-{name}">{_script_json(figure.to_json())}</script></div>')  # type: ignore[attr-defined]
+            f'data-target="plot-{name}">{script_json(figure.to_json())}</script></div>')  # type: ignore[attr-defined]
     body = "\n".join(sections)
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <title>kvledger report: {e(os.path.basename(source))}</title>
-<style>{_STYLE}</style>
+<style>{STYLE}</style>
 <script>{get_plotlyjs()}</script>
 </head>
 <body>
@@ -554,8 +554,8 @@ def render_html(series: dict, *, source: str, max_points: int = MAX_POINTS) -> s
 {bucket_note}
 {reset_note}
 {body}
-<script type="application/json" id="kvledger-series">{_script_json(json.dumps(series, separators=(",", ":")))}</script>
-<script>{_DRAW}</script>
+<script type="application/json" id="kvledger-series">{script_json(json.dumps(series, separators=(",", ":")))}</script>
+<script>{DRAW}</script>
 </body>
 </html>
 """

@@ -14,7 +14,7 @@ import html
 import json
 import os
 
-from .report import _DRAW, _STYLE, MARGIN_LEFT, MARGIN_RIGHT, _script_json, check_report_path, write_page
+from .report import DRAW, MARGIN_LEFT, MARGIN_RIGHT, STYLE, check_report_path, script_json, write_page
 
 HEIGHT = 460
 POLICY_COLORS = {"lru": "#1f77b4", "arc": "#ff7f0e"}
@@ -47,13 +47,13 @@ def render_sweep_html(data: dict, *, source: str) -> str:
     sections = "\n".join(
         f'<div class="figure"><div id="plot-{name}"></div><p class="note">{e(notes[name])}</p>'
         f'<script type="application/json" class="kvledger-figure" data-target="plot-{name}">'
-        f'{_script_json(json.dumps(figure))}</script></div>' for name, figure in figures.items())
+        f'{script_json(json.dumps(figure))}</script></div>' for name, figure in figures.items())
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <title>kvledger whatif sweep: {e(os.path.basename(source))}</title>
-<style>{_STYLE}</style>
+<style>{STYLE}</style>
 <script>{get_plotlyjs()}</script>
 </head>
 <body>
@@ -61,15 +61,14 @@ def render_sweep_html(data: dict, *, source: str) -> str:
 <p class="note">{e(source)}: recorded at {recorded['num_tier_slots']} host slots{e(size)}, policy
 {e(recorded['policy'])}, {recorded['hit_tokens']} hit tokens.</p>
 {sections}
-<script type="application/json" id="kvledger-sweep">{_script_json(json.dumps(sweep, separators=(",", ":")))}</script>
-<script>{_DRAW}</script>
+<script type="application/json" id="kvledger-sweep">{script_json(json.dumps(sweep, separators=(",", ":")))}</script>
+<script>{DRAW}</script>
 </body>
 </html>
 """
 
 
-def _axis(sweep: dict) -> dict:
-    return {"title": {"text": "host capacity (slots)"}, "type": "log", "automargin": True}
+CAPACITY_AXIS = {"title": {"text": "host capacity (slots)"}, "type": "log", "automargin": True}
 
 
 def _layout(title: str) -> dict:
@@ -102,7 +101,7 @@ def _hits_figure(sweep: dict) -> dict:
                  "x": [recorded["num_tier_slots"]], "y": [recorded["hit_tokens"]],
                  "marker": {"symbol": "diamond", "size": 13, "color": "#d62728"}})
     layout = _layout("Hit tokens against host capacity")
-    layout["xaxis"] = _axis(sweep)
+    layout["xaxis"] = CAPACITY_AXIS
     layout["yaxis"] = {"title": {"text": "hit tokens"}, "rangemode": "tozero"}
     return {"data": data, "layout": layout}
 
@@ -121,6 +120,6 @@ def _moved_figure(sweep: dict) -> dict:
                          "x": slots, "y": blocks, "text": text, "hovertemplate": "%{text}",
                          "line": {"color": color, "dash": MOVED_DASH.get(kind, "dash")}})
     layout = _layout("Blocks moved against host capacity")
-    layout["xaxis"] = _axis(sweep)
+    layout["xaxis"] = CAPACITY_AXIS
     layout["yaxis"] = {"title": {"text": "blocks"}, "rangemode": "tozero"}
     return {"data": data, "layout": layout}

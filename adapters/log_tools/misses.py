@@ -167,7 +167,7 @@ class MissLedger:
         self._ended_jobs: list[int] = []  # the jobs this event ended (`JobEnded`), folded after its other facts
         self._loads: dict[int, tuple[Admission, tuple[bytes, ...]]] = {}  # load job -> the admission it
         # restores, and that admission's keys (in the group blocks are counted in)
-        self._requeued: dict[int, bool] = {}  # load job -> its failure sent its request back to waiting
+        self._requeued: set[int] = set()  # load jobs whose failure sent their request back to waiting
         self._late: dict[int, list[Run]] = {}  # store job -> runs "stored_too_late" waiting for its end
         # load job -> the first report's seq, every failed key, and the first report's worker and reason
         self._load_failures: dict[int, tuple[int, set[bytes], int, str]] = {}
@@ -275,7 +275,7 @@ class MissLedger:
             self._ended_jobs.append(effect.job_id)
 
     def _requeue(self, seq: int, effect: fx.RequestRequeued, effects: tuple[fx.Effect, ...]) -> None:
-        self._requeued[effect.job_id] = True
+        self._requeued.add(effect.job_id)
 
     def _not_admitted(self, seq: int, effect: fx.KeysNotAdmitted, effects: tuple[fx.Effect, ...]) -> None:
         self._refused.update(dict.fromkeys(effect.keys, seq))
@@ -301,7 +301,8 @@ class MissLedger:
     def _load_ended(self, seq: int, job_id: int) -> None:
         loading = self._loads.pop(job_id, None)
         failure = self._load_failures.pop(job_id, None)
-        requeued = self._requeued.pop(job_id, False)
+        requeued = job_id in self._requeued
+        self._requeued.discard(job_id)
         if loading is None:
             return
         admission, keys = loading

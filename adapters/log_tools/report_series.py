@@ -81,11 +81,7 @@ class SeriesFold:
                 self._lower.append(usage)
             else:
                 self._lower[-1] = usage
-        series = _SERIES
-        for effect in effects:
-            handle = series[type(effect)]
-            if handle is not None:
-                handle(self, effect)
+        fx.dispatch(_SERIES, self, effects)
         if isinstance(event, ev.StepScheduled):
             self._step_tokens(event, state)
         elif isinstance(event, ev.CacheReset) and not _rejected(effects):

@@ -148,7 +148,6 @@ class Redrive:
         self.twins: dict[int, int] = {}  # the log's job -> this engine's
         self.untimed: dict[int, tuple[bool, int]] = {}  # this engine's job with no twin -> (is a load, step)
         self.started: list[fx.Effect] = []  # the jobs the event being fed started
-        self.live: set[int] = set()  # this engine's jobs in flight, from their starts and `JobEnded`
         self._events: list[ev.Event] = []
         self._later: dict[str, list[int]] = {}  # request -> the indices of its allocations (`run`)
         # Where a request's admission may end: its preemption, end or prefix touch (an admission
@@ -208,7 +207,7 @@ class Redrive:
         if isinstance(event, _TRANSFER_REPORTS):
             twin = self.twins.get(event.job_id)
             self.started = []
-            if twin in self.live:
+            if twin is not None and queries.job_view(self.state, twin) is not None:
                 self._complete(twin, event.worker_index, isinstance(event, (ev.LoadCompleted, ev.LoadFailed)))
             self._pair(recorded_effects)  # the spills a store's end starts, twinned with the log's
             self._adopt()
@@ -310,7 +309,7 @@ class Redrive:
         """Jobs started by ending others (a store's spills): they have no twin."""
         for effect in self.started:
             job_id = effect.job_id  # type: ignore[attr-defined]
-            if job_id in self.live:
+            if queries.job_view(self.state, job_id) is not None:
                 self.untimed[job_id] = (isinstance(effect, fx.StartLoad), self.steps)
         self.started = []
 
@@ -406,22 +405,16 @@ class Redrive:
         _moved(self.moved, effects)
         if self.on_effects is not None:
             self.on_effects(effects)
-        follow = _FOLLOW
-        for effect in effects:
-            handle = follow[type(effect)]
-            if handle is not None:
-                handle(self, effect)
+        fx.dispatch(_FOLLOW, self, effects)
 
     def _refused(self, effect: fx.ReportViolation) -> None:
         self.not_applied += 1
 
     def _started(self, effect: fx.StartStore | fx.StartSpill) -> None:
         self.started.append(effect)
-        self.live.add(effect.job_id)
 
     def _load_started(self, effect: fx.StartLoad) -> None:
         self.started.append(effect)
-        self.live.add(effect.job_id)
         if self.shared is not None and effect.promote_tiers:
             promoted = [(key, block) for tiers, keys, blocks in
                         zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
@@ -430,7 +423,6 @@ class Redrive:
             self.shared.read([key for key, _ in promoted])
 
     def _job_over(self, effect: fx.JobEnded) -> None:
-        self.live.discard(effect.job_id)
         self._promoted.pop(effect.job_id, None)
 
     def _loadable(self, effect: fx.KeysLoadable) -> None:

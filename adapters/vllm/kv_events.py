@@ -57,11 +57,7 @@ class TierEvents:
         self._pending: list[KVCacheEvent] = []
 
     def observe(self, effects: Iterable[fx.Effect]) -> None:
-        translate = _TRANSLATE
-        for effect in effects:
-            handle = translate[type(effect)]
-            if handle is not None:
-                handle(self, effect)
+        fx.dispatch(_TRANSLATE, self, effects)
 
     def _loadable(self, effect: fx.KeysLoadable) -> None:
         self._stored(effect.keys, self._media[effect.tier])

@@ -117,11 +117,7 @@ class LedgerScheduler:
         routed = fx.route(effects)
         for phase in fx.WORKER_PHASES:
             self._carried.extend(routed[phase])
-        carry = _CARRY
-        for effect in effects:
-            handle = carry[type(effect)]
-            if handle is not None:
-                handle(self, effect)
+        fx.dispatch(_CARRY, self, effects)
         notifications = routed[fx.Phase.NOTIFICATION]
         if notifications and self.tier_events is not None:
             self.tier_events.observe(notifications)

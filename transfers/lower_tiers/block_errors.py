@@ -11,6 +11,8 @@ import errno
 import os
 from collections.abc import Iterable
 
+from kvledger.events.types import FAILURE_REASONS
+
 
 class BlockFileError(Exception):
     """A stored block (a file, or a store's value) cannot be served. `reason` is one of `REASONS`."""
@@ -39,3 +41,8 @@ def report_reason(reasons: Iterable[str]) -> str:
     was refused)."""
     counted = collections.Counter("rejected" if reason == "cancelled" else reason for reason in reasons)
     return counted.most_common(1)[0][0] if counted else ""
+
+
+# Every word a tier's block failure can carry into a worker's report is one the log knows.
+assert {*BlockFileError.REASONS, "unreachable", "rejected"} <= set(FAILURE_REASONS), \
+    "a tier's failure reason missing from events.types.FAILURE_REASONS"
