@@ -57,15 +57,18 @@ for (_status, _kind) in REQUEST_MOVES:
 
 
 def legal_request(core: Core, request_id: str, kind: str) -> RequestState:
-    """The request, if `kind` may meet it. The fast path (one tuple membership)
-    vouches for known requests only; `request_problem` decides the rest."""
+    """The request, if `kind` may meet it, marked `changed` (its handler may change
+    it). The fast path (one tuple membership) vouches for known requests only;
+    `request_problem` decides the rest."""
     request = core.requests.get(request_id)
     if request is not None and request.status in LEGAL_FROM[kind]:
+        request.changed()
         return request
     request_problem(request, request_id, kind)
     # Past the naming check, only an unknown request meeting request_added is left,
     # and that handler asks only about known requests.
     assert request is not None, f"{kind} for unknown request {request_id!r}"
+    request.changed()
     return request
 
 

@@ -58,18 +58,18 @@ def digest(state: State) -> str:
     put((core.step_index, core.epoch, core.next_job_id, core.next_fresh_slot))
     for column in (core.block_refs, core.block_pins, core.block_generation, core.block_group):
         h.update(array("q", column).tobytes())
-    h.update(b"".join(k or b"\x00" for k in core.block_key))
+    h.update(_joined(core.block_key))
     put(sorted(core.block_writer.items()))
     put(_readers(core))
     if core.lazy_keys:  # empty in eager mode: eager logs keep their digests
         put(sorted(core.lazy_keys.items()))
     used = core.next_fresh_slot
     h.update(bytes(core.slot_state[:used]))
-    h.update(b"".join(k or b"\x00" for k in core.slot_key[:used]))
+    h.update(_joined(core.slot_key[:used]))
     put(sorted(core.slot_of_key.values()))  # the keys are in slot_key; which slots are indexed
     put(sorted(core.slot_loads.items()))
     put(tuple(core.free_slots))  # a stack: its order decides the next slot
-    put(core.policy.canonical())
+    put_text(text_of(core.policy.canonical()))
     for rid in sorted(core.requests):
         put_text(core.requests[rid].canonical_repr())
     for jid in sorted(core.jobs):
@@ -113,25 +113,62 @@ def part_digest(state: State, part: int, parts: int) -> str:
     lo, hi = _bounds(core.config.num_device_blocks, part, parts)
     for column in (core.block_refs, core.block_pins, core.block_generation, core.block_group):
         h.update(array("q", column[lo:hi]).tobytes())
-    h.update(b"".join(k or b"\x00" for k in core.block_key[lo:hi]))
+    h.update(_joined(core.block_key[lo:hi]))
     if core.lazy_keys:
         put(list(map(core.lazy_keys.get, range(lo, hi))))
     lo, hi = _bounds(core.next_fresh_slot, part, parts)  # slots past it were never used: free, no key
     keys = core.slot_key[lo:hi]
     h.update(bytes(core.slot_state[lo:hi]))
-    h.update(b"".join(k or b"\x00" for k in keys))
+    h.update(_joined(keys))
     # Which of these slots the index points at (with the index's size above).
     # An unused slot's key is None, which the index simply lacks.
     index_of = cast("Callable[[bytes | None], int | None]", core.slot_of_key.get)
     h.update(bytes(map(eq, map(index_of, keys), range(lo, hi))))
     lo, hi = _bounds(len(core.free_slots), part, parts)
     h.update(array("q", core.free_slots[lo:hi]).tobytes())
-    put(core.policy.canonical_part(part, parts))
+    put_text(text_of(core.policy.canonical_part(part, parts)))
     rids = sorted(core.requests)
     lo, hi = _bounds(len(rids), part, parts)
     for rid in islice(rids, lo, hi):
         put_text(core.requests[rid].canonical_repr())
     return join_digest(part, parts, h.digest())
+
+
+def _joined(keys: list[bytes | None]) -> bytes:
+    """The keys end to end, an unused entry (None) as one zero byte: in one C-level
+    join where none is unused, as in a full tier."""
+    if None in keys or b"" in keys:
+        return b"".join(k or b"\x00" for k in keys)
+    return b"".join(cast("list[bytes]", keys))
+
+
+KEY_TEXTS_MAX = 1 << 18
+"""Keys whose repr `text_of` keeps (about 50 MB at most): the policy's order is most
+of a digest's cost, and from one digest to the next most of its keys are the same."""
+
+_key_texts: dict[bytes, str] = {}
+
+
+def text_of(value: object) -> str:
+    """`repr(value)` for the policy's canonical tuples (tuples, strs, ints, bytes),
+    with each key's repr made once: a memo, so the text is repr's whatever it holds
+    (tests/engine/test_digest.py checks the two agree)."""
+    if type(value) is bytes:
+        return _key_text(value)
+    if type(value) is tuple:
+        if len(value) == 1:
+            return "(" + text_of(value[0]) + ",)"
+        return "(" + ", ".join([text_of(item) for item in value]) + ")"
+    return repr(value)
+
+
+def _key_text(key: bytes) -> str:
+    text = _key_texts.get(key)
+    if text is None:
+        if len(_key_texts) >= KEY_TEXTS_MAX:
+            _key_texts.clear()
+        text = _key_texts[key] = repr(key)
+    return text
 
 
 def _readers(core: Core) -> list[tuple[int, list[int]]]:

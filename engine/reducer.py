@@ -471,6 +471,7 @@ def _step_scheduled(core: Core, event: ev.StepScheduled, out: list[fx.Effect]) -
     scheduled, crossed = search
     core.step_index = event.step_index
     for request, done in zip(scheduled, event.num_computed_tokens):
+        request.changed()
         request.num_computed_tokens = done
     if crossed:
         admission.plan_stores(core, crossed, out)
@@ -615,6 +616,7 @@ def _load_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
     request = core.requests.get(job.request_id)
     if request is None or request.load_job_id != job.job_id:
         return
+    request.changed()
     request.load_job_id = -1
     # vLLM 0.32 cannot take block-level errors with several groups: the request
     # is reported failed, its blocks are freed and it is admitted again from
@@ -648,6 +650,7 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None
     for job in core.jobs.values():
         job.stale = True  # its stage stays (`reset` rows)
     for request in core.requests.values():
+        request.changed()
         _restart_stores(request)
         if event.rekeyed:
             request.hashes.clear()

@@ -138,6 +138,7 @@ def _restore_request(row: Sequence[Any], groups: int) -> RequestState:
     r.num_tokens = num_tokens
     r.hashes = list(hashes)
     r.hashes_repr = ""
+    r.canonical_text = ""
     r.keys = [list(k) for k in keys]
     r.table = [list(t) for t in table]
     r.num_computed_tokens = num_computed_tokens

@@ -95,6 +95,7 @@ _REQUEST_FIELDS = (
     "request_id", "status", "num_prompt_tokens", "num_tokens", "hashes", "keys",
     "table", "num_computed_tokens", "next_store", "next_store_tokens", "load_job_id",
     "num_preemptions", "capacity_tokens", "step_limit", "free_floor", "next_free_tokens", "hashes_repr",
+    "canonical_text",
 )
 
 _ALWAYS: Final = -(1 << 62)  # a lag no token count falls below: scan in every step
@@ -136,6 +137,7 @@ class RequestState:
         # repr(tuple(hashes)) for the digests, kept while the hashes stay as they are: whoever
         # changes `hashes` sets it to "" (the reducer's append, rewind and reset; a snapshot's restore).
         self.hashes_repr = ""
+        self.canonical_text = ""  # canonical_repr() kept until the request changes (`changed`)
         self.keys: list[list[bytes]] = [[] for _ in groups]
         self.table: list[list[int]] = [[] for _ in groups]
         self.num_computed_tokens = 0
@@ -207,20 +209,29 @@ class RequestState:
             tuple(self.next_store), self.next_store_tokens, self.load_job_id, self.num_preemptions,
         )
 
+    def changed(self) -> None:
+        """Drop the kept digest text: the reducer calls it on every request an event
+        may change (the one it names, each one a step schedules, a job's at its end,
+        all at a reset), before changing it."""
+        self.canonical_text = ""
+
     def canonical_repr(self) -> str:
-        """`repr(self.canonical())`, what a digest hashes, with the hashes' part (most of its
-        cost: a request keeps them while it waits) made once until they change. Its fields are
-        `canonical()`'s, spelled out: built from `canonical()` it saved nothing (same-process
-        replays, bench/history 2026-12-06); tests/engine/test_digest.py checks the two agree
-        after every event of seeded runs."""
+        """`repr(self.canonical())`, what a digest hashes, kept until `changed`: a digest
+        hashes every request, and most wait unchanged between two. The hashes' part (most
+        of its cost) is kept until they change. Its fields are `canonical()`'s, spelled out;
+        tests/engine/test_digest.py checks the two agree after every event of seeded runs."""
+        text = self.canonical_text
+        if text:
+            return text
         hashes = self.hashes_repr
         if not hashes:
             hashes = self.hashes_repr = repr(tuple(self.hashes))
-        return "(" + ", ".join((
+        text = self.canonical_text = "(" + ", ".join((
             repr(self.request_id), repr(self.status.value), repr(self.num_prompt_tokens), repr(self.num_tokens),
             hashes, repr(tuple(tuple(t) for t in self.table)), repr(self.num_computed_tokens),
             repr(tuple(self.next_store)), repr(self.next_store_tokens), repr(self.load_job_id),
             repr(self.num_preemptions))) + ")"
+        return text
 
 
 _JOB_FIELDS = (

@@ -84,9 +84,17 @@ from kvledger.events.log_records import (
     is_digest,
     join_digest,
     newer_words,
+    read_event_record,
     split_digest,
 )
-from kvledger.events.schema import SCHEMAS, InvalidValue, KindSchema, Strings, json_form_decoder
+from kvledger.events.schema import (
+    SCHEMAS,
+    InvalidValue,
+    KindSchema,
+    Strings,
+    int_binary_decode,
+    json_form_decoder,
+)
 from kvledger.events.types import Event
 
 FORMAT_VERSION = 3
@@ -293,6 +301,42 @@ def encode_binary(header: LogHeader, records: Iterable[Record], *, snapshots: Ma
 
 
 def _current_row_reader(schema: KindSchema) -> RowReader:
+    """A row of this build's layout, read by code generated from the schema: the
+    fields in locals, ints checked inline, the event built in one call. A loop
+    over the fields into a dict of keywords took twice as long, and a reader
+    builds one event per row. Its errors are `_checked_row_reader`'s, which
+    stays the reference (tests/events/test_log_binary.py reads bad rows with both)."""
+    kind = schema.kind
+    scope: dict[str, object] = {"cls": schema.cls, "KIND": kind, "CodecError": CodecError,
+                                "InvalidValue": InvalidValue, "int_error": int_binary_decode}
+    size = len(schema.fields) + 2
+    lines = ["def read(row, strings):",
+             f"    if len(row) != {size}:",
+             f"        raise CodecError(f'row has {{len(row) - 2}} fields, the layout {size - 2}', kind=KIND)",
+             "    field = ''",
+             "    try:"]
+    names = []
+    for index, field in enumerate(schema.fields, start=2):
+        lines.append(f"        field = {field.name!r}")
+        if field.tag == "int":
+            lines.append(f"        v{index} = row[{index}]")
+            lines.append(f"        if type(v{index}) is not int:")
+            lines.append(f"            int_error(v{index}, strings)")
+        else:
+            scope[f"decode_{index}"] = field.binary_decode
+            lines.append(f"        v{index} = decode_{index}(row[{index}], strings)")
+        names.append(f"{field.name}=v{index}")
+    lines += ["    except InvalidValue as exc:",
+              "        raise CodecError(str(exc), kind=KIND, field=field) from None",
+              "    try:",
+              f"        return cls({', '.join(names)})",
+              "    except (TypeError, ValueError) as exc:",
+              "        raise CodecError(str(exc), kind=KIND) from None"]
+    exec(compile("\n".join(lines) + "\n", f"<row reader for {kind}>", "exec"), scope)  # noqa: S102 (generated from the schema alone)
+    return cast("RowReader", scope["read"])
+
+
+def _checked_row_reader(schema: KindSchema) -> RowReader:
     kind, cls = schema.kind, schema.cls
     pairs = tuple((f.name, f.binary_decode) for f in schema.fields)
     size = len(pairs) + 2
@@ -534,6 +578,7 @@ def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings
     if problem:
         raise LogError(problem, seq=seq)
     strings.begin_frame()
+    next_seq = cursor.next_seq  # counted here; the cursor holds the seq due next at each yield
     for row in rows:
         if type(row) is not tuple or not row or type(row[0]) is not int:
             raise LogError(f"corrupt: bad row {row!r}", seq=seq)
@@ -542,7 +587,7 @@ def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings
             digest = _digest_of_row(row)
             if digest is None:
                 raise LogError(f"corrupt: bad digest row {row!r}", seq=seq)
-            yield DigestRecord(seq=cursor.next_seq, step_index=step_index, digest=digest)
+            yield DigestRecord(seq=next_seq, step_index=step_index, digest=digest)
             continue
         entry = readers.get(code)
         if entry is None:
@@ -551,11 +596,14 @@ def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings
         try:
             if len(row) < 2 or row[1] != version:
                 raise CodecError(f"row version {row[1:2]} differs from the header's v{version}")
-            record = EventRecord(seq=cursor.next_seq, step_index=step_index, event=reader(row, strings))
+            event = reader(row, strings)
+            if event.kind == "step_scheduled" and event.step_index != step_index:
+                EventRecord(seq=next_seq, step_index=step_index, event=event)  # raises, naming both steps
         except ValueError as exc:  # CodecError, or an event of another step
-            raise LogError(f"record seq {cursor.next_seq}: {exc}", seq=seq) from None
-        yield record
-        cursor.next_seq += 1
+            raise LogError(f"record seq {next_seq}: {exc}", seq=seq) from None
+        next_seq += 1
+        cursor.next_seq = next_seq
+        yield read_event_record(next_seq - 1, step_index, event)
 
 
 def _snapshot_record(payload: bytes, cursor: Cursor, *, decode: bool) -> SnapshotRecord | None:

@@ -123,6 +123,21 @@ class EventRecord:
     event: Event
 
 
+_new = object.__new__
+_set = object.__setattr__
+
+
+def read_event_record(seq: int, step_index: int, event: Event) -> EventRecord:
+    """An EventRecord built past its validator, for a reader that checks a
+    step_scheduled event's step itself: a third of the cost, and a log reader
+    builds one per event."""
+    record = _new(EventRecord)
+    _set(record, "seq", seq)
+    _set(record, "step_index", step_index)
+    _set(record, "event", event)
+    return record
+
+
 @attrs.frozen(kw_only=True)
 class DigestRecord:
     """The state digest (hex) after the first `seq` events, at the end of a step."""

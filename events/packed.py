@@ -43,14 +43,28 @@ def pack_ints(values: tuple[int, ...]) -> bytes | None:
     return None
 
 
+_UNPACKERS: dict[tuple[int, int], struct.Struct] = {}
+
+
 def unpack_ints(data: bytes) -> tuple[int, ...]:
+    try:
+        unpacker = _UNPACKERS[data[0], len(data)]  # a log holds few (width, count) shapes
+    except (KeyError, IndexError):
+        unpacker = _unpacker(data)
+    return unpacker.unpack_from(data, 1)
+
+
+def _unpacker(data: bytes) -> struct.Struct:
     size = _INT_SIZES.get(data[0]) if data else None
     if size is None:
         raise ValueError(f"packed ints: bad format {data[:1]!r}")
     count, extra = divmod(len(data) - 1, size)
     if extra:
         raise ValueError(f"packed ints: {len(data) - 1} bytes is not a whole number of {size}-byte items")
-    return struct.unpack_from(f"<{count}{chr(data[0])}", data, 1)
+    unpacker = struct.Struct(f"<{count}{chr(data[0])}")
+    if len(_UNPACKERS) < 4096:  # bounded: a corrupt log could name any shape
+        _UNPACKERS[data[0], len(data)] = unpacker
+    return unpacker
 
 
 def pack_bytes(values: tuple[bytes, ...]) -> bytes | None:

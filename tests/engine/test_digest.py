@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvledger.adapters.engine_host import EngineHost
 from kvledger.adapters.log_files import open_log
@@ -115,6 +117,7 @@ def test_free_stack_policy_and_requests_change_their_own_parts() -> None:
     rids = sorted(core.requests)
     for index, rid in enumerate(rids):
         def recompute(c, rid=rid):
+            c.requests[rid].changed()  # as the reducer does before it changes a request
             c.requests[rid].num_computed_tokens += 1
 
         assert changed_parts(state, recompute) == {owner(len(rids), index)}
@@ -238,3 +241,16 @@ def test_a_requests_digest_text_is_its_canonical_repr_after_every_event(scenario
     run_random(sim, random.Random(seed), steps=80, arrivals=0.9, max_tokens=20, fail_rate=0.1, reset_rate=0.05)
     assert checked > 1000
     assert digest(restore(config, capture(sim.state))) == digest(sim.state) == digest(sim.state.clone())
+
+
+_TEXT_LEAVES = st.one_of(st.binary(max_size=24), st.integers(), st.text(max_size=4), st.none(), st.booleans())
+
+
+@given(st.recursive(_TEXT_LEAVES, lambda inner: st.lists(inner, max_size=5).map(tuple), max_leaves=40))
+def test_the_policys_text_is_its_repr(value: object) -> None:
+    """A digest hashes the policy's order through `text_of`, which keeps each key's repr:
+    the text must be `repr`'s, whatever the value and whatever was kept before."""
+    from kvledger.engine.digest import text_of
+
+    assert text_of(value) == repr(value)
+    assert text_of(value) == repr(value)  # again, from what it kept
