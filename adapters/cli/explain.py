@@ -9,41 +9,56 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 
-from kvledger.adapters.log_tools.misses import CAUSES, HOST, Admission, MissLedger, Run, totals
+from kvledger.adapters.log_tools.misses import CAUSES, HOST, Admission, MissLedger, Run, Tally
 from kvledger.engine.replay import replay
 
 from .log_commands import EXIT_OK, EXIT_PROBLEM, BadArgument, _load, _report_tear
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    """One pass over the log, in the memory of its facts about keys: each admission is
+    tallied once it can no longer change and then dropped (but `--request`'s)."""
     header, records = _load(args.log)
-    ledger = MissLedger(header.config)
+    tally = Tally()
+    windows = _Windows(args.window, args.window_seconds) if args.window or args.window_seconds else None
+
+    def admitted(admission: Admission) -> None:
+        tally.add(admission)
+        if windows is not None:
+            windows.add(admission, ledger.first_timed_us)
+
+    if args.request is None:
+        ledger = MissLedger(header.config, on_admission=admitted)
+    else:
+        ledger = MissLedger(header.config, keep=args.request.__eq__)
     result = replay(header.config, records, until_seq=args.until, observe=ledger.replayed)
+    ledger.flush()
     admissions = ledger.admissions
     if args.request is not None:
-        admissions = [a for a in admissions if a.request_id == args.request]
         if not admissions:
             raise BadArgument(f"{args.log} admits no request {args.request!r} (`kvledger requests {args.log}` "
                               "lists them; a request never allocated has nothing to explain)")
+        for admission in admissions:
+            admitted(admission)
     data = {"log": args.log, "events": result.events, "last_seq": result.last_seq,
             "policy": header.config.policy.value, "block_size": ledger.block_size,
             "tiers": ["host"] + [t.name for t in header.config.lower_tiers],
-            **totals(admissions)}
+            **tally.as_dict()}
     if result.first_problem is not None:
         problem = result.first_problem
         data["problem"] = {"seq": problem.seq, "kind": problem.kind, "detail": problem.detail}
-    if args.window:
-        data["windows"] = _windows(admissions, args.window)
-    if args.window_seconds:
-        data["windows"] = _time_windows(admissions, args.window_seconds, args.log)
+    if windows is not None:
+        if args.window_seconds and windows.seen and not ledger.first_timed_us:
+            raise BadArgument(f"{args.log} records no step times (written before kvledger recorded them): "
+                              "use --window")
+        data["windows"] = windows.rows()
     if args.request is not None:
         data["requests"] = [a.as_dict() for a in admissions]
     if args.json:
         print(json.dumps(data, indent=2))
     else:
-        _print(data, admissions if args.request is not None else [])
+        _print(data, admissions)
     if records.tear is not None:
         return _report_tear(records)
     if result.first_problem is not None:
@@ -54,34 +69,39 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _windows(admissions: list[Admission], width: int) -> list[dict]:
-    # (one admitted before the first step counts in the first window)
-    return _window_rows(admissions, lambda a: max(a.step, 0) // width, "steps", width, width - 1)
+class _Windows:
+    """Each window's restored and computed tokens, and the computed by cause, tallied an
+    admission at a time: by step (`--window`), or by the steps' wall time from the first
+    timed admission's (`--window-seconds`; an admission before any timed step counts in
+    the first window, as one admitted before the first step does by steps)."""
 
+    def __init__(self, steps: int, seconds: int) -> None:
+        self.unit = "steps" if steps else "seconds"
+        self.width = steps or seconds
+        self.last = steps - 1 if steps else seconds
+        self.tallies: dict[int, Tally] = {}
+        self.seen = False
 
-def _time_windows(admissions: list[Admission], seconds: int, log: str) -> list[dict]:
-    """As `_windows`, by the wall time of the steps (which logs record from version 2 of the step event on)."""
-    timed = [a.wall_time_us for a in admissions if a.wall_time_us]
-    if admissions and not timed:
-        raise BadArgument(f"{log} records no step times (written before kvledger recorded them): use --window")
-    start = min(timed, default=0)
-    width = seconds * 1_000_000
-    return _window_rows(admissions, lambda a: max(a.wall_time_us - start, 0) // width, "seconds", seconds, seconds)
+    def add(self, admission: Admission, first_timed_us: int) -> None:
+        self.seen = True
+        if self.unit == "steps":
+            index = max(admission.step, 0) // self.width
+        else:
+            index = max(admission.wall_time_us - first_timed_us, 0) // (self.width * 1_000_000)
+        tally = self.tallies.get(index)
+        if tally is None:
+            tally = self.tallies[index] = Tally()
+        tally.add(admission)
 
-
-def _window_rows(admissions: list[Admission], window: Callable[[Admission], int], unit: str, width: int,
-                 last: int) -> list[dict]:
-    """Each window's restored and computed tokens, and the computed by cause; `[first, first + last]` its span."""
-    by_window: dict[int, list[Admission]] = {}
-    for admission in admissions:
-        by_window.setdefault(window(admission), []).append(admission)
-    rows = []
-    for index in sorted(by_window):
-        part = totals(by_window[index])
-        rows.append({unit: [index * width, index * width + last], "restored_tokens": part["restored_tokens"],
-                     "missed_tokens": part["missed_tokens"],
-                     "missed_by_cause": {cause: entry["tokens"] for cause, entry in part["missed_by_cause"].items()}})
-    return rows
+    def rows(self) -> list[dict]:
+        rows = []
+        for index in sorted(self.tallies):
+            part = self.tallies[index].as_dict()
+            rows.append({self.unit: [index * self.width, index * self.width + self.last],
+                         "restored_tokens": part["restored_tokens"], "missed_tokens": part["missed_tokens"],
+                         "missed_by_cause": {cause: entry["tokens"]
+                                             for cause, entry in part["missed_by_cause"].items()}})
+        return rows
 
 
 def _tier_name(tier: int, tiers: list[str]) -> str:

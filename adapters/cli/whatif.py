@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 
+from kvledger.adapters.log_files import open_log
 from kvledger.adapters.log_tools import fleet, whatif
 from kvledger.events.config import RULES, ConfigError, EngineConfig, LowerTierSpec, PolicyName
-from kvledger.events.log_records import LogHeader
+from kvledger.events.log_records import LogHeader, Record
 
 from .log_commands import EXIT_OK, BadArgument, _load
 from .report import ReportError, check_report_path
@@ -27,22 +28,22 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     if len(args.logs) > 1:
         raise BadArgument("several logs are the replicas of a fleet: give the tier they would share (--shared-tier)")
     args.log = args.logs[0]
-    header, cached = _read(args.log)
-    config = header.config
+    log = _Log(args.log)
+    config = log.header.config
     other = _other_config(args, config)
-    outcome = whatif.recorded(config, cached)
-    same = whatif.predict(config, config, cached)
-    data = {"log": args.log, "events": len(cached), "slot_bytes": config.slot_bytes,
+    outcome = whatif.recorded(config, log)
+    same = whatif.predict(config, config, log)
+    data = {"log": args.log, "events": log.records, "slot_bytes": config.slot_bytes,
             "recorded": outcome.as_dict(), "predicted_as_recorded": same.as_dict(),
             "self_check": _error(same.stats["hit_tokens"], outcome.stats["hit_tokens"])}
     if other != config:
-        data["predicted"] = whatif.predict(config, other, cached).as_dict()
+        data["predicted"] = whatif.predict(config, other, log).as_dict()
     if args.report and not args.sweep:
         raise BadArgument("--report draws the sweep: give --sweep too")
     if args.report:
         _page(check_report_path, args.report, source=args.log, force=args.force)  # before the sweep's work
     if args.sweep:
-        data["sweep"] = _sweep(config, other, cached)
+        data["sweep"] = _sweep(config, other, log)
         data["sweep"]["recorded"]["hit_tokens"] = outcome.stats["hit_tokens"]
     if args.report:
         _page(write_sweep_report, args.report, data, source=args.log, force=args.force)
@@ -66,7 +67,7 @@ def _fleet(args: argparse.Namespace) -> int:
     for flag in ("capacity_bytes", "capacity_blocks", "policy", "secondary_tiers", "sweep", "report"):
         if getattr(args, flag):
             raise BadArgument(f"--{flag.replace('_', '-')} does not go with --shared-tier")
-    replicas = [fleet.Replica(path, *_read(path)) for path in args.logs]
+    replicas = [fleet.Replica(path, *_read_whole(path)) for path in args.logs]
     missing = fleet.untimed(replicas)
     if missing:
         raise BadArgument(f"{', '.join(missing)} record(s) no step times (written before kvledger recorded them): "
@@ -118,9 +119,34 @@ def _fleet(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _read(path: str) -> tuple[LogHeader, list]:
-    """The log's header and records, read once (each run of it goes over them again); a torn
-    log is refused: a prediction from part of one would read as the whole."""
+class _Log:
+    """A log read from its file again for each pass over it (the recorded run, each
+    prediction), so a pass holds no more of it than a re-drive reads ahead; a torn log is
+    refused (a prediction from part of one would read as the whole). `records`: how many
+    the last whole pass read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        header, records = open_log(path)
+        next(records, None)  # the generator started holds the file, and closes it on `close`
+        records.close()  # type: ignore[attr-defined]
+        self.header = header
+        self.records = 0
+
+    def __iter__(self) -> Iterator[Record]:
+        _header, records = _load(self.path)
+        count = 0
+        for record in records:
+            count += 1
+            yield record
+        if records.tear is not None:
+            raise records.tear
+        self.records = count
+
+
+def _read_whole(path: str) -> tuple[LogHeader, list]:
+    """The log's header and records, read once: a fleet's replicas are interleaved by their
+    steps' times, so each is held whole. A torn log is refused, as `_Log` refuses it."""
     header, records = _load(path)
     cached = list(records)
     if records.tear is not None:
@@ -198,17 +224,17 @@ def _tiers(text: str, config: EngineConfig, flag: str = "--secondary-tiers") -> 
     return tuple(specs)
 
 
-def _sweep(recorded: EngineConfig, config: EngineConfig, cached: list) -> dict:
+def _sweep(recorded: EngineConfig, config: EngineConfig, log: _Log) -> dict:
     """Hit tokens against host capacity: the engine driven again at each point, under the
     asked policy and (`by_policy`) under LRU and ARC each, with the blocks each moved; and
     (LRU) the one-pass estimate from stack distances at the same points."""
-    bound = whatif.distinct_keys_bound(recorded, cached)
+    bound = whatif.distinct_keys_bound(recorded, log)
     points = sorted({max(1, min(bound, int(config.num_tier_slots * f))) for f in SWEEP_FACTORS} | {bound})
     rows = []
     for slots in points:
         by_policy = {}
         for policy in PolicyName:
-            outcome = whatif.predict(recorded, attrs.evolve(config, num_tier_slots=slots, policy=policy), cached)
+            outcome = whatif.predict(recorded, attrs.evolve(config, num_tier_slots=slots, policy=policy), log)
             by_policy[policy.value] = {"hit_tokens": outcome.stats["hit_tokens"], "blocks_moved": outcome.moved}
         rows.append({"num_tier_slots": slots, "hit_tokens": by_policy[config.policy.value]["hit_tokens"],
                      "capacity_bytes": slots * recorded.slot_bytes if recorded.slot_bytes else None,
@@ -217,7 +243,7 @@ def _sweep(recorded: EngineConfig, config: EngineConfig, cached: list) -> dict:
                     "recorded": {"num_tier_slots": recorded.num_tier_slots, "policy": recorded.policy.value,
                                  "slot_bytes": recorded.slot_bytes}}
     if config.policy.value == "lru" and not config.lower_tiers:
-        admissions = whatif.lru_curve(recorded, cached, bound)
+        admissions = whatif.lru_curve(recorded, log, bound)
         for row, estimate in zip(rows, whatif.hits_at(admissions, points)):
             row["lru_one_pass"] = estimate
     return result

@@ -127,17 +127,20 @@ class MissLedger:
     """The fold. Feed it `observe(seq, event, effects)` for each event, then
     read `admissions`.
 
-    Live (`on_admission` given), no admission is kept: each goes to
+    Streamed (`on_admission` given), no admission is kept: each goes to
     `on_admission` once it can no longer change (at once, or when its load
-    ends), and `bound` (called after each batch) keeps at most about
-    `max_keys` entries of each fact, the oldest forgotten first; a key
-    forgotten and named again counts as first seen if nothing newer is known
-    about it.
+    ends; `flush` sends those whose load the log never ends). Live, `bound`
+    (called after each batch) keeps at most about `max_keys` entries of each
+    fact, the oldest forgotten first; a key forgotten and named again counts
+    as first seen if nothing newer is known about it. `keep`, where given,
+    says which requests' admissions `admissions` keeps (`explain --request`).
     """
 
     def __init__(self, config: EngineConfig, *, on_admission: Callable[[Admission], None] | None = None,
-                 max_keys: int = 0) -> None:
+                 max_keys: int = 0, keep: Callable[[str], bool] | None = None) -> None:
         self.config = config
+        self.keep = keep
+        self.first_timed_us = 0  # the wall time of the first admission after a timed step (0: none yet)
         self.on_admission = on_admission
         self.max_keys = max_keys
         self.groups = config.groups
@@ -201,6 +204,14 @@ class MissLedger:
         for table in (self.keys, self._gone, self._storing, self._store_failed, self._refused, self._ended,
                       self._unanswered):
             _bound(table, most)
+
+    def flush(self) -> None:
+        """Streamed: send the admissions whose load has not ended (the log ends first), as a
+        replay's `admissions` holds them."""
+        if self.on_admission is not None:
+            for admission, _keys in sorted(self._loads.values(), key=lambda loading: loading[0].seq):
+                self.on_admission(admission)
+        self._loads.clear()
 
     def replayed(self, seq: int, event: ev.Event, state: object, effects: tuple[fx.Effect, ...]) -> None:
         """`observe` as a replay's `observe` calls it (the state is not read)."""
@@ -386,7 +397,11 @@ class MissLedger:
         if n > start:
             runs.append(Run(start // size, (n - 1) // size, start, n, "missed", cause="partial_block"))
         self.cut.pop(rid, None)
+        if self._wall_us and not self.first_timed_us:
+            self.first_timed_us = self._wall_us
         if self.on_admission is None:
+            if self.keep is not None and not self.keep(rid):
+                return
             self.admissions.append(admission)  # in order of admission; a load's end only amends it
             for run in runs:
                 if run.cause == "stored_too_late":
@@ -514,44 +529,75 @@ def _room(effects: tuple[fx.Effect, ...]) -> tuple[int, str]:
     return -1, ""
 
 
-def totals(admissions: Iterable[Admission]) -> dict:
-    """Tokens by outcome and missed tokens by cause, over admissions that count."""
-    counted = [a for a in admissions if a.superseded_at < 0]
-    by_cause: dict[str, dict[str, int]] = {}
-    for admission in counted:
+class Tally:
+    """Tokens by outcome and missed tokens by cause, added an admission at a time:
+    `explain` folds a log of any length in the memory of one admission."""
+
+    def __init__(self) -> None:
+        self.admissions = 0
+        self.superseded = 0
+        self.superseded_restored = 0
+        self.prompt_tokens = 0
+        self.device_tokens = 0
+        self.restored_tokens = 0
+        self.missed_tokens = 0
+        self.restored_by_tier: dict[str, int] = {}
+        self.by_cause: dict[str, dict[str, int]] = {}
+
+    def add(self, admission: Admission) -> None:
+        if admission.superseded_at >= 0:  # a failed load sent its request back: the next admission counts
+            self.superseded += 1
+            self.superseded_restored += admission.tokens("restored")
+            return
+        self.admissions += 1
+        self.prompt_tokens += admission.num_tokens
         seen: set[str] = set()
         for run in admission.runs:
-            if run.outcome != "missed":
-                continue
-            entry = by_cause.setdefault(run.cause, {"tokens": 0, "blocks": 0, "admissions": 0})
-            entry["tokens"] += run.tokens
-            entry["blocks"] += run.last_block - run.first_block + 1
-            if run.cause not in seen:
-                seen.add(run.cause)
-                entry["admissions"] += 1
-    restored: dict[str, int] = {}
-    for admission in counted:
-        for run in admission.runs:
-            if run.outcome == "restored":
+            tokens = run.tokens
+            if run.outcome == "device":
+                self.device_tokens += tokens
+            elif run.outcome == "restored":
+                self.restored_tokens += tokens
                 name = "host" if run.tier == HOST else f"tier {run.tier}"
-                restored[name] = restored.get(name, 0) + run.tokens
-    superseded = [a for a in admissions if a.superseded_at >= 0]
-    missed_load = sum(by_cause.get(cause, {}).get("tokens", 0) for cause in ("load_failed", "promotion_failed"))
-    return {
-        "admissions": len(counted),
-        # Admissions whose load failed and sent the request back to waiting: its next one counts
-        # instead; what they restored was recomputed there.
-        "superseded": {"admissions": len(superseded), "restored_tokens": sum(a.tokens("restored") for a in superseded)},
-        "prompt_tokens": sum(a.num_tokens for a in counted),
-        "device_tokens": sum(a.tokens("device") for a in counted),
-        "restored_tokens": sum(a.tokens("restored") for a in counted),
-        "restored_by_tier": dict(sorted(restored.items())),
-        "missed_tokens": sum(a.tokens("missed") for a in counted),
-        "missed_by_cause": dict(sorted(by_cause.items(), key=lambda item: -item[1]["tokens"])),
-        # What the engine counts as hit tokens (at each load's start): these restores, those
-        # whose load then failed, and the superseded admissions'.
-        "hit_tokens": sum(a.tokens("restored") for a in admissions) + missed_load,
-    }
+                self.restored_by_tier[name] = self.restored_by_tier.get(name, 0) + tokens
+            else:
+                self.missed_tokens += tokens
+                entry = self.by_cause.get(run.cause)
+                if entry is None:
+                    entry = self.by_cause[run.cause] = {"tokens": 0, "blocks": 0, "admissions": 0}
+                entry["tokens"] += tokens
+                entry["blocks"] += run.last_block - run.first_block + 1
+                if run.cause not in seen:
+                    seen.add(run.cause)
+                    entry["admissions"] += 1
+
+    def as_dict(self) -> dict:
+        by_cause = self.by_cause
+        missed_load = sum(by_cause.get(cause, {}).get("tokens", 0) for cause in ("load_failed", "promotion_failed"))
+        return {
+            "admissions": self.admissions,
+            # Admissions whose load failed and sent the request back to waiting: its next one counts
+            # instead; what they restored was recomputed there.
+            "superseded": {"admissions": self.superseded, "restored_tokens": self.superseded_restored},
+            "prompt_tokens": self.prompt_tokens,
+            "device_tokens": self.device_tokens,
+            "restored_tokens": self.restored_tokens,
+            "restored_by_tier": dict(sorted(self.restored_by_tier.items())),
+            "missed_tokens": self.missed_tokens,
+            "missed_by_cause": {cause: dict(entry) for cause, entry in
+                                sorted(by_cause.items(), key=lambda item: (-item[1]["tokens"], item[0]))},
+            # What the engine counts as hit tokens (at each load's start): these restores, those
+            # whose load then failed, and the superseded admissions'.
+            "hit_tokens": self.restored_tokens + self.superseded_restored + missed_load,
+        }
+
+
+def totals(admissions: Iterable[Admission]) -> dict:
+    """Tokens by outcome and missed tokens by cause, over admissions that count."""
+    tally = Tally()
+    for admission in admissions:
+        tally.add(admission)
+    return tally.as_dict()
 
 
 # What each effect kind tells the ledger about a key's history. Ignored: a spill (the key stays

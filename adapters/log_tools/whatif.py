@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from itertools import islice
 
 import attrs
 
@@ -45,7 +46,13 @@ from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, GroupKind, Protection
 from kvledger.events.types import NULL_BLOCK_ID
 
-from .misses import MissLedger, totals
+from .misses import MissLedger, Tally
+
+READ_AHEAD = 1 << 18
+"""Events a re-drive reads ahead of the one it feeds (it holds at most twice as many): a
+longer hit takes its request's later allocations from them, so a prediction is the one
+with the whole log in memory wherever a request's allocations lie within this many
+events (tests/adapters/test_whatif.py runs both), in memory bounded by it."""
 
 _ADMITTING = queries.ADMITTABLE
 _TRANSFER_REPORTS = (ev.StoreCompleted, ev.StoreFailed, ev.LoadCompleted, ev.LoadFailed)
@@ -113,16 +120,17 @@ _MOVES = fx.dispatch_table("whatif's blocks moved", {
 
 def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
     """The log as it happened."""
-    ledger = MissLedger(config)
     moved: dict[str, int] = {}
 
     def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
         ledger.observe(seq, event, effects)
         _moved(moved, effects)
 
+    tally = Tally()
+    ledger = MissLedger(config, on_admission=tally.add)
     result = replay(config, records, observe=observe)
-    return Outcome(config, queries.stats(result.state), totals(ledger.admissions), moved,
-                   not_applied=len(result.violations))
+    ledger.flush()
+    return Outcome(config, queries.stats(result.state), tally.as_dict(), moved, not_applied=len(result.violations))
 
 
 class Redrive:
@@ -140,7 +148,8 @@ class Redrive:
         # back to waiting first.
         self.recorded = initial_state(recorded)
         self.state = initial_state(config)
-        self.ledger = MissLedger(config)
+        self.tally = Tally()
+        self.ledger = MissLedger(config, on_admission=self.tally.add)
         self.moved: dict[str, int] = {}
         self.not_applied = 0
         self.seq = 0
@@ -148,7 +157,8 @@ class Redrive:
         self.twins: dict[int, int] = {}  # the log's job -> this engine's
         self.untimed: dict[int, tuple[bool, int]] = {}  # this engine's job with no twin -> (is a load, step)
         self.started: list[fx.Effect] = []  # the jobs the event being fed started
-        self._events: list[ev.Event] = []
+        self._events: list[ev.Event] = []  # the events read ahead: `_events[0]` is event `_base` of the log
+        self._base = 0
         self._later: dict[str, list[int]] = {}  # request -> the indices of its allocations (`run`)
         # Where a request's admission may end: its preemption, end or prefix touch (an admission
         # again), and any failed load (its request may be admitted again).
@@ -162,20 +172,33 @@ class Redrive:
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
         self.on_effects = on_effects  # (effects) after each event
 
-    def run(self, events: list[ev.Event]) -> None:
-        """Feed every event. With the whole list, a longer hit than the log's can take the blocks
-        its request was allocated in later steps (`_admission`)."""
-        self.prepare(events)
-        for index in range(len(events)):
-            self.feed_at(index)
+    def run(self, events: Iterable[ev.Event], *, ahead: int = READ_AHEAD) -> None:
+        """Feed every event, reading at least `ahead` events ahead of the one fed (and at most
+        twice that many held): a longer hit than the log's can take the blocks its request was
+        allocated in later steps (`_admission`), as far ahead as the events read."""
+        stream = iter(events)
+        held = list(islice(stream, 2 * ahead))
+        self.prepare(held)
+        while True:
+            end = self._base + len(self._events)
+            done = len(self._events) < 2 * ahead  # the stream ended: feed the rest
+            for index in range(self._base, end if done else self._base + ahead):
+                self.feed_at(index)
+            if done:
+                return
+            more = list(islice(stream, ahead))
+            self.prepare(self._events[ahead:] + more, base=self._base + ahead)
 
-    def prepare(self, events: list[ev.Event]) -> None:
-        """The log's events, to be fed in order by `feed_at` (several logs' in turn: `fleet.py`)."""
+    def prepare(self, events: list[ev.Event], *, base: int = 0) -> None:
+        """The log's events from event `base` on, to be fed in order by `feed_at` (several
+        logs' in turn: `fleet.py`; a window of one log's: `run`)."""
         self._later = {}
         self._breaks = {}
         self._load_failures = []
         self._mentions = {}
-        for index, event in enumerate(events):
+        self._pulled = {index for index in self._pulled if index >= base}
+        self._base = base
+        for index, event in enumerate(events, start=base):
             if isinstance(event, ev.BlocksAllocated):
                 self._later.setdefault(event.request_id, []).append(index)
             if isinstance(event, (ev.RequestPreempted, ev.RequestFinished, ev.RequestAborted, ev.BlocksTouched)):
@@ -194,7 +217,7 @@ class Redrive:
 
     def feed_at(self, index: int) -> None:
         self._index = index
-        self.feed(self._events[index])
+        self.feed(self._events[index - self._base])
 
     def feed(self, event: ev.Event) -> None:
         if self._index in self._pulled:  # an allocation an earlier, longer hit took at once
@@ -236,7 +259,9 @@ class Redrive:
             self._end_untimed(loads=False)
 
     def outcome(self) -> Outcome:
-        return Outcome(self.config, queries.stats(self.state), totals(self.ledger.admissions), self.moved,
+        """At the end: what the drive restored, moved and missed."""
+        self.ledger.flush()
+        return Outcome(self.config, queries.stats(self.state), self.tally.as_dict(), self.moved,
                        self.not_applied)
 
     def _pair(self, recorded_effects: tuple[fx.Effect, ...]) -> None:
@@ -329,7 +354,7 @@ class Redrive:
                     or bisect.bisect_left(self._load_failures, index) > bisect.bisect_right(self._load_failures,
                                                                                             self._index)):
                 break
-            later = self._events[index]
+            later = self._events[index - self._base]
             assert isinstance(later, ev.BlocksAllocated)
             blocks = [b for group in later.block_ids for b in group if b]
             present = {b for group in ids for b in group}
@@ -475,12 +500,17 @@ def _table_takes(config: EngineConfig, block_ids: tuple[tuple[int, ...], ...], f
 
 def events_of(records: Iterable[object]) -> list[ev.Event]:
     """A log's events, its digest records left out."""
-    return [event for event in (getattr(record, "event", None) for record in records) if event is not None]
+    return list(events_in(records))
+
+
+def events_in(records: Iterable[object]) -> Iterator[ev.Event]:
+    """A log's events as they are read, its digest records left out."""
+    return (event for event in (getattr(record, "event", None) for record in records) if event is not None)
 
 
 def predict(recorded_config: EngineConfig, config: EngineConfig, records: Iterable[object]) -> Outcome:
     drive = Redrive(recorded_config, config)
-    drive.run(events_of(records))
+    drive.run(events_in(records))
     return drive.outcome()
 
 
@@ -583,7 +613,7 @@ def lru_curve(config: EngineConfig, records: Iterable[object], bound: int) -> li
                     distances.access(key)
 
     drive = Redrive(config, roomy, on_admission=on_admission, on_effects=on_effects)
-    drive.run(events_of(records))
+    drive.run(events_in(records))
     return admissions
 
 

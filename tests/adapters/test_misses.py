@@ -138,6 +138,33 @@ def test_every_cause_is_reached_and_checked():
     assert seen == set(CAUSES) - {"unexplained"} - WHATIF, f"never reached: {set(CAUSES) - seen - {'unexplained'}}"
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])  # 1 and 3 end with a load in flight
+def test_a_streamed_ledger_tallies_what_a_kept_one_holds(seed: int) -> None:
+    """`explain` keeps no admission: each is tallied once it can no longer change, and
+    `flush` sends those whose load the log never ends. The tally equals the totals of
+    the admissions a ledger keeps, with failures, resets and loads cut off by the end."""
+    from kvledger.adapters.log_tools.misses import Tally
+
+    config = SIMULATED_CONFIGS[seed % len(SIMULATED_CONFIGS)]
+    tally = Tally()
+    streamed = MissLedger(config, on_admission=tally.add)
+    kept = MissLedger(config)
+
+    def both(seq, event, state, effects) -> None:
+        kept.replayed(seq, event, state, effects)
+        streamed.replayed(seq, event, state, effects)
+
+    sim = Simulator(config, prefix_caching=seed % 2 == 0, observe=both)
+    run_random(sim, random.Random(seed), steps=90, arrivals=0.8, max_tokens=12, fail_rate=0.1, reset_rate=0.03,
+               lookup_fail_rate=0.05)
+    in_flight = len(streamed._loads)
+    streamed.flush()
+    assert tally.as_dict() == totals(kept.admissions)
+    assert tally.admissions + tally.superseded == len(kept.admissions) > 0
+    assert not streamed.admissions
+    assert in_flight == (seed in (1, 3))
+
+
 # The command, on a simulated log written as vLLM's would be.
 
 @pytest.fixture(scope="module")
