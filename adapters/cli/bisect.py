@@ -64,13 +64,27 @@ class Verdict:
     finding: Finding | None
     event: tuple[str, str | None] | None = None  # (kind, request id) of the event at the finding's seq
     tear: str | None = None  # the last segment of a log cut by a crash: where it is cut
+    # What `replay --jobs` sums over the segments:
+    steps: int = 0
+    by_kind: dict[str, int] = attrs.field(factory=dict)
+    digests_checked: int = 0
+    violations: tuple = ()  # (seq, ReportViolation) of each protocol violation
+    last_seq: int = -1
+    ends_with_full_digest: bool = False
+    state: State | None = attrs.field(default=None, eq=False)  # the end state, kept in the process that asked
 
 
-def _within(records: Iterable[Record], end: int | None) -> Iterator[Record]:
-    """The segment's records: events before seq `end`, digests up to it."""
+def _within(records: Iterable[Record], start: int, end: int | None) -> Iterator[Record]:
+    """The segment's records: events before seq `end`, digests up to it. A digest at seq
+    `start` that follows the opening snapshot (a step with no events) is the segment's
+    before, which reads it on its way to its end: checked once, as a replay from the start
+    checks it."""
     for record in records:
-        if end is not None and record.seq >= end + (type(record) is not EventRecord):
+        seq = record.seq  # type: ignore[union-attr]
+        if end is not None and seq >= end + (type(record) is not EventRecord):
             return
+        if start and seq == start and type(record) is not EventRecord:
+            continue
         yield record
 
 
@@ -93,15 +107,18 @@ def _same_as_snapshot(path: str, mark: SnapshotMark, state: State) -> bool:
     return bool(msgpack.packb(capture(state)) == msgpack.packb(recorded.data))
 
 
-def check_segment(path: str, start: SnapshotMark | None, end: SnapshotMark | None, checked: bool = False) -> Verdict:
-    """Replay one segment (with per-event invariant checks if `checked`) and say whether it holds."""
+def check_segment(path: str, start: SnapshotMark | None, end: SnapshotMark | None, checked: bool = False,
+                  keep_state: bool = False) -> Verdict:
+    """Replay one segment (with per-event invariant checks if `checked`) and say whether it
+    holds, with its counts; with its end state if `keep_state` (in-process: a state does not
+    travel between processes)."""
     start_seq = 0 if start is None else start.seq
     end_seq = None if end is None else end.seq
     header, state, records, finding = _open(path, start)
     if finding is not None:
         return Verdict(start_seq, end_seq, 0, finding)
     prefix = Prefix(records) if end is None else None  # a crash cuts only the last segment
-    result = replay(header.config, _within(records if prefix is None else prefix, end_seq),
+    result = replay(header.config, _within(records if prefix is None else prefix, start_seq, end_seq),
                     check_invariants=checked, state=state)
     finding = result.first_problem
     if finding is None and end is not None and not _same_as_snapshot(path, end, result.state):
@@ -111,7 +128,10 @@ def check_segment(path: str, start: SnapshotMark | None, end: SnapshotMark | Non
     if finding is not None and finding.kind in ("violation", "invariant"):
         event = _event_at(path, start, finding.seq)
     tear = None if prefix is None else prefix.tear
-    return Verdict(start_seq, end_seq, result.events, finding, event, None if tear is None else str(tear))
+    return Verdict(start_seq, end_seq, result.events, finding, event, None if tear is None else str(tear),
+                   steps=result.steps, by_kind=dict(result.by_kind), digests_checked=result.digests_checked,
+                   violations=tuple(result.violations), last_seq=result.last_seq,
+                   ends_with_full_digest=result.ends_with_full_digest, state=result.state if keep_state else None)
 
 
 def _event_at(path: str, start: SnapshotMark | None, seq: int) -> tuple[str, str | None] | None:

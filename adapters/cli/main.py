@@ -19,6 +19,7 @@ from kvledger.events.log_records import LOG_SCHEMA_VERSION, LogError
 from . import log_commands
 from .bisect import cmd_bisect
 from .explain import cmd_explain
+from .segmented_replay import cmd_replay_segments
 from .whatif import cmd_whatif
 
 
@@ -105,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="PATH", help="also write an HTML page of plots here (a new file; --force "
                    "replaces an existing regular file)")
     p.add_argument("--force", action="store_true", help="let --report replace an existing file")
-    p.set_defaults(func=log_commands.cmd_replay)
+    p.add_argument("--jobs", type=_at_least(1), default=1, metavar="N",
+                   help="replay the whole log in segments cut at its snapshots, N at a time, in processes")
+    p.set_defaults(func=_replay)
     p = sub.add_parser("requests", help="list the requests a log names (the ids `replay --request` takes)")
     p.add_argument("log")
     p.add_argument("--until", type=SEQ, metavar="SEQ", help="stop after this sequence number")
@@ -171,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc-words", type=_at_least(16), default=2000, help="tokens per shared document")
     p.set_defaults(func=cmd_demo)
     return parser
+
+
+def _replay(args: argparse.Namespace) -> int:
+    return cmd_replay_segments(args) if args.jobs > 1 else log_commands.cmd_replay(args)
 
 
 def _local_models() -> list[str]:

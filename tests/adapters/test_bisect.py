@@ -140,3 +140,93 @@ def test_bisect_reads_a_log_without_snapshots_as_one_segment(tmp_path: Path, cap
     capsys.readouterr()
     assert main(["bisect", str(tmp_path / "missing.kvlog")]) == 2
     assert "no such log" in capsys.readouterr().err
+
+
+# `replay --jobs`: the same segments, counted.
+
+def _replay_json(path: Path, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, dict]:
+    capsys.readouterr()
+    code = main(["replay", str(path), "--json", *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("check", [[], ["--check"]])
+def test_a_replay_in_segments_says_what_one_from_the_start_says(clean_log: Path, capsys: pytest.CaptureFixture,
+                                                                 check: list[str]) -> None:
+    code, whole = _replay_json(clean_log, capsys, *check)
+    assert code == 0
+    code, parts = _replay_json(clean_log, capsys, "--jobs", "2", *check)
+    assert code == 0
+    assert parts.pop("segments") == len(find_snapshots(clean_log).marks) + 1 >= 3
+    assert parts == whole
+
+
+def test_a_replay_in_segments_names_the_first_problem_as_one_from_the_start(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    for name, tamper in (("event", {"tamper_step": STEPS - 50}), ("digest", {"tamper_digest_step": STEPS - 60}),
+                         ("early", {"tamper_step": 150})):
+        path = _record(tmp_path / f"{name}.kvlog", **tamper)
+        code, whole = _replay_json(path, capsys, "--check")
+        assert code == 1
+        code, parts = _replay_json(path, capsys, "--check", "--jobs", "2")
+        assert code == 1
+        assert parts["first_problem"] == whole["first_problem"], name
+
+
+def test_a_replay_in_segments_of_a_log_cut_by_a_crash(clean_log: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    cut = tmp_path / "cut.kvlog"
+    data = clean_log.read_bytes()
+    cut.write_bytes(data[: len(data) * 3 // 4])
+    code, whole = _replay_json(cut, capsys)
+    assert code == 2
+    code, parts = _replay_json(cut, capsys, "--jobs", "2")
+    assert code == 2
+    parts.pop("segments")
+    assert parts["tear"]["last_good_seq"] == whole["tear"]["last_good_seq"]
+    assert parts["events"] == whole["events"] and parts["stats"] == whole["stats"]
+
+
+@pytest.mark.parametrize("flag", [["--from", "10"], ["--until", "10"], ["--request", "r"], ["--key", "abcd"]])
+def test_a_replay_in_segments_is_of_the_whole_log(clean_log: Path, capsys: pytest.CaptureFixture,
+                                                  flag: list[str]) -> None:
+    assert main(["replay", str(clean_log), "--jobs", "2", *flag]) == 2
+    assert f"does not go with {flag[0]}" in capsys.readouterr().err
+
+
+def test_a_digest_just_after_a_snapshot_is_checked_once(clean_log: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """A step with no events but a digest, right after a snapshot: its digest lies after the
+    snapshot in the file, at the snapshot's seq. The segment before reads it on its way to
+    its end; the one after leaves it, so the count is a replay from the start's. The same
+    at the end: a snapshot after the last step, then the end mark (a full digest)."""
+    from itertools import groupby
+
+    from kvledger.adapters.log_files import LogWriter
+    from kvledger.engine.digest import digest, part_digest
+    from kvledger.engine.snapshot import capture
+    from kvledger.engine.state import initial_state
+
+    header, records = open_log(clean_log)
+    steps = [(index, [r.event for r in group]) for index, group in
+             groupby((r for r in records if isinstance(r, EventRecord)), key=lambda r: r.step_index)]
+    path = tmp_path / "empty-step.kvlog"
+    writer = LogWriter(path, header, fmt="binary")
+    state = initial_state(header.config)
+    cuts = {len(steps) // 3, 2 * len(steps) // 3, len(steps) - 1}
+    for number, (step_index, events) in enumerate(steps):
+        for event in events:
+            state, _ = reducer.reduce(state, event)
+        snapshot = capture(state) if number in cuts else None
+        writer.add_step(step_index, events, part_digest(state, 0, 1) if number % 5 == 0 else None, snapshot)
+        if snapshot is not None and number < len(steps) - 1:
+            writer.add_step(step_index, [], part_digest(state, 0, 1))  # no events: it follows the snapshot
+    writer.add_step(steps[-1][0], [], digest(state))  # the end mark (a full digest), after the last snapshot
+    writer.close()
+    assert len(find_snapshots(path).marks) == 3
+    code, whole = _replay_json(path, capsys, "--check")
+    assert code == 0 and whole["closed"]
+    code, parts = _replay_json(path, capsys, "--check", "--jobs", "2")
+    assert code == 0
+    assert parts.pop("segments") == 4
+    assert parts == whole

@@ -36,7 +36,7 @@ def run(*argv: str) -> subprocess.CompletedProcess:
 
 
 BAD = {  # subcommand -> flag -> a bad value
-    "replay": {"--until": "-5", "--from": "x", "--key": "zz"},
+    "replay": {"--until": "-5", "--from": "x", "--key": "zz", "--jobs": "0"},
     "requests": {"--until": "-1"},
     "explain": {"--until": "-1", "--window": "0", "--window-seconds": "-2"},
     "whatif": {"--capacity-bytes": "0", "--capacity-blocks": "-4", "--policy": "mru", "--secondary-tiers": "[{",
