@@ -13,6 +13,10 @@ in slices of at most `--slice-s` seconds, so other jobs run in between.
 and end, `replay --from` near the end, `inspect` on a copy cut by a crash
 (no index), and `bisect` with an engine bug that fires near the end.
 
+`measure-tools` times each log tool (`replay`, `--check`, `--jobs 2`, `explain`,
+`whatif`, `bisect`) on the largest log, with its peak memory, beside the reducer's
+own fold speed.
+
 `snapshot-cost` measures what one snapshot costs the scheduler (the capture on
 its thread, and the packing and compression on the writer's) and its size, on
 states of bench/scheduler_overhead.py's size (48k device blocks, 192k tier
@@ -21,6 +25,7 @@ blocks, 1M tier slots, 256 running requests).
 
     python bench/long_logs.py generate --out DIR [--milestones 5e6,10e6,20e6]
     python bench/long_logs.py measure --out DIR
+    python bench/long_logs.py measure-tools --out DIR [--only 'replay --check' ...]
     python bench/long_logs.py snapshot-cost
 """
 
@@ -236,6 +241,59 @@ def measure_from_start(args: argparse.Namespace) -> None:
     (out / "measured_from_start.json").write_text(json.dumps(row, indent=2))
 
 
+TOOLS = (("replay",), ("replay", "--check"), ("replay", "--jobs", "2"), ("replay", "--check", "--jobs", "2"),
+         ("explain",), ("whatif",), ("whatif", "--jobs", "2"), ("bisect", "--jobs", "2"))
+
+
+def measure_tools(args: argparse.Namespace) -> None:
+    """Each log tool on the largest log, one at a time in a fresh process (wall time, events/s, peak
+    memory), beside the reducer's own fold over the log's first `--fold-events` events."""
+    out = Path(args.out)
+    log = json.loads((out / "generated.json").read_text())["logs"][-1]
+    path, events = log["log"], log["events"]
+    lock = SlicedLock(1e9)
+    rows = [_fold_speed(path, args.fold_events)]
+    print(json.dumps(rows[0]), flush=True)
+    for tool in TOOLS:
+        if args.only and " ".join(tool) not in args.only:
+            continue
+        start = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-m", "kvledger.adapters.cli.main", tool[0], path, *tool[1:]],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _pid, status, usage = os.wait4(child.pid, 0)
+        elapsed = time.perf_counter() - start
+        if os.waitstatus_to_exitcode(status) not in (0, 1):
+            raise RuntimeError(f"{tool}: exit {os.waitstatus_to_exitcode(status)}: {child.stderr.read()[-2000:]!r}")
+        row = {"tool": " ".join(tool), "events": events, "seconds": round(elapsed, 1),
+               "events_per_s": round(events / elapsed), "max_rss_mb": round(usage.ru_maxrss / 1024)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    lock.release()
+    (out / "measured_tools.json").write_text(json.dumps(rows, indent=2))
+
+
+def _fold_speed(path: str, count: int) -> dict:
+    """The reducer alone over the log's first `count` events, decoded beforehand (best of two)."""
+    from itertools import islice
+
+    from kvledger.adapters.log_files import open_log
+    from kvledger.engine.reducer import reduce
+    from kvledger.engine.state import initial_state
+
+    header, records = open_log(path)
+    events = [r.event for r in islice(records, count) if hasattr(r, "event")]
+    records.close()  # type: ignore[attr-defined]
+    best = float("inf")
+    for _ in range(2):
+        state = initial_state(header.config)
+        start = time.perf_counter()
+        for event in events:
+            state, _effects = reduce(state, event)
+        best = min(best, time.perf_counter() - start)
+    return {"tool": "the reducer's fold", "events": len(events), "seconds": round(best, 2),
+            "events_per_s": round(len(events) / best)}
+
+
 def measure_bisect(args: argparse.Namespace) -> None:
     """`kvledger bisect` on the largest log, with an engine bug that fires in its last
     segments: the `blocks_freed` of one request there leak a reference to their first block."""
@@ -384,6 +442,11 @@ def main() -> None:
         p.add_argument("--jobs", type=int, default=1)
         p.add_argument("--verify", action="store_true", help="bisect: also a checked replay from the start")
         p.set_defaults(func=func)
+    p = sub.add_parser("measure-tools")
+    p.add_argument("--out", required=True)
+    p.add_argument("--fold-events", type=int, default=2_000_000)
+    p.add_argument("--only", nargs="*", help="these tools alone, as TOOLS spells them ('replay --check')")
+    p.set_defaults(func=measure_tools)
     p = sub.add_parser("snapshot-cost")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=600)

@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="PATH", help="with --sweep: also write an HTML page of its curves here (a new "
                    "file; --force replaces one)")
     p.add_argument("--force", action="store_true", help="let --report replace an existing file")
+    p.add_argument("--jobs", type=_at_least(1), default=1, metavar="N",
+                   help="run the passes over the log (the recorded run, each prediction, each sweep point) N at "
+                   "a time, in processes")
     p.add_argument("--shared-tier", metavar="JSON", help='a tier the logs\' replicas would share, e.g. '
                    '{"type": "valkey", "capacity_bytes": N}: their steps in wall-time order, each finding what '
                    'the others wrote')

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import TypeVar
 
 import attrs
 
@@ -20,6 +22,7 @@ from .report import ReportError, check_report_path
 from .sweep_report import write_sweep_report
 
 SWEEP_FACTORS = (0.125, 0.25, 0.5, 1, 2, 4, 8)
+_T = TypeVar("_T")
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
@@ -31,20 +34,24 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     log = _Log(args.log)
     config = log.header.config
     other = _other_config(args, config)
-    outcome = whatif.recorded(config, log)
-    same = whatif.predict(config, config, log)
-    data = {"log": args.log, "events": log.records, "slot_bytes": config.slot_bytes,
-            "recorded": outcome.as_dict(), "predicted_as_recorded": same.as_dict(),
-            "self_check": _error(same.stats["hit_tokens"], outcome.stats["hit_tokens"])}
-    if other != config:
-        data["predicted"] = whatif.predict(config, other, log).as_dict()
     if args.report and not args.sweep:
         raise BadArgument("--report draws the sweep: give --sweep too")
     if args.report:
         _page(check_report_path, args.report, source=args.log, force=args.force)  # before the sweep's work
-    if args.sweep:
-        data["sweep"] = _sweep(config, other, log)
-        data["sweep"]["recorded"]["hit_tokens"] = outcome.stats["hit_tokens"]
+    with _Passes(args.jobs) as passes:  # each pass reads the log on its own: N at a time, in processes
+        recorded = passes.run(_recorded, config, log)
+        same = passes.run(whatif.predict, config, config, log)
+        predicted = passes.run(whatif.predict, config, other, log) if other != config else None
+        sweep = _sweep(config, other, log, passes) if args.sweep else None
+        (outcome, records), same = recorded.result(), same.result()
+        data = {"log": args.log, "events": records, "slot_bytes": config.slot_bytes,
+                "recorded": outcome.as_dict(), "predicted_as_recorded": same.as_dict(),
+                "self_check": _error(same.stats["hit_tokens"], outcome.stats["hit_tokens"])}
+        if predicted is not None:
+            data["predicted"] = predicted.result().as_dict()
+        if sweep is not None:
+            data["sweep"] = sweep()
+            data["sweep"]["recorded"]["hit_tokens"] = outcome.stats["hit_tokens"]
     if args.report:
         _page(write_sweep_report, args.report, data, source=args.log, force=args.force)
     if args.json:
@@ -67,6 +74,8 @@ def _fleet(args: argparse.Namespace) -> int:
     for flag in ("capacity_bytes", "capacity_blocks", "policy", "secondary_tiers", "sweep", "report"):
         if getattr(args, flag):
             raise BadArgument(f"--{flag.replace('_', '-')} does not go with --shared-tier")
+    if args.jobs > 1:
+        raise BadArgument("--jobs does not go with --shared-tier (the replicas are interleaved in one pass)")
     replicas = [fleet.Replica(path, *_read_whole(path)) for path in args.logs]
     missing = fleet.untimed(replicas)
     if missing:
@@ -117,6 +126,34 @@ def _fleet(args: argparse.Namespace) -> int:
     print("(hit tokens: as recorded; predicted with each one's own configuration; with the tier below it alone; "
           "with the tier shared by all. Read from it: blocks promoted from the shared tier.)")
     return EXIT_OK
+
+
+class _Passes:
+    """Passes over a log, run at once (`jobs` 1) or N at a time in processes; `run`
+    gives a future either way."""
+
+    def __init__(self, jobs: int) -> None:
+        self._pool = ProcessPoolExecutor(jobs) if jobs > 1 else None
+
+    def __enter__(self) -> _Passes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def run(self, call: Callable[..., _T], *args: object) -> Future[_T]:
+        if self._pool is not None:
+            return self._pool.submit(call, *args)
+        done: Future[_T] = Future()
+        done.set_result(call(*args))
+        return done
+
+
+def _recorded(config: EngineConfig, log: _Log) -> tuple[whatif.Outcome, int]:
+    """The recorded run, and how many records the log holds."""
+    outcome = whatif.recorded(config, log)
+    return outcome, log.records
 
 
 class _Log:
@@ -224,29 +261,38 @@ def _tiers(text: str, config: EngineConfig, flag: str = "--secondary-tiers") -> 
     return tuple(specs)
 
 
-def _sweep(recorded: EngineConfig, config: EngineConfig, log: _Log) -> dict:
+def _sweep(recorded: EngineConfig, config: EngineConfig, log: _Log, passes: _Passes) -> Callable[[], dict]:
     """Hit tokens against host capacity: the engine driven again at each point, under the
     asked policy and (`by_policy`) under LRU and ARC each, with the blocks each moved; and
-    (LRU) the one-pass estimate from stack distances at the same points."""
+    (LRU) the one-pass estimate from stack distances at the same points. The passes are
+    started here; the returned call gathers them."""
     bound = whatif.distinct_keys_bound(recorded, log)
     points = sorted({max(1, min(bound, int(config.num_tier_slots * f))) for f in SWEEP_FACTORS} | {bound})
-    rows = []
-    for slots in points:
-        by_policy = {}
-        for policy in PolicyName:
-            outcome = whatif.predict(recorded, attrs.evolve(config, num_tier_slots=slots, policy=policy), log)
-            by_policy[policy.value] = {"hit_tokens": outcome.stats["hit_tokens"], "blocks_moved": outcome.moved}
-        rows.append({"num_tier_slots": slots, "hit_tokens": by_policy[config.policy.value]["hit_tokens"],
-                     "capacity_bytes": slots * recorded.slot_bytes if recorded.slot_bytes else None,
-                     "by_policy": by_policy})
-    result: dict = {"points": rows, "every_key_fits_at": bound, "policy": config.policy.value,
-                    "recorded": {"num_tier_slots": recorded.num_tier_slots, "policy": recorded.policy.value,
-                                 "slot_bytes": recorded.slot_bytes}}
-    if config.policy.value == "lru" and not config.lower_tiers:
-        admissions = whatif.lru_curve(recorded, log, bound)
-        for row, estimate in zip(rows, whatif.hits_at(admissions, points)):
-            row["lru_one_pass"] = estimate
-    return result
+    runs = {(slots, policy): passes.run(whatif.predict, recorded,
+                                        attrs.evolve(config, num_tier_slots=slots, policy=policy), log)
+            for slots in points for policy in PolicyName}
+    one_pass = config.policy.value == "lru" and not config.lower_tiers
+    curve = passes.run(whatif.lru_curve, recorded, log, bound) if one_pass else None
+
+    def gather() -> dict:
+        rows = []
+        for slots in points:
+            by_policy = {}
+            for policy in PolicyName:
+                outcome = runs[slots, policy].result()
+                by_policy[policy.value] = {"hit_tokens": outcome.stats["hit_tokens"], "blocks_moved": outcome.moved}
+            rows.append({"num_tier_slots": slots, "hit_tokens": by_policy[config.policy.value]["hit_tokens"],
+                         "capacity_bytes": slots * recorded.slot_bytes if recorded.slot_bytes else None,
+                         "by_policy": by_policy})
+        result: dict = {"points": rows, "every_key_fits_at": bound, "policy": config.policy.value,
+                        "recorded": {"num_tier_slots": recorded.num_tier_slots, "policy": recorded.policy.value,
+                                     "slot_bytes": recorded.slot_bytes}}
+        if curve is not None:
+            for row, estimate in zip(rows, whatif.hits_at(curve.result(), points)):
+                row["lru_one_pass"] = estimate
+        return result
+
+    return gather
 
 
 def _print(data: dict) -> None:

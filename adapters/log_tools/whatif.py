@@ -55,8 +55,9 @@ with the whole log in memory wherever a request's allocations lie within this ma
 events (tests/adapters/test_whatif.py runs both), in memory bounded by it."""
 
 _ADMITTING = queries.ADMITTABLE
-_TRANSFER_REPORTS = (ev.StoreCompleted, ev.StoreFailed, ev.LoadCompleted, ev.LoadFailed)
-_ADMISSION_EVENTS = (ev.RequestAdded, ev.BlocksTouched, ev.BlocksAllocated)
+_TRANSFER_REPORTS = frozenset((ev.StoreCompleted, ev.StoreFailed, ev.LoadCompleted, ev.LoadFailed))
+_ADMISSION_EVENTS = frozenset((ev.RequestAdded, ev.BlocksTouched, ev.BlocksAllocated))
+_BREAKS = frozenset((ev.RequestPreempted, ev.RequestFinished, ev.RequestAborted, ev.BlocksTouched))
 
 
 @attrs.define
@@ -192,23 +193,31 @@ class Redrive:
     def prepare(self, events: list[ev.Event], *, base: int = 0) -> None:
         """The log's events from event `base` on, to be fed in order by `feed_at` (several
         logs' in turn: `fleet.py`; a window of one log's: `run`)."""
-        self._later = {}
-        self._breaks = {}
-        self._load_failures = []
-        self._mentions = {}
+        self._later = later = {}
+        self._breaks = breaks = {}
+        self._load_failures = failures = []
+        self._mentions = mentions = {}
         self._pulled = {index for index in self._pulled if index >= base}
         self._base = base
-        for index, event in enumerate(events, start=base):
-            if isinstance(event, ev.BlocksAllocated):
-                self._later.setdefault(event.request_id, []).append(index)
-            if isinstance(event, (ev.RequestPreempted, ev.RequestFinished, ev.RequestAborted, ev.BlocksTouched)):
-                self._breaks.setdefault(event.request_id, []).append(index)
-            elif isinstance(event, ev.LoadFailed):
-                self._load_failures.append(index)
-            ids = getattr(event, "block_ids", ())
-            for block in (b for group in ids for b in (group if isinstance(group, tuple) else (group,))):
-                if block:
-                    self._mentions.setdefault(block, []).append(index)
+        for index, event in enumerate(events, start=base):  # (a type's test per event: `run` calls it per window)
+            kind = type(event)
+            if kind is ev.BlocksAllocated:
+                later.setdefault(event.request_id, []).append(index)  # type: ignore[attr-defined]
+            elif kind in _BREAKS:
+                breaks.setdefault(event.request_id, []).append(index)  # type: ignore[attr-defined]
+            elif kind is ev.LoadFailed:
+                failures.append(index)
+            ids = getattr(event, "block_ids", None)
+            if not ids:
+                continue
+            for group in (ids if type(ids[0]) is tuple else (ids,)):
+                for block in group:
+                    if block:
+                        seen = mentions.get(block)
+                        if seen is None:
+                            mentions[block] = [index]
+                        else:
+                            seen.append(index)
         self._events = events
 
     @property
@@ -223,11 +232,12 @@ class Redrive:
         if self._index in self._pulled:  # an allocation an earlier, longer hit took at once
             self.recorded, _ = reduce(self.recorded, event)
             return
-        readmitted = (isinstance(event, (ev.BlocksTouched, ev.BlocksAllocated))
+        kind = type(event)  # (type tests, not isinstance: a re-drive makes several per event)
+        readmitted = ((kind is ev.BlocksTouched or kind is ev.BlocksAllocated)
                       and queries.request_status(self.recorded, event.request_id) in _ADMITTING
                       and queries.request_status(self.state, event.request_id) not in _ADMITTING)
         self.recorded, recorded_effects = reduce(self.recorded, event)
-        if isinstance(event, _TRANSFER_REPORTS):
+        if kind in _TRANSFER_REPORTS:
             twin = self.twins.get(event.job_id)
             self.started = []
             if twin is not None and queries.job_view(self.state, twin) is not None:
@@ -238,25 +248,26 @@ class Redrive:
                 if isinstance(effect, fx.TransferFailed) and effect.kind == "load":  # are vLLM's again
                     self._send_back(effect.request_id)
             return
-        if isinstance(event, (ev.TierKeysFound, ev.TierLookupFailed)) and event.tier > len(self.config.lower_tiers):
+        if (kind is ev.TierKeysFound or kind is ev.TierLookupFailed) and event.tier > len(self.config.lower_tiers):
             return
         if readmitted:
             self._send_back(event.request_id, as_the_log=False)
-        if isinstance(event, ev.BlocksAllocated):
+        if kind is ev.BlocksAllocated:
             if self.config.protection is Protection.PIN:
                 self._unpin([b for ids in event.block_ids for b in ids if b != NULL_BLOCK_ID])
             if queries.request_status(self.state, event.request_id) in _ADMITTING:
                 event = self._admission(event)
-        step = isinstance(event, ev.StepScheduled)
-        if not isinstance(event, _ADMISSION_EVENTS):  # a load with no twin ends before anything else
-            self._end_untimed(loads=True)  # happens to its request: the log's schedule runs it
+        step = kind is ev.StepScheduled
+        if self.untimed and kind not in _ADMISSION_EVENTS:  # a load with no twin ends before anything
+            self._end_untimed(loads=True)  # else happens to its request: the log's schedule runs it
         self.started = []
         self._apply(event)
         self._pair(recorded_effects)
         self._adopt()
         if step:
             self.steps += 1
-            self._end_untimed(loads=False)
+            if self.untimed:
+                self._end_untimed(loads=False)
 
     def outcome(self) -> Outcome:
         """At the end: what the drive restored, moved and missed."""
@@ -267,7 +278,7 @@ class Redrive:
     def _pair(self, recorded_effects: tuple[fx.Effect, ...]) -> None:
         """The jobs just started, each the twin of the log's started by the same event, or untimed."""
         started, self.started = self.started, []
-        for kind in (fx.StartStore, fx.StartLoad, fx.StartSpill):
+        for kind in (fx.StartStore, fx.StartLoad, fx.StartSpill) if started else ():  # none of its own: no twin
             mine = [e for e in started if isinstance(e, kind)]
             theirs = [e for e in recorded_effects if isinstance(e, kind)]
             for own, twin in zip(mine, theirs):

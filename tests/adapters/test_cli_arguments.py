@@ -39,7 +39,7 @@ BAD = {  # subcommand -> flag -> a bad value
     "replay": {"--until": "-5", "--from": "x", "--key": "zz", "--jobs": "0"},
     "requests": {"--until": "-1"},
     "explain": {"--until": "-1", "--window": "0", "--window-seconds": "-2"},
-    "whatif": {"--capacity-bytes": "0", "--capacity-blocks": "-4", "--policy": "mru", "--secondary-tiers": "[{",
+    "whatif": {"--jobs": "0", "--capacity-bytes": "0", "--capacity-blocks": "-4", "--policy": "mru", "--secondary-tiers": "[{",
                "--shared-tier": "{"},
     "inspect": {"--at": "-3"},
     "bisect": {"--jobs": "0"},

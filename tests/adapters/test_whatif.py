@@ -135,6 +135,29 @@ def test_the_command_beside_the_recorded_run(log, capsys):
     assert "predicted, other config" in text and "self-check" in text
 
 
+def test_passes_in_processes_answer_as_passes_in_turn(log, tmp_path, capsys):
+    """`--jobs 2` runs the recorded run, each prediction and each sweep point in processes:
+    the same answer, and a torn log is refused the same way."""
+    argv = ["whatif", str(log), "--capacity-blocks", "96", "--sweep", "--json"]
+    assert main(argv) == 0
+    in_turn = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--jobs", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == in_turn
+    assert main(["whatif", str(log), str(log), "--shared-tier", '{"type": "valkey", "capacity_bytes": 1}',
+                 "--jobs", "2"]) == 2
+    assert "--jobs does not go with --shared-tier" in capsys.readouterr().err
+    cut = tmp_path / "cut.log"
+    cut.write_bytes(log.read_bytes()[: log.stat().st_size * 2 // 3])
+    errors = []
+    for jobs in ("1", "2"):
+        assert main(["whatif", str(cut), "--jobs", jobs]) == 2
+        captured = capsys.readouterr()
+        assert not captured.out
+        errors.append(captured.err)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"kvledger: {cut}") and "truncated" in errors[0], errors
+
+
 def test_the_sweep_as_a_page_of_curves(log, tmp_path, capsys):
     """`--sweep --report`: both policies at every point (the asked one's are the table's), the recorded
     point marked, the blocks moved; the page refuses to replace a file without --force."""
