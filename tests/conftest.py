@@ -73,8 +73,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def mount(tmp_path):
     """Mounts a real file system for a test (`mount("tmpfs", "size=1m")`, `mount("ramfs")`)
-    and unmounts it after. Tests run as root (CI too): a mount that fails fails the test."""
+    and unmounts it after. As root (CI) a mount that fails fails the test; as another
+    user the test skips, saying so."""
     import subprocess
+
+    from tests.support.privileges import need_root
+
+    need_root("it mounts a file system to fill or to refuse direct I/O")
 
     points = []
 

@@ -20,6 +20,7 @@ from kvledger.adapters.settings import (
 from kvledger.adapters.vllm_version import UnsupportedVLLMVersion, check_vllm_version
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
 from kvledger.transfers.lower_tiers.valkey.store import ValkeyServer
+from tests.support.privileges import need_root, second_group
 
 pytestmark = pytest.mark.fast
 
@@ -328,13 +329,14 @@ def test_a_tier_directory_kvledger_makes_is_the_users_alone_or_the_tiers_groups(
     """Its blocks are the prompts' KV: under 0755 every local user could read them."""
     tier, = parse_settings(with_tiers(fs(tmp_path / "a" / "own"))).secondary_tiers
     assert tier.gid is None and mode_and_group(tmp_path / "a" / "own")[0] == 0o700
+    name, gid = second_group()
     old = os.umask(0o077)  # a narrow umask must not take the group's access away
     try:
-        tier, = parse_settings(with_tiers(fs(tmp_path / "shared", group="users"))).secondary_tiers
+        tier, = parse_settings(with_tiers(fs(tmp_path / "shared", group=name))).secondary_tiers
     finally:
         os.umask(old)
-    assert tier.gid == USERS_GID and mode_and_group(tmp_path / "shared") == (0o2770, USERS_GID)
-    for same in (USERS_GID, str(USERS_GID)):  # by id too; and the directory made is accepted again
+    assert tier.gid == gid and mode_and_group(tmp_path / "shared") == (0o2770, gid)
+    for same in (gid, str(gid)):  # by id too; and the directory made is accepted again
         assert parse_settings(with_tiers(fs(tmp_path / "shared", group=same))).secondary_tiers == (tier,)
 
 
@@ -352,6 +354,7 @@ def test_a_bad_group_is_named(tmp_path, group, words):
 
 def test_a_tier_directory_another_user_owns_is_refused_unless_it_is_the_tiers_groups(tmp_path):
     """Its owner could read every block, and plant blocks that every replica serves."""
+    need_root("it gives a directory to another user")
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     os.chmod(theirs, 0o2770)
