@@ -73,7 +73,7 @@ TEST_WORKERS ?= 2
 
 test: $(BUILT) valkey
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist worksteal --durations=20
 
 # The loop for contributors: the fast subset on two workers, property tests
 # with hypothesis's "dev" profile (30 examples, against 200 in `make test`).

@@ -4,7 +4,6 @@ and ranks with identical KV keeping one copy of a block."""
 
 from __future__ import annotations
 
-import grp
 import json
 import os
 import stat
@@ -27,6 +26,7 @@ from kvledger.transfers.lower_tiers.fs.tier import FsTierIO
 from kvledger.transfers.lower_tiers.replica_tier import ReplicaTierIO
 from kvledger.transfers.lower_tiers.valkey.block_value import encode_value, store_key
 from tests.adapters.test_tier_namespace import kv_cache_config, mla_config, vllm_config
+from tests.support.privileges import second_group
 
 pytestmark = pytest.mark.vllm
 
@@ -259,8 +259,9 @@ def test_ranks_with_identical_kv_keep_one_copy_of_a_block(tmp_path) -> None:
 def test_a_worker_opens_its_tier_with_the_tiers_group_and_clears_old_leftovers(tmp_path) -> None:
     """A crashed writer's aside files are removed when the next worker of its namespace opens the tier."""
     root = tmp_path / "tier"
+    group, gid = second_group()
     settings = parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": [
-        {"type": "fs", "path": str(root), "capacity_bytes": 1 << 20, "group": "users"}]})
+        {"type": "fs", "path": str(root), "capacity_bytes": 1 << 20, "group": group}]})
     rows = torch.zeros((4, 64), dtype=torch.int8)
 
     def open_and_close() -> FsTierIO:
@@ -272,7 +273,7 @@ def test_a_worker_opens_its_tier_with_the_tiers_group_and_clears_old_leftovers(t
 
     space = open_and_close().namespace
     identity = (root / space.hex() / "NAMESPACE.json").stat()
-    assert (stat.S_IMODE(identity.st_mode), identity.st_gid) == (0o660, grp.getgrnam("users").gr_gid)
+    assert (stat.S_IMODE(identity.st_mode), identity.st_gid) == (0o660, gid)
     leftover = block_path(root, space, bytes(32)).with_name(f".{bytes(32).hex()}.kvb.0123456789abcdef.tmp")
     leftover.parent.mkdir()
     leftover.write_bytes(b"x")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grp
 import json
 import os
 import stat
@@ -28,6 +27,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvledger.adapters.vllm import tier_namespace as tn
+from tests.support.privileges import second_group
 from tests.support.zygotes import run_under_another_seed
 
 pytestmark = pytest.mark.vllm  # imports vLLM's types: not in the fast subset, which runs without vLLM
@@ -275,8 +275,8 @@ def test_the_identity_is_the_users_alone_or_the_tiers_groups(tmp_path):
     """It sits among the blocks: its directory and it get the tier's modes, whatever the umask."""
     identity = ident()
     space = tn.namespace(identity)
-    users = grp.getgrnam("users").gr_gid
-    for root, gid, modes in ((tmp_path / "own", None, (0o600, 0o700)), (tmp_path / "shared", users, (0o660, 0o2770))):
+    _name, group = second_group()
+    for root, gid, modes in ((tmp_path / "own", None, (0o600, 0o700)), (tmp_path / "shared", group, (0o660, 0o2770))):
         root.mkdir()
         old = os.umask(0o077)
         try:
