@@ -76,13 +76,52 @@ def test_a_sealed_file_changed_and_checksummed_again_is_forged(tmp_path, seal, f
     assert reason_reading(path, seal) == "forged"
 
 
-def test_a_bit_flipped_without_fixing_checksums_is_corruption_not_forgery(tmp_path, seal) -> None:
+@pytest.mark.parametrize("where, detail", [
+    (bh.HEADER_BYTES + 7, "corrupt: payload checksum mismatch"),  # the payload, its checksum left as it was
+    (20, "corrupt: header checksum mismatch"),  # a header field (the namespace), its checksum left
+    (0, "foreign: not a kvledger block file"),  # the magic
+    (-1, "truncated"),  # the file cut short
+])
+def test_with_a_secret_a_block_that_fails_any_check_is_forged(tmp_path, seal, where, detail) -> None:
+    """A tamperer does not choose how a change is counted: breaking a checksum, a field or the
+    length as well still counts as forged (the check that failed first is in the detail). Without
+    a secret, the same damage is what it looks like."""
     path = tmp_path / "b.kvb"
     bf.write_block(path, NS, KEY, payload(), seal)
     raw = bytearray(path.read_bytes())
-    raw[bh.HEADER_BYTES + 7] ^= 1
+    if where < 0:
+        del raw[len(raw) // 2:]
+    else:
+        raw[where] ^= 1
     path.write_bytes(bytes(raw))
-    assert reason_reading(path, seal) == "corrupt"
+    with pytest.raises(bh.BlockFileError) as caught:
+        read_file(path, seal)
+    assert caught.value.reason == "forged" and f"fails verification before its seal ({detail}" in str(caught.value)
+    plain = tmp_path / "plain.kvb"
+    bf.write_block(plain, NS, KEY, payload(), None)
+    raw = bytearray(plain.read_bytes())
+    if where < 0:
+        del raw[len(raw) // 2:]
+    else:
+        raw[where] ^= 1
+    plain.write_bytes(bytes(raw))
+    assert reason_reading(plain, None) == detail.split(":")[0]
+
+
+def test_with_a_secret_a_value_that_fails_any_check_is_forged(seal) -> None:
+    data = payload()
+    value = bytearray(bv.encode_value(NS, KEY, data, seal))
+    head = bh.compact_header_bytes(KEY, sealed=True)
+    out = np.empty_like(data)
+    for damaged in (value[:head] + bytes([value[head] ^ 1]) + value[head + 1:], value[:-10], b"x" + value[1:]):
+        with pytest.raises(bh.BlockFileError) as caught:
+            bv.decode_value_into(bytes(damaged), NS, KEY, out, seal)
+        assert caught.value.reason == "forged", caught.value
+        row = np.frombuffer(bytearray(damaged[head:]), np.int8)
+        if row.nbytes == data.nbytes:
+            with pytest.raises(bh.BlockFileError) as caught:
+                bv.check_in_place(bytes(damaged[:head]), NS, KEY, row, seal)
+            assert caught.value.reason == "forged", caught.value
 
 
 def test_a_rotation_reads_blocks_of_the_previous_secret_and_writes_with_the_new(tmp_path) -> None:

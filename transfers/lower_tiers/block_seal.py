@@ -46,6 +46,18 @@ GCM_TAG_BYTES = 16
 _CONTEXT = "kvledger 2026-11 tier secret: "
 
 
+def unverified(error: BlockFileError, header: bytes | bytearray) -> BlockFileError:
+    """With a secret, a block at one of its keyed names that fails a check made before its seal
+    (a header or payload checksum, a length, a header field) fails to verify: it is counted as
+    forged, so a tamperer cannot make a change read as corruption or another block by breaking
+    a checksum or a field as well; what failed stays in the detail. Left as they are: a header
+    of zeros (a pack's key removed: nothing there), and an I/O error."""
+    if error.reason not in ("corrupt", "truncated", "foreign") or not any(header[:64]):
+        return error
+    return BlockFileError("forged", error.path, f"fails verification before its seal ({error.reason}: "
+                          f"{error.detail})")
+
+
 def derive(secret: bytes, use: str, size: int = 32) -> bytes:
     """A subkey of `secret` for one `use` ("mac", "cipher", "names", "key id")."""
     return blake3.blake3(secret, derive_key_context=_CONTEXT + use).digest(size)
