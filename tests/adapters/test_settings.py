@@ -494,16 +494,24 @@ def test_a_tls_server_with_a_private_ca(valkey_server):
 
 # A tier's secret, its key prefix, and URLs with passwords.
 
-SECRET = "0123456789abcdef0123456789abcdef"
+SECRET = "0123456789abcdef" * 4  # 32 bytes in hex: used as they decode
+OLD = "f" * 32  # 16 bytes in hex: too few, stretched like a passphrase
+
+
+def material(text: str) -> bytes:
+    from kvledger.transfers.lower_tiers.block_seal import key_material
+
+    return key_material(text.encode())[0]
 
 
 def test_a_secret_comes_from_the_environment_and_is_never_shown(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)
-    monkeypatch.setenv("KVLEDGER_TEST_OLD", "f" * 32)
+    monkeypatch.setenv("KVLEDGER_TEST_OLD", OLD)
     tier, = parse_settings(with_tiers(fs(tmp_path, secret_env="KVLEDGER_TEST_SECRET",
                                          previous_secret_env="KVLEDGER_TEST_OLD", encrypt=True))).secondary_tiers
-    assert tier.secret.current == SECRET.encode() and tier.secret.previous == b"f" * 32 and tier.secret.encrypt
-    assert tier.secret.naming == b"f" * 32  # names stay the fleet's until the rotation ends
+    assert tier.secret.current == bytes.fromhex(SECRET) and tier.secret.encrypt
+    assert tier.secret.previous == material(OLD) and tier.secret.stretched == ("previous_secret_env",)
+    assert tier.secret.naming == material(OLD)  # names stay the fleet's until the rotation ends
     assert SECRET not in repr(tier) and "ffff" not in repr(tier)
     seal = tier.secret.seal()
     assert seal is not None and seal.encrypt
@@ -516,14 +524,14 @@ def test_a_secret_comes_from_the_environment_and_is_never_shown(tmp_path, monkey
 
 def test_a_rotation_ends_at_its_date_and_names_then_follow_the_new_secret(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLEDGER_TEST_SECRET", SECRET)
-    monkeypatch.setenv("KVLEDGER_TEST_OLD", "f" * 32)
+    monkeypatch.setenv("KVLEDGER_TEST_OLD", OLD)
     rotation = {"secret_env": "KVLEDGER_TEST_SECRET", "previous_secret_env": "KVLEDGER_TEST_OLD"}
     ended, = parse_settings(with_tiers(fs(tmp_path, **rotation, previous_secret_until="2020-01-01"))).secondary_tiers
     assert ended.secret.previous_until == 1577836800.0  # midnight UTC
-    assert ended.secret.naming == SECRET.encode()  # ended: names are the new secret's
+    assert ended.secret.naming == bytes.fromhex(SECRET)  # ended: names are the new secret's
     going, = parse_settings(with_tiers(fs(tmp_path, **rotation,
                                           previous_secret_until="2999-01-01T12:00:00+01:00"))).secondary_tiers
-    assert going.secret.previous_until == 32472183600.0 and going.secret.naming == b"f" * 32  # 11:00 UTC
+    assert going.secret.previous_until == 32472183600.0 and going.secret.naming == material(OLD)  # 11:00 UTC
 
 
 @pytest.mark.parametrize("keys, words", [
@@ -625,3 +633,38 @@ def test_an_event_log_that_is_a_directory_is_refused(tmp_path):
     words = problem({"capacity_bytes": 1 << 20, "event_log": str(tmp_path)})
     assert "is a directory: name the log file in it" in words
     assert not list(tmp_path.iterdir()) and not (tmp_path.parent / f"{tmp_path.name}.1").exists()
+
+
+@pytest.mark.parametrize("text, stretched", [
+    ("0123456789abcdef" * 4, False),  # `openssl rand -hex 32`
+    ("ASNFZ4mrze8BI0VniavN7wEjRWeJq83vASNFZ4mrze8=", False),  # `openssl rand -base64 32`
+    ("ASNFZ4mrze8BI0VniavN7wEjRWeJq83vASNFZ4mrze8=\n", False),  # read from a file, its newline kept
+    ("correct horse battery staple", True),  # a passphrase
+    ("0123456789abcdef" * 2, True),  # 16 random bytes in hex: fewer than 32
+])
+def test_a_secret_is_32_random_bytes_or_is_stretched_once_at_start(tmp_path, monkeypatch, text, stretched):
+    """Each block names the key that sealed it by an id derived from it: with a passphrase for a
+    key, the id would let whoever reads one block test guesses offline at hash speed. So a text
+    that is not at least 32 bytes in hex or base64 is stretched with scrypt (once, at start), and
+    the start says so."""
+    import base64
+    import hashlib
+
+    from structlog.testing import capture_logs
+
+    from kvledger.transfers.lower_tiers.tier_types import check_tiers
+
+    monkeypatch.setenv("KVLEDGER_TEST_SECRET", text)
+    tier, = parse_settings(with_tiers(fs(tmp_path / "t", secret_env="KVLEDGER_TEST_SECRET"))).secondary_tiers
+    key = tier.secret.current
+    assert key is not None and len(key) == 32
+    if stretched:
+        assert key == hashlib.scrypt(text.encode(), salt=b"kvledger 2026-12 tier secret, stretched", n=1 << 15, r=8,
+                                     p=1, dklen=32, maxmem=1 << 26)
+    else:
+        assert key in (bytes.fromhex(text) if len(text) == 64 else b"", base64.b64decode(text.strip()))
+    with capture_logs() as logs:
+        check_tiers((tier,))
+    warned = [e for e in logs if e["event"] == "tier_secret_stretched"]
+    assert [e["keys"] for e in warned] == ([["secret_env"]] if stretched else [])
+    assert text.strip() not in str(logs)

@@ -23,6 +23,9 @@ is "foreign", not "forged".
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import hmac
 import os
 import struct
@@ -44,6 +47,41 @@ TAG_BYTES = 32
 GCM_TAG_BYTES = 16
 
 _CONTEXT = "kvledger 2026-11 tier secret: "
+
+
+KEY_MATERIAL_BYTES = 32
+STRETCH = {"n": 1 << 15, "r": 8, "p": 1}  # scrypt: about 0.1 s and 32 MiB, once a secret at start
+_STRETCH_SALT = b"kvledger 2026-12 tier secret, stretched"
+
+
+def key_material(text: bytes) -> tuple[bytes, bool]:
+    """A secret's text as the key it seals with, and whether it was stretched: 32 random bytes or
+    more written as hex or base64 (`openssl rand -hex 32`, `openssl rand -base64 32`) are used as
+    they decode; any other text (a passphrase) is stretched once with scrypt, so that each guess
+    at it costs a guesser as much (a block's key id, derived from the key, would otherwise let one
+    test guesses offline at hash speed)."""
+    stripped = text.strip()
+    for decode in (_hex, _base64):
+        raw = decode(stripped)
+        if raw is not None and len(raw) >= KEY_MATERIAL_BYTES:
+            return raw, False
+    return hashlib.scrypt(text, salt=_STRETCH_SALT, dklen=KEY_MATERIAL_BYTES, maxmem=1 << 26, **STRETCH), True
+
+
+def _hex(text: bytes) -> bytes | None:
+    try:
+        return bytes.fromhex(text.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _base64(text: bytes) -> bytes | None:
+    for alphabet in (None, b"-_"):
+        try:
+            return base64.b64decode(text, altchars=alphabet, validate=True)
+        except (binascii.Error, ValueError):
+            continue
+    return None
 
 
 def unverified(error: BlockFileError, header: bytes | bytearray) -> BlockFileError:

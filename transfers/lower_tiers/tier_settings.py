@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from kvledger.events.config import ConfigError
-from kvledger.transfers.lower_tiers.block_seal import SECRET_BYTES_MIN, BlockSeal
+from kvledger.transfers.lower_tiers.block_seal import SECRET_BYTES_MIN, BlockSeal, key_material
 
 
 @attrs.frozen(kw_only=True)
@@ -26,6 +26,7 @@ class TierSecret:
     encrypt: bool = False
     require_encrypted: bool = False  # `encrypt: "required"`: a block sealed without encryption is refused
     previous_until: float | None = None  # when the rotation ends (seconds since the epoch): None, never
+    stretched: tuple[str, ...] = ()  # the keys whose text was not 32 random bytes, stretched (`key_material`)
 
     def seal(self) -> BlockSeal | None:
         if self.current is None:
@@ -46,7 +47,8 @@ SECRET_KEYS = ("secret_env", "previous_secret_env", "previous_secret_until", "en
 
 
 def parse_secret(where: str, entry: Mapping[str, Any]) -> TierSecret:
-    values = {}
+    values: dict[str, bytes] = {}
+    stretched: list[str] = []
     for name in ("secret_env", "previous_secret_env"):
         if name not in entry:
             continue
@@ -59,7 +61,9 @@ def parse_secret(where: str, entry: Mapping[str, Any]) -> TierSecret:
         if len(value.encode()) < SECRET_BYTES_MIN:
             raise ConfigError(f"{where}.{name}: ${variable} holds {len(value.encode())} bytes; a tier secret needs "
                               f"at least {SECRET_BYTES_MIN} (for example `openssl rand -hex 32`)")
-        values[name] = value.encode()
+        values[name], was_stretched = key_material(value.encode())
+        if was_stretched:
+            stretched.append(name)
     if "previous_secret_env" in values and "secret_env" not in values:
         raise ConfigError(f"{where}.previous_secret_env is for a rotation: it needs secret_env, the new secret")
     until = None
@@ -76,7 +80,7 @@ def parse_secret(where: str, entry: Mapping[str, Any]) -> TierSecret:
     if encrypt and "secret_env" not in values:
         raise ConfigError(f"{where}.encrypt needs secret_env: the key is derived from the tier's secret")
     return TierSecret(current=values.get("secret_env"), previous=values.get("previous_secret_env"), encrypt=encrypt,
-                      require_encrypted=required, previous_until=until)
+                      require_encrypted=required, previous_until=until, stretched=tuple(stretched))
 
 
 def _instant(where: str, value: Any) -> float:

@@ -96,6 +96,10 @@ def check_tiers(tiers: tuple[TierSettings, ...]) -> None:
         row.check(where, tier)
         _log.info("tier_checked", tier=where, type=tier.kind, **row.where(tier))
         secret = getattr(tier, "secret", None)
+        if secret is not None and secret.stretched:
+            _log.warning("tier_secret_stretched", tier=where, keys=list(secret.stretched),
+                         why="not 32 random bytes in hex or base64: stretched with scrypt at each start; "
+                             "prefer `openssl rand -hex 32` (README: the trust model)")
         if getattr(tier, "shared", False) and (secret is None or secret.current is None):
             _log.warning("shared_tier_without_secret", tier=where, type=tier.kind, **row.where(tier),
                          why="whoever can write this tier can serve blocks to this process unchecked: set "
