@@ -121,6 +121,7 @@ class Simulator:
         self.truth: list[dict] | None = [] if record_truth else None
         self.first_named: dict[bytes, str] = {}
         self.failed_jobs: set[int] = set()
+        self.failed_reports: dict[int, list[int]] = {}  # a failed job -> the seqs of its failing reports
         self.unanswered: dict[str, tuple[str, int]] = {}  # request -> its lookup's failure: reason, seq
         # Each key's last removal from a tier (seq, reason, tier) and last refusal (seq), as this
         # simulator saw the engine's notifications while carrying them out.
@@ -450,11 +451,30 @@ class Simulator:
                 storing.update(dict.fromkeys((k for group in effect.keys for k in group),
                                              (job_id, self.started_at[job_id])))
         tiers = range(1, 1 + len(self.config.lower_tiers))
+
+        def loadable(key: bytes) -> bool:
+            return queries.is_loadable(self.state, key) or any(queries.tier_holds(self.state, t, key) for t in tiers)
+
+        # The first block after the hit: where it was loadable, the first block another group
+        # needs for a hit through it that is not (what bounded the hit), as the state has it.
+        first = (local + ext) // size
+        bounded_by = None
+        if first < len(keys) and loadable(keys[first]):
+            end = (first + 1) * size
+            for group in self.groups:
+                if group.group_id == axis:
+                    continue
+                group_keys = self.keys(request, group.group_id)
+                lacking = [p for p in hma.needed_range(group, 0, end)
+                           if p >= len(group_keys) or not loadable(group_keys[p])]
+                if lacking:
+                    bounded_by = (group.group_id, lacking[0])
+                    break
         self.truth.append({
             "request_id": request.rid, "seq": self.events, "local": local, "ext": ext,
             "num_tokens": num_tokens, "keys": keys,
-            "loadable": [queries.is_loadable(self.state, k) or any(queries.tier_holds(self.state, t, k) for t in tiers)
-                         for k in keys],
+            "loadable": [loadable(k) for k in keys],
+            "bounded_by": bounded_by,
             "named_first": [self.first_named.get(k) == request.rid for k in keys],
             "named_by": [self.first_named.get(k) for k in keys],
             "ended_at": dict(self.ended_at),
@@ -697,6 +717,7 @@ class Simulator:
         fail = fail or bool(job.failed)  # a promoted block that could not be read
         if fail:
             self.failed_jobs.add(job_id)
+            self.failed_reports.setdefault(job_id, []).append(self.events)  # the seq the report gets
         job.pending.discard(worker)
         last = not job.pending
         if last:

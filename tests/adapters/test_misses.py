@@ -58,6 +58,8 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
         assert runs[0].first_token == 0 and runs[-1].end_token == truth["num_tokens"], where
         assert all(a.end_token == b.first_token for a, b in zip(runs, runs[1:])), where
         assert admission.tokens("device") == truth["local"], where
+        alignment = sim.config.alignment_tokens
+        first_missed = (truth["local"] + truth["ext"]) // size  # the first block the hit did not reach
         assert (admission.tokens("restored") + admission.tokens("missed", "load_failed")
                 + admission.tokens("missed", "promotion_failed")) == truth["ext"], where
         for run in runs:
@@ -88,7 +90,9 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
             elif run.cause == "stored_too_late":  # the last store on it still in flight: that job, its start
                 assert all(truth["storing"][p] == (run.job_id, run.seq) for p in blocks), (where, run)
             elif run.cause == "store_failed":
+                # (the seq of its last failing report before this admission: each worker's names the store failed)
                 assert run.job_id in sim.failed_jobs and run.seq < admission.seq, (where, run)
+                assert run.seq == max(seq for seq in sim.failed_reports[run.job_id] if seq < admission.seq), (where, run)
                 assert run.detail.startswith("copy_failed ("), (where, run)  # the simulated worker's reason
             elif run.cause in GONE:  # the key's last removal, at that seq, from that tier, for that reason
                 assert all(truth["gone"][p] == (run.seq, GONE[run.cause], run.tier) for p in blocks), (where, run)
@@ -100,8 +104,26 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
             elif run.cause == "promotion_failed":  # restored from a lower tier, whose read failed
                 assert run.job_id == admission.load_job and run.job_id in sim.failed_jobs and run.tier >= 1, (where, run)
                 assert run.detail.split(": ", 1)[1].split(" ")[0] in ("missing", "corrupt", "rejected"), (where, run)
-            elif run.cause == "partial_block":
-                assert run.end_token == truth["num_tokens"] and run.tokens <= sim.config.alignment_tokens, (where, run)
+            elif run.cause == "partial_block":  # from the last aligned token (or the hit's end) to the prompt's end
+                most = (truth["num_tokens"] - 1) // alignment * alignment
+                assert (run.first_token, run.end_token) == (max(most, truth["local"] + truth["ext"]),
+                                                            truth["num_tokens"]), (where, run)
+            elif run.cause == "lazy_not_offloaded":  # another request had it; lazy mode never stored it
+                assert sim.config.store_mode.value == "lazy", (where, run)
+                assert all(truth["named_by"][p] not in (None, admission.request_id) and truth["gone"][p] is None
+                           and truth["refused"][p] == -1 and truth["storing"][p] is None for p in blocks), (where, run)
+            elif run.cause == "after_gap":  # after the first block the hit did not reach
+                assert run.first_block > first_missed, (where, run)
+            elif run.cause == "bounded_by_group":  # the first block past the hit: a group lacked a block, or
+                assert run.first_block == run.last_block == first_missed, (where, run)  # the end is unaligned
+                if truth["bounded_by"] is not None:
+                    group, position = truth["bounded_by"]
+                    assert f"group {group} (" in run.detail and f" block {position}: " in run.detail, (where, run)
+                else:
+                    assert (first_missed + 1) * size % alignment and "a multiple of" in run.detail, (where, run)
+            elif run.cause == "no_host_slot":  # nothing else lacking: the promotion's host slots
+                assert run.first_block == first_missed and truth["bounded_by"] is None, (where, run)
+                assert (first_missed + 1) * size % alignment == 0 and sim.config.lower_tiers, (where, run)
             if run.cause != "partial_block":
                 assert run.first_token == run.first_block * size and run.end_token == (run.last_block + 1) * size
     # Restored tokens add up to what the engine counts as hits (a failed load's included).
