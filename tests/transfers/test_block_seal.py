@@ -86,26 +86,21 @@ def test_with_a_secret_a_block_that_fails_any_check_is_forged(tmp_path, seal, wh
     """A tamperer does not choose how a change is counted: breaking a checksum, a field or the
     length as well still counts as forged (the check that failed first is in the detail). Without
     a secret, the same damage is what it looks like."""
-    path = tmp_path / "b.kvb"
-    bf.write_block(path, NS, KEY, payload(), seal)
-    raw = bytearray(path.read_bytes())
-    if where < 0:
-        del raw[len(raw) // 2:]
-    else:
-        raw[where] ^= 1
-    path.write_bytes(bytes(raw))
+    def damaged(name: str, with_seal: BlockSeal | None):
+        path = tmp_path / name
+        bf.write_block(path, NS, KEY, payload(), with_seal)
+        raw = bytearray(path.read_bytes())
+        if where < 0:
+            del raw[len(raw) // 2:]
+        else:
+            raw[where] ^= 1
+        path.write_bytes(bytes(raw))
+        return path
+
     with pytest.raises(bh.BlockFileError) as caught:
-        read_file(path, seal)
+        read_file(damaged("b.kvb", seal), seal)
     assert caught.value.reason == "forged" and f"fails verification before its seal ({detail}" in str(caught.value)
-    plain = tmp_path / "plain.kvb"
-    bf.write_block(plain, NS, KEY, payload(), None)
-    raw = bytearray(plain.read_bytes())
-    if where < 0:
-        del raw[len(raw) // 2:]
-    else:
-        raw[where] ^= 1
-    plain.write_bytes(bytes(raw))
-    assert reason_reading(plain, None) == detail.split(":")[0]
+    assert reason_reading(damaged("plain.kvb", None), None) == detail.split(":")[0]
 
 
 def test_with_a_secret_a_value_that_fails_any_check_is_forged(seal) -> None:

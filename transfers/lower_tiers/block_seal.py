@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import hmac
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import blake3
@@ -82,6 +83,18 @@ def _base64(text: bytes) -> bytes | None:
         except (binascii.Error, ValueError):
             continue
     return None
+
+
+@contextlib.contextmanager
+def checked_before_seal(seal: BlockSeal | None, header: bytes | bytearray) -> Iterator[None]:
+    """The checks a reader makes before opening a block's seal: with a secret, their failure
+    is `unverified`'s."""
+    try:
+        yield
+    except BlockFileError as error:
+        if seal is None:
+            raise
+        raise unverified(error, header) from None
 
 
 def unverified(error: BlockFileError, header: bytes | bytearray) -> BlockFileError:

@@ -29,7 +29,7 @@ from kvledger.transfers.lower_tiers.block_header import (
     payload_checksum,
     seal_block,
 )
-from kvledger.transfers.lower_tiers.block_seal import BlockSeal, unverified
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal, checked_before_seal
 
 SUFFIX = ".kvb"
 
@@ -219,8 +219,8 @@ def read_open_block(fd: int, path: str | os.PathLike, namespace: bytes, key: byt
         got = os.preadv(fd, [header, target], 0)
         check_block(path, header, namespace, key, target, seal, got=got)
         if os.pread(fd, 1, got):
-            error = BlockFileError("corrupt", path, "bytes after the payload")
-            raise error if seal is None else unverified(error, header)
+            with checked_before_seal(seal, header):
+                raise BlockFileError("corrupt", path, "bytes after the payload")
     except OSError as exc:
         raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
 
@@ -229,17 +229,13 @@ def check_block(path: str | os.PathLike, header: bytes | bytearray, namespace: b
                 target: memoryview, seal: BlockSeal | None = None, *, got: int) -> None:
     """Raise `BlockFileError` unless the `got` bytes read into `header` and then
     `target` are this key's block, whole; decrypt a sealed one in place."""
-    try:
+    with checked_before_seal(seal, header):
         fields = check_header(path, bytes(header[:max(0, got)]), namespace, key, target.nbytes,
                               sealed=seal is not None)
         if got < HEADER_BYTES + target.nbytes:
             raise BlockFileError("truncated", path, f"{max(0, got - HEADER_BYTES)} of {target.nbytes} payload bytes")
         if xxhash.xxh3_64_intdigest(target) != payload_checksum(header):
             raise BlockFileError("corrupt", path, "payload checksum mismatch")
-    except BlockFileError as error:
-        if seal is None:
-            raise
-        raise unverified(error, header) from None
     if seal is not None:
         assert fields is not None
         seal.open(os.fspath(path), namespace, key, fields, target)

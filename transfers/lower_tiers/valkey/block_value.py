@@ -25,7 +25,7 @@ from kvledger.transfers.lower_tiers.block_header import (
     payload_checksum,
     seal_block,
 )
-from kvledger.transfers.lower_tiers.block_seal import BlockSeal, unverified
+from kvledger.transfers.lower_tiers.block_seal import BlockSeal, checked_before_seal
 
 KEY_PREFIX = b"kvledger:"
 
@@ -54,15 +54,11 @@ def check_in_place(head: bytes, namespace: bytes, key: bytes, payload: object, s
     raise `BlockFileError` unless they make a good block of this key."""
     source = source or store_key(namespace, key).decode()
     data = memoryview(payload).cast("B")  # type: ignore[arg-type]
-    try:
+    with checked_before_seal(seal, head):
         fields = check_header(source, head, namespace, key, data.nbytes, compact_header_bytes(key, seal is not None),
                               sealed=seal is not None)
         if xxhash.xxh3_64_intdigest(data) != payload_checksum(head):
             raise BlockFileError("corrupt", source, "payload checksum mismatch")
-    except BlockFileError as error:
-        if seal is None:
-            raise
-        raise unverified(error, head) from None
     if seal is not None:
         assert fields is not None
         seal.open(source, namespace, key, fields, data)
@@ -78,17 +74,13 @@ def decode_value_into(value: bytes | None, namespace: bytes, key: bytes, out: ob
     target = memoryview(out).cast("B")  # type: ignore[arg-type]
     size = compact_header_bytes(key, seal is not None)
     payload = memoryview(value)[size:]
-    try:
+    with checked_before_seal(seal, value[:size]):
         fields = check_header(source, value[:size], namespace, key, target.nbytes, size, sealed=seal is not None)
         if payload.nbytes != target.nbytes:
             what = "truncated" if payload.nbytes < target.nbytes else "corrupt"
             raise BlockFileError(what, source, f"{payload.nbytes} payload bytes, expected {target.nbytes}")
         if xxhash.xxh3_64_intdigest(payload) != payload_checksum(value):
             raise BlockFileError("corrupt", source, "payload checksum mismatch")
-    except BlockFileError as error:
-        if seal is None:
-            raise
-        raise unverified(error, value[:size]) from None
     # numpy's copy releases the GIL (a memoryview's does not): other I/O threads read the socket meanwhile.
     np.frombuffer(target, np.uint8)[:] = np.frombuffer(payload, np.uint8)
     if seal is not None:
