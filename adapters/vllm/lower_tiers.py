@@ -67,8 +67,14 @@ TOMBSTONES_MAX = 1 << 16
 def chain_secret(tiers: Sequence[TierSettings]) -> bytes | None:
     """The key the block-key chain is hashed with when any tier has a secret:
     then key names (file names, store keys) tell nothing about prompts to
-    whoever lacks the secrets, and replicas with other secrets share no key."""
-    named = [tier.secret.naming for tier in tiers if tier.secret.naming is not None]
+    whoever lacks the secrets, and replicas with other secrets share no key.
+    It derives from the shared tiers' secrets alone where one has a secret: a
+    replica's own disk (`shared: false`) under a secret of its own must not keep
+    it from the names the fleet shares on Valkey. With no shared tier's secret,
+    from the private ones'."""
+    secret_of = [(getattr(tier, "shared", False), tier.secret.naming) for tier in tiers
+                 if tier.secret.naming is not None]
+    named = [naming for shared, naming in secret_of if shared] or [naming for _, naming in secret_of]
     if not named:
         return None
     return derive(b"".join(len(n).to_bytes(4, "little") + n for n in named), "names")

@@ -315,3 +315,30 @@ def test_deployments_under_other_secrets_never_share_a_directory(tmp_path, monke
     finally:
         for made in (a, b, again, plain):
             made.close()
+
+
+def test_a_replicas_own_disk_secret_leaves_the_fleets_names_alone(tmp_path, monkeypatch) -> None:
+    """Names derive from the shared tiers' secrets: replicas that share Valkey under one secret,
+    each with a private disk (`shared: false`) under a secret of its own, name blocks alike, so
+    each finds what the others wrote there. With no shared tier's secret, the private one names."""
+    from kvledger.adapters.vllm.lower_tiers import chain_secret
+
+    for name, text in (("FLEET", "f" * 64), ("DISK_A", "a" * 64), ("DISK_B", "b" * 64)):
+        monkeypatch.setenv(f"KVLEDGER_TEST_{name}", text)
+
+    def secret(*entries: dict) -> bytes | None:
+        return chain_secret(parse_settings({"capacity_bytes": 1 << 20, "secondary_tiers": list(entries)})
+                            .secondary_tiers)
+
+    def disk(variable: str | None, shared: bool = False) -> dict:
+        return {"type": "fs", "path": str(tmp_path / f"disk-{variable}"), "capacity_bytes": 1 << 20,
+                "shared": shared, **({"secret_env": f"KVLEDGER_TEST_{variable}"} if variable else {})}
+
+    valkey = {"type": "valkey", "url": "redis://127.0.0.1:1", "capacity_bytes": 1 << 20,  # (never reached)
+              "on_unreachable": "warn", "secret_env": "KVLEDGER_TEST_FLEET"}
+    fleet = secret(valkey)
+    assert fleet is not None
+    assert secret(disk("DISK_A"), valkey) == secret(disk("DISK_B"), valkey) == secret(disk(None), valkey) == fleet
+    assert secret(disk("DISK_A")) != secret(disk("DISK_B")) and secret(disk("DISK_A")) is not None
+    assert secret(disk("DISK_A", shared=True), valkey) != fleet  # a shared disk's secret is the fleet's too
+    assert secret(disk(None)) is None
