@@ -177,6 +177,16 @@ def open_log(path: str | os.PathLike, *, resolve: bool = True) -> tuple[LogHeade
     return header, records_closing(records, file, source)
 
 
+def log_header(path: str | os.PathLike) -> LogHeader:
+    """The log's header alone (as `open_log` gives it), the file closed after it. A bad first
+    record is left to whoever reads the records to report."""
+    header, records = open_log(path)
+    with contextlib.suppress(LogError):
+        next(records, None)  # started, the generator holds the file in its `with`: `close` closes it
+    records.close()  # type: ignore[attr-defined]
+    return header
+
+
 def resolve_rules(source: str, header: LogHeader) -> LogHeader:
     """The header with the log's rules: for a 0.1.0 log, as its records show them (`log_rules`)."""
     return log_rules.resolve(source, header, _unresolved)

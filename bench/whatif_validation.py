@@ -85,10 +85,9 @@ def run_one(workload: str, capacity_bytes: int, log: str, models: str, questions
 
 
 def _slot_bytes(log: Path) -> int:
-    from kvledger.adapters.log_files import open_log
+    from kvledger.adapters.log_files import log_header
 
-    header, _ = open_log(log)
-    return header.config.slot_bytes
+    return log_header(log).config.slot_bytes
 
 
 def _measured(log: Path) -> int:

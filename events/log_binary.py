@@ -305,7 +305,7 @@ def _current_row_reader(schema: KindSchema) -> RowReader:
     fields in locals, ints checked inline, the event built in one call. A loop
     over the fields into a dict of keywords took twice as long, and a reader
     builds one event per row. Its errors are `_checked_row_reader`'s, which
-    stays the reference (tests/events/test_log_binary.py reads bad rows with both)."""
+    stays the reference (tests/events/test_binary.py reads bad rows with both)."""
     kind = schema.kind
     scope: dict[str, object] = {"cls": schema.cls, "KIND": kind, "CodecError": CodecError,
                                 "InvalidValue": InvalidValue, "int_error": int_binary_decode}

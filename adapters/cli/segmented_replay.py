@@ -22,7 +22,7 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
 from kvledger import __version__
-from kvledger.adapters.log_files import open_log
+from kvledger.adapters.log_files import log_header
 from kvledger.adapters.log_seek import find_snapshots
 from kvledger.engine.replay import Finding, ReplayResult
 
@@ -37,9 +37,7 @@ def cmd_replay_segments(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             flag = "--from" if name == "start" else f"--{name}"
             raise BadArgument(f"--jobs replays the whole log in segments: it does not go with {flag}")
-    header, records = open_log(args.log)
-    next(records, None)  # started, so that closing it closes the file
-    records.close()  # type: ignore[attr-defined]
+    header = log_header(args.log)
     segments = _segments(find_snapshots(args.log).marks)
     with ProcessPoolExecutor(min(args.jobs, max(1, len(segments) - 1))) as pool:
         futures = [pool.submit(check_segment, args.log, start, end, args.check) for start, end in segments[:-1]]

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import attrs
 
-from kvledger.adapters.log_files import open_log
+from kvledger.adapters.log_files import log_header
 from kvledger.adapters.log_tools import fleet, whatif
 from kvledger.events.config import RULES, ConfigError, EngineConfig, LowerTierSpec, PolicyName
 from kvledger.events.log_records import LogHeader, Record
@@ -164,10 +164,7 @@ class _Log:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        header, records = open_log(path)
-        next(records, None)  # the generator started holds the file, and closes it on `close`
-        records.close()  # type: ignore[attr-defined]
-        self.header = header
+        self.header = log_header(path)
         self.records = 0
 
     def __iter__(self) -> Iterator[Record]:

@@ -278,13 +278,14 @@ class Redrive:
     def _pair(self, recorded_effects: tuple[fx.Effect, ...]) -> None:
         """The jobs just started, each the twin of the log's started by the same event, or untimed."""
         started, self.started = self.started, []
-        for kind in (fx.StartStore, fx.StartLoad, fx.StartSpill) if started else ():  # none of its own: no twin
-            mine = [e for e in started if isinstance(e, kind)]
-            theirs = [e for e in recorded_effects if isinstance(e, kind)]
-            for own, twin in zip(mine, theirs):
-                self.twins[twin.job_id] = own.job_id  # type: ignore[attr-defined]
-            for own in mine[len(theirs):]:
-                self.untimed[own.job_id] = (kind is fx.StartLoad, self.steps)  # type: ignore[attr-defined]
+        if started:  # (with none of its own, nothing to twin: most events)
+            for kind in (fx.StartStore, fx.StartLoad, fx.StartSpill):
+                mine = [e for e in started if isinstance(e, kind)]
+                theirs = [e for e in recorded_effects if isinstance(e, kind)]
+                for own, twin in zip(mine, theirs):
+                    self.twins[twin.job_id] = own.job_id  # type: ignore[attr-defined]
+                for own in mine[len(theirs):]:
+                    self.untimed[own.job_id] = (kind is fx.StartLoad, self.steps)  # type: ignore[attr-defined]
         if self.config.protection is Protection.PIN and self.untimed:
             # A store with no twin pins blocks the log's vLLM was free to reuse at once: it ends now.
             self._end_untimed(loads=False, every=True)

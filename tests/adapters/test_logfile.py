@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import subprocess
@@ -521,3 +522,31 @@ def test_a_log_is_private_to_its_owner_however_it_is_created(tmp_path: Path, fmt
     for path in (fresh, taken, beside):
         assert os.stat(path).st_mode & 0o777 == 0o600, path
     assert open_log(taken)[0] == open_log(fresh)[0]  # the overwritten file holds the new log whole
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_logs_header_alone_is_read_and_its_file_closed(tmp_path, cut) -> None:
+    """`log_header` (whatif's passes and `replay --jobs` take the header first) leaves no file
+    open, and leaves a bad first record to whoever reads the records."""
+    import gc
+    import warnings
+
+    from kvledger.adapters.cli.main import main
+    from kvledger.adapters.log_files import log_header
+
+    path = tmp_path / "events.log"
+    assert main(["simulate", "--scenario", "full", "--steps", "20", "--out", str(path)]) == 0
+    if cut:  # inside the first step's frame, just past the header's
+        data = path.read_bytes()
+        header_end = len(MAGIC) + 8 + int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
+        path.write_bytes(data[: header_end + 10])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        header = log_header(path)
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]  # closed, not left to the collector
+    whole, records = open_log(path)
+    with contextlib.suppress(LogError):
+        for _record in records:  # read to its end (or its tear), which closes the file
+            pass
+    assert header == whole
