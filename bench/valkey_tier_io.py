@@ -13,12 +13,16 @@ median reported in GB/s (1e9 bytes) with the tier's ratio to raw. `valkey-benchm
 same value sizes for context (where the server has it beside it). The server runs here, on loopback: its own CPU time competes with
 the client's on a small machine, as it would on a host that runs both. The last line is JSON.
 
+`--cluster` runs the same against a cluster of three masters with a replica each (six servers
+here): raw is valkey-py's cluster pipeline, which kvledger's cluster reads went through before
+they were read node by node with its own framing (`cluster_store`); `valkey-benchmark` is skipped.
+
 `--busy-threads N` runs N Python threads that never wait, as vLLM's engine loop holds the GIL in
 the process the tier's threads share with it: every socket call then returns to a wait for the
 GIL of up to a switch interval (5 ms).
 
     python bench/valkey_tier_io.py [--total-mib 512] [--block-kib 256 2048] [--threads 8] [--jobs 4]
-                                   [--rounds 3] [--busy-threads 0]
+                                   [--rounds 3] [--busy-threads 0] [--cluster]
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ from pathlib import Path
 import structlog
 import torch
 import valkey
+import valkey.cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.support
 
 from kvledger.transfers.lower_tiers.valkey.store import ValkeyServer  # noqa: E402
 from kvledger.transfers.lower_tiers.valkey.tier import ValkeyTierIO  # noqa: E402
-from tests.support.valkey_servers import ServerProcess, server_binary  # noqa: E402
+from tests.support.valkey_servers import ClusterProcesses, ServerProcess, server_binary  # noqa: E402
 
 NAMESPACE = bytes(range(16))
 PIPELINE = 32
@@ -65,8 +70,40 @@ def on_threads(work, shares: list) -> float:
     return time.perf_counter() - started
 
 
-def raw(port: int, values: list[bytes], threads: int, kind: str) -> float:
-    clients = [valkey.Valkey(port=port) for _ in range(threads)]
+class Servers:
+    """One server, or a cluster's three masters (and their replicas)."""
+
+    def __init__(self, cluster: bool, maxmemory_mib: int) -> None:
+        self.cluster = cluster
+        if cluster:
+            self.processes = ClusterProcesses(maxmemory=f"{maxmemory_mib // 3 + 256}mb")
+            self.masters = self.processes.servers[:3]
+        else:
+            self.processes = ServerProcess(maxmemory=f"{maxmemory_mib}mb", policy="noeviction")
+            self.masters = [self.processes]
+
+    def client(self) -> valkey.Valkey | valkey.ValkeyCluster:
+        if self.cluster:
+            return valkey.ValkeyCluster(startup_nodes=[valkey.cluster.ClusterNode("127.0.0.1", m.port)
+                                                       for m in self.masters])
+        return valkey.Valkey(port=self.masters[0].port)
+
+    def tier_server(self) -> ValkeyServer:
+        return ValkeyServer(nodes=tuple(("127.0.0.1", m.port) for m in self.masters), cluster=self.cluster,
+                            timeout_s=30)
+
+    def flush(self) -> None:
+        for master in self.masters:
+            master.cli("FLUSHALL")
+        if self.cluster:  # the replicas too, before the next round's writes
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.processes.close()
+
+
+def raw(servers: Servers, values: list[bytes], threads: int, kind: str) -> float:
+    clients = [servers.client() for _ in range(threads)]
     names = [b"raw:%d" % n for n in range(len(values))]
     shares = split(list(range(len(values))), threads)
 
@@ -123,12 +160,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--busy-threads", type=int, default=0)
+    parser.add_argument("--cluster", action="store_true")
     args = parser.parse_args()
     busy = threading.Event()
     for _ in range(args.busy_threads):
         threading.Thread(target=spin, args=(busy,), daemon=True).start()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    server = ServerProcess(maxmemory=f"{3 * args.total_mib + 512}mb", policy="noeviction")
+    server = Servers(args.cluster, 3 * args.total_mib + 512)
     results = []
     try:
         for kib in args.block_kib:
@@ -136,22 +174,23 @@ def main() -> None:
             count = max(args.jobs * 4, (args.total_mib << 20) // size)
             rows = torch.randint(-128, 127, (count, size), dtype=torch.int8)
             values = [bytes(rows[n].numpy()) for n in range(count)]
-            io = ValkeyTierIO(server=ValkeyServer(nodes=(("127.0.0.1", server.port),), timeout_s=30), name="1:valkey",
+            io = ValkeyTierIO(server=server.tier_server(), name="1:valkey",
                               namespace=NAMESPACE, rows=rows, payload_bytes=(size,), connections=args.threads)
             nbytes = count * size
             times: dict[str, list[float]] = {"raw set": [], "tier write": [], "raw get": [], "tier read": []}
             job = 0
             for _ in range(args.rounds):
-                server.cli("FLUSHALL")
-                times["raw set"].append(raw(server.port, values, args.threads, "set"))
+                server.flush()
+                times["raw set"].append(raw(server, values, args.threads, "set"))
                 times["tier write"].append(tier(io, "write", count, args.jobs, job))
-                times["raw get"].append(raw(server.port, values, args.threads, "get"))
+                times["raw get"].append(raw(server, values, args.threads, "get"))
                 times["tier read"].append(tier(io, "read", count, args.jobs, job + args.jobs))
                 job += 2 * args.jobs
             io.shutdown()
             rates = {name: round(nbytes / statistics.median(t) / 1e9, 2) for name, t in times.items()}
-            server.cli("FLUSHALL")
-            context = valkey_benchmark(server.port, size, max(100, (256 << 20) // size))
+            server.flush()
+            context = {} if args.cluster else valkey_benchmark(server.masters[0].port, size,
+                                                                max(100, (256 << 20) // size))
             row = {"block_kib": kib, "blocks": count, **rates,
                    "write_ratio": round(rates["tier write"] / rates["raw set"], 2),
                    "read_ratio": round(rates["tier read"] / rates["raw get"], 2),
@@ -164,7 +203,7 @@ def main() -> None:
     finally:
         busy.set()
         server.close()
-    print(json.dumps({"threads": args.threads, "jobs": args.jobs, "rounds": args.rounds,
+    print(json.dumps({"cluster": args.cluster, "threads": args.threads, "jobs": args.jobs, "rounds": args.rounds,
                       "busy_threads": args.busy_threads, "results": results}))
 
 

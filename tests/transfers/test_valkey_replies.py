@@ -21,6 +21,7 @@ from structlog.testing import capture_logs
 from kvledger.events.config import ConfigError
 from kvledger.transfers.lower_tiers.tier_io import TierJob
 from kvledger.transfers.lower_tiers.tier_types import check_tiers, parse_tiers
+from kvledger.transfers.lower_tiers.valkey.cluster_store import open_store
 from kvledger.transfers.lower_tiers.valkey.store import (
     BadCertificate,
     Landed,
@@ -278,8 +279,9 @@ def test_a_job_failed_only_as_unreachable_logs_below_warning() -> None:
 @pytest.mark.slow  # six TLS servers joined into a cluster, per case
 @pytest.mark.parametrize("name, works", [("127.0.0.1", True), ("other.example", False)])
 def test_a_tls_cluster_checks_every_node_s_host_name(name, works, needs_tls) -> None:
-    """valkey-py's cluster client drops the host-name check from its nodes' options
-    unless kvledger puts it back: a certificate for another name must not serve."""
+    """Every node of a cluster is connected to as one server is, its certificate's
+    host name checked (valkey-py's cluster client dropped the check from its nodes'
+    options): a certificate for another name must not serve."""
     from tests.support.valkey_servers import ClusterProcesses
 
     cluster = ClusterProcesses(tls=True, tls_name=name)
@@ -287,15 +289,14 @@ def test_a_tls_cluster_checks_every_node_s_host_name(name, works, needs_tls) -> 
         ca_file = str(cluster.certificate[0])
         server = ValkeyServer(nodes=tuple(("127.0.0.1", s.port) for s in cluster.servers[:3]), cluster=True,
                               tls=True, tls_ca_file=ca_file, timeout_s=2.0)
-        store = ValkeyStore(server)
+        store = open_store(server)
         try:
             if works:
                 keys = [b"kvledger:k%d" % n for n in range(20)]  # spread over the three masters
                 assert store.set_many([(k, b"h", memoryview(b"v")) for k in keys]) == [None] * 20
                 assert store.exists_each(keys) == [True] * 20
-                nodes = store._connect().get_nodes()
-                assert len(nodes) >= 3 and all(
-                    n.valkey_connection.connection_pool.connection_kwargs.get("ssl_check_hostname") for n in nodes)
+                nodes = [store._node(address) for address in store.masters()]
+                assert len(nodes) == 3 and all(node._connect().connection.check_hostname for node in nodes)
             else:
                 with pytest.raises(StoreDown, match="(?i)certificate|mismatch|hostname"):
                     store.ping()

@@ -10,12 +10,13 @@ from kvledger.transfers.lower_tiers.block_header import KEY_BYTES_MAX, compact_h
 from kvledger.transfers.lower_tiers.contract import Lookup, TierType, WorkerSite
 from kvledger.transfers.lower_tiers.health import Health
 from kvledger.transfers.lower_tiers.tier_jobs import TierIO
+from kvledger.transfers.lower_tiers.valkey.cluster_store import open_store
 from kvledger.transfers.lower_tiers.valkey.settings import (
     ValkeyTierSettings,
     check_valkey_tier,
     parse_valkey_tier,
 )
-from kvledger.transfers.lower_tiers.valkey.store import StoreDown, ValkeyStore
+from kvledger.transfers.lower_tiers.valkey.store import StoreDown
 from kvledger.transfers.lower_tiers.valkey.tier import (
     ValkeyTierIO,
     keys_present,
@@ -29,14 +30,14 @@ def _valkey_header_bytes(tier: ValkeyTierSettings) -> int:
 
 
 def _valkey_lookup(tier: ValkeyTierSettings, name: str, namespaces: tuple[bytes, ...]) -> Lookup:
-    store = ValkeyStore(tier.server)  # used by the lookups' thread alone
+    store = open_store(tier.server)  # used by the lookups' thread alone
     health = Health(name, tier.server.where, tier.server.timeout_s)
     return Lookup(find=functools.partial(keys_present, store, health, namespaces, key_prefix=tier.key_prefix),
                   health=health, close=store.close)
 
 
 def _valkey_other_formats(tier: ValkeyTierSettings) -> list[tuple[str, object, int]]:
-    store = ValkeyStore(tier.server)
+    store = open_store(tier.server)
     try:
         return other_formats(store, tier.key_prefix)
     finally:
@@ -45,7 +46,7 @@ def _valkey_other_formats(tier: ValkeyTierSettings) -> list[tuple[str, object, i
 
 def _valkey_open(tier: ValkeyTierSettings, site: WorkerSite) -> TierIO:
     if site.writes:  # says which block format the namespace's blocks are in, for builds of another
-        store = ValkeyStore(tier.server)
+        store = open_store(tier.server)
         try:
             register_format(store, site.namespace, tier.key_prefix)
         except StoreDown:

@@ -17,6 +17,7 @@ from kvledger.events.config import ConfigError
 from kvledger.transfers.lower_tiers.tier_settings import TierSecret
 from kvledger.transfers.lower_tiers.tier_settings import positive_int as _positive_int
 from kvledger.transfers.lower_tiers.valkey.block_value import KEY_PREFIX
+from kvledger.transfers.lower_tiers.valkey.cluster_store import open_store
 from kvledger.transfers.lower_tiers.valkey.store import BadCertificate, StoreDown, ValkeyServer, ValkeyStore
 
 _log = structlog.get_logger("kvledger.adapters.tier_settings")  # the name its lines have always carried
@@ -151,10 +152,10 @@ def check_valkey_tier(where: str, tier: ValkeyTierSettings) -> None:
     if tier.server.password is not None and not tier.server.tls:
         _log.warning("tier_password_in_clear", where=where, server=tier.server.where,
                      why="AUTH goes over plain redis://: anyone on the path reads the password; use rediss://")
-    store = ValkeyStore(tier.server)
+    store = open_store(tier.server)
     try:
         store.ping()
-        if not tier.server.cluster and store.cluster_enabled():
+        if isinstance(store, ValkeyStore) and store.cluster_enabled():
             raise ConfigError(f"{where}: {tier.server.where} is a node of a cluster, which answers most keys "
                               f"with MOVED: set cluster: true (and name the cluster's nodes in 'urls')")
     except BadCertificate as exc:

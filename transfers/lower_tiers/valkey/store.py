@@ -1,11 +1,11 @@
-"""Commands on a Valkey (or Redis) server or cluster, as the Valkey tier needs
-them: pipelined SET, GET and EXISTS, with no retries of the client's own and
+"""Commands on one Valkey (or Redis) server, as the Valkey tier needs them:
+pipelined SET, GET and EXISTS, with no retries of the client's own and
 `timeout_s` bounding a whole batch, so a dead, paused or trickling server
 costs one timeout and then counts as down (`StoreDown`) for its caller to
-handle.
+handle. A cluster is its nodes, each one such server (`cluster_store`).
 
-The server is shared, so its replies are not trusted: on one server they are
-read here (`_Replies`), and only the lengths a command can answer are taken
+The server is shared, so its replies are not trusted: they are read here
+(`_Replies`), and only the lengths a command can answer are taken
 (a value of the size asked for, or close to it; a status or a number on a
 short line). A GET's value longer than that is read past in small pieces and
 fails its key alone (`ValueTooLarge`: someone wrote something else there);
@@ -13,10 +13,10 @@ any other reply that claims more, or is not one a command gives, fails the
 batch as the server being down and drops the connection. Whatever the server
 sends, memory stays bounded by the blocks asked for.
 
-The client is valkey-py with libvalkey's parser (bench/valkey_clients.py
-compares it with valkey-glide and redis-py; bench/RESULTS.md has the numbers):
-it connects, authenticates and serves a cluster. A `ValkeyStore` is one
-thread's: each I/O thread holds its own connection.
+valkey-py (bench/valkey_clients.py compares it with valkey-glide and
+redis-py; bench/RESULTS.md has the numbers) connects, authenticates and
+sends the rare commands (not a block's). A `ValkeyStore` is one thread's:
+each I/O thread holds its own connection.
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ from typing import Any, TypeVar
 
 import attrs
 import valkey
-import valkey.cluster
 from valkey.backoff import NoBackoff
-from valkey.cluster import ClusterNode, ValkeyCluster
-from valkey.exceptions import ResponseError, ValkeyClusterException, ValkeyError
+from valkey.exceptions import ResponseError, ValkeyError
 from valkey.retry import Retry
 
 LINE_MAX = 4096
@@ -44,6 +42,9 @@ SLACK_BYTES = 4096
 """How much longer than asked for a value may be and still be read, to fail its own key's check."""
 INFO_MAX = 1 << 16
 """The longest `INFO cluster` reply taken (a few hundred bytes)."""
+SLOTS_MAX = 4 << 20
+"""The most bytes a `CLUSTER SLOTS` reply may take (a cluster of three masters answers in about
+500; 16,384 slot ranges, each on its own master and replica, in about 2 MB)."""
 REFRESH_S = 0.002
 """How long a socket timeout set to a batch's time left is kept (`_Wire`)."""
 LATE = "the batch took longer than timeout_s"
@@ -72,13 +73,9 @@ class ValkeyServer:
         return ",".join(f"{scheme}://{host}:{port}" for host, port in self.nodes)
 
 
-# valkey-py's cluster client hands each node's connection only the options on its
-# list (`valkey.cluster.VALKEY_ALLOWED_KEYS`), which leaves out the host-name check
-# and the lowest TLS version: a node would accept a certificate for any name. Both
-# options are the node client's own (`valkey.Valkey` takes them); they join the list.
-_CLUSTER_TLS_KEYS = ("ssl_check_hostname", "ssl_min_version")
-_FAILURES = (ValkeyError, ValkeyClusterException, OSError)  # a cluster client that cannot start raises the second
-valkey.cluster.VALKEY_ALLOWED_KEYS = tuple(dict.fromkeys((*valkey.cluster.VALKEY_ALLOWED_KEYS, *_CLUSTER_TLS_KEYS)))
+_FAILURES = (ValkeyError, OSError)
+REDIRECTS = (b"MOVED ", b"ASK ")
+"""The error replies of a cluster node that does not hold a key's slot (now, or while it moves)."""
 
 
 class StoreDown(Exception):
@@ -95,45 +92,36 @@ _T = TypeVar("_T")
 
 
 class ValkeyStore:
-    def __init__(self, server: ValkeyServer) -> None:
-        self.server = server
-        self._client: valkey.Valkey | ValkeyCluster | None = None
+    """One server's commands. `deadline` (a `time.monotonic()`), where a
+    command takes it, bounds the batch instead of `timeout_s` from now: a
+    cluster's batch spans several nodes within one timeout."""
 
-    def _connect(self) -> valkey.Valkey | ValkeyCluster:
-        """The client, connected. TLS checks the certificate and its host name
-        and takes nothing older than TLS 1.2, on one server and on every node
-        of a cluster (`_CLUSTER_TLS_KEYS`)."""
+    def __init__(self, server: ValkeyServer) -> None:
+        if server.cluster:
+            raise ValueError(f"{server.where} is a cluster: its store is a ClusterStore (open_store)")
+        self.server = server
+        self._client: valkey.Valkey | None = None
+        self.redirected = False  # whether the last batch met MOVED or ASK (a cluster's slots moved)
+
+    def _connect(self) -> valkey.Valkey:
+        """The client, connected: TLS checks the certificate and its host name
+        and takes nothing older than TLS 1.2."""
         if self._client is None:
             tier = self.server
-            common = dict(username=tier.username, password=tier.password, ssl=tier.tls, ssl_ca_certs=tier.tls_ca_file,
-                          ssl_cert_reqs="required", ssl_check_hostname=True,
-                          ssl_min_version=ssl.TLSVersion.TLSv1_2,
-                          socket_timeout=tier.timeout_s, socket_connect_timeout=tier.timeout_s,
-                          retry=Retry(NoBackoff(), 0), client_name="kvledger")
+            host, port = tier.nodes[0]
             try:
-                if tier.cluster:
-                    # A master that dies is replaced by its replica within the cluster's node
-                    # timeout; the client refreshes its slot map on the next command.
-                    self._client = ValkeyCluster(
-                        startup_nodes=[ClusterNode(host, port) for host, port in tier.nodes],
-                        cluster_error_retry_attempts=1, require_full_coverage=False, **common)
-                else:
-                    host, port = tier.nodes[0]
-                    self._client = valkey.Valkey(host=host, port=port, db=tier.db, single_connection_client=True,
-                                                 **common)
+                self._client = valkey.Valkey(
+                    host=host, port=port, db=tier.db, single_connection_client=True,
+                    username=tier.username, password=tier.password, ssl=tier.tls, ssl_ca_certs=tier.tls_ca_file,
+                    ssl_cert_reqs="required", ssl_check_hostname=True, ssl_min_version=ssl.TLSVersion.TLSv1_2,
+                    socket_timeout=tier.timeout_s, socket_connect_timeout=tier.timeout_s,
+                    retry=Retry(NoBackoff(), 0), client_name="kvledger")
             except _FAILURES as exc:
                 raise _down(exc) from None
         return self._client
 
-    def ping(self) -> None:
-        if self.server.cluster:
-            try:
-                self._connect().ping()
-            except _FAILURES as exc:
-                self._reset()
-                raise _down(exc) from None
-            return
-        refused = self._exchange([b"*1\r\n$4\r\nPING\r\n"], lambda replies: replies.status(b"+PONG"))
+    def ping(self, deadline: float | None = None) -> None:
+        refused = self._exchange([b"*1\r\n$4\r\nPING\r\n"], lambda replies: replies.status(b"+PONG"), deadline)
         if refused is not None:
             self._reset()
             raise StoreDown(refused)
@@ -145,22 +133,23 @@ class ValkeyStore:
         info = self._exchange([b"*2\r\n$4\r\nINFO\r\n$7\r\ncluster\r\n"], lambda replies: replies.bulk(INFO_MAX))
         return info is not None and b"cluster_enabled:1" in info
 
-    def set_many(self, items: Sequence[tuple[bytes, bytes, memoryview]]) -> list[str | None]:
+    def cluster_slots(self, deadline: float | None = None) -> object:
+        """`CLUSTER SLOTS`'s reply, as nested lists (`_Replies.tree`), at most `SLOTS_MAX` bytes."""
+        return self._exchange([b"*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n"],
+                              lambda replies: replies.tree(SLOTS_MAX, depth=4), deadline)
+
+    def set_many(self, items: Sequence[tuple[bytes, bytes, memoryview]],
+                 deadline: float | None = None) -> list[str | None]:
         """SET each key to its header and payload; per item None, or why the
         server refused it (a full server: OOM).
 
-        On one server the commands are framed here and the payload sent from
-        its own memory, as the socket's `send` takes it: valkey-py's packer
-        (libvalkey's) copies every value into one buffer per command, and
-        joining header and payload would copy it once more, which on a busy
-        host costs the tier a third of its write speed (bench/valkey_tier_io.py).
-        A cluster routes each key to its node: values are joined there, and
-        valkey-py reads the replies."""
+        The commands are framed here and the payload sent from its own memory,
+        as the socket's `send` takes it: valkey-py's packer (libvalkey's)
+        copies every value into one buffer per command, and joining header and
+        payload would copy it once more, which on a busy host costs the tier a
+        third of its write speed (bench/valkey_tier_io.py)."""
         if not items:
             return []
-        if self.server.cluster:
-            joined = [(key, b"".join((header, payload))) for key, header, payload in items]
-            return [None if ok is True else _describe(ok) for ok in self._pipeline("set", joined)]
         chunks: list[bytes | memoryview] = []
         after = b""  # the previous payload's CRLF, sent with the next command's head
         for key, header, payload in items:
@@ -169,45 +158,42 @@ class ValkeyStore:
             chunks.append(payload)
             after = b"\r\n"
         chunks.append(after)
-        return self._exchange(chunks, lambda replies: replies.each(len(items), 5, lambda: replies.status(b"+OK")))
+        return self._exchange(chunks, lambda replies: replies.each(len(items), 5, lambda: replies.status(b"+OK")),
+                              deadline)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None | Exception]:
-        return self._pipeline("get", [(k,) for k in keys])
-
-    def get_into(self, keys: Sequence[bytes], heads: Sequence[int],
-                 targets: Sequence[memoryview]) -> list[bytes | None | Exception | Landed]:
+    def get_into(self, keys: Sequence[bytes], heads: Sequence[int], targets: Sequence[memoryview],
+                 deadline: float | None = None) -> list[bytes | None | Exception | Landed]:
         """GET each key; a value of `heads[n]` + `len(targets[n])` bytes lands in
         place: its first `heads[n]` bytes are returned (`Landed`), the rest read
         from the socket straight into `targets[n]`, unchecked (the caller checks
         it). A value of another length, up to `SLACK_BYTES` longer, is returned
         whole (its check fails it), a missing key as None, an error reply (a key
-        of another type) as its `ResponseError`, a longer value as `ValueTooLarge`
-        (read past, not kept).
+        of another type, a cluster's MOVED) as its `ResponseError`, a longer
+        value as `ValueTooLarge` (read past, not kept).
 
-        On one server only, as `set_many` frames its commands: a reply read into
-        its block costs no allocation and no copy, where valkey-py's reader
-        makes a bytes object of every value (bench/valkey_tier_io.py)."""
-        if self.server.cluster:
-            return self.get_many(keys)
+        A reply read into its block costs no allocation and no copy, where
+        valkey-py's reader makes a bytes object of every value
+        (bench/valkey_tier_io.py)."""
         if not keys:
             return []
         command = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
-        return self._exchange([command], lambda replies: replies.values(heads, targets))
+        return self._exchange([command], lambda replies: replies.values(heads, targets), deadline)
 
-    def exists_each(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key has a value; an error reply counts as none. A cluster's
-        replies are read by valkey-py, one server's by `_Replies`."""
+    def exists_each(self, keys: Sequence[bytes], deadline: float | None = None) -> list[bool]:
+        """Whether each key has a value; an error reply counts as none."""
         if not keys:
             return []
-        if self.server.cluster:
-            return [answer == 1 for answer in self._pipeline("exists", [(k,) for k in keys])]
         command = b"".join(b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
-        return self._exchange([command], lambda replies: replies.each(len(keys), 4, replies.exists))
+        return self._exchange([command], lambda replies: replies.each(len(keys), 4, replies.exists), deadline)
 
-    def _exchange(self, chunks: Sequence[bytes | memoryview], read: Callable[[_Replies], _T]) -> _T:
-        """On one server: send `chunks`, then `read` the replies, all within `timeout_s`.
-        Any failure, a reply the commands do not give among them, drops the connection."""
-        deadline = time.monotonic() + self.server.timeout_s
+    def _exchange(self, chunks: Sequence[bytes | memoryview], read: Callable[[_Replies], _T],
+                  deadline: float | None = None) -> _T:
+        """Send `chunks`, then `read` the replies, all by `deadline` (else within
+        `timeout_s`). Any failure, a reply the commands do not give among them,
+        drops the connection."""
+        if deadline is None:
+            deadline = time.monotonic() + self.server.timeout_s
+        self.redirected = False
         try:
             connection = self._fresh_connection()
             with _whole_blocks(connection, deadline) as wire:
@@ -215,28 +201,11 @@ class ValkeyStore:
                 replies = _Replies(wire)
                 answers = read(replies)
                 replies.finish()
+                self.redirected = replies.redirected
                 return answers
         except (*_FAILURES, _ProtocolError) as exc:
             self._reset()
             raise _down(exc) from None
-
-    def _pipeline(self, command: str, args: Sequence[tuple]) -> list:
-        if not args:
-            return []
-        try:
-            pipe = self._connect().pipeline(transaction=False)
-            call = getattr(pipe, command)
-            for arg in args:
-                call(*arg)
-            answers = pipe.execute(raise_on_error=False)
-        except _FAILURES as exc:
-            self._reset()
-            raise _down(exc) from None
-        down = [a for a in answers if isinstance(a, Exception) and not isinstance(a, ResponseError)]
-        if down:  # a cluster node lost mid-pipeline: the rest of the answers are not to be trusted either
-            self._reset()
-            raise StoreDown(_describe(down[0]))
-        return answers
 
     def _fresh_connection(self):
         """The single-connection client's own connection, reopened if the server
@@ -264,8 +233,8 @@ class ValkeyStore:
                 return found
 
     def count_keys(self, pattern: bytes, budget_s: float) -> tuple[int, bool]:
-        """How many keys match `pattern` (SCAN, every node of a cluster), counted for at most
-        `budget_s`: (count, whether the count is complete)."""
+        """How many keys match `pattern` (SCAN), counted for at most `budget_s`:
+        (count, whether the count is complete)."""
         deadline = time.monotonic() + budget_s
         count = 0
         try:
@@ -279,7 +248,7 @@ class ValkeyStore:
         return count, True
 
     def _command(self, name: str, *args: object) -> Any:
-        """One of the rare commands (not a block's), through valkey-py on one server or a cluster."""
+        """One of the rare commands (not a block's), through valkey-py."""
         try:
             return getattr(self._connect(), name)(*args)
         except _FAILURES as exc:
@@ -317,9 +286,21 @@ def _down(exc: BaseException) -> StoreDown:
 @contextlib.contextmanager
 def _whole_blocks(connection, deadline: float) -> Iterator[_Wire]:
     """The connection's socket, blocking, each call bounded by the time left
-    until `deadline` (`_Wire`); valkey-py's own timeout restored after."""
+    until `deadline` (`_Wire`); valkey-py's own timeout restored after. A
+    connection made here (its handshake: TLS, AUTH, the client's name) is
+    bounded by the same deadline."""
     if connection._sock is None:
-        connection.connect()
+        timeouts = connection.socket_timeout, connection.socket_connect_timeout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(LATE)
+        connection.socket_timeout = connection.socket_connect_timeout = left
+        try:
+            connection.connect()
+        finally:
+            connection.socket_timeout, connection.socket_connect_timeout = timeouts
+            if connection._sock is not None:
+                connection._sock.settimeout(timeouts[0])
     sock = connection._sock
     previous = sock.gettimeout()
     sock.settimeout(None)
@@ -468,6 +449,13 @@ class _Replies:
         self.wire = wire
         self.buffer = bytearray()
         self.least = 0  # the fewest bytes the replies still to come take: a read waits for them
+        self.redirected = False  # a MOVED or ASK among the replies
+
+    def _error(self, line: bytes) -> ResponseError:
+        """An error reply's line (`-...`), as its error; a cluster's redirect noted."""
+        if line[1:].startswith(REDIRECTS):
+            self.redirected = True
+        return ResponseError(line[1:].decode(errors="replace"))
 
     def each(self, count: int, least: int, read: Callable[[], _T]) -> list[_T]:
         """`count` replies, each of `least` bytes or more, read by `read`: a
@@ -572,7 +560,7 @@ class _Replies:
         """A GET's reply (see `ValkeyStore.get_into`)."""
         line = self._line()
         if line[:1] == b"-":
-            return ResponseError(line[1:].decode(errors="replace"))
+            return self._error(line)
         size = self._length(line)
         if size < 0:
             return None
@@ -607,13 +595,16 @@ class _Replies:
         if line == ok:
             return None
         if line[:1] == b"-":
-            return _describe(ResponseError(line[1:].decode(errors="replace")))
+            return _describe(self._error(line))
         raise _ProtocolError(f"{ok!r} or an error expected, got {line[:40]!r}")
 
     def exists(self) -> bool:
         """An EXISTS of one key's reply; an error reply counts as no value."""
         line = self._line()
-        if line in (b":0", b":1") or line[:1] == b"-":
+        if line[:1] == b"-":
+            self._error(line)
+            return False
+        if line in (b":0", b":1"):
             return line == b":1"
         raise _ProtocolError(f"an EXISTS answered {line[:40]!r}")
 
@@ -630,6 +621,49 @@ class _Replies:
         value = self._exact(size)
         self._end()
         return value
+
+    def tree(self, most: int, depth: int) -> object:
+        """A reply of any RESP2 kind (`CLUSTER SLOTS`'s), as bytes, an int, None,
+        a `ResponseError` or a list of these, nested at most `depth` lists deep,
+        its lines and strings at most `most` bytes together (each element
+        counted as it comes, so a claimed count costs nothing until it does)."""
+        left = most
+
+        def take(count: int) -> None:
+            nonlocal left
+            left -= count
+            if left < 0:
+                raise _ProtocolError(f"a reply longer than {most} bytes")
+
+        def one(level: int) -> object:
+            line = self._line()
+            take(len(line) + 2)
+            kind, rest = line[:1], line[1:]
+            if kind == b"-":
+                return self._error(line)
+            if kind == b"+":
+                return rest
+            if kind == b"$":
+                size = self._length(line)
+                if size < 0:
+                    return None
+                take(size + 2)
+                value = self._exact(size)
+                self._end()
+                return value
+            digits = rest[1:] if rest[:1] == b"-" else rest
+            if kind not in (b":", b"*") or not digits.isdigit() or len(digits) > 18:
+                raise _ProtocolError(f"a reply of a kind not expected: {line[:40]!r}")
+            number = int(rest)
+            if kind == b":":
+                return number
+            if number < 0:
+                return None
+            if level == depth:
+                raise _ProtocolError(f"a reply nested more than {depth} deep")
+            return [one(level + 1) for _ in range(number)]
+
+        return one(0)
 
     def finish(self) -> None:
         """After the last reply: nothing more may have come."""

@@ -34,6 +34,7 @@ from kvledger.transfers.lower_tiers.valkey.block_value import (
     store_key,
     value_header,
 )
+from kvledger.transfers.lower_tiers.valkey.cluster_store import ClusterStore, open_store
 from kvledger.transfers.lower_tiers.valkey.store import (
     Landed,
     StoreDown,
@@ -41,6 +42,8 @@ from kvledger.transfers.lower_tiers.valkey.store import (
     ValkeyStore,
     ValueTooLarge,
 )
+
+Store = ValkeyStore | ClusterStore
 
 _log = structlog.get_logger("kvledger.transfers.valkey_tier")
 
@@ -94,16 +97,16 @@ class ValkeyTierIO(ThreadedTierIO):
 
     # -- the threads' side -------------------------------------------------------------------------
 
-    def _thread_context(self) -> ValkeyStore:
-        return ValkeyStore(self.server)  # a connection of this thread's own
+    def _thread_context(self) -> Store:
+        return open_store(self.server)  # connections of this thread's own
 
-    def _thread_done(self, store: ValkeyStore) -> None:
+    def _thread_done(self, store: Store) -> None:
         store.close()
 
-    def _run(self, item: _Batch, store: ValkeyStore) -> None:
+    def _run(self, item: _Batch, store: Store) -> None:
         self._run_batch(store, *item)
 
-    def _run_batch(self, store: ValkeyStore, job: TierJob, blocks: list[Block]) -> None:
+    def _run_batch(self, store: Store, job: TierJob, blocks: list[Block]) -> None:
         started = time.perf_counter()
         failed: list[tuple[int, int, bytes, str]] = []
         nbytes = 0
@@ -128,7 +131,7 @@ class ValkeyTierIO(ThreadedTierIO):
     def _key(self, key: bytes) -> bytes:
         return store_key(self.namespace, key, self.key_prefix)
 
-    def _write(self, store: ValkeyStore, blocks: Sequence[Block]) -> tuple[int, list]:
+    def _write(self, store: Store, blocks: Sequence[Block]) -> tuple[int, list]:
         items = []
         for g, _, key, slot in blocks:
             payload = memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B")
@@ -141,7 +144,7 @@ class ValkeyTierIO(ThreadedTierIO):
                          error=next(why for why in refused if why is not None))
         return sum(self.payload_bytes[g] for (g, _, _, _), why in zip(blocks, refused) if why is None), failed
 
-    def _read(self, store: ValkeyStore, blocks: Sequence[Block]) -> tuple[int, list]:
+    def _read(self, store: Store, blocks: Sequence[Block]) -> tuple[int, list]:
         targets = [memoryview(self._array[slot, : self.payload_bytes[g]]).cast("B") for g, _, _, slot in blocks]
         sealed = self.seal is not None
         names = [self._key(key) for _, _, key, _ in blocks]
@@ -174,7 +177,7 @@ class ValkeyTierIO(ThreadedTierIO):
         job.finished(outcome)
 
 
-def keys_present(store: ValkeyStore, health: Health, namespaces: tuple[bytes, ...],
+def keys_present(store: Store, health: Health, namespaces: tuple[bytes, ...],
                  keys: tuple[bytes, ...], key_prefix: bytes = KEY_PREFIX) -> tuple[bytes, ...]:
     """The keys with a value in every namespace (one per tensor-parallel rank).
     While the server is down it raises `StoreDown`, at once: the lookup finds
@@ -200,11 +203,11 @@ FORMATS_MOST = 1024  # namespaces read from the hash at most
 COUNT_BUDGET_S = 1.0  # the most time spent counting other formats' blocks at start, all namespaces together
 
 
-def register_format(store: ValkeyStore, namespace: bytes, key_prefix: bytes = KEY_PREFIX) -> None:
+def register_format(store: Store, namespace: bytes, key_prefix: bytes = KEY_PREFIX) -> None:
     store.hset(key_prefix + FORMATS_KEY, namespace.hex(), str(FORMAT_VERSION))
 
 
-def other_formats(store: ValkeyStore, key_prefix: bytes = KEY_PREFIX) -> list[tuple[str, object, int]]:
+def other_formats(store: Store, key_prefix: bytes = KEY_PREFIX) -> list[tuple[str, object, int]]:
     """The namespaces whose writers registered a block format other than this build's, as
     (namespace hex, their format, their blocks counted; at least that many where the count ran
     out of time), from `FORMATS_KEY`. Nothing where the server cannot be asked."""
