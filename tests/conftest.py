@@ -86,7 +86,8 @@ def mount(tmp_path):
     def make(fstype: str, options: str = ""):
         point = tmp_path / f"{fstype}{len(points)}"
         point.mkdir()
-        args = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(point)]
+        options = ",".join(filter(None, (options, "mode=0700")))  # a tier's directory is its user's alone
+        args = ["mount", "-t", fstype, "-o", options, fstype, str(point)]
         done = subprocess.run(args, capture_output=True, text=True)
         assert done.returncode == 0, f"cannot mount {fstype} ({options}): {done.stderr.strip()}"
         points.append(point)

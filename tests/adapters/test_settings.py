@@ -668,3 +668,37 @@ def test_a_secret_is_32_random_bytes_or_is_stretched_once_at_start(tmp_path, mon
     warned = [e for e in logs if e["event"] == "tier_secret_stretched"]
     assert [e["keys"] for e in warned] == ([["secret_env"]] if stretched else [])
     assert text.strip() not in str(logs)
+
+
+def test_a_tier_directory_its_group_can_write_is_refused_without_the_tiers_group(tmp_path):
+    """Under a umask of 002 a user's directories are group-writable: the group's members could plant blocks."""
+    path = tmp_path / "grouped"
+    path.mkdir()
+    os.chmod(path, 0o770)
+    assert problem(with_tiers(fs(path))).startswith(
+        f"secondary_tiers[0].path {str(path)!r} is writable by its group gid {os.getegid()}")
+
+
+@pytest.mark.parametrize("mode, refused", [(0o777, True), (0o775, True), (0o1777, False), (0o755, False)])
+def test_a_tier_under_a_directory_others_can_write_is_refused(tmp_path, mode, refused):
+    """Whoever can write a directory above the tier can rename the tier away and put a link in its place."""
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    (parent / "tier").mkdir(mode=0o700)
+    os.chmod(parent, mode)
+    if refused:
+        words = problem(with_tiers(fs(parent / "tier")))
+        assert words.startswith(f"secondary_tiers[0].path {str(parent / 'tier')!r} sits where another user could "
+                                f"replace it: {parent} is writable by ")
+    else:  # sticky, as /tmp: others cannot rename what is not theirs
+        assert parse_settings(with_tiers(fs(parent / "tier"))).secondary_tiers
+
+
+def test_a_tier_under_a_directory_another_user_owns_is_refused(tmp_path):
+    need_root("it gives a directory to another user")
+    parent = tmp_path / "theirs"
+    parent.mkdir(mode=0o755)
+    (parent / "tier").mkdir(mode=0o700)
+    os.chown(parent, 65534, NOGROUP_GID)
+    assert f"{parent} is owned by uid 65534, who could replace the tier's directory" in problem(
+        with_tiers(fs(parent / "tier")))

@@ -48,27 +48,30 @@ def key_tail(key: bytes) -> str:
 
 
 def write_block(path: str | os.PathLike, namespace: bytes, key: bytes, payload: object,
-                seal: BlockSeal | None = None, *, gid: int | None = None) -> int:
+                seal: BlockSeal | None = None, *, gid: int | None = None, dir_fd: int | None = None,
+                shown: str | os.PathLike | None = None) -> int:
     """Write aside, then rename into place; the bytes written. An error (a full
     disk, a directory that vanished) leaves no file behind and raises
-    `BlockFileError("unwritable", ...)`. `gid`: the tier's group (`file_mode`)."""
+    `BlockFileError("unwritable", ...)`. `gid`: the tier's group (`file_mode`).
+    With `dir_fd`, `path` is a name in that directory (`tier_dir`), and
+    `shown` the path errors name."""
     data = memoryview(payload).cast("B")  # type: ignore[arg-type]
     header, data = seal_block(namespace, key, data, seal)
     final = Path(path)
     aside = aside_path(final)
     try:
-        fd = create_aside(aside, gid)
+        fd = create_aside(aside, gid, dir_fd=dir_fd)
         try:
             _write_all(fd, (memoryview(header), data))
         finally:
             os.close(fd)
-        os.replace(aside, final)
+        os.replace(aside, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as exc:
         try:
-            os.unlink(aside)
+            os.unlink(aside, dir_fd=dir_fd)
         except OSError:
             pass
-        raise write_error(final, exc) from exc
+        raise write_error(shown or final, exc) from exc
     return HEADER_BYTES + data.nbytes
 
 
@@ -110,11 +113,12 @@ def aside_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.{secrets.token_hex(8)}{ASIDE_SUFFIX}")
 
 
-def create_file(path: str | os.PathLike, gid: int | None = None, flags: int = 0) -> int:
+def create_file(path: str | os.PathLike, gid: int | None = None, flags: int = 0, *, dir_fd: int | None = None) -> int:
     """A new file at `path`, open for writing: never one already there nor
     through a link (O_EXCL|O_NOFOLLOW), its mode `file_mode(gid)` whatever the umask."""
     mode = file_mode(gid)
-    fd = os.open(path, flags | os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    fd = os.open(path, flags | os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                 dir_fd=dir_fd)
     try:
         os.fchmod(fd, mode)  # the umask may have narrowed it (0o660 under 022)
     except BaseException:
@@ -123,28 +127,31 @@ def create_file(path: str | os.PathLike, gid: int | None = None, flags: int = 0)
     return fd
 
 
-def create_aside(aside: Path, gid: int | None = None, flags: int = 0) -> int:
+def create_aside(aside: Path, gid: int | None = None, flags: int = 0, *, dir_fd: int | None = None) -> int:
     """`create_file` at `aside`, making the directories above it that a block's
-    path has (fan-out, namespace, the tier's own) where missing."""
+    path has (fan-out, namespace, the tier's own) where missing; in `dir_fd`,
+    a name in a directory `tier_dir` opened (and made)."""
     try:
-        return create_file(aside, gid, flags)
+        return create_file(aside, gid, flags, dir_fd=dir_fd)
     except FileNotFoundError:
+        if dir_fd is not None:
+            raise
         make_dirs(aside.parent, gid, levels=3)
         return create_file(aside, gid, flags)
 
 
-def make_dir(path: str | os.PathLike, gid: int | None = None) -> None:
+def make_dir(path: str | os.PathLike, gid: int | None = None, *, dir_fd: int | None = None) -> None:
     """Make one directory with `dir_mode(gid)` and group `gid`, whatever the
     umask (mkdir's mode is narrowed by it, and takes no setgid bit); a directory
     already there is left as it is, anything else there raises FileExistsError."""
     mode = dir_mode(gid)
     try:
-        os.mkdir(path, mode & 0o777)
+        os.mkdir(path, mode & 0o777, dir_fd=dir_fd)
     except FileExistsError:
-        if stat.S_ISDIR(os.lstat(path).st_mode):
+        if stat.S_ISDIR(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             return
         raise
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         if gid is not None:
             os.fchown(fd, -1, gid)  # before the mode: a change of group may clear the setgid bit
@@ -164,29 +171,31 @@ def make_dirs(path: Path, gid: int | None, levels: int) -> None:
         make_dir(path, gid)
 
 
-def open_block(path: str | os.PathLike) -> int:
+def open_block(path: str | os.PathLike, *, dir_fd: int | None = None, shown: str | os.PathLike | None = None) -> int:
     """`path` open for reading, if it is a regular file. O_NOFOLLOW: a link at a
     block's path is not followed; O_NONBLOCK: a FIFO there cannot hang the
-    reader. Anything but a regular file fails as "unreadable", saying what it is."""
+    reader. Anything but a regular file fails as "unreadable", saying what it is.
+    With `dir_fd`, `path` is a name in that directory, and `shown` the path errors name."""
+    shown = shown or path
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
-        raise BlockFileError("missing", path, "no such file") from None
+        raise BlockFileError("missing", shown, "no such file") from None
     except OSError as exc:  # ELOOP for a link, ENXIO for a socket
         try:
-            mode = os.lstat(path).st_mode
+            mode = os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode
         except OSError:
             mode = stat.S_IFREG
         detail = f"{exc.strerror or exc} (errno {exc.errno})" if stat.S_ISREG(mode) else _not_a_file(mode)
-        raise BlockFileError("unreadable", path, detail) from exc
+        raise BlockFileError("unreadable", shown, detail) from exc
     try:
         mode = os.fstat(fd).st_mode
     except OSError as exc:
         os.close(fd)
-        raise BlockFileError("unreadable", path, f"{exc.strerror or exc} (errno {exc.errno})") from exc
+        raise BlockFileError("unreadable", shown, f"{exc.strerror or exc} (errno {exc.errno})") from exc
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise BlockFileError("unreadable", path, _not_a_file(mode))
+        raise BlockFileError("unreadable", shown, _not_a_file(mode))
     return fd
 
 

@@ -18,6 +18,7 @@ import attrs
 from kvledger.events.config import ConfigError
 from kvledger.transfers.lower_tiers.fs.block_file import PROBE_PREFIX, make_dir
 from kvledger.transfers.lower_tiers.fs.block_file import SUFFIX as BLOCK_FILE_SUFFIX
+from kvledger.transfers.lower_tiers.fs.tier_dir import check_ancestors
 from kvledger.transfers.lower_tiers.tier_settings import TierSecret
 from kvledger.transfers.lower_tiers.tier_settings import positive_int as _positive_int
 
@@ -143,6 +144,14 @@ def _check_tier_dir(where: str, path: str, gid: int | None) -> None:
     if gid is not None and info.st_gid != gid:
         raise ConfigError(f"{where} {path!r} belongs to group {_group(info.st_gid)}, not the tier's 'group' "
                           f"{_group(gid)}: `chgrp {gid} {path} && chmod 2770 {path}`, or leave 'group' out")
+    if gid is None and mode & stat.S_IWGRP:
+        raise ConfigError(f"{where} {path!r} is writable by its group {_group(info.st_gid)} (mode {mode:#o}), and the "
+                          f"tier has no 'group': its members could plant or remove blocks. `chmod g-w` it, or give "
+                          f"the tier 'group' to share it with them")
+    unsafe = check_ancestors(path, gid)
+    if unsafe is not None:
+        raise ConfigError(f"{where} {path!r} sits where another user could replace it: {unsafe}. Put the tier in "
+                          f"a directory whose parents only root and this user can write (or sticky ones, as /tmp)")
 
 
 def _user(uid: int) -> str:

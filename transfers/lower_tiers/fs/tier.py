@@ -8,6 +8,8 @@ out in runs over the threads; a run opens its first key's file and reads
 the run's other blocks that file holds through the same descriptor. Errors
 are per block and end as failed positions of the job's outcome, never as
 exceptions: the caller drops a key that failed to read and recomputes it.
+Every file is reached from the directories held open since start
+(`tier_dir`), never through a link.
 
 Numbers from `bench/fs_tier_io.py` on this project's VM (ext4 on a virtio
 disk, 2 cores): 1 GiB per measurement, writes timed to the end of
@@ -41,8 +43,9 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -65,7 +68,6 @@ from kvledger.transfers.lower_tiers.fs.block_file import (
     check_block,
     create_aside,
     key_tail,
-    make_dirs,
     open_block,
     read_open_block,
     write_block,
@@ -78,6 +80,7 @@ from kvledger.transfers.lower_tiers.fs.block_pack import (
     punch_block,
     round_up,
 )
+from kvledger.transfers.lower_tiers.fs.tier_dir import NotTheTiers, TierDir, open_dir
 from kvledger.transfers.lower_tiers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
 
 DIRECT_ALIGN = ALIGN
@@ -127,7 +130,13 @@ class FsTierIO(ThreadedTierIO):
         self._removals: dict[bytes, int] = {}
         self._removing = threading.Lock()
         self._item = threading.local()  # per thread: the positions its current item settled
+        self.dir = TierDir(self.root, gid, create=True)  # made where missing, as its blocks' directories are
         super().__init__(rows=rows, payload_bytes=payload_bytes, threads=threads, name="fs")
+
+    def shutdown(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
+        super().shutdown(drain=drain, timeout_s=timeout_s)
+        if not any(thread.is_alive() for thread in self._threads):  # else a thread may still use them
+            self.dir.close()
 
     def _items(self, job: TierJob, blocks: list[Block]) -> list:
         """A write job's consecutive blocks go in packs of up to `pack_bytes`; a read
@@ -207,7 +216,7 @@ class FsTierIO(ThreadedTierIO):
             started = time.perf_counter()
             path = block_path(self.root, self.namespace, key)
             try:
-                fd = open_block(path)
+                fd = self._open(key, path)
             except BlockFileError as error:
                 self._settle(job, g, i, error.reason, path, 0, (started, time.perf_counter()))
                 continue
@@ -230,6 +239,16 @@ class FsTierIO(ThreadedTierIO):
                 self._settle(job, g, i, error.reason, path, 0, (started, time.perf_counter()))
             finally:
                 os.close(fd)
+
+    def _open(self, key: bytes, path: Path) -> int:
+        """The key's file, open for reading (`block_file.open_block`)."""
+        try:
+            with self.dir.fan_out(self.namespace, key) as fan:
+                return open_block(_name(key), dir_fd=fan, shown=path)
+        except FileNotFoundError:
+            raise BlockFileError("missing", path, "no such file (its directory is missing)") from None
+        except OSError as exc:  # a link or a file where the directory should be, or someone else's
+            raise BlockFileError("unreadable", path, _directory_error(exc)) from exc
 
     def _segments(self, blocks: list[Block], entries: dict[bytes, tuple[int, int]]) -> list[list[Block]]:
         """The blocks in the pack's order, cut where one does not follow the last
@@ -316,39 +335,41 @@ class FsTierIO(ThreadedTierIO):
         for key, path in zip(keys, paths):
             self._remove_before_write(key, path)
         table, offsets, total = encode_table(self.namespace, keys, sizes)
-        aside = aside_path(paths[0])
+        reasons: list[str | None] = []
         try:
-            self._write_pack_file(aside, table, offsets, total, blocks, bounce)
-        except BlockFileError as error:  # a full disk, mostly: what fits may still go, a file each
+            with self._fan_out(keys[0], paths[0], create=True) as first:
+                aside = _At(first, _aside_name(_name(keys[0])), paths[0])
+                self._write_pack_file(aside, table, offsets, total, blocks, bounce)
+                try:
+                    for key, path in zip(keys, paths):
+                        try:
+                            with self._fan_out(key, path, create=True) as fan:
+                                _link_into_place(aside, _At(fan, _name(key), path))
+                            reasons.append(None)
+                        except _LinksUnsupported as exc:
+                            with self._cond:
+                                was, self.pack_bytes = self.pack_bytes, 0
+                            if was:
+                                _log.info("tier_packs_off", root=self.root, error=str(exc))
+                            break
+                        except (OSError, BlockFileError) as exc:
+                            reasons.append("unwritable")
+                            _log.debug("tier_link_failed", path=str(path), error=repr(exc))
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(aside.name, dir_fd=first)  # before the job ends: its blocks' files hold nothing else
+        except BlockFileError as error:  # before any link (a full disk, mostly): what fits may still go, a file each
             _log.debug("tier_pack_unwritable", path=error.path, error=error.detail, blocks=len(blocks))
             for block in blocks:
                 self._write_one(job, *block, bounce)
             return
-        reasons: list[str | None] = []
-        try:
-            for path in paths:
-                try:
-                    _link_into_place(aside, path, self.gid)
-                    reasons.append(None)
-                except _LinksUnsupported as exc:
-                    with self._cond:
-                        was, self.pack_bytes = self.pack_bytes, 0
-                    if was:
-                        _log.info("tier_packs_off", root=self.root, error=str(exc))
-                    break
-                except OSError as exc:
-                    reasons.append("unwritable")
-                    _log.debug("tier_link_failed", path=str(path), error=repr(exc))
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(aside)  # before the job ends: its blocks' files hold nothing else
         ended = time.perf_counter()
         for (g, i, _key, _slot), path, size, reason in zip(blocks, paths, sizes, reasons):
             self._settle(job, g, i, reason, path, 0 if reason else size, (started, ended))
         for block in blocks[len(reasons):]:  # links refused: one file per block from here on
             self._write_one(job, *block, bounce)
 
-    def _write_pack_file(self, aside: Path, table: bytes, offsets: list[int], total: int,
+    def _write_pack_file(self, aside: _At, table: bytes, offsets: list[int], total: int,
                          blocks: list[Block], bounce: list[mmap.mmap]) -> None:
         """The pack at `aside`, from the page-aligned bounce buffer (O_DIRECT), or
         through the page cache where direct I/O is off or refused."""
@@ -370,16 +391,30 @@ class FsTierIO(ThreadedTierIO):
         _write_file(aside, staged[:total], self.gid, direct=False)
 
     def _write(self, path: Path, key: bytes, payload, bounce: list[mmap.mmap]) -> None:
-        if self.direct_writes:
-            if not bounce:
-                bounce.append(mmap.mmap(-1, self._bounce_bytes))
-            try:
-                _write_direct(path, self.namespace, key, memoryview(payload).cast("B"), bounce[0], self.seal,
-                              gid=self.gid)
-                return
-            except _DirectUnsupported as exc:
-                self._direct_off(exc)
-        write_block(path, self.namespace, key, payload, self.seal, gid=self.gid)
+        with self._fan_out(key, path, create=True) as fan:
+            if self.direct_writes:
+                if not bounce:
+                    bounce.append(mmap.mmap(-1, self._bounce_bytes))
+                try:
+                    _write_direct(_At(fan, _name(key), path), self.namespace, key, memoryview(payload).cast("B"),
+                                  bounce[0], self.seal, gid=self.gid)
+                    return
+                except _DirectUnsupported as exc:
+                    self._direct_off(exc)
+            write_block(_name(key), self.namespace, key, payload, self.seal, gid=self.gid, dir_fd=fan, shown=path)
+
+    @contextlib.contextmanager
+    def _fan_out(self, key: bytes, path: Path, *, create: bool) -> Iterator[int]:
+        """`TierDir.fan_out`, its failure a `BlockFileError` naming the block."""
+        try:
+            with self.dir.fan_out(self.namespace, key, create=create) as fan:
+                yield fan
+        except (NotTheTiers, FileNotFoundError, NotADirectoryError) as exc:
+            raise BlockFileError("unwritable", path, _directory_error(exc)) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or isinstance(exc, PermissionError):
+                raise BlockFileError("unwritable", path, _directory_error(exc)) from exc
+            raise write_error(path, exc) from exc
 
     def _direct_off(self, refusal: Exception) -> None:
         """This file system refused O_DIRECT: the tier writes through the page cache from now on."""
@@ -390,7 +425,7 @@ class FsTierIO(ThreadedTierIO):
 
     def remove_leftovers(self, grace_s: float = LEFTOVER_GRACE_S) -> int:
         """`remove_leftovers` in this tier's namespace: for the worker opening it."""
-        return remove_leftovers(self.root, self.namespace, grace_s=grace_s)
+        return _remove_leftovers(self.dir, self.namespace, grace_s)
 
     def _delete(self, key: bytes) -> None:
         with self._removing:
@@ -415,20 +450,26 @@ class FsTierIO(ThreadedTierIO):
         """Unlink the key's name; where it names a pack, punch the key's block out of it
         first, so its space is free though other keys keep the pack."""
         try:
-            self._punch(key, path)
-        except FileNotFoundError:
+            with self.dir.fan_out(self.namespace, key) as fan:
+                try:
+                    self._punch(key, path, fan)
+                except FileNotFoundError:
+                    return
+                except Exception as exc:
+                    _log.warning("tier_punch_failed", path=str(path), error=repr(exc))
+                try:
+                    os.unlink(_name(key), dir_fd=fan)
+                except FileNotFoundError:
+                    pass
+                except Exception as exc:
+                    _log.warning("tier_delete_failed", path=str(path), error=repr(exc))
+        except FileNotFoundError:  # no such directory: nothing to remove
             return
-        except Exception as exc:
-            _log.warning("tier_punch_failed", path=str(path), error=repr(exc))
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            _log.warning("tier_delete_failed", path=str(path), error=repr(exc))
+        except OSError as exc:
+            _log.warning("tier_delete_failed", path=str(path), error=_directory_error(exc))
 
-    def _punch(self, key: bytes, path: Path) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    def _punch(self, key: bytes, path: Path, fan: int) -> None:
+        fd = os.open(_name(key), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=fan)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return
@@ -454,36 +495,57 @@ class _LinksUnsupported(Exception):
     """This file system refuses hard links (EPERM, EOPNOTSUPP): no packs on it."""
 
 
-def _link_into_place(aside: Path, path: Path, gid: int | None = None) -> None:
-    """`path` becomes a name of the file at `aside`, replacing whatever was there:
+class _At(NamedTuple):
+    """A name in a directory held open (`tier_dir`), and the path messages show for it."""
+
+    fd: int
+    name: str
+    shown: Path
+
+
+def _name(key: bytes) -> str:
+    """A key's file's name in its fan-out directory."""
+    return key.hex() + SUFFIX
+
+
+def _aside_name(name: str) -> str:
+    return aside_path(Path(name)).name
+
+
+def _directory_error(exc: OSError) -> str:
+    if isinstance(exc, NotTheTiers):
+        return f"a directory on its path is not the tier's: {exc}"
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        return f"a directory on its path is a link or not a directory (not followed): {exc.strerror} (errno {exc.errno})"
+    return f"{exc.strerror or exc} (errno {exc.errno})"
+
+
+def _link_into_place(aside: _At, at: _At) -> None:
+    """`at` becomes a name of the file at `aside`, replacing whatever was there:
     linked under an unpredictable name, then renamed (a link cannot replace)."""
-    link = aside_path(path)
+    link = _aside_name(at.name)
     try:
-        try:
-            os.link(aside, link, follow_symlinks=False)
-        except FileNotFoundError:  # the key's fan-out directory is not there yet
-            make_dirs(link.parent, gid, levels=3)
-            os.link(aside, link, follow_symlinks=False)
+        os.link(aside.name, link, src_dir_fd=aside.fd, dst_dir_fd=at.fd, follow_symlinks=False)
     except OSError as exc:
         if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
             raise _LinksUnsupported(f"link: {exc}") from exc
         raise
     try:
-        os.replace(link, path)
+        os.replace(link, at.name, src_dir_fd=at.fd, dst_dir_fd=at.fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(link)
+            os.unlink(link, dir_fd=at.fd)
         raise
 
 
-def _write_file(aside: Path, data: memoryview, gid: int | None, *, direct: bool, size: int | None = None,
+def _write_file(aside: _At, data: memoryview, gid: int | None, *, direct: bool, size: int | None = None,
                 where: Path | None = None) -> None:
     """A new file at `aside` holding `data` (page-aligned and padded where
     `direct`), cut to `size` bytes if given; `BlockFileError("unwritable")`
-    naming `where` (default `aside`) on an error, leaving no file."""
+    naming `where` (default `aside`'s path) on an error, leaving no file."""
     try:
         try:
-            fd = create_aside(aside, gid, os.O_DIRECT if direct else 0)
+            fd = create_aside(Path(aside.name), gid, os.O_DIRECT if direct else 0, dir_fd=aside.fd)
         except OSError as exc:
             if direct and exc.errno == errno.EINVAL:  # ramfs, some FUSE: and ramfs creates the file first
                 raise _DirectUnsupported(f"open: {exc}") from exc
@@ -503,9 +565,9 @@ def _write_file(aside: Path, data: memoryview, gid: int | None, *, direct: bool,
             os.close(fd)
     except BaseException as exc:
         with contextlib.suppress(OSError):
-            os.unlink(aside)
+            os.unlink(aside.name, dir_fd=aside.fd)
         if isinstance(exc, OSError):
-            raise write_error(where or aside, exc) from exc
+            raise write_error(where or aside.shown.with_name(aside.name), exc) from exc
         raise
 
 
@@ -523,20 +585,20 @@ def _stage_block(staged: memoryview, offset: int, namespace: bytes, key: bytes, 
     return padded
 
 
-def _write_direct(path: Path, namespace: bytes, key: bytes, payload: memoryview, bounce: mmap.mmap,
+def _write_direct(at: _At, namespace: bytes, key: bytes, payload: memoryview, bounce: mmap.mmap,
                   seal: BlockSeal | None = None, *, gid: int | None = None) -> None:
     """`block_file.write_block`'s file (written aside under an unpredictable
     name, renamed into place), with O_DIRECT from the page-aligned `bounce`."""
     staged = memoryview(bounce)
     padded = _stage_block(staged, 0, namespace, key, payload, seal)
-    aside = aside_path(path)
-    _write_file(aside, staged[:padded], gid, direct=True, size=HEADER_BYTES + payload.nbytes, where=path)
+    aside = _At(at.fd, _aside_name(at.name), at.shown)
+    _write_file(aside, staged[:padded], gid, direct=True, size=HEADER_BYTES + payload.nbytes, where=at.shown)
     try:
-        os.replace(aside, path)
+        os.replace(aside.name, at.name, src_dir_fd=at.fd, dst_dir_fd=at.fd)
     except OSError as exc:
         with contextlib.suppress(OSError):
-            os.unlink(aside)
-        raise write_error(path, exc) from exc
+            os.unlink(aside.name, dir_fd=at.fd)
+        raise write_error(at.shown, exc) from exc
 
 
 def remove_leftovers(root: str, namespace: bytes, *, grace_s: float = LEFTOVER_GRACE_S) -> int:
@@ -544,31 +606,50 @@ def remove_leftovers(root: str, namespace: bytes, *, grace_s: float = LEFTOVER_G
     (`.*.tmp`) in the namespace's directory and its fan-out directories, and
     write probes in `root`. Nothing else is touched; the number removed. Else
     they would stay forever, taking room no capacity counts."""
+    try:
+        held = TierDir(root)
+    except OSError:  # no tier there yet: nothing left
+        return 0
+    try:
+        return _remove_leftovers(held, namespace, grace_s)
+    finally:
+        held.close()
+
+
+def _remove_leftovers(held: TierDir, namespace: bytes, grace_s: float) -> int:
+    """`remove_leftovers` through the tier's held directories: a directory on the
+    way that is a link or someone else's is not entered."""
     cutoff = time.time() - grace_s
-    root = os.fspath(root)
-    top = os.path.join(root, namespace.hex())
-    folders = [(root, _is_probe), (top, _is_aside)]
-    with contextlib.suppress(OSError):  # no namespace directory yet: nothing left there
-        folders += [(entry.path, _is_aside) for entry in os.scandir(top) if entry.is_dir(follow_symlinks=False)]
     removed = 0
-    for folder, wanted in folders:
-        try:
-            entries = [entry for entry in os.scandir(folder) if wanted(entry.name)]
-        except OSError:
-            continue
-        for entry in entries:
+    with contextlib.ExitStack() as opened:
+        folders = [(held.fd, held.root, _is_probe)]
+        with contextlib.suppress(OSError):  # no namespace directory yet: nothing left there
+            top = held.space(namespace)
+            folders.append((top, os.path.join(held.root, namespace.hex()), _is_aside))
+            for entry in list(os.scandir(top)):
+                if entry.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        fd = open_dir(entry.name, top, held.gid)
+                        opened.callback(os.close, fd)
+                        folders.append((fd, os.path.join(folders[1][1], entry.name), _is_aside))
+        for fd, shown, wanted in folders:
             try:
-                info = entry.stat(follow_symlinks=False)
-                if stat.S_ISDIR(info.st_mode) or info.st_mtime >= cutoff:
+                entries = [entry for entry in os.scandir(fd) if wanted(entry.name)]
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(info.st_mode) or info.st_mtime >= cutoff:
+                        continue
+                    os.unlink(entry.name, dir_fd=fd)  # a link is removed, never followed
+                except FileNotFoundError:  # another process removed or renamed it meanwhile
                     continue
-                os.unlink(entry.path)  # a link is removed, never followed
-            except FileNotFoundError:  # another process removed or renamed it meanwhile
-                continue
-            except OSError as exc:
-                _log.warning("tier_leftover_not_removed", path=entry.path, error=repr(exc))
-                continue
-            removed += 1
-    _log.info("tier_leftovers_removed", root=root, namespace=namespace.hex(), removed=removed, grace_s=grace_s)
+                except OSError as exc:
+                    _log.warning("tier_leftover_not_removed", path=os.path.join(shown, entry.name), error=repr(exc))
+                    continue
+                removed += 1
+    _log.info("tier_leftovers_removed", root=held.root, namespace=namespace.hex(), removed=removed, grace_s=grace_s)
     return removed
 
 

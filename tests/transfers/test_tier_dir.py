@@ -1,0 +1,88 @@
+"""The file-system tier's directory is held by descriptor (`tier_dir`): whoever
+can write a directory on the way swaps a component for a link after the tier
+started, and the tier neither follows it nor writes through it. Real
+directories, real links."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from kvledger.transfers.lower_tiers.fs.block_file import block_path
+from tests.support.privileges import need_root
+from tests.transfers.test_fs_tier import NS, ROW_BYTES, key, payload, run, tiers  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.fast
+
+KEYS = ((key(0), key(1), key(2)),)  # all in fan-out directory 00
+
+
+def files_under(path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_the_tiers_directory_swapped_for_a_link_after_start_keeps_the_tier_where_it_started(tmp_path, tiers):
+    root, elsewhere = tmp_path / "tier", tmp_path / "elsewhere"
+    root.mkdir(mode=0o700)
+    elsewhere.mkdir()
+    io = tiers(root, sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).ok
+    root.rename(tmp_path / "moved")
+    root.symlink_to(elsewhere)  # whoever can write the parent points the tier's path elsewhere
+    assert run(io, "read", 2, KEYS, ((3, 4, 5),)).ok  # still from the directory it started in
+    assert run(io, "write", 3, ((key(7),),), ((6,),)).ok
+    assert files_under(elsewhere) == []
+    assert block_path(tmp_path / "moved", NS, key(7)).is_file()
+    assert payload(io, 3, 0) == payload(io, 0, 0)
+
+
+def test_a_namespace_directory_swapped_for_a_link_is_not_followed(tmp_path, tiers):
+    io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).ok
+    space, elsewhere = tmp_path / "tier" / NS.hex(), tmp_path / "elsewhere"
+    shutil.copytree(space, elsewhere)  # the same good blocks, where the link points
+    space.rename(tmp_path / "tier" / "old")
+    space.symlink_to(elsewhere)
+    before = files_under(elsewhere)
+    assert run(io, "read", 2, KEYS, ((3, 4, 5),)).ok  # the held directory, renamed or not
+    assert run(io, "write", 3, ((key(7),),), ((6,),)).ok
+    assert files_under(elsewhere) == before
+
+
+def test_a_fan_out_directory_swapped_for_a_link_fails_its_blocks_and_nothing_goes_through_it(tmp_path, tiers):
+    io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).ok
+    fan, elsewhere = tmp_path / "tier" / NS.hex() / "00", tmp_path / "elsewhere"
+    shutil.copytree(fan, elsewhere)  # good blocks behind the link: still not served through it
+    shutil.rmtree(fan)
+    fan.symlink_to(elsewhere)
+    before = files_under(elsewhere)
+    read = run(io, "read", 2, KEYS, ((3, 4, 5),))
+    assert read.failed == ((0, 0), (0, 1), (0, 2)) and set(read.reasons) == {"unreadable"}
+    write = run(io, "write", 3, KEYS, ((0, 1, 2),))
+    assert set(write.reasons) == {"unwritable"} and write.nbytes == 0
+    io.delete([key(0)])
+    assert run(io, "read", 4, ((key(9),),), ((6,),)).reasons == ("unreadable",)  # after the delete, in order
+    assert files_under(elsewhere) == before and fan.is_symlink()
+
+
+def test_a_fan_out_directory_another_user_made_is_refused(tmp_path, tiers):
+    """Its owner could put blocks in it, or take them."""
+    need_root("it gives a directory to another user")
+    io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).ok
+    os.chown(tmp_path / "tier" / NS.hex() / "00", 65534, 65534)
+    read = run(io, "read", 2, KEYS, ((3, 4, 5),))
+    assert set(read.reasons) == {"unreadable"}
+    assert run(io, "write", 3, KEYS, ((0, 1, 2),)).reasons == ("unwritable",) * 3
+
+
+def test_a_group_writable_fan_out_directory_is_refused_without_the_tiers_group(tmp_path, tiers):
+    io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).ok
+    os.chmod(tmp_path / "tier" / NS.hex() / "00", 0o770)
+    assert set(run(io, "read", 2, KEYS, ((3, 4, 5),)).reasons) == {"unreadable"}
+    os.chmod(tmp_path / "tier" / NS.hex() / "00", 0o700)
+    assert run(io, "read", 3, KEYS, ((3, 4, 5),)).ok

@@ -1,0 +1,163 @@
+"""The file-system tier's directory, held by descriptor: opened once, and
+everything below it reached one component at a time from descriptors, never
+through a link, so whoever can write a directory on the way cannot point the
+tier elsewhere after its start check (a swapped path leaves this process in
+the directory it checked).
+
+`root/<namespace hex>/<key hex[:2]>/<key hex>.kvb` (`block_file.block_path`):
+the root and each namespace's directory stay open; a key's fan-out directory
+is opened (O_DIRECTORY | O_NOFOLLOW) for each operation, about 3 µs, and its
+files are named in it alone. A directory below the root that another user
+made (and not the tier's group's), or that others could write, is refused.
+
+At start, `check_ancestors` refuses a tier whose directories above it others
+could replace, as OpenSSH's `secure_filename` does for keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+from collections.abc import Iterator
+
+from kvledger.transfers.lower_tiers.fs.block_file import make_dir
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class NotTheTiers(PermissionError):
+    """A directory in the tier that this user did not make (nor the tier's group), or that others can write."""
+
+
+def refusal(info: os.stat_result, gid: int | None) -> str | None:
+    """Why a directory of the tier is not to be used: owned by another user
+    (and not the tier's group's), or writable by more than its owner and the
+    tier's group; None where it may be."""
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != os.geteuid() and (gid is None or info.st_gid != gid):
+        return f"owned by uid {info.st_uid} (gid {info.st_gid}), not by this user (uid {os.geteuid()}) or the tier's group"
+    if mode & stat.S_IWOTH:
+        return f"writable by every user (mode {mode:#o})"
+    if mode & stat.S_IWGRP and (gid is None or info.st_gid != gid):
+        return f"writable by its group, gid {info.st_gid} (mode {mode:#o}), which is not the tier's 'group'"
+    return None
+
+
+def open_dir(name: str, dir_fd: int | None, gid: int | None, *, create: bool = False) -> int:
+    """The directory `name` in `dir_fd`, open, not through a link; made first
+    (`block_file.make_dir`: the tier's mode and group) where missing and
+    `create`. `NotTheTiers` where `refusal` says so; FileNotFoundError where
+    missing; another OSError (ELOOP, ENOTDIR) where something else is there."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+        make_dir(name, gid, dir_fd=dir_fd)
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        why = refusal(os.fstat(fd), gid)
+    except BaseException:
+        os.close(fd)
+        raise
+    if why is not None:
+        os.close(fd)
+        raise NotTheTiers(f"{name}: {why}")
+    return fd
+
+
+class TierDir:
+    """The tier's directory and its namespaces' directories, open for the
+    process's life (`close` ends it). Safe to share between threads."""
+
+    def __init__(self, root: str | os.PathLike, gid: int | None = None, *, create: bool = False) -> None:
+        self.root = os.fspath(root)
+        self.gid = gid
+        self.fd = open_dir(self.root, None, gid, create=create)
+        self._spaces: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    def space(self, namespace: bytes, *, create: bool = False) -> int:
+        """The namespace's directory, open (made first where `create`); kept open once found."""
+        fd = self._spaces.get(namespace)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._spaces.get(namespace)
+            if fd is None:
+                try:
+                    fd = open_dir(namespace.hex(), self.fd, self.gid, create=create)
+                except FileNotFoundError:
+                    if not (create and _gone(self.fd)):
+                        raise
+                    self._reopen_root()  # the tier's directory was removed: made again, checked again
+                    fd = open_dir(namespace.hex(), self.fd, self.gid, create=True)
+                self._spaces[namespace] = fd
+            return fd
+
+    @contextlib.contextmanager
+    def fan_out(self, namespace: bytes, key: bytes, *, create: bool = False) -> Iterator[int]:
+        """The key's fan-out directory, open for the block; made where `create`.
+        A namespace's directory removed while held is opened again (someone
+        cleared the tier, or another process made it anew)."""
+        name = key.hex()[:2]
+        try:
+            fd = open_dir(name, self.space(namespace, create=create), self.gid, create=create)
+        except FileNotFoundError:
+            if not self._forget_if_gone(namespace):
+                raise
+            fd = open_dir(name, self.space(namespace, create=create), self.gid, create=create)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _forget_if_gone(self, namespace: bytes) -> bool:
+        """Whether the held directory of `namespace` had been removed (and is now let go)."""
+        with self._lock:
+            fd = self._spaces.get(namespace)
+            if fd is None or not _gone(fd):
+                return False
+            del self._spaces[namespace]
+            os.close(fd)
+            return True
+
+    def _reopen_root(self) -> None:
+        old, self.fd = self.fd, open_dir(self.root, None, self.gid, create=True)
+        os.close(old)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self.fd, *self._spaces.values()):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._spaces.clear()
+            self.fd = -1
+
+
+def _gone(fd: int) -> bool:
+    """Whether the directory open at `fd` has been removed (no name links to it any more)."""
+    return os.fstat(fd).st_nlink == 0
+
+
+def check_ancestors(path: str, gid: int | None) -> str | None:
+    """Why the directories above `path` (after links are resolved) let another
+    user replace the tier's directory, or None. Each must be owned by root or
+    this user, and writable by no one else, unless sticky (as /tmp: others'
+    entries cannot be renamed there) or writable only by the tier's group."""
+    here = os.path.dirname(os.path.realpath(path))
+    while True:
+        info = os.stat(here)
+        mode = stat.S_IMODE(info.st_mode)
+        sticky = bool(mode & stat.S_ISVTX)
+        if info.st_uid not in (0, os.geteuid()):
+            return f"{here} is owned by uid {info.st_uid}, who could replace the tier's directory"
+        if mode & stat.S_IWOTH and not sticky:
+            return f"{here} is writable by every user (mode {mode:#o}) and not sticky"
+        if mode & stat.S_IWGRP and not sticky and (gid is None or info.st_gid != gid):
+            return f"{here} is writable by group gid {info.st_gid} (mode {mode:#o}), which is not the tier's 'group'"
+        if here == os.path.dirname(here):
+            return None
+        here = os.path.dirname(here)
