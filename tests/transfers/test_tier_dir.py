@@ -12,9 +12,16 @@ import pytest
 
 from kvledger.transfers.lower_tiers.fs.block_file import block_path
 from tests.support.privileges import need_root
-from tests.transfers.test_fs_tier import NS, ROW_BYTES, key, payload, run, tiers  # noqa: F401 (a fixture)
+from tests.transfers.test_fs_tier import NS, ROW_BYTES, key, made_tiers, payload, run
 
 pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(params=[0, 2 << 20], ids=["files", "packs"])
+def tiers(request):
+    """Tiers of a file per block, and of packs (each key's name a hard link made across directories)."""
+    with made_tiers(threads=4, pack_bytes=request.param) as make:
+        yield make
 
 KEYS = ((key(0), key(1), key(2)),)  # all in fan-out directory 00
 
