@@ -18,7 +18,7 @@ from valkey.exceptions import ResponseError
 from kvledger.transfers.lower_tiers.valkey.cluster_store import ClusterStore, owners_of
 from kvledger.transfers.lower_tiers.valkey.store import Landed, StoreDown, ValkeyServer, ValueTooLarge
 from tests.support.valkey_servers import LyingServer, ServerProcess
-from tests.transfers.test_valkey_replies import JUNK, peak_growth
+from tests.transfers.test_valkey_replies import JUNK, peak_growth, trickled
 
 pytestmark = pytest.mark.slow  # a cluster of six servers, shared by the session's cluster tests
 
@@ -141,22 +141,11 @@ def test_a_trickling_node_fails_the_whole_batch_within_one_timeout(valkey_cluste
     """Through valkey-py's cluster pipeline a node sending a byte at a time held a batch past 8 s
     with a 1 s timeout; now the batch, every node of it, ends by one deadline."""
     victim = valkey_cluster.master_of(KEYS[-1])
-
-    def trickle(key: bytes):
-        def reply():
-            ends = time.monotonic() + 6
-            for byte in b"$%d\r\n" % (HEAD + PAYLOAD) + JUNK:
-                if time.monotonic() > ends:
-                    return
-                time.sleep(0.02)
-                yield bytes([byte])
-        return reply()
-
     store = store_of(valkey_cluster, timeout_s=1.0)
     try:
         write(store)
         store.close()
-        with announcing(valkey_cluster, victim, on_keys_of(keys_of(valkey_cluster, victim), trickle)):
+        with announcing(valkey_cluster, victim, on_keys_of(keys_of(valkey_cluster, victim), lambda key: trickled(6))):
             store.masters()  # the map, read before the batch's clock starts
             started = time.monotonic()
             with pytest.raises(StoreDown, match="longer than timeout_s"):

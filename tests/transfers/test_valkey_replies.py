@@ -186,20 +186,20 @@ def test_a_value_of_another_length_fails_its_key_and_a_much_longer_one_fails_its
         store.close()
 
 
+def trickled(seconds: float) -> Iterator[bytes]:
+    """A GET's reply of the size asked for, a byte every 20 ms for `seconds`."""
+    ends = time.monotonic() + seconds
+    for byte in b"$%d\r\n" % (HEAD + PAYLOAD) + JUNK:
+        if time.monotonic() > ends:
+            return
+        time.sleep(0.02)
+        yield bytes([byte])
+
+
 def test_a_trickling_reply_fails_the_batch_within_its_timeout(lying) -> None:
     """A timeout per system call let a server sending a byte at a time hold a batch for seconds."""
     def trickle(args: list[bytes]):
-        if args[0].upper() != b"GET":
-            return None
-
-        def reply():
-            ends = time.monotonic() + 4
-            for byte in b"$%d\r\n" % (HEAD + PAYLOAD) + JUNK:
-                if time.monotonic() > ends:
-                    return
-                time.sleep(0.02)
-                yield bytes([byte])
-        return reply()
+        return trickled(4) if args[0].upper() == b"GET" else None
 
     server = lying(lie=trickle)
     store = store_at(server.port)
