@@ -5,11 +5,12 @@ replica with the secret load KV of their choosing."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
 from kvledger.transfers.lower_tiers import block_header as bh
-from kvledger.transfers.lower_tiers.block_seal import BlockSeal
+from kvledger.transfers.lower_tiers.block_seal import GCM_TAG_BYTES, BlockSeal
 from kvledger.transfers.lower_tiers.fs import block_file as bf
 from kvledger.transfers.lower_tiers.valkey import block_value as bv
 
@@ -144,8 +145,29 @@ def test_a_rotation_ends_at_its_date_and_the_old_secret_is_then_refused_as_forge
     now[0] = 2000.0
     assert reason_reading(old, rotating) == "forged"
     assert np.array_equal(read_file(new, rotating), data)
-    trusted = rotating.trusted()
-    assert list(trusted.values()) == ["no end", "1970-01-01T00:33:20Z"] and len(trusted) == 2
+    trusted = rotating.trusted()  # each secret's two ids: MAC-sealed (and older encrypted) blocks, encrypted ones
+    assert list(trusted.values()) == ["no end"] * 2 + ["1970-01-01T00:33:20Z"] * 2 and len(trusted) == 4
+
+
+def test_each_encrypted_block_has_a_key_of_its_own_and_the_salt_is_bound_to_it(tmp_path) -> None:
+    """A random 96-bit nonce under one key per secret repeats with a chance of 2^-32 by 2^32 blocks;
+    a 16-byte salt per block picks each block's key. Another salt fails the block as forged."""
+    seal = BlockSeal(SECRET, encrypt=True)
+    data = payload()
+    paths = [tmp_path / f"{n}.kvb" for n in range(2)]
+    for path in paths:
+        bf.write_block(path, NS, KEY, data, seal)
+    raws = [p.read_bytes() for p in paths]
+    fields = [bh.check_header("x", raw[:bh.HEADER_BYTES], NS, KEY, data.nbytes, sealed=True) for raw in raws]
+    assert fields[0].key_id == fields[1].key_id != seal.key_id  # the id of blocks with a key each
+    salts = [f.tag[GCM_TAG_BYTES:] for f in fields]
+    assert salts[0] != salts[1] and all(any(salt) for salt in salts)
+    assert np.array_equal(read_file(paths[0], seal), data)
+    salted = attrs.evolve(fields[0], tag=fields[0].tag[:GCM_TAG_BYTES] + bytes([salts[0][0] ^ 1]) + salts[0][1:])
+    body = raws[0][bh.HEADER_BYTES:]
+    paths[0].write_bytes(bh.encode_header(NS, KEY, memoryview(body), bh.HEADER_BYTES, salted) + body)
+    assert reason_reading(paths[0], seal) == "forged"
+    assert reason_reading(paths[0], BlockSeal(SECRET)) == "forged"  # a MAC-sealing reader of the same secret too
 
 
 def test_a_reader_that_requires_encryption_refuses_a_block_sealed_in_plaintext(tmp_path) -> None:
