@@ -42,8 +42,9 @@ import sys
 import time
 
 
-def prompts(seed: int, count: int, prefix_words: int, tail_words: int) -> tuple[list[str], list[str]]:
-    """`count` prompts on a few shared prefixes, and shifted variants of them."""
+def prompts(seed: int, count: int, prefix_words: int, tail_words: int) -> tuple[list[str], list[str], list[str]]:
+    """`count` prompts on a few shared prefixes, shifted variants of them, and others on the same
+    prefixes (other tails: asked for the first time where "first" was)."""
     rng = random.Random(seed)
 
     def words(n: int) -> list[str]:
@@ -55,7 +56,8 @@ def prompts(seed: int, count: int, prefix_words: int, tail_words: int) -> tuple[
         prefix = prefixes[i % len(prefixes)]
         first.append(" ".join(prefix + words(tail_words + i % 7)))
         shifted.append(" ".join(prefix + words(tail_words + 3 + i % 5)))
-    return first, shifted
+    others = [" ".join(prefixes[i % len(prefixes)] + words(tail_words + 1 + i % 3)) for i in range(count)]
+    return first, shifted, others
 
 
 def watch_kv_events(llm) -> dict:
@@ -193,8 +195,8 @@ def main(spec: dict) -> None:
     llm = LLM(**engine_args)
     kv_events = watch_kv_events(llm) if spec.get("kv_events") else None
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
-    first, shifted = prompts(spec.get("seed", 0), spec.get("count", 4), spec.get("prefix_words", 100),
-                             spec.get("tail_words", 10))
+    first, shifted, others = prompts(spec.get("seed", 0), spec.get("count", 4), spec.get("prefix_words", 100),
+                                     spec.get("tail_words", 10))
 
     def run(batch: list[str]) -> dict:
         outputs = llm.generate(batch, params, use_tqdm=False)
@@ -220,7 +222,7 @@ def main(spec: dict) -> None:
             continue
         if phase in ("reference", "recomputed"):
             llm.reset_prefix_cache(reset_connector=True)
-        result[phase] = run(shifted if phase in ("shifted", "reference") else first)
+        result[phase] = run(shifted if phase in ("shifted", "reference") else others if phase == "other" else first)
         if phase == "first" and spec.get("remove_after_first"):  # a directory that vanishes under the engine
             _remove_tree(spec["remove_after_first"])
         if phase == "first" and spec.get("kill_after_first"):  # a server that dies under the engine

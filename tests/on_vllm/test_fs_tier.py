@@ -65,6 +65,21 @@ def test_a_new_process_restores_what_an_earlier_one_stored(models, tmp_path, mod
     assert two["stats"]["hit_tokens"] == sum(second["first"]["cached"])
 
 
+def test_a_document_restores_to_the_same_token_from_host_memory_as_from_disk(models, tmp_path):
+    """Questions on documents computed earlier: in the process that computed them (host memory),
+    and in a new process from the disk (an earlier process computed the same documents), each
+    asked for the first time, restore the same tokens and answer the same."""
+    tier = tmp_path / "tier"
+    _engine(models, "tiny-llama", tmp_path / "stored.log", tier, hash_seed=None)  # the documents, on disk
+    from_disk, disk = _engine(models, "tiny-llama", tmp_path / "disk.log", tier, hash_seed="4242", phases=("other",))
+    here, host = _engine(models, "tiny-llama", tmp_path / "host.log", tmp_path / "other-tier", hash_seed=None,
+                         phases=("first", "other"))
+    assert here["other"]["tokens"] == from_disk["other"]["tokens"]
+    assert here["other"]["cached"] == from_disk["other"]["cached"] and all(c > 0 for c in here["other"]["cached"])
+    assert disk["lower_tiers"][0]["keys_read"] > 0
+    assert host["lower_tiers"][0]["keys_read"] == 0  # all from host memory
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_a_host_tier_smaller_than_the_working_set_promotes_from_disk(models, tmp_path, model):
     tier = tmp_path / "tier"
