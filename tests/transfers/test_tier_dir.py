@@ -9,8 +9,10 @@ import os
 import shutil
 
 import pytest
+from structlog.testing import capture_logs
 
 from kvledger.transfers.lower_tiers.fs.block_file import block_path
+from kvledger.transfers.lower_tiers.fs.tier import FileLookup, files_present, scan_keys
 from tests.support.privileges import need_root
 from tests.transfers.test_fs_tier import NS, ROW_BYTES, key, made_tiers, payload, run
 
@@ -93,3 +95,29 @@ def test_a_group_writable_fan_out_directory_is_refused_without_the_tiers_group(t
     assert set(run(io, "read", 2, KEYS, ((3, 4, 5),)).reasons) == {"unreadable"}
     os.chmod(tmp_path / "tier" / NS.hex() / "00", 0o700)
     assert run(io, "read", 3, KEYS, ((3, 4, 5),)).ok
+
+
+def test_lookups_and_the_start_scan_follow_no_fan_out_directory_swapped_for_a_link(tmp_path, tiers):
+    io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).ok
+    lookup = FileLookup(str(tmp_path / "tier"), (NS,))
+    try:
+        assert lookup(KEYS[0]) == KEYS[0] and sorted(scan_keys(str(tmp_path / "tier"), NS)) == sorted(KEYS[0])
+        fan, elsewhere = tmp_path / "tier" / NS.hex() / "00", tmp_path / "elsewhere"
+        shutil.copytree(fan, elsewhere)
+        shutil.rmtree(fan)
+        fan.symlink_to(elsewhere)
+        assert lookup(KEYS[0]) == ()  # good files behind the link: not offered
+        assert scan_keys(str(tmp_path / "tier"), NS) == []
+    finally:
+        lookup.close()
+
+
+def test_the_start_scan_skips_a_fan_out_directory_others_can_write_and_says_so(tmp_path, tiers):
+    io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).ok
+    os.chmod(tmp_path / "tier" / NS.hex() / "00", 0o777)
+    with capture_logs() as logs:
+        assert scan_keys(str(tmp_path / "tier"), NS) == []
+    assert [e["event"] for e in logs] == ["tier_directory_refused"] and "writable by every user" in logs[0]["error"]
+    assert files_present(str(tmp_path / "tier"), (NS,), KEYS[0]) == ()

@@ -4,21 +4,20 @@ processes' files are looked up.
 
 from __future__ import annotations
 
-import functools
-
 from kvledger.transfers.lower_tiers.block_header import HEADER_BYTES
 from kvledger.transfers.lower_tiers.contract import Lookup, TierType, WorkerSite
 from kvledger.transfers.lower_tiers.fs.settings import FsTierSettings, check_fs_tier, parse_fs_tier
-from kvledger.transfers.lower_tiers.fs.tier import FsTierIO, files_present, other_formats, scan_keys
+from kvledger.transfers.lower_tiers.fs.tier import FileLookup, FsTierIO, other_formats, scan_keys
 from kvledger.transfers.lower_tiers.tier_jobs import TierIO
 
 
 def _fs_lookup(tier: FsTierSettings, name: str, namespaces: tuple[bytes, ...]) -> Lookup:
-    return Lookup(find=functools.partial(files_present, tier.path, namespaces))
+    find = FileLookup(tier.path, namespaces, tier.gid)
+    return Lookup(find=find, close=find.close)
 
 
 def _fs_scan(tier: FsTierSettings, namespace: bytes) -> list[bytes]:
-    return scan_keys(tier.path, namespace)
+    return scan_keys(tier.path, namespace, tier.gid)
 
 
 def _fs_open(tier: FsTierSettings, site: WorkerSite) -> TierIO:

@@ -80,7 +80,7 @@ from kvledger.transfers.lower_tiers.fs.block_pack import (
     punch_block,
     round_up,
 )
-from kvledger.transfers.lower_tiers.fs.tier_dir import NotTheTiers, TierDir, open_dir
+from kvledger.transfers.lower_tiers.fs.tier_dir import NotTheTiers, TierDir, gone, open_dir, refusal
 from kvledger.transfers.lower_tiers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
 
 DIRECT_ALIGN = ALIGN
@@ -96,7 +96,7 @@ _log = structlog.get_logger("kvledger.transfers.fs_tier")
 _KEY_FILE = re.compile(r"(?:[0-9a-f]{2})+" + re.escape(SUFFIX))
 
 
-__all__ = ["FsTierIO", "IdsByGroup", "KeysByGroup", "TierIoOutcome", "files_present", "remove_leftovers",
+__all__ = ["FileLookup", "FsTierIO", "IdsByGroup", "KeysByGroup", "TierIoOutcome", "files_present", "remove_leftovers",
            "scan_keys"]
 
 
@@ -664,33 +664,51 @@ def _is_probe(name: str) -> bool:
 # -- the scheduler's side ----------------------------------------------------------------------------
 
 
-def scan_keys(root: str, namespace: bytes) -> list[bytes]:
+def scan_keys(root: str, namespace: bytes, gid: int | None = None) -> list[bytes]:
     """Keys with a block file under `root/<namespace hex>/`, oldest first, so the
     engine's eviction order resumes where it was. Files shorter than a header
-    (a crash's leftovers) and names `block_path` would not give are skipped."""
+    (a crash's leftovers) and names `block_path` would not give are skipped, and
+    so are fan-out directories that are links or not the tier's (`tier_dir`)."""
     found: list[tuple[int, bytes]] = []
-    top = os.path.join(os.fspath(root), namespace.hex())
     try:
-        subdirs = [entry for entry in os.scandir(top) if entry.is_dir(follow_symlinks=False)]
+        held = TierDir(root, gid)
     except OSError:  # missing, or not a directory: nothing there
         return []
-    for subdir in subdirs:
-        try:
-            entries = list(os.scandir(subdir.path))
-        except OSError:
-            continue
-        for entry in entries:
-            name = entry.name
-            if not _KEY_FILE.fullmatch(name) or name[:2] != subdir.name:
+    try:
+        top = held.space(namespace)
+        subdirs = [entry.name for entry in os.scandir(top) if entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        held.close()
+        return []
+    try:
+        for subdir in subdirs:
+            try:
+                fan = open_dir(subdir, top, gid)
+            except NotTheTiers as refused:
+                _log.warning("tier_directory_refused", root=held.root, namespace=namespace.hex(), error=str(refused))
+                continue
+            except OSError:
                 continue
             try:
-                if not entry.is_file(follow_symlinks=False):  # a link, a FIFO, a directory: no block
-                    continue
-                info = entry.stat(follow_symlinks=False)
-            except OSError:  # removed since the listing
+                entries = list(os.scandir(fan))
+                for entry in entries:
+                    name = entry.name
+                    if not _KEY_FILE.fullmatch(name) or name[:2] != subdir:
+                        continue
+                    try:
+                        if not entry.is_file(follow_symlinks=False):  # a link, a FIFO, a directory: no block
+                            continue
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:  # removed since the listing
+                        continue
+                    if info.st_size >= HEADER_BYTES:
+                        found.append((info.st_mtime_ns, bytes.fromhex(name[: -len(SUFFIX)])))
+            except OSError:
                 continue
-            if info.st_size >= HEADER_BYTES:
-                found.append((info.st_mtime_ns, bytes.fromhex(name[: -len(SUFFIX)])))
+            finally:
+                os.close(fan)
+    finally:
+        held.close()
     found.sort()
     return [key for _, key in found]
 
@@ -730,22 +748,73 @@ def other_formats(root: str) -> list[tuple[str, object, int]]:
     return found
 
 
+class FileLookup:
+    """Which keys have a block file in every namespace (one per tensor-parallel
+    rank), looked up from the namespaces' directories held open (`tier_dir`). A
+    hint, on the lookups' thread: each fan-out directory asked about is checked
+    once a lookup (a directory, not a link, the tier's), without opening it, and
+    its files found by name from the namespace's; the load that follows reaches
+    the file per component. Opened at the first lookup; the lookups' thread's alone."""
+
+    def __init__(self, root: str, namespaces: tuple[bytes, ...], gid: int | None = None) -> None:
+        self.root, self.namespaces, self.gid = os.fspath(root), namespaces, gid
+        self._held: TierDir | None = None
+
+    def __call__(self, keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
+        if self._held is None:
+            try:
+                self._held = TierDir(self.root, self.gid)
+            except OSError:  # not there (yet): nothing found
+                return ()
+        present = keys
+        for space in self.namespaces:
+            try:
+                top = self._held.space(space)
+                if gone(top) and self._held.forget_if_gone(space):  # removed, perhaps made anew
+                    top = self._held.space(space)
+            except OSError:  # not there (yet)
+                return ()
+            fans: dict[str, bool] = {}
+            found = []
+            for key in present:
+                tail = key_tail(key)
+                fan = tail[:2]
+                usable = fans.get(fan)
+                if usable is None:
+                    usable = fans[fan] = _usable_dir(fan, top, self.gid)
+                if usable and _present(tail, top):
+                    found.append(key)
+            present = tuple(found)
+        return present
+
+    def close(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
+
+def _usable_dir(name: str, parent: int, gid: int | None) -> bool:
+    try:
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and refusal(info, gid) is None
+
+
 def files_present(root: str, namespaces: tuple[bytes, ...], keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
-    """The keys with a block file in every namespace (one per tensor-parallel rank)."""
-    tops = [os.path.join(os.fspath(root), space.hex()) + os.sep for space in namespaces]
-    found = []
-    for key in keys:
-        tail = key_tail(key)
-        if all(_present(top + tail) for top in tops):
-            found.append(key)
-    return tuple(found)
+    """The keys with a block file in every namespace (`FileLookup`, once)."""
+    lookup = FileLookup(root, namespaces)
+    try:
+        return lookup(keys)
+    finally:
+        lookup.close()
 
 
-def _present(path: str) -> bool:
+def _present(name: str, directory: int) -> bool:
     """A regular file long enough to hold a block: a link or a FIFO is no block
     (a read of it fails), so finding one would offer a load that cannot happen."""
     try:
-        info = os.lstat(path)
+        info = os.stat(name, dir_fd=directory, follow_symlinks=False)
     except Exception:  # missing, unreadable: absent
         return False
     return stat.S_ISREG(info.st_mode) and info.st_size >= HEADER_BYTES

@@ -90,7 +90,7 @@ class TierDir:
                 try:
                     fd = open_dir(namespace.hex(), self.fd, self.gid, create=create)
                 except FileNotFoundError:
-                    if not (create and _gone(self.fd)):
+                    if not (create and gone(self.fd)):
                         raise
                     self._reopen_root()  # the tier's directory was removed: made again, checked again
                     fd = open_dir(namespace.hex(), self.fd, self.gid, create=True)
@@ -106,7 +106,7 @@ class TierDir:
         try:
             fd = open_dir(name, self.space(namespace, create=create), self.gid, create=create)
         except FileNotFoundError:
-            if not self._forget_if_gone(namespace):
+            if not self._forget_ifgone(namespace):
                 raise
             fd = open_dir(name, self.space(namespace, create=create), self.gid, create=create)
         try:
@@ -114,11 +114,11 @@ class TierDir:
         finally:
             os.close(fd)
 
-    def _forget_if_gone(self, namespace: bytes) -> bool:
+    def _forget_ifgone(self, namespace: bytes) -> bool:
         """Whether the held directory of `namespace` had been removed (and is now let go)."""
         with self._lock:
             fd = self._spaces.get(namespace)
-            if fd is None or not _gone(fd):
+            if fd is None or not gone(fd):
                 return False
             del self._spaces[namespace]
             os.close(fd)
@@ -137,7 +137,7 @@ class TierDir:
             self.fd = -1
 
 
-def _gone(fd: int) -> bool:
+def gone(fd: int) -> bool:
     """Whether the directory open at `fd` has been removed (no name links to it any more)."""
     return os.fstat(fd).st_nlink == 0
 
