@@ -82,7 +82,8 @@ def test_each_rows_fields_say_what_its_type_does(tmp_path):
 def test_the_fs_rows_lookup_finds_nothing_in_an_empty_directory(tmp_path):
     lookup = TIER_TYPES["fs"].lookup(FsTierSettings(path=str(tmp_path), capacity_bytes=1 << 20), "1:fs",
                                      (bytes(16),))
-    assert lookup.find((b"a" * 20,)) == () and lookup.health is None and lookup.close is None
+    assert lookup.find((b"a" * 20,)) == () and lookup.health is None
+    lookup.close()  # the directories it holds open (`tier_dir`)
 
 
 @pytest.mark.parametrize("path", ["adapters/settings.py", *sorted(
