@@ -232,39 +232,42 @@ def key_root(identity: Mapping[str, Any]) -> bytes:
 
 
 def write_identity(root: str | os.PathLike, namespace: bytes, identity: Mapping[str, Any], *,
-                   gid: int | None = None) -> None:
+                   gid: int | None = None, directory_fd: int | None = None) -> None:
     """`root/<namespace hex>/NAMESPACE.json`: the identity, for operators. Written
     aside and renamed into place; left alone where it already says the same.
     The directory and the file get the tier's modes (`gid`: its group, as
     `FsTierSettings.gid`). The aside name is unpredictable and made with
     O_EXCL|O_NOFOLLOW, and the file is read without following a link: whoever
-    can write the directory cannot plant a link that this process writes or reads through."""
+    can write the directory cannot plant a link that this process writes or reads through.
+    `directory_fd`: the namespace's directory, already open (the disk tier's, held by
+    descriptor: `tier_dir`), where the file is then written by name alone."""
     if namespace != _digest(identity):
         raise ValueError(f"namespace {namespace.hex()} is not the digest of this identity "
                          f"({_digest(identity).hex()})")
     directory = Path(root) / namespace.hex()
-    path = directory / IDENTITY_FILE
+    path = Path(IDENTITY_FILE) if directory_fd is not None else directory / IDENTITY_FILE
     text = json.dumps(identity, sort_keys=True, indent=2, allow_nan=False) + "\n"
     data = text.encode()
-    if _existing_bytes(path, len(data)) == data:
+    if _existing_bytes(path, len(data), directory_fd) == data:
         return
-    make_dir(directory, gid)
+    if directory_fd is None:
+        make_dir(directory, gid)
     aside = aside_path(path)
     try:
-        with os.fdopen(create_file(aside, gid), "wb") as out:
+        with os.fdopen(create_file(aside, gid, dir_fd=directory_fd), "wb") as out:
             out.write(data)
-        os.replace(aside, path)
+        os.replace(aside, path, src_dir_fd=directory_fd, dst_dir_fd=directory_fd)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(aside)
+            os.unlink(aside, dir_fd=directory_fd)
         raise
 
 
-def _existing_bytes(path: Path, limit: int) -> bytes | None:
+def _existing_bytes(path: Path, limit: int, dir_fd: int | None = None) -> bytes | None:
     """The file's bytes if it is a regular file of at most `limit` bytes, read
     never through a link nor waiting on a FIFO; None for anything else."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:  # missing, a link, unreadable: written anew
         return None
     with os.fdopen(fd, "rb") as file:

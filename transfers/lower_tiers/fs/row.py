@@ -21,9 +21,10 @@ def _fs_scan(tier: FsTierSettings, namespace: bytes) -> list[bytes]:
 
 
 def _fs_open(tier: FsTierSettings, site: WorkerSite) -> TierIO:
-    site.write_identity(tier.path, site.namespace, site.identity, gid=tier.gid)
     io = FsTierIO(root=tier.path, namespace=site.namespace, rows=site.rows, payload_bytes=site.payload_bytes,
                   threads=tier.threads, seal=tier.secret.seal(), gid=tier.gid, pack_bytes=tier.pack_bytes)
+    site.write_identity(tier.path, site.namespace, site.identity, gid=tier.gid,
+                        directory_fd=io.dir.space(site.namespace, create=True))
     if site.writes:  # the namespace's writer clears what its crashed predecessors left
         io.remove_leftovers()
     return io

@@ -722,29 +722,43 @@ def other_formats(root: str) -> list[tuple[str, object, int]]:
     """The namespaces under `root` whose identity names a block format other than
     the one this build reads, as (namespace hex, their format, block files). The
     format is part of the namespace, so their blocks are never found, let alone
-    served; this is what lets the tier say why, not start cold in silence."""
+    served; this is what lets the tier say why, not start cold in silence. Read
+    from the directory held by descriptor (`tier_dir`): a namespace's directory
+    that is a link, or not the tier's, is passed over."""
     try:
-        entries = [entry for entry in os.scandir(os.fspath(root))
-                   if _NAMESPACE_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)]
+        held = TierDir(root)
     except OSError:
         return []
     found = []
-    for entry in sorted(entries, key=lambda e: e.name):
-        try:
-            fd = os.open(os.path.join(entry.path, IDENTITY_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        names = sorted(entry.name for entry in os.scandir(held.fd)
+                       if _NAMESPACE_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False))
+        for name in names:
+            try:
+                space = open_dir(name, held.fd, None)
+            except OSError:
                 continue
-            identity = json.loads(os.read(fd, _IDENTITY_BYTES_MAX))
-        except (OSError, ValueError):
-            continue
-        finally:
-            os.close(fd)
-        version = identity.get("format_version") if isinstance(identity, dict) else None
-        if version != FORMAT_VERSION:
-            found.append((entry.name, version, len(scan_keys(root, bytes.fromhex(entry.name)))))
+            try:
+                fd = os.open(IDENTITY_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=space)
+            except OSError:
+                continue
+            finally:
+                os.close(space)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                identity = json.loads(os.read(fd, _IDENTITY_BYTES_MAX))
+            except (OSError, ValueError):
+                continue
+            finally:
+                os.close(fd)
+            version = identity.get("format_version") if isinstance(identity, dict) else None
+            if version != FORMAT_VERSION:
+                found.append((name, version, len(scan_keys(root, bytes.fromhex(name)))))
+    except OSError:
+        return found
+    finally:
+        held.close()
     return found
 
 
