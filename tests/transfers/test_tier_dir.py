@@ -80,21 +80,36 @@ def test_a_fan_out_directory_swapped_for_a_link_fails_its_blocks_and_nothing_goe
 def test_a_fan_out_directory_another_user_made_is_refused(tmp_path, tiers):
     """Its owner could put blocks in it, or take them."""
     need_root("it gives a directory to another user")
+    fan = tmp_path / "tier" / NS.hex() / "00"
+    fan.mkdir(parents=True)
+    os.chown(fan, 65534, 65534)
     io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
-    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).ok
-    os.chown(tmp_path / "tier" / NS.hex() / "00", 65534, 65534)
-    read = run(io, "read", 2, KEYS, ((3, 4, 5),))
-    assert set(read.reasons) == {"unreadable"}
-    assert run(io, "write", 3, KEYS, ((0, 1, 2),)).reasons == ("unwritable",) * 3
+    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).reasons == ("unwritable",) * 3
+    assert set(run(io, "read", 2, KEYS, ((3, 4, 5),)).reasons) == {"unreadable"}
+    assert list(fan.iterdir()) == []
 
 
 def test_a_group_writable_fan_out_directory_is_refused_without_the_tiers_group(tmp_path, tiers):
+    fan = tmp_path / "tier" / NS.hex() / "00"
+    fan.mkdir(parents=True)
+    os.chmod(fan, 0o770)
     io = tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
+    assert run(io, "write", 1, KEYS, ((0, 1, 2),)).reasons == ("unwritable",) * 3
+    assert list(fan.iterdir()) == []
+    assert run(io, "write", 2, ((key(0, 1),),), ((0,),)).ok  # another fan-out directory (01), the tier's own
+
+
+def test_a_namespace_directory_removed_and_made_anew_by_another_process_is_found_again(tmp_path, tiers):
+    """Someone clears the tier while it runs, and another process on the directory writes blocks
+    again: this one lets go of the removed directories it held and reads and writes the new ones."""
+    io, other = tiers(tmp_path / "tier", sizes=(ROW_BYTES,)), tiers(tmp_path / "tier", sizes=(ROW_BYTES,))
     assert run(io, "write", 1, KEYS, ((0, 1, 2),)).ok
-    os.chmod(tmp_path / "tier" / NS.hex() / "00", 0o770)
-    assert set(run(io, "read", 2, KEYS, ((3, 4, 5),)).reasons) == {"unreadable"}
-    os.chmod(tmp_path / "tier" / NS.hex() / "00", 0o700)
+    shutil.rmtree(tmp_path / "tier" / NS.hex())
+    assert run(other, "write", 2, KEYS, ((0, 1, 2),)).ok  # made anew
     assert run(io, "read", 3, KEYS, ((3, 4, 5),)).ok
+    shutil.rmtree(tmp_path / "tier")
+    assert run(io, "write", 4, ((key(7),),), ((6,),)).ok  # the tier's directory too: made again
+    assert block_path(tmp_path / "tier", NS, key(7)).is_file()
 
 
 def test_lookups_and_the_start_scan_follow_no_fan_out_directory_swapped_for_a_link(tmp_path, tiers):

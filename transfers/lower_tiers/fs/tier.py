@@ -43,7 +43,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -241,14 +241,21 @@ class FsTierIO(ThreadedTierIO):
                 os.close(fd)
 
     def _open(self, key: bytes, path: Path) -> int:
-        """The key's file, open for reading (`block_file.open_block`)."""
-        try:
-            with self.dir.fan_out(self.namespace, key) as fan:
-                return open_block(_name(key), dir_fd=fan, shown=path)
-        except FileNotFoundError:
-            raise BlockFileError("missing", path, "no such file (its directory is missing)") from None
-        except OSError as exc:  # a link or a file where the directory should be, or someone else's
-            raise BlockFileError("unreadable", path, _directory_error(exc)) from exc
+        """The key's file, open for reading (`block_file.open_block`). Where it is
+        missing, a held directory removed meanwhile is let go and the file looked
+        for once more (another process may have made the directory anew)."""
+        for retry in (True, False):
+            try:
+                return open_block(_name(key), dir_fd=self.dir.fan_out(self.namespace, key), shown=path)
+            except BlockFileError as error:
+                if not (retry and error.reason == "missing" and self.dir.refresh(self.namespace, key)):
+                    raise
+            except FileNotFoundError:
+                if not (retry and self.dir.refresh(self.namespace, key)):
+                    raise BlockFileError("missing", path, "no such file (its directory is missing)") from None
+            except OSError as exc:  # a link or a file where the directory should be, or someone else's
+                raise BlockFileError("unreadable", path, _directory_error(exc)) from exc
+        raise AssertionError("unreachable")
 
     def _segments(self, blocks: list[Block], entries: dict[bytes, tuple[int, int]]) -> list[list[Block]]:
         """The blocks in the pack's order, cut where one does not follow the last
@@ -335,34 +342,32 @@ class FsTierIO(ThreadedTierIO):
         for key, path in zip(keys, paths):
             self._remove_before_write(key, path)
         table, offsets, total = encode_table(self.namespace, keys, sizes)
-        reasons: list[str | None] = []
         try:
-            with self._fan_out(keys[0], paths[0], create=True) as first:
-                aside = _At(first, _aside_name(_name(keys[0])), paths[0])
-                self._write_pack_file(aside, table, offsets, total, blocks, bounce)
-                try:
-                    for key, path in zip(keys, paths):
-                        try:
-                            with self._fan_out(key, path, create=True) as fan:
-                                _link_into_place(aside, _At(fan, _name(key), path))
-                            reasons.append(None)
-                        except _LinksUnsupported as exc:
-                            with self._cond:
-                                was, self.pack_bytes = self.pack_bytes, 0
-                            if was:
-                                _log.info("tier_packs_off", root=self.root, error=str(exc))
-                            break
-                        except (OSError, BlockFileError) as exc:
-                            reasons.append("unwritable")
-                            _log.debug("tier_link_failed", path=str(path), error=repr(exc))
-                finally:
-                    with contextlib.suppress(OSError):
-                        os.unlink(aside.name, dir_fd=first)  # before the job ends: its blocks' files hold nothing else
-        except BlockFileError as error:  # before any link (a full disk, mostly): what fits may still go, a file each
+            aside = _At(self._fan_out(keys[0], paths[0]), _aside_name(_name(keys[0])), paths[0])
+            self._write_pack_file(aside, table, offsets, total, blocks, bounce)
+        except BlockFileError as error:  # a full disk, mostly: what fits may still go, a file each
             _log.debug("tier_pack_unwritable", path=error.path, error=error.detail, blocks=len(blocks))
             for block in blocks:
                 self._write_one(job, *block, bounce)
             return
+        reasons: list[str | None] = []
+        try:
+            for key, path in zip(keys, paths):
+                try:
+                    _link_into_place(aside, _At(self._fan_out(key, path), _name(key), path))
+                    reasons.append(None)
+                except _LinksUnsupported as exc:
+                    with self._cond:
+                        was, self.pack_bytes = self.pack_bytes, 0
+                    if was:
+                        _log.info("tier_packs_off", root=self.root, error=str(exc))
+                    break
+                except (OSError, BlockFileError) as exc:
+                    reasons.append("unwritable")
+                    _log.debug("tier_link_failed", path=str(path), error=repr(exc))
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(aside.name, dir_fd=aside.fd)  # before the job ends: its blocks' files hold nothing else
         ended = time.perf_counter()
         for (g, i, _key, _slot), path, size, reason in zip(blocks, paths, sizes, reasons):
             self._settle(job, g, i, reason, path, 0 if reason else size, (started, ended))
@@ -391,24 +396,36 @@ class FsTierIO(ThreadedTierIO):
         _write_file(aside, staged[:total], self.gid, direct=False)
 
     def _write(self, path: Path, key: bytes, payload, bounce: list[mmap.mmap]) -> None:
-        with self._fan_out(key, path, create=True) as fan:
-            if self.direct_writes:
-                if not bounce:
-                    bounce.append(mmap.mmap(-1, self._bounce_bytes))
-                try:
-                    _write_direct(_At(fan, _name(key), path), self.namespace, key, memoryview(payload).cast("B"),
-                                  bounce[0], self.seal, gid=self.gid)
-                    return
-                except _DirectUnsupported as exc:
-                    self._direct_off(exc)
-            write_block(_name(key), self.namespace, key, payload, self.seal, gid=self.gid, dir_fd=fan, shown=path)
-
-    @contextlib.contextmanager
-    def _fan_out(self, key: bytes, path: Path, *, create: bool) -> Iterator[int]:
-        """`TierDir.fan_out`, its failure a `BlockFileError` naming the block."""
+        """The block's file; where the write fails because a held directory was
+        removed meanwhile, once more after it is made again."""
         try:
-            with self.dir.fan_out(self.namespace, key, create=create) as fan:
-                yield fan
+            self._write_at(self._fan_out(key, path), path, key, payload, bounce)
+        except BlockFileError:
+            if not self.dir.refresh(self.namespace, key):
+                raise
+            self._write_at(self._fan_out(key, path), path, key, payload, bounce)
+
+    def _write_at(self, fan: int, path: Path, key: bytes, payload, bounce: list[mmap.mmap]) -> None:
+        if self.direct_writes:
+            if not bounce:
+                bounce.append(mmap.mmap(-1, self._bounce_bytes))
+            try:
+                _write_direct(_At(fan, _name(key), path), self.namespace, key, memoryview(payload).cast("B"),
+                              bounce[0], self.seal, gid=self.gid)
+                return
+            except _DirectUnsupported as exc:
+                self._direct_off(exc)
+        write_block(_name(key), self.namespace, key, payload, self.seal, gid=self.gid, dir_fd=fan, shown=path)
+
+    def _fan_out(self, key: bytes, path: Path) -> int:
+        """`TierDir.fan_out`, made where missing; its failure a `BlockFileError` naming the block."""
+        try:
+            try:
+                return self.dir.fan_out(self.namespace, key, create=True)
+            except FileNotFoundError:  # the held root or namespace directory was removed: made again
+                if not self.dir.refresh(self.namespace, key):
+                    raise
+                return self.dir.fan_out(self.namespace, key, create=True)
         except (NotTheTiers, FileNotFoundError, NotADirectoryError) as exc:
             raise BlockFileError("unwritable", path, _directory_error(exc)) from exc
         except OSError as exc:
@@ -449,24 +466,31 @@ class FsTierIO(ThreadedTierIO):
     def _remove(self, key: bytes, path: Path) -> None:
         """Unlink the key's name; where it names a pack, punch the key's block out of it
         first, so its space is free though other keys keep the pack."""
-        try:
-            with self.dir.fan_out(self.namespace, key) as fan:
-                try:
-                    self._punch(key, path, fan)
-                except FileNotFoundError:
-                    return
-                except Exception as exc:
-                    _log.warning("tier_punch_failed", path=str(path), error=repr(exc))
-                try:
-                    os.unlink(_name(key), dir_fd=fan)
-                except FileNotFoundError:
-                    pass
-                except Exception as exc:
-                    _log.warning("tier_delete_failed", path=str(path), error=repr(exc))
-        except FileNotFoundError:  # no such directory: nothing to remove
+        for retry in (True, False):
+            try:
+                fan = self.dir.fan_out(self.namespace, key)
+            except FileNotFoundError:  # no such directory: nothing to remove, unless a held one was removed
+                if retry and self.dir.refresh(self.namespace, key):
+                    continue
+                return
+            except OSError as exc:
+                _log.warning("tier_delete_failed", path=str(path), error=_directory_error(exc))
+                return
+            try:
+                self._punch(key, path, fan)
+            except FileNotFoundError:
+                if retry and self.dir.refresh(self.namespace, key):
+                    continue
+                return
+            except Exception as exc:
+                _log.warning("tier_punch_failed", path=str(path), error=repr(exc))
+            try:
+                os.unlink(_name(key), dir_fd=fan)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:
+                _log.warning("tier_delete_failed", path=str(path), error=repr(exc))
             return
-        except OSError as exc:
-            _log.warning("tier_delete_failed", path=str(path), error=_directory_error(exc))
 
     def _punch(self, key: bytes, path: Path, fan: int) -> None:
         fd = os.open(_name(key), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=fan)
@@ -784,7 +808,7 @@ class FileLookup:
         for space in self.namespaces:
             try:
                 top = self._held.space(space)
-                if gone(top) and self._held.forget_if_gone(space):  # removed, perhaps made anew
+                if gone(top) and self._held.refresh(space):  # removed, perhaps made anew
                     top = self._held.space(space)
             except OSError:  # not there (yet)
                 return ()
