@@ -275,7 +275,7 @@ def test_a_worker_opens_its_tier_with_the_tiers_group_and_clears_old_leftovers(t
     identity = (root / space.hex() / "NAMESPACE.json").stat()
     assert (stat.S_IMODE(identity.st_mode), identity.st_gid) == (0o660, gid)
     leftover = block_path(root, space, bytes(32)).with_name(f".{bytes(32).hex()}.kvb.0123456789abcdef.tmp")
-    leftover.parent.mkdir()
+    leftover.parent.mkdir(exist_ok=True)  # the worker made its fan-out directories
     leftover.write_bytes(b"x")
     os.utime(leftover, (time.time() - 3600,) * 2)
     open_and_close()

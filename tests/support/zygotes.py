@@ -39,12 +39,13 @@ class Zygote:
             raise RuntimeError(f"the engine zygote did not start: {started}")
 
     def _read(self, timeout: float) -> dict:
-        """The zygote's next line, read from the pipe unbuffered so that select sees every byte."""
+        """The zygote's next line, read from the pipe unbuffered so that poll sees every byte."""
         assert self.process.stdout is not None
         fd = self.process.stdout.fileno()
+        waiting = select.poll()  # not select(): the suite's processes may hold descriptors past FD_SETSIZE
+        waiting.register(fd, select.POLLIN)
         while b"\n" not in self.pending:
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
+            if not waiting.poll(timeout * 1000):
                 raise TimeoutError
             chunk = os.read(fd, 4096)
             if not chunk:

@@ -131,6 +131,7 @@ class FsTierIO(ThreadedTierIO):
         self._removing = threading.Lock()
         self._item = threading.local()  # per thread: the positions its current item settled
         self.dir = TierDir(self.root, gid, create=True)  # made where missing, as its blocks' directories are
+        self.dir.hold(namespace)  # 2 + 256 descriptors from the start, none grown into while serving
         super().__init__(rows=rows, payload_bytes=payload_bytes, threads=threads, name="fs")
 
     def shutdown(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
@@ -245,10 +246,12 @@ class FsTierIO(ThreadedTierIO):
         missing, a held directory removed meanwhile is let go and the file looked
         for once more (another process may have made the directory anew)."""
         for retry in (True, False):
+            fan = None
             try:
-                return open_block(_name(key), dir_fd=self.dir.fan_out(self.namespace, key), shown=path)
+                fan = self.dir.fan_out(self.namespace, key)
+                return open_block(_name(key), dir_fd=fan, shown=path)
             except BlockFileError as error:
-                if not (retry and error.reason == "missing" and self.dir.refresh(self.namespace, key)):
+                if not (retry and error.reason == "missing" and self.dir.refresh(self.namespace, key, fan)):
                     raise
             except FileNotFoundError:
                 if not (retry and self.dir.refresh(self.namespace, key)):
@@ -398,10 +401,11 @@ class FsTierIO(ThreadedTierIO):
     def _write(self, path: Path, key: bytes, payload, bounce: list[mmap.mmap]) -> None:
         """The block's file; where the write fails because a held directory was
         removed meanwhile, once more after it is made again."""
+        fan = self._fan_out(key, path)
         try:
-            self._write_at(self._fan_out(key, path), path, key, payload, bounce)
+            self._write_at(fan, path, key, payload, bounce)
         except BlockFileError:
-            if not self.dir.refresh(self.namespace, key):
+            if not self.dir.refresh(self.namespace, key, fan):
                 raise
             self._write_at(self._fan_out(key, path), path, key, payload, bounce)
 
@@ -479,7 +483,7 @@ class FsTierIO(ThreadedTierIO):
             try:
                 self._punch(key, path, fan)
             except FileNotFoundError:
-                if retry and self.dir.refresh(self.namespace, key):
+                if retry and self.dir.refresh(self.namespace, key, fan):
                     continue
                 return
             except Exception as exc:

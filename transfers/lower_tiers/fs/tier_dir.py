@@ -6,7 +6,9 @@ the directory it checked).
 
 `root/<namespace hex>/<key hex[:2]>/<key hex>.kvb` (`block_file.block_path`):
 the root, each namespace's directory and each fan-out directory are opened
-once (O_DIRECTORY | O_NOFOLLOW) and stay open, and a block's file is named in
+once (O_DIRECTORY | O_NOFOLLOW; a worker's 256 fan-out directories when it
+opens the tier, so its descriptors do not grow while it serves) and stay
+open, and a block's file is named in
 its fan-out directory alone: no more system calls a block than a path would
 take (a call more a block cost 20-35% of small blocks' speed, each call's
 return waiting for the GIL on a busy host). A directory below the root that another user
@@ -111,9 +113,18 @@ class TierDir:
                 fd = self._fans[(namespace, name)] = open_dir(name, parent, self.gid, create=create)
             return fd
 
-    def refresh(self, namespace: bytes, key: bytes | None = None) -> bool:
+    def hold(self, namespace: bytes, *, create: bool = True) -> None:
+        """Every fan-out directory of `namespace` open now (made where `create`), so
+        a worker's descriptors are counted at its start, not grown into while it
+        serves. One refused (not the tier's) or missing is tried again when used."""
+        for first in range(256):
+            with contextlib.suppress(OSError):  # NotTheTiers among them
+                self.fan_out(namespace, bytes([first]), create=create)
+
+    def refresh(self, namespace: bytes, key: bytes | None = None, used: int | None = None) -> bool:
         """After an operation found something missing: whether a held directory on
-        its way had been removed, and is now let go (the caller tries once more)."""
+        its way had been removed, and is now let go, or had been since the caller
+        took it (`used`: the fan-out directory it took): the caller tries once more."""
         with self._lock:
             root_gone = gone(self.fd)
             if root_gone:
@@ -128,7 +139,9 @@ class TierDir:
                     if w[0] in spaces or (w == (namespace, fan) and gone(fd))]
             for dropped_fan in fans:
                 self._let_go.append(self._fans.pop(dropped_fan))
-            return root_gone or bool(spaces) or bool(fans)
+            # Let go already (by another thread, since the caller took it): worth a try too.
+            let_go = fan is not None and self._fans.get((namespace, fan)) != used
+            return root_gone or bool(spaces) or bool(fans) or let_go
 
     def close(self) -> None:
         with self._lock:
