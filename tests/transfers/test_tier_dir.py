@@ -5,6 +5,7 @@ directories, real links."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -12,8 +13,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvledger.transfers.lower_tiers.fs.block_file import block_path
-from kvledger.transfers.lower_tiers.fs.tier import FileLookup, files_present, scan_keys
-from tests.support.privileges import need_root
+from kvledger.transfers.lower_tiers.fs.tier import FileLookup, files_present, other_formats, scan_keys
+from tests.support.privileges import need_root, second_group
 from tests.transfers.test_fs_tier import NS, ROW_BYTES, key, made_tiers, payload, run
 
 pytestmark = pytest.mark.fast
@@ -136,3 +137,19 @@ def test_the_start_scan_skips_a_fan_out_directory_others_can_write_and_says_so(t
         assert scan_keys(str(tmp_path / "tier"), NS) == []
     assert [e["event"] for e in logs] == ["tier_directory_refused"] and "writable by every user" in logs[0]["error"]
     assert files_present(str(tmp_path / "tier"), (NS,), KEYS[0]) == ()
+
+
+def test_a_group_tier_reports_another_members_namespace_of_another_format(tmp_path):
+    """In a tier shared by a group, a namespace another member made is the tier's: its format is
+    reported; without the group it is someone else's directory, passed over."""
+    need_root("it gives a directory to another user")
+    _, gid = second_group()
+    root = tmp_path / "tier"
+    root.mkdir(mode=0o2770)
+    os.chown(root, -1, gid)
+    theirs = root / bytes(range(1, 17)).hex()
+    theirs.mkdir(mode=0o2770)
+    (theirs / "NAMESPACE.json").write_text(json.dumps({"format_version": 2}))
+    os.chown(theirs, 65534, gid)
+    assert other_formats(str(root), gid) == [(theirs.name, 2, 0)]
+    assert other_formats(str(root)) == []

@@ -34,4 +34,4 @@ ROW = TierType(
         settings=FsTierSettings, keys=("path", "root_dir", "capacity_bytes", "threads", "pack_bytes", "shared", "group"),
         parse=parse_fs_tier, check=check_fs_tier, header_bytes=lambda tier: HEADER_BYTES, where=lambda tier: {"path": tier.path},
         lookup=_fs_lookup, scan=_fs_scan, open_io=_fs_open, tombstones=True,
-        other_formats=lambda tier: other_formats(tier.path))
+        other_formats=lambda tier: other_formats(tier.path, tier.gid))

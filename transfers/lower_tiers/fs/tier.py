@@ -80,7 +80,7 @@ from kvledger.transfers.lower_tiers.fs.block_pack import (
     punch_block,
     round_up,
 )
-from kvledger.transfers.lower_tiers.fs.tier_dir import NotTheTiers, TierDir, gone, open_dir, refusal
+from kvledger.transfers.lower_tiers.fs.tier_dir import NotTheTiers, TierDir, gone, open_dir, usable_dir
 from kvledger.transfers.lower_tiers.tier_io import Block, ThreadedTierIO, TierIoOutcome, TierJob
 
 DIRECT_ALIGN = ALIGN
@@ -245,20 +245,27 @@ class FsTierIO(ThreadedTierIO):
         """The key's file, open for reading (`block_file.open_block`). Where it is
         missing, a held directory removed meanwhile is let go and the file looked
         for once more (another process may have made the directory anew)."""
-        for retry in (True, False):
-            fan = None
-            try:
-                fan = self.dir.fan_out(self.namespace, key)
-                return open_block(_name(key), dir_fd=fan, shown=path)
-            except BlockFileError as error:
-                if not (retry and error.reason == "missing" and self.dir.refresh(self.namespace, key, fan)):
-                    raise
-            except FileNotFoundError:
-                if not (retry and self.dir.refresh(self.namespace, key)):
-                    raise BlockFileError("missing", path, "no such file (its directory is missing)") from None
-            except OSError as exc:  # a link or a file where the directory should be, or someone else's
-                raise BlockFileError("unreadable", path, _directory_error(exc)) from exc
-        raise AssertionError("unreachable")
+        try:
+            fan = self.dir.fan_out(self.namespace, key)
+        except FileNotFoundError:
+            raise BlockFileError("missing", path, "no such file (its directory is missing)") from None
+        except OSError as exc:  # a link or a file where the directory should be, or someone else's
+            raise BlockFileError("unreadable", path, _directory_error(exc)) from exc
+        try:
+            return open_block(_name(key), dir_fd=fan, shown=path)
+        except BlockFileError as error:
+            if error.reason != "missing" or not self.dir.refresh(self.namespace, key, fan):
+                raise
+        return self._open_again(key, path)
+
+    def _open_again(self, key: bytes, path: Path) -> int:
+        """`_open` once more, after a held directory was let go (`TierDir.refresh`)."""
+        try:
+            return open_block(_name(key), dir_fd=self.dir.fan_out(self.namespace, key), shown=path)
+        except FileNotFoundError:
+            raise BlockFileError("missing", path, "no such file (its directory is missing)") from None
+        except OSError as exc:
+            raise BlockFileError("unreadable", path, _directory_error(exc)) from exc
 
     def _segments(self, blocks: list[Block], entries: dict[bytes, tuple[int, int]]) -> list[list[Block]]:
         """The blocks in the pack's order, cut where one does not follow the last
@@ -424,12 +431,7 @@ class FsTierIO(ThreadedTierIO):
     def _fan_out(self, key: bytes, path: Path) -> int:
         """`TierDir.fan_out`, made where missing; its failure a `BlockFileError` naming the block."""
         try:
-            try:
-                return self.dir.fan_out(self.namespace, key, create=True)
-            except FileNotFoundError:  # the held root or namespace directory was removed: made again
-                if not self.dir.refresh(self.namespace, key):
-                    raise
-                return self.dir.fan_out(self.namespace, key, create=True)
+            return self.dir.fan_out(self.namespace, key, create=True)
         except (NotTheTiers, FileNotFoundError, NotADirectoryError) as exc:
             raise BlockFileError("unwritable", path, _directory_error(exc)) from exc
         except OSError as exc:
@@ -473,9 +475,7 @@ class FsTierIO(ThreadedTierIO):
         for retry in (True, False):
             try:
                 fan = self.dir.fan_out(self.namespace, key)
-            except FileNotFoundError:  # no such directory: nothing to remove, unless a held one was removed
-                if retry and self.dir.refresh(self.namespace, key):
-                    continue
+            except FileNotFoundError:  # no such directory: nothing to remove
                 return
             except OSError as exc:
                 _log.warning("tier_delete_failed", path=str(path), error=_directory_error(exc))
@@ -645,38 +645,34 @@ def remove_leftovers(root: str, namespace: bytes, *, grace_s: float = LEFTOVER_G
 
 
 def _remove_leftovers(held: TierDir, namespace: bytes, grace_s: float) -> int:
-    """`remove_leftovers` through the tier's held directories: a directory on the
-    way that is a link or someone else's is not entered."""
+    """`remove_leftovers` through the tier's held directories (`TierDir.fan_out`):
+    a directory that is a link or someone else's is not entered."""
     cutoff = time.time() - grace_s
+    top = os.path.join(held.root, namespace.hex())
+    folders = [(held.fd, held.root, _is_probe)]
+    with contextlib.suppress(OSError):  # no namespace directory yet: nothing left there
+        folders.append((held.space(namespace), top, _is_aside))
+    for first in range(256):
+        with contextlib.suppress(OSError):  # missing, or not the tier's
+            folders.append((held.fan_out(namespace, bytes([first])), os.path.join(top, f"{first:02x}"), _is_aside))
     removed = 0
-    with contextlib.ExitStack() as opened:
-        folders = [(held.fd, held.root, _is_probe)]
-        with contextlib.suppress(OSError):  # no namespace directory yet: nothing left there
-            top = held.space(namespace)
-            folders.append((top, os.path.join(held.root, namespace.hex()), _is_aside))
-            for entry in list(os.scandir(top)):
-                if entry.is_dir(follow_symlinks=False):
-                    with contextlib.suppress(OSError):
-                        fd = open_dir(entry.name, top, held.gid)
-                        opened.callback(os.close, fd)
-                        folders.append((fd, os.path.join(folders[1][1], entry.name), _is_aside))
-        for fd, shown, wanted in folders:
+    for fd, shown, wanted in folders:
+        try:
+            entries = [entry for entry in os.scandir(fd) if wanted(entry.name)]
+        except OSError:
+            continue
+        for entry in entries:
             try:
-                entries = [entry for entry in os.scandir(fd) if wanted(entry.name)]
-            except OSError:
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode) or info.st_mtime >= cutoff:
+                    continue
+                os.unlink(entry.name, dir_fd=fd)  # a link is removed, never followed
+            except FileNotFoundError:  # another process removed or renamed it meanwhile
                 continue
-            for entry in entries:
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                    if stat.S_ISDIR(info.st_mode) or info.st_mtime >= cutoff:
-                        continue
-                    os.unlink(entry.name, dir_fd=fd)  # a link is removed, never followed
-                except FileNotFoundError:  # another process removed or renamed it meanwhile
-                    continue
-                except OSError as exc:
-                    _log.warning("tier_leftover_not_removed", path=os.path.join(shown, entry.name), error=repr(exc))
-                    continue
-                removed += 1
+            except OSError as exc:
+                _log.warning("tier_leftover_not_removed", path=os.path.join(shown, entry.name), error=repr(exc))
+                continue
+            removed += 1
     _log.info("tier_leftovers_removed", root=held.root, namespace=namespace.hex(), removed=removed, grace_s=grace_s)
     return removed
 
@@ -746,7 +742,7 @@ _NAMESPACE_DIR = re.compile(f"[0-9a-f]{{{2 * NAMESPACE_BYTES}}}")
 _IDENTITY_BYTES_MAX = 1 << 16
 
 
-def other_formats(root: str) -> list[tuple[str, object, int]]:
+def other_formats(root: str, gid: int | None = None) -> list[tuple[str, object, int]]:
     """The namespaces under `root` whose identity names a block format other than
     the one this build reads, as (namespace hex, their format, block files). The
     format is part of the namespace, so their blocks are never found, let alone
@@ -754,7 +750,7 @@ def other_formats(root: str) -> list[tuple[str, object, int]]:
     from the directory held by descriptor (`tier_dir`): a namespace's directory
     that is a link, or not the tier's, is passed over."""
     try:
-        held = TierDir(root)
+        held = TierDir(root, gid)
     except OSError:
         return []
     found = []
@@ -763,7 +759,7 @@ def other_formats(root: str) -> list[tuple[str, object, int]]:
                        if _NAMESPACE_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False))
         for name in names:
             try:
-                space = open_dir(name, held.fd, None)
+                space = open_dir(name, held.fd, gid)
             except OSError:
                 continue
             try:
@@ -782,7 +778,7 @@ def other_formats(root: str) -> list[tuple[str, object, int]]:
                 os.close(fd)
             version = identity.get("format_version") if isinstance(identity, dict) else None
             if version != FORMAT_VERSION:
-                found.append((name, version, len(scan_keys(root, bytes.fromhex(name)))))
+                found.append((name, version, len(scan_keys(root, bytes.fromhex(name), gid))))
     except OSError:
         return found
     finally:
@@ -823,7 +819,7 @@ class FileLookup:
                 fan = tail[:2]
                 usable = fans.get(fan)
                 if usable is None:
-                    usable = fans[fan] = _usable_dir(fan, top, self.gid)
+                    usable = fans[fan] = usable_dir(fan, top, self.gid)
                 if usable and _present(tail, top):
                     found.append(key)
             present = tuple(found)
@@ -833,14 +829,6 @@ class FileLookup:
         if self._held is not None:
             self._held.close()
             self._held = None
-
-
-def _usable_dir(name: str, parent: int, gid: int | None) -> bool:
-    try:
-        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
-    except OSError:
-        return False
-    return stat.S_ISDIR(info.st_mode) and refusal(info, gid) is None
 
 
 def files_present(root: str, namespaces: tuple[bytes, ...], keys: tuple[bytes, ...]) -> tuple[bytes, ...]:

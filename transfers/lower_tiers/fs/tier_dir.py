@@ -8,11 +8,12 @@ the directory it checked).
 the root, each namespace's directory and each fan-out directory are opened
 once (O_DIRECTORY | O_NOFOLLOW; a worker's 256 fan-out directories when it
 opens the tier, so its descriptors do not grow while it serves) and stay
-open, and a block's file is named in
-its fan-out directory alone: no more system calls a block than a path would
-take (a call more a block cost 20-35% of small blocks' speed, each call's
-return waiting for the GIL on a busy host). A directory below the root that another user
-made (and not the tier's group's), or that others could write, is refused.
+open, and a block's file is named in its fan-out directory alone: no more
+system calls a block than a path would take (three more a block, opening
+its fan-out directory each time, cost 17-38% of 64 KiB blocks' speed, each
+call's return waiting for the GIL among the tier's threads). A directory
+below the root that another user made (and not the tier's group's), or that
+others could write, is refused.
 
 At start, `check_ancestors` refuses a tier whose directories above it others
 could replace, as OpenSSH's `secure_filename` does for keys.
@@ -101,11 +102,19 @@ class TierDir:
             return fd
 
     def fan_out(self, namespace: bytes, key: bytes, *, create: bool = False) -> int:
-        """The key's fan-out directory, open (made first where `create`)."""
-        name = key.hex()[:2]
-        fd = self._fans.get((namespace, name))
+        """The key's fan-out directory, open (made first where `create`); where the
+        held root or namespace directory was removed meanwhile, through new ones."""
+        fd = self._fans.get((namespace, key.hex()[:2]))
         if fd is not None:
             return fd
+        try:
+            return self._open_fan_out(namespace, key.hex()[:2], create)
+        except FileNotFoundError:
+            if not self.refresh(namespace):
+                raise
+            return self._open_fan_out(namespace, key.hex()[:2], create)
+
+    def _open_fan_out(self, namespace: bytes, name: str, create: bool) -> int:
         parent = self.space(namespace, create=create)
         with self._lock:
             fd = self._fans.get((namespace, name))
@@ -128,8 +137,12 @@ class TierDir:
         with self._lock:
             root_gone = gone(self.fd)
             if root_gone:
+                try:
+                    fresh = open_dir(self.root, None, self.gid, create=True)  # made again, checked again
+                except OSError:  # cannot be made again (its parent is gone too): nothing to try
+                    return False
                 self._let_go.append(self.fd)
-                self.fd = open_dir(self.root, None, self.gid, create=True)  # made again, checked again
+                self.fd = fresh
             space = self._spaces.get(namespace)
             spaces = list(self._spaces) if root_gone else [namespace] if space is not None and gone(space) else []
             for dropped in spaces:
@@ -152,6 +165,16 @@ class TierDir:
             self._fans.clear()
             self._let_go.clear()
             self.fd = -1
+
+
+def usable_dir(name: str, parent: int, gid: int | None) -> bool:
+    """Whether `name` in `parent` is a directory (not a link) `refusal` lets the
+    tier use, by one `fstatat` without opening it (lookups: a hint)."""
+    try:
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and refusal(info, gid) is None
 
 
 def gone(fd: int) -> bool:
