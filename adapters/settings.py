@@ -69,7 +69,7 @@ class ConnectorSettings:
     secondary_tiers: tuple[TierSettings, ...] = ()  # below host memory, in order
     weights_version: str | None = None  # names the weights in the tiers' namespace (lower tiers)
     key_generations: str = "private"  # or "counted": see `_FIELDS`
-    miss_metrics: bool = False  # count missed tokens by cause live (`adapters.miss_counter`): off, see RESULTS
+    miss_metrics: bool = True  # count missed tokens by cause live (`adapters.miss_counter`)
     miss_memory_keys: int = MAX_KEYS
 
 
@@ -97,7 +97,7 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
                              "'counted' (every replica's Nth reset shares keys: only for a fleet that loads the "
                              "same new weights through one reset each)"),
     "miss_metrics": (bool, "count missed prompt tokens by cause (vllm:kvledger_missed_tokens), folding the "
-                           "engine's notifications on the scheduler's thread"),
+                           "engine's notifications on a thread of its own"),
     "miss_memory_keys": (int, "keys whose history the miss counter remembers (the oldest-named are forgotten)"),
 }
 
@@ -223,7 +223,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         secondary_tiers=_parse_tiers(extra.get("secondary_tiers", ())),
         weights_version=weights_version,
         key_generations=generations,
-        miss_metrics=extra.get("miss_metrics", False),
+        miss_metrics=extra.get("miss_metrics", True),
         miss_memory_keys=memory_keys,
     )
 

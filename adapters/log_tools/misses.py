@@ -21,7 +21,9 @@ event records that lookup.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import chain, islice
+from collections import deque
+from functools import partial
+from itertools import chain, groupby, islice, repeat
 from typing import Any, Final
 
 import attrs
@@ -231,11 +233,11 @@ class MissLedger:
         """Name the keys of the blocks whose last hash is among these (`hma.append_keys`'s rule)."""
         start = self._hashes.get(rid, 0)
         self._hashes[rid] = start + len(hashes)
-        named = self.keys
+        name = self.keys.setdefault  # the first to name a key keeps it; C-level loops, no per-key step
         for per_block, suffix in self._key_rules:
             last = hashes[(start // per_block + 1) * per_block - 1 - start::per_block]
             if last:
-                named.update({key: rid for key in [h + suffix for h in last] if key not in named})
+                _drain(map(name, map(bytes.__add__, last, repeat(suffix)) if suffix else last, repeat(rid)))
 
     def _rewound(self, seq: int, event: ev.BlockHashesRewound) -> None:
         self._hashes[event.request_id] = event.num_hashes
@@ -377,9 +379,10 @@ class MissLedger:
             runs.append(Run(0, local // size - 1, 0, local // size * size, "device"))
         restored = [(promoted.get(axis_keys[p], HOST), seq, job) for p in range(local // size, (local + ext) // size)]
         _merge(runs, local // size, size, "restored", restored)
-        whys: list[_Why] = []
         first_missed = (local + ext) // size
-        for p in range(first_missed, most // size):
+        fast = self._never_stored_run(axis_keys, first_missed, most // size, rid)
+        whys: list[_Why] = [] if fast is None else fast
+        for p in range(first_missed, most // size) if fast is None else ():
             key = axis_keys[p] if p < len(axis_keys) else b""
             loadable = self._tiers_holding(key)
             if loadable:
@@ -408,6 +411,26 @@ class MissLedger:
                     self._late.setdefault(run.job_id, []).append(run)
         elif load is None:
             self.on_admission(admission)
+
+    def _never_stored_run(self, axis_keys: tuple[bytes, ...], first: int, end: int, rid: str) -> list[_Why] | None:
+        """The whys of blocks `first` to `end` when no fact names any of their keys
+        (the common miss: blocks never stored), found in C-level set and map steps
+        rather than a Python step per block; None where a fact does (`_why_not` then)."""
+        if end > len(axis_keys) or first >= end:
+            return None if first < end else []
+        keys = axis_keys[first:end]
+        if not all(map(set.isdisjoint, self._held, repeat(keys))):
+            return None
+        for facts in (self._storing, self._gone, self._store_failed, self._refused):
+            if facts and not facts.keys().isdisjoint(keys):
+                return None
+        kind = self.groups[self.axis].kind
+        whys: list[_Why] = []
+        for named_by, same in groupby(map(self.keys.get, keys)):
+            if named_by is None:
+                return None  # a key no request named: unexplained (`_why_not`)
+            whys.extend(repeat(self._never_stored(named_by, rid, kind), len(list(same))))
+        return whys
 
     def _why_not(self, key: bytes, rid: str, kind: GroupKind) -> _Why:
         """A key loadable nowhere: the latest fact about it."""
@@ -497,6 +520,9 @@ def _run(first: int, last: int, size: int, outcome: str, why: tuple) -> Run:
         tier, seq, job = why
         return Run(first, last, first * size, (last + 1) * size, outcome, tier=tier, seq=seq, job_id=job)
     return Run(first, last, first * size, (last + 1) * size, outcome, *why)
+
+
+_drain = partial(deque, maxlen=0)  # runs an iterator of C-level calls to its end, keeping nothing
 
 
 def _bound(memory: dict, most: int) -> None:

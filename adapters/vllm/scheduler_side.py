@@ -88,7 +88,7 @@ class LedgerScheduler:
         self.restores = RestoreTimes()
         self._carried: list[fx.Effect] = []  # worker effects of calls outside a step, for the next step
         self._tiers = tiers
-        self._misses = (MissCounter(config, max_keys=settings.miss_memory_keys)
+        self._misses = (MissCounter(config, max_keys=settings.miss_memory_keys, background=True)
                         if settings.miss_metrics else None)
         self._lookups = HitLookups(lambda: self.host.state, self._apply, tiers)
         self._chain = self._chain_keys(tiers.key_root) if tiers is not None else None
@@ -243,8 +243,10 @@ class LedgerScheduler:
         return [] if self.tier_events is None else self.tier_events.take()
 
     def has_pending_work(self) -> bool:
-        """Keep vLLM stepping while transfers run, or their completions never arrive."""
-        return queries.has_jobs_in_flight(self.host.state) or bool(self._carried)
+        """Keep vLLM stepping while transfers run, or their completions never arrive, and
+        while the miss counter's last counts are not yet reported."""
+        return (queries.has_jobs_in_flight(self.host.state) or bool(self._carried)
+                or (self._misses is not None and self._misses.unpublished()))
 
     def has_pending_block_frees(self) -> bool:
         """Blocks kvledger holds for stores come back when those end: vLLM

@@ -6,6 +6,7 @@ memory of keys; and stops, rather than breaks serving, when its fold raises."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -113,3 +114,72 @@ def test_a_fold_that_raises_stops_the_counter() -> None:
     steps, _ = _steps(SMALL, seed=1)
     Served(SMALL, counter).apply(steps[0])  # ignored from now on
     assert counter.take() == {} and counter._ledger is None
+
+
+def test_in_the_background_it_counts_the_same_off_the_feeding_thread() -> None:
+    config = SIMULATED_CONFIGS[0]
+    steps, expected = _steps(config, seed=3)
+    counter = MissCounter(config, background=True)
+    folded_on: set[str] = set()
+    observe = counter._ledger.observe
+
+    def observed(*args) -> None:
+        folded_on.add(threading.current_thread().name)
+        observe(*args)
+
+    counter._ledger.observe = observed  # type: ignore[method-assign]
+    served = Served(config, counter)
+    for events in steps:
+        served.apply(events)
+    assert counter.settle()
+    counts = counter.take()
+    assert counts == expected and counter.stopped is None
+    assert folded_on == {"kvledger-misses"}
+    assert counter.cpu_seconds > 0
+    counter.close()
+    assert not any(t.name == "kvledger-misses" for t in threading.enumerate())
+
+
+@pytest.mark.fast
+def test_closing_folds_what_is_queued_and_ends_the_thread() -> None:
+    steps, expected = _steps(SMALL, seed=3)
+    counter = MissCounter(SMALL, background=True)
+    assert _counted(SMALL, counter, steps) == expected  # the last counts taken after close
+    assert counter._thread is None and not any(t.name == "kvledger-misses" for t in threading.enumerate())
+    counter.close()  # twice: nothing left to do
+
+
+@pytest.mark.fast
+def test_a_fold_that_falls_too_far_behind_stops_the_counter_and_drops_its_queue() -> None:
+    steps, _ = _steps(SMALL, seed=3)
+    counter = MissCounter(SMALL, background=True, max_queued=50)
+    gate = threading.Event()
+    observe = counter._ledger.observe
+    counter._ledger.observe = lambda *args: (gate.wait(10), observe(*args))  # type: ignore[method-assign]
+    served = Served(SMALL, counter)
+    for events in steps[:40]:  # the fold waits on the gate: the queue grows past 50 events
+        served.apply(events)
+    assert counter.stopped is not None and "fell" in counter.stopped and "behind the engine" in counter.stopped
+    assert not counter._queue and counter._ledger is None
+    gate.set()
+    served.apply(steps[40])  # serving goes on; nothing more is queued
+    assert not counter._queue
+    counter.close()
+
+
+@pytest.mark.fast
+def test_counts_not_yet_taken_keep_the_connector_busy_until_taken() -> None:
+    steps, expected = _steps(SMALL, seed=3)
+    counter = MissCounter(SMALL, background=True)
+    served = Served(SMALL, counter)
+    assert not counter.unpublished()
+    for events in steps:
+        served.apply(events)
+    assert counter.unpublished()  # its admissions queued or counted, not taken
+    assert counter.settle() and counter.unpublished()  # folded: counted, not taken
+    assert counter.take() == expected
+    assert not counter.unpublished()
+    idle = [ev.StepScheduled(step_index=10_000, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=())]
+    served.apply(idle)  # an idle step's batch can count nothing: vLLM may stop stepping
+    assert not counter.unpublished()
+    counter.close()
