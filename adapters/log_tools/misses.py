@@ -20,8 +20,8 @@ event records that lookup.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from collections import deque
+from collections.abc import Callable, Iterable
 from functools import partial
 from itertools import chain, groupby, islice, repeat
 from typing import Any, Final
