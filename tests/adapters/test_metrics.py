@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -117,13 +118,13 @@ def test_the_scheduler_reports_each_tier_count_once():
     scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
     try:
         scheduler.host.apply(ev.TierKeysFound(tier=1, keys=chain(3)))
-        first = scheduler.take_stats().data
+        first = _settled_stats(scheduler).data
         assert first[m.COUNTER]["vllm:kvledger_tiering_found_blocks|1:fs"] == 3
         assert first[m.GAUGE]["vllm:kvledger_tiering_held_blocks|1:fs"] == 3
         scheduler.host.apply(ev.TierKeysFound(tier=1, keys=chain(2, "b")))
-        second = scheduler.take_stats().data
+        second = _settled_stats(scheduler).data
         assert second[m.COUNTER]["vllm:kvledger_tiering_found_blocks|1:fs"] == 2  # the change, not the total
-        assert "vllm:kvledger_tiering_found_blocks|1:fs" not in scheduler.take_stats().data[m.COUNTER]
+        assert "vllm:kvledger_tiering_found_blocks|1:fs" not in _settled_stats(scheduler).data[m.COUNTER]
     finally:
         scheduler.shutdown()
 
@@ -139,23 +140,23 @@ def test_a_step_that_changed_nothing_reports_nothing_and_the_next_change_reports
     config = make_config(groups=(FULL,))
     scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
     try:
-        first = scheduler.take_stats().data
+        first = _settled_stats(scheduler).data
         assert first[m.GAUGE] == {m.TIER_USED.name: 0, m.TIER_CAPACITY.name: config.num_tier_slots,
                                   m.JOBS_IN_FLIGHT.name: 0, m.CPU_USAGE.name: 0.0, m.CPU_WRITE_USAGE.name: 0.0,
                                   m.CPU_READ_USAGE.name: 0.0}
-        assert scheduler.take_stats() is None
+        assert _settled_stats(scheduler) is None
         block = config.groups[0].block_size
         scheduler.host.apply(ev.RequestAdded(request_id="r", num_prompt_tokens=2 * block, block_hashes=chain(2)))
         scheduler.host.apply(ev.BlocksAllocated(request_id="r", block_ids=((1, 2),)))
         scheduler.host.apply(ev.StepScheduled(step_index=1, request_ids=("r",), num_computed_tokens=(0,),
                                               num_scheduled_tokens=(2 * block,)))
-        moved = scheduler.take_stats().data
+        moved = _settled_stats(scheduler).data
         assert moved[m.COUNTER] == {m.STORES.name: 1}
         storing = 2 / config.num_tier_slots  # both slots are being stored into
         assert moved[m.GAUGE] == {m.TIER_USED.name: 2, m.TIER_CAPACITY.name: config.num_tier_slots,
                                   m.JOBS_IN_FLIGHT.name: 1, m.CPU_USAGE.name: storing,
                                   m.CPU_WRITE_USAGE.name: storing, m.CPU_READ_USAGE.name: 0.0}
-        assert scheduler.take_stats() is None
+        assert _settled_stats(scheduler) is None
     finally:
         scheduler.shutdown()
 
@@ -169,17 +170,17 @@ def test_a_lookup_alone_is_reported_though_no_count_moved():
     config = make_config(groups=(FULL,))
     scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
     try:
-        assert scheduler.take_stats() is not None  # the gauges' first values
+        assert _settled_stats(scheduler) is not None  # the gauges' first values
         block = config.groups[0].block_size
         request = SimpleNamespace(request_id="r", block_hashes=list(chain(2)), num_prompt_tokens=2 * block,
                                   num_tokens=2 * block)
         scheduler.on_new_request(request)
         assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # a miss: nothing stored
-        reported = scheduler.take_stats()
+        reported = _settled_stats(scheduler)
         assert reported is not None
         assert len(reported.data[m.HISTOGRAM][m.LOOKUP_DELAY.name]) == 1
         assert not reported.data[m.COUNTER] and not reported.data[m.GAUGE]
-        assert scheduler.take_stats() is None
+        assert _settled_stats(scheduler) is None
     finally:
         scheduler.shutdown()
 
@@ -197,6 +198,13 @@ def _stored_request(scheduler, rid: str, blocks: tuple[int, ...], step: int) -> 
                                        num_scheduled_tokens=(tokens,))])
     (job_id,) = queries.job_ids(scheduler.host.state)  # the step's one store job
     scheduler._apply([ev.StoreCompleted(job_id=job_id), ev.RequestFinished(request_id=rid, block_ids=(blocks,))])
+
+
+def _settled_stats(scheduler):
+    """The stats once the miss counter's thread (on by default) folded what was fed so far, as a
+    server's forward gives it the time: a take never races the thread."""
+    assert scheduler._misses is None or scheduler._misses.settle()
+    return scheduler.take_stats()
 
 
 def _registry_and_prom():
@@ -217,16 +225,16 @@ def test_blocks_a_reset_drops_are_not_counted_as_evictions():
     registry, prom = _registry_and_prom()
     try:
         _stored_request(scheduler, "a", (1, 2, 3, 4), step=1)  # the tier is full
-        first = scheduler.take_stats()
+        first = _settled_stats(scheduler)
         assert m.EVICTIONS.name not in first.data[m.COUNTER] and m.RESET_DROPPED.name not in first.data[m.COUNTER]
         prom.observe(first.data)
         _stored_request(scheduler, "b", (5, 6), step=2)  # two of a's blocks make room
-        second = scheduler.take_stats()
+        second = _settled_stats(scheduler)
         assert second.data[m.COUNTER][m.EVICTIONS.name] == 2
         assert m.RESET_DROPPED.name not in second.data[m.COUNTER]
         prom.observe(second.data)
         assert scheduler.reset_cache()  # drops the four blocks stored now
-        third = scheduler.take_stats()
+        third = _settled_stats(scheduler)
         assert third.data[m.COUNTER][m.RESET_DROPPED.name] == 4
         assert m.EVICTIONS.name not in third.data[m.COUNTER]
         prom.observe(third.data)
@@ -234,10 +242,11 @@ def test_blocks_a_reset_drops_are_not_counted_as_evictions():
         assert queries.stats(scheduler.host.state)["evictions"] == 6
         assert registry.get_sample_value("vllm:kvledger_evictions_total", LABELS) == 2
         assert registry.get_sample_value("vllm:kvledger_reset_dropped_blocks_total", LABELS) == 4
-        assert scheduler.take_stats() is None  # reported once
+        assert _settled_stats(scheduler) is None  # reported once
         # The requests' prompts were new: 4 + 2 blocks missed for want of an earlier request, by cause
-        # (each prompt's last block holds its last token, which vLLM always computes), counted with
-        # the step that admitted them.
+        # (each prompt's last block holds its last token, which vLLM always computes), counted by the
+        # counter's thread once it folded the step that admitted them (here before each take, where a
+        # server's forward gives it the time).
         block = scheduler.config.groups[0].block_size
         missed = {cause: registry.get_sample_value("vllm:kvledger_missed_tokens_total", {**LABELS, "cause": cause})
                   for cause in ("first_seen", "partial_block")}
@@ -257,12 +266,12 @@ def test_blocks_a_reset_drops_from_a_lower_tier_are_not_counted_as_its_evictions
     registry, prom = _registry_and_prom()
     try:
         scheduler._apply([ev.TierKeysFound(tier=1, keys=chain(3))])  # one more than fits: the oldest goes
-        found = scheduler.take_stats().data[m.COUNTER]
+        found = _settled_stats(scheduler).data[m.COUNTER]
         assert found[f"{m.TIER_EVICTIONS.name}|1:fs"] == 1
         assert f"{m.TIER_RESET_DROPPED.name}|1:fs" not in found
         prom.observe({m.COUNTER: found})
         scheduler.reset_cache()
-        reset = scheduler.take_stats().data[m.COUNTER]
+        reset = _settled_stats(scheduler).data[m.COUNTER]
         assert reset[f"{m.TIER_RESET_DROPPED.name}|1:fs"] == 2
         assert f"{m.TIER_EVICTIONS.name}|1:fs" not in reset
         prom.observe({m.COUNTER: reset})
@@ -285,7 +294,7 @@ def test_host_usage_gauges_count_slots_held_by_transfers_as_vllm_does():
     scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
     try:
         _stored_request(scheduler, "a", (1, 2, 3, 4), step=1)
-        idle = scheduler.take_stats().data[m.GAUGE]
+        idle = _settled_stats(scheduler).data[m.GAUGE]
         assert idle[m.TIER_USED.name] == 4
         assert (idle[m.CPU_USAGE.name], idle[m.CPU_WRITE_USAGE.name], idle[m.CPU_READ_USAGE.name]) == (0, 0, 0)
         block = config.groups[0].block_size
@@ -293,7 +302,7 @@ def test_host_usage_gauges_count_slots_held_by_transfers_as_vllm_does():
         scheduler._apply([ev.RequestAdded(request_id="b", num_prompt_tokens=4 * block, block_hashes=chain(4, "a")),
                           ev.BlocksAllocated(request_id="b", block_ids=((9, 10, 11, 12),),
                                              num_external_tokens=3 * block)])
-        loading = scheduler.take_stats().data[m.GAUGE]
+        loading = _settled_stats(scheduler).data[m.GAUGE]
         assert loading[m.CPU_READ_USAGE.name] == loading[m.CPU_USAGE.name] == 3 / 8
         assert loading[m.CPU_WRITE_USAGE.name] == 0
     finally:
@@ -315,14 +324,14 @@ def test_chunk_queries_and_hits_count_the_blocks_a_shared_tier_answered_for(tmp_
     scheduler = LedgerScheduler(config, settings, tiers=tiers)
     registry, prom = _registry_and_prom()
     try:
-        prom.observe(scheduler.take_stats().data)
+        prom.observe(_settled_stats(scheduler).data)
         _store(tiers, tmp_path, b"b" * 20)  # another process wrote it
         assert len(_ask_until_answered(tiers, "r1", [b"a" * 20, b"b" * 20, b"c" * 20])) == 1
-        counted = scheduler.take_stats().data[m.COUNTER]
+        counted = _settled_stats(scheduler).data[m.COUNTER]
         assert counted[f"{m.TIER_CHUNK_QUERIES.name}|1:fs"] == 3
         assert counted[f"{m.TIER_CHUNK_HITS.name}|1:fs"] == 1
         prom.observe({m.COUNTER: counted})
-        assert not scheduler.take_stats().data[m.COUNTER]  # the change, once
+        assert not _settled_stats(scheduler).data[m.COUNTER]  # the change, once
         tier = {**LABELS, "tier": "1:fs"}
         assert registry.get_sample_value("vllm:kv_offload_tiering_chunk_queries_total", tier) == 3
         assert registry.get_sample_value("vllm:kv_offload_tiering_chunk_hits_total", tier) == 1
@@ -414,3 +423,27 @@ def test_the_vllm_033_table_agrees_with_the_installed_vllm():
     for name, definition in VLLM_033.items():
         if name not in missing:
             assert found[name] == definition, name
+
+
+def test_the_miss_counts_keep_vllm_stepping_until_they_are_taken():
+    """On by default, the counter folds on its own thread: an idle server must still
+    step (vLLM's `has_pending_push_work`) until the last request's counts are reported."""
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from tests.engine.builders import FULL, make_config
+
+    config = make_config(groups=(FULL,), num_tier_slots=4)
+    scheduler = LedgerScheduler(config, parse_settings({"capacity_bytes": 1 << 20}))
+    try:
+        assert scheduler._misses is not None and scheduler._misses._thread is not None  # the default
+        assert not scheduler.has_pending_work()
+        _stored_request(scheduler, "a", (1, 2, 3), step=1)  # its store done: no job in flight
+        scheduler._carried.clear()  # the workers' effects, as the next step's metadata takes them
+        assert scheduler.has_pending_work()  # its admission's counts not yet taken
+        stats = _settled_stats(scheduler)
+        block = config.groups[0].block_size
+        assert stats.data[m.COUNTER][f"{m.MISSED_TOKENS.name}|first_seen"] == 2 * block
+        assert not scheduler.has_pending_work()
+    finally:
+        scheduler.shutdown()
+    assert not any(t.name == "kvledger-misses" for t in threading.enumerate())  # shutdown ends the thread
