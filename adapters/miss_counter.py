@@ -98,7 +98,11 @@ class MissCounter:
         """Counts not yet taken, or a queued batch that may add some (an admission, a
         job's end): the connector keeps vLLM stepping until `take` has them, or a server
         gone idle would hold its last request's counts back."""
-        return self._ledger is not None and (self._done < self._counting_fed or bool(self._counts))
+        if self._ledger is None:
+            return False
+        thread = self._thread
+        folding = thread is not None and thread.is_alive() and self._done < self._counting_fed
+        return folding or bool(self._counts)
 
     def take(self) -> dict[str, int]:
         with self._counts_lock:
