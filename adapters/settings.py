@@ -71,6 +71,9 @@ class ConnectorSettings:
     key_generations: str = "private"  # or "counted": see `_FIELDS`
     miss_metrics: bool = True  # count missed tokens by cause live (`adapters.miss_counter`)
     miss_memory_keys: int = MAX_KEYS
+    store_threshold: int = 1  # vLLM's: store a block once this many requests offered it
+    max_tracker_size: int = 64_000  # vLLM's: keys whose offers are counted
+    offload_prompt_only: bool = False  # vLLM's (its default is on): store prompt blocks alone
 
 
 _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -99,6 +102,11 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "miss_metrics": (bool, "count missed prompt tokens by cause (vllm:kvledger_missed_tokens), folding the "
                            "engine's notifications on a thread of its own"),
     "miss_memory_keys": (int, "keys whose history the miss counter remembers (the oldest-named are forgotten)"),
+    "store_threshold": (int, "vLLM's: store a block only once this many requests have offered it (1: at once)"),
+    "max_tracker_size": (int, "vLLM's: keys whose offers store_threshold counts (the least recently offered "
+                              "are forgotten)"),
+    "offload_prompt_only": (bool, "vLLM's: store only blocks whole within the prompt, none of the generated "
+                                  "tokens' (vLLM's default is true; kvledger's false)"),
 }
 
 _FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -204,6 +212,12 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     memory_keys = extra.get("miss_memory_keys", MAX_KEYS)
     if memory_keys < 1:
         raise ConfigError(f"miss_memory_keys must be >= 1, got {memory_keys}")
+    threshold = extra.get("store_threshold", 1)
+    if threshold < 1:
+        raise ConfigError(f"store_threshold must be >= 1 (1: store every block at once), got {threshold}")
+    tracker = extra.get("max_tracker_size", 64_000)
+    if tracker < 1:
+        raise ConfigError(f"max_tracker_size must be >= 1, got {tracker}")
 
     return ConnectorSettings(
         capacity_bytes=capacity,
@@ -225,6 +239,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         key_generations=generations,
         miss_metrics=extra.get("miss_metrics", True),
         miss_memory_keys=memory_keys,
+        store_threshold=threshold,
+        max_tracker_size=tracker,
+        offload_prompt_only=extra.get("offload_prompt_only", False),
     )
 
 

@@ -7,6 +7,7 @@ reducer      every transition: one handler per event kind
 transitions  every legal state move, as data: request, slot, lower-tier key and job moves
 checks       the protocol checks, each one's fast path beside the path that names the problem
 admission    what a step stores and what a hit loads, and the host slots each takes
+offers       vLLM's store threshold: which blocks enough requests have offered to store
 slots        a tier slot's life, as `SLOT_MOVES` says
 lower        the tiers below host memory: what each holds, spills, promotions
 lookup       the tier-hit query behind `get_num_new_matched_tokens`

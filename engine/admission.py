@@ -26,6 +26,7 @@ from . import construct as new
 from . import effects as fx
 from . import hma, lower, slots
 from .checks import ProtocolViolation
+from .offers import offered
 from .state import LOAD as _LOAD
 from .state import STORE as _STORE
 from .state import STORED_CODE, Core, Job, RequestState
@@ -37,6 +38,7 @@ _PIN: Final = Protection.PIN
 _LAZY: Final = StoreMode.LAZY
 _BY_REQUEST: Final = StoreJobs.REQUEST
 _NONE: Final[frozenset[bytes]] = frozenset()
+PAST_EVERY_HORIZON: Final = 1 << 62  # `next_store_tokens` of a request with nothing left to store
 
 
 LOST: Final = -2  # `plan_load`'s mark for a key no tier holds any more: its block fails at once
@@ -168,10 +170,13 @@ def plan_stores(core: Core, crossed: list[tuple[RequestState, int]], out: list[f
     # free (transfers end) or the request ends (`give_up`).
     # Rules 1 (events/config.py:RULES) dropped them at once.
     defer = not lazy and bool(core.lower) and core.config.rules >= 2
+    counted = core.offers is not None  # vLLM's store threshold (`offers.py`)
     if not lazy and core.config.store_jobs is _BY_REQUEST:
         for request, horizon in crossed:
             saved = (list(request.next_store), request.next_store_tokens) if defer else None
             find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
+            if counted:
+                offered(core, request.request_id, cand_groups, cand_blocks, cand_keys, 0, out)
             if cand_keys:
                 if admit_store(core, request.request_id, cand_groups, cand_blocks, cand_keys, out, defer=defer):
                     assert saved is not None
@@ -186,17 +191,22 @@ def plan_stores(core: Core, crossed: list[tuple[RequestState, int]], out: list[f
             start = len(cand_keys)
             positions, tokens = list(request.next_store), request.next_store_tokens
             find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
+            if counted:
+                offered(core, request.request_id, cand_groups, cand_blocks, cand_keys, start, out)
             if len(cand_keys) > start:
                 marks.append((request, positions, tokens, start, len(cand_keys)))
     else:
         for request, horizon in crossed:
+            start = len(cand_keys)
             find_stores(core, request, horizon, cand_groups, cand_blocks, cand_keys)
+            if counted:
+                offered(core, request.request_id, cand_groups, cand_blocks, cand_keys, start, out)
     if lazy:  # only note the keys, for when their blocks near eviction
         lazy_keys = core.lazy_keys
         for block, key in zip(cand_blocks, cand_keys):
             lazy_keys[block] = key
     elif cand_keys:  # one job for the whole step
-        offered = list(cand_keys) if marks else cand_keys  # admission cuts the columns' tail
+        offer = list(cand_keys) if marks else cand_keys  # admission cuts the columns' tail
         if len(set(cand_keys)) < len(cand_keys):
             drop_repeats(cand_groups, cand_blocks, cand_keys)
         # In request order: when the tier cannot take them all, the first
@@ -204,7 +214,7 @@ def plan_stores(core: Core, crossed: list[tuple[RequestState, int]], out: list[f
         refused = admit_store(core, "", cand_groups, cand_blocks, cand_keys, out, defer=defer)
         if refused:
             for request, positions, tokens, start, end in marks:
-                if not refused.isdisjoint(offered[start:end]):
+                if not refused.isdisjoint(offer[start:end]):
                     request.next_store = positions
                     request.next_store_tokens = tokens
 
@@ -250,6 +260,9 @@ def find_stores(core: Core, request: RequestState, horizon: int, cand_groups: li
     writer = core.block_writer
     next_store = request.next_store
     next_tokens = -1
+    prompt_only = core.config.offload_prompt_only and horizon >= request.num_prompt_tokens
+    if prompt_only:  # vLLM's `offload_prompt_only`: blocks whole within the prompt, none after
+        horizon = request.num_prompt_tokens
     for (group_id, block_size, pattern, period), keys, table in zip(core.store_rules, request.keys, request.table):
         first = next_store[group_id]
         full = horizon // block_size
@@ -275,7 +288,7 @@ def find_stores(core: Core, request: RequestState, horizon: int, cand_groups: li
         reach = (first + 1) * block_size
         if next_tokens < 0 or reach < next_tokens:
             next_tokens = reach
-    request.next_store_tokens = max(next_tokens, 0)
+    request.next_store_tokens = PAST_EVERY_HORIZON if prompt_only else max(next_tokens, 0)
 
 
 def admit_store(core: Core, request_id: str, cand_groups: list[int], cand_blocks: list[int],

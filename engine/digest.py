@@ -78,6 +78,8 @@ def digest(state: State) -> str:
     if core.lower:  # only with lower tiers: logs without them keep their digests
         put([tier.canonical() for tier in core.lower])
         put(sorted(core.spill_reads.items()))
+    if core.offers is not None:  # only under a store threshold, likewise
+        put(core.offers.canonical())
     return h.hexdigest()
 
 
@@ -131,6 +133,10 @@ def part_digest(state: State, part: int, parts: int) -> str:
     lo, hi = _bounds(len(rids), part, parts)
     for rid in islice(rids, lo, hi):
         put_text(core.requests[rid].canonical_repr())
+    offers = core.offers
+    if offers is not None:  # only under a store threshold: other logs keep their digests
+        lo, hi = _bounds(len(offers.counts), part, parts)
+        put((len(offers.counts), [(key, count, offers.last[key]) for key, count in islice(offers.counts.items(), lo, hi)]))
     return join_digest(part, parts, h.digest())
 
 

@@ -4,7 +4,7 @@ Effects only describe work; the effect runner (transfers/) and the adapter
 perform it, and outcomes come back as events. They hold no callables, so they
 compare equal and serialize. Commands are imperatives (`StartStore`);
 notifications are past-tense facts (`KeysLoadable`, `KeysUnloadable`,
-`TransferFailed`, `JobEnded`, `RequestAdmitted`, `RequestRequeued`,
+`KeysNotAdmitted`, `KeysBelowThreshold`, `TransferFailed`, `JobEnded`, `RequestAdmitted`, `RequestRequeued`,
 `ReportViolation`) for logs, KV events, metrics and the
 lower tiers' lookups, and ask for no work: whoever keeps a view of what the
 engine decided translates them, and never reads the state around a step.
@@ -137,6 +137,15 @@ class KeysNotAdmitted:
 
 
 @attrs.frozen(kw_only=True)
+class KeysBelowThreshold:
+    """Notification: `request_id` offered these keys for storing and they will not
+    be stored now: fewer than `store_threshold` requests have offered them."""
+
+    request_id: str
+    keys: tuple[bytes, ...]
+
+
+@attrs.frozen(kw_only=True)
 class TransferFailed:
     """Notification: a worker reported these keys of a transfer failed (all of
     them when it named none), with the request it served ("" for a spill)."""
@@ -205,8 +214,8 @@ class ReportViolation:
 
 
 Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysLoadable, KeysUnloadable,
-               KeysNotAdmitted, TransferFailed, JobEnded, RequestAdmitted, RequestRequeued, ReportViolation, StartSpill,
-               DropTierKeys]
+               KeysNotAdmitted, KeysBelowThreshold, TransferFailed, JobEnded, RequestAdmitted, RequestRequeued,
+               ReportViolation, StartSpill, DropTierKeys]
 
 EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 
@@ -232,6 +241,7 @@ ROUTES: dict[type, Phase] = {
     KeysLoadable: Phase.NOTIFICATION,
     KeysUnloadable: Phase.NOTIFICATION,
     KeysNotAdmitted: Phase.NOTIFICATION,
+    KeysBelowThreshold: Phase.NOTIFICATION,
     TransferFailed: Phase.NOTIFICATION,
     JobEnded: Phase.NOTIFICATION,
     RequestAdmitted: Phase.NOTIFICATION,

@@ -286,7 +286,25 @@ def find_problems(core: Core) -> list[str]:
         _check_job(core, job, problems)
     _check_block_counts(core, problems)
     _check_tier(core, problems)
+    _check_offers(core, problems)
     return problems
+
+
+def _check_offers(core: Core, problems: list[str]) -> None:
+    """The store threshold's tracker: within `max_tracker_size`, each key with a count of
+    at least one and its last offerer, in one order."""
+    offers = core.offers
+    if (offers is not None) != (core.config.store_threshold >= 2):
+        problems.append(f"an offer tracker {'without' if offers is None else 'beside'} a store threshold of "
+                        f"{core.config.store_threshold}")
+        return
+    if offers is None:
+        return
+    if len(offers.counts) > core.config.max_tracker_size:
+        problems.append(f"the offer tracker holds {len(offers.counts)} keys, past max_tracker_size "
+                        f"{core.config.max_tracker_size}")
+    if list(offers.counts) != list(offers.last) or min(offers.counts.values(), default=1) < 1:
+        problems.append("the offer tracker's counts and last offerers differ in keys or order, or a count is 0")
 
 
 def _check_request(core: Core, request: RequestState, problems: list[str]) -> None:

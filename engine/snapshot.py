@@ -103,6 +103,8 @@ def capture(state: State) -> list[Any]:
         [_request(r) for r in c.requests.values()],
         [_job(j) for j in c.jobs.values()],
         list(c.stats.as_dict().values()),
+        # Only under a store threshold (`offers.py`), so that other snapshots keep their shape.
+        *([[list(row) for row in c.offers.canonical()]] if c.offers is not None else []),
     ]
 
 
@@ -212,8 +214,16 @@ def restore(config: EngineConfig, data: Sequence[Any]) -> State:
 
 def _restore(config: EngineConfig, data: Sequence[Any]) -> State:
     (_version, scalars, columns, block_key, block_readers, block_writer, lazy_keys, slot_index, slot_key,
-     slot_state, slot_loads, free_slots, policy, lower, spill_reads, requests, jobs, stats) = data
+     slot_state, slot_loads, free_slots, policy, lower, spill_reads, requests, jobs, stats) = data[:18]
     core = Core(config)
+    if (core.offers is not None) != (len(data) == 19) or len(data) > 19:
+        raise SnapshotError(f"snapshot of {len(data)} parts for a store threshold of {config.store_threshold}")
+    if core.offers is not None:
+        for key, count, request_id in data[18]:
+            if type(key) is not bytes or type(count) is not int or count < 1 or type(request_id) is not str:
+                raise SnapshotError("offers: expected rows of key, count, request")
+            core.offers.counts[key] = count
+            core.offers.last[key] = request_id
     n, m = config.num_device_blocks, config.num_tier_slots
     core.step_index, core.epoch, core.next_job_id, core.next_fresh_slot = scalars
     core.block_refs, core.block_pins, core.block_generation, core.block_group = (

@@ -12,6 +12,7 @@ bisect, tests that compare two paths).
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from operator import itemgetter
@@ -355,6 +356,27 @@ class Stats:
         return {name: getattr(self, name) for name in STATS_FIELDS}
 
 
+class OfferTracker:
+    """Per key: how many requests offered it, in least recently offered order, and the last of them."""
+
+    __slots__ = ("counts", "last")
+
+    def __init__(self) -> None:
+        self.counts: OrderedDict[bytes, int] = OrderedDict()
+        self.last: dict[bytes, str] = {}
+
+    def clone(self) -> OfferTracker:
+        other = OfferTracker()
+        other.counts = OrderedDict(self.counts)
+        other.last = dict(self.last)
+        return other
+
+    def canonical(self) -> list[tuple[bytes, int, str]]:
+        """In order: the order decides what is forgotten next."""
+        last = self.last
+        return [(key, count, last[key]) for key, count in self.counts.items()]
+
+
 class LowerTier:
     """What the engine knows of a tier below host memory, which it never reads
     itself: keys whose block is whole there, in least recently used order,
@@ -397,7 +419,7 @@ _CORE_FIELDS = (
     "block_readers", "block_writer", "lazy_keys",
     # tier
     "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot",
-    "policy",
+    "policy", "offers",
     # tiers below host memory, and the host slots spills are reading (slot -> count)
     "lower", "spill_reads",
     # requests and jobs
@@ -447,6 +469,8 @@ class Core:
         self.free_slots: list[int] = []
         self.next_fresh_slot = 0
         self.policy: LRU | ARC = make_policy(config.policy, m)
+        # vLLM's store threshold (`offers.py`): None unless a block must be offered twice or more
+        self.offers: OfferTracker | None = OfferTracker() if config.store_threshold >= 2 else None
         self.lower = [LowerTier(t.name, t.num_blocks) for t in config.lower_tiers]
         self.spill_reads: dict[int, int] = {}
         self.requests: dict[str, RequestState] = {}
@@ -467,6 +491,7 @@ class Core:
         other.slot_state = bytearray(self.slot_state)
         other.slot_loads = dict(self.slot_loads)
         other.policy = self.policy.clone()
+        other.offers = self.offers.clone() if self.offers is not None else None
         other.lower = [t.clone() for t in self.lower]
         other.spill_reads = dict(self.spill_reads)
         other.requests = {k: r.clone() for k, r in self.requests.items()}

@@ -97,7 +97,7 @@ class PolicyName(enum.Enum):
 LIMITS = {
     "block_size": 1 << 20, "window": 1 << 30, "hash_block_size": 1 << 20, "group_id": 1 << 10,
     "num_device_blocks": 1 << 24, "num_tier_slots": 1 << 28, "num_blocks": 1 << 40, "world_size": 1 << 12,
-    "slot_bytes": 1 << 40, "tier_copies": 1 << 12,
+    "slot_bytes": 1 << 40, "tier_copies": 1 << 12, "store_threshold": 1 << 20, "max_tracker_size": 1 << 28,
 }
 
 
@@ -116,6 +116,11 @@ def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
     _bounded(_inst, attribute, value)
+
+
+def _bool(_inst: object, attribute: attrs.Attribute, value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be true or false, got {value!r}")
 
 
 def _not_negative(_inst: object, attribute: attrs.Attribute, value: int) -> None:
@@ -182,6 +187,13 @@ class EngineConfig:
     tier_copies: int = attrs.field(default=0, validator=_not_negative)
     # The decision rules the engine follows (`RULES`): a log's own, from its header.
     rules: int = attrs.field(default=RULES, validator=_rules)
+    # vLLM's `store_threshold` and `max_tracker_size`: a block is stored once this many
+    # requests have offered it (1: at once), the offers counted for the `max_tracker_size`
+    # most recently offered keys.
+    store_threshold: int = attrs.field(default=1, validator=_positive)
+    max_tracker_size: int = attrs.field(default=64_000, validator=_positive)
+    # vLLM's `offload_prompt_only`: only blocks whole within the prompt are stored.
+    offload_prompt_only: bool = attrs.field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -230,6 +242,11 @@ class EngineConfig:
             data["slot_bytes"] = self.slot_bytes
         if self.tier_copies:  # likewise (logs before 0.2.0)
             data["tier_copies"] = self.tier_copies
+        if self.store_threshold != 1:  # only when set: logs without them keep their digests
+            data["store_threshold"] = self.store_threshold
+            data["max_tracker_size"] = self.max_tracker_size
+        if self.offload_prompt_only:
+            data["offload_prompt_only"] = True
         data["rules"] = self.rules  # always, from 0.2.0 on (absent: see `from_dict`)
         return data
 

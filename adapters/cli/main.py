@@ -133,7 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=["lru", "arc"], help="the host tier's eviction policy")
     p.add_argument("--secondary-tiers", metavar="JSON", help='tiers below host memory, as vLLM 0.33 takes them: '
                    '[{"type": "fs", "capacity_bytes": N}, ...] ([] for none)')
-    p.add_argument("--sweep", action="store_true", help="hit tokens against host capacity, 1/8x to 8x")
+    p.add_argument("--store-threshold", type=_at_least(1), metavar="N",
+                   help="vLLM's store_threshold: store a block once N requests offered it")
+    p.add_argument("--max-tracker-size", type=_at_least(1), metavar="N",
+                   help="vLLM's max_tracker_size: keys whose offers --store-threshold counts")
+    p.add_argument("--offload-prompt-only", action=argparse.BooleanOptionalAction,
+                   help="vLLM's offload_prompt_only: store no block of generated tokens (--no-... to store them)")
+    p.add_argument("--sweep", nargs="?", const="capacity", choices=["capacity", "store-threshold"],
+                   help="hit tokens against host capacity, 1/8x to 8x (the default), or against the store "
+                        "threshold, 1 to 8")
     p.add_argument("--report", metavar="PATH", help="with --sweep: also write an HTML page of its curves here (a new "
                    "file; --force replaces one)")
     p.add_argument("--force", action="store_true", help="let --report replace an existing file")

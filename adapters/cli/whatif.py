@@ -34,15 +34,16 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     log = _Log(args.log)
     config = log.header.config
     other = _other_config(args, config)
-    if args.report and not args.sweep:
-        raise BadArgument("--report draws the sweep: give --sweep too")
+    if args.report and args.sweep != "capacity":
+        raise BadArgument("--report draws the capacity sweep: give --sweep too")
     if args.report:
         _page(check_report_path, args.report, source=args.log, force=args.force)  # before the sweep's work
     with _Passes(args.jobs) as passes:  # each pass reads the log on its own: N at a time, in processes
         recorded = passes.run(_recorded, config, log)
         same = passes.run(whatif.predict, config, config, log)
         predicted = passes.run(whatif.predict, config, other, log) if other != config else None
-        sweep = _sweep(config, other, log, passes) if args.sweep else None
+        sweep = (_sweep(config, other, log, passes) if args.sweep == "capacity" else
+                 _sweep_threshold(config, other, log, passes) if args.sweep else None)
         (outcome, records), same = recorded.result(), same.result()
         data = {"log": args.log, "events": records, "slot_bytes": config.slot_bytes,
                 "recorded": outcome.as_dict(), "predicted_as_recorded": same.as_dict(),
@@ -71,7 +72,8 @@ def _page(write: Callable, *args: object, **kwargs: object) -> None:
 
 def _fleet(args: argparse.Namespace) -> int:
     """The replicas' logs, recorded apart, run again sharing one tier below host memory."""
-    for flag in ("capacity_bytes", "capacity_blocks", "policy", "secondary_tiers", "sweep", "report"):
+    for flag in ("capacity_bytes", "capacity_blocks", "policy", "secondary_tiers", "store_threshold",
+                 "max_tracker_size", "offload_prompt_only", "sweep", "report"):
         if getattr(args, flag):
             raise BadArgument(f"--{flag.replace('_', '-')} does not go with --shared-tier")
     if args.jobs > 1:
@@ -206,6 +208,9 @@ def _other_config(args: argparse.Namespace, config: EngineConfig) -> EngineConfi
         changes["policy"] = args.policy
     if args.secondary_tiers is not None:
         changes["lower_tiers"] = _tiers(args.secondary_tiers, config)
+    for flag in ("store_threshold", "max_tracker_size", "offload_prompt_only"):
+        if getattr(args, flag) is not None:
+            changes[flag] = getattr(args, flag)
     try:
         return attrs.evolve(config, **changes)
     except ConfigError as exc:
@@ -292,6 +297,32 @@ def _sweep(recorded: EngineConfig, config: EngineConfig, log: _Log, passes: _Pas
     return gather
 
 
+THRESHOLDS = (1, 2, 3, 4, 6, 8)
+
+
+def _sweep_threshold(recorded: EngineConfig, config: EngineConfig, log: _Log,
+                     passes: _Passes) -> Callable[[], dict]:
+    """Hit tokens and blocks stored against the store threshold, at the asked capacity
+    and policy: what holding one-off prompts back buys before turning it on."""
+    runs = {n: passes.run(whatif.predict, recorded, attrs.evolve(config, store_threshold=n), log)
+            for n in THRESHOLDS}
+
+    def gather() -> dict:
+        rows = []
+        for n in THRESHOLDS:
+            outcome = runs[n].result().as_dict()
+            rows.append({"store_threshold": n, "hit_tokens": outcome["hit_tokens"],
+                         "blocks_stored": outcome["blocks_moved"].get("stored", 0),
+                         "evictions": outcome["evictions"],
+                         "below_store_threshold_tokens":
+                             outcome["misses"]["missed_by_cause"].get("below_store_threshold", {}).get("tokens", 0)})
+        return {"by": "store_threshold", "points": rows, "num_tier_slots": config.num_tier_slots,
+                "policy": config.policy.value,
+                "recorded": {"store_threshold": recorded.store_threshold, "num_tier_slots": recorded.num_tier_slots}}
+
+    return gather
+
+
 def _print(data: dict) -> None:
     recorded, same = data["recorded"], data["predicted_as_recorded"]
     columns: list[tuple[str, dict]] = [("recorded", recorded), ("predicted, same config", same)]
@@ -302,6 +333,8 @@ def _print(data: dict) -> None:
         ("host bytes", lambda c: c.get("capacity_bytes", "?")),
         ("policy", lambda c: c["policy"]),
         ("engine rules", lambda c: c["rules"]),
+        ("store threshold", lambda c: c["store_threshold"]),
+        ("prompt only", lambda c: "yes" if c["offload_prompt_only"] else "no"),
         ("lower tiers", lambda c: ", ".join(f"{t['name']} ({t['num_blocks']} blocks)" for t in c["lower_tiers"])
          or "none"),
         ("hit tokens", lambda c: c["hit_tokens"]),
@@ -329,7 +362,16 @@ def _print(data: dict) -> None:
         print(f"self-check: the same config predicts {check['predicted_hit_tokens']} hit tokens where the log "
               f"recorded {check['recorded_hit_tokens']} ({check['relative_error']:+.1%}): what the prediction "
               "cannot model (vLLM's schedule, transfer timing, failures)")
-    if "sweep" in data:
+    if data.get("sweep", {}).get("by") == "store_threshold":
+        sweep = data["sweep"]
+        print()
+        print(f"at {sweep['num_tier_slots']} host slots, {sweep['policy']}:")
+        print(f"{'threshold':>10} {'hit tokens':>11} {'blocks stored':>14} {'evictions':>10} "
+              f"{'held back (tokens)':>19}")
+        for row in sweep["points"]:
+            print(f"{row['store_threshold']:>10} {row['hit_tokens']:>11} {row['blocks_stored']:>14} "
+                  f"{row['evictions']:>10} {row['below_store_threshold_tokens']:>19}")
+    elif "sweep" in data:
         print()
         print(f"{'host slots':>12} {'host bytes':>14} {'hit tokens':>11} {'LRU one pass':>13}")
         for row in data["sweep"]["points"]:

@@ -47,6 +47,8 @@ CAUSES: Final[dict[str, str]] = {
     "transfer_failed": "dropped when a transfer of it failed",
     "store_failed": "its store failed",
     "not_admitted": "not admitted: the tier was full of blocks it could not evict",
+    "below_store_threshold": "not stored: fewer than `store_threshold` requests had offered it",
+    "decode_not_offloaded": "a block of generated tokens, not stored under `offload_prompt_only`",
     "stored_too_late": "still being stored when this request was admitted",
     "not_computed_yet": "another request had it, but had not computed and stored it yet",
     "request_ended": "the request that computed it ended before its store",
@@ -162,6 +164,10 @@ class MissLedger:
         # flight while its job is in `_jobs`)
         self._store_failed: dict[bytes, tuple[int, int, str]] = {}  # seq, job, the worker's reason
         self._refused: dict[bytes, int] = {}  # seq of the last refusal
+        self._below: dict[bytes, tuple[int, str]] = {}  # seq and request of the last offer below the threshold
+        # Under `offload_prompt_only`: keys first named past their request's prompt -> that request
+        self._decode_named: dict[bytes, str] = {}
+        self._prompt_tokens: dict[str, int] = {}  # the same: each live request's prompt length
         self.admissions: list[Admission] = []
         self._key_rules = hma.key_rules(config)
         self._hashes: dict[str, int] = {}  # request -> hashes it has named keys from so far
@@ -203,8 +209,8 @@ class MissLedger:
         most = self.max_keys
         if not most:  # unbounded (a replay's explain)
             return
-        for table in (self.keys, self._gone, self._storing, self._store_failed, self._refused, self._ended,
-                      self._unanswered):
+        for table in (self.keys, self._gone, self._storing, self._store_failed, self._refused, self._below,
+                      self._decode_named, self._ended, self._unanswered):
             _bound(table, most)
 
     def flush(self) -> None:
@@ -224,6 +230,8 @@ class MissLedger:
 
     def _added(self, seq: int, event: ev.RequestAdded) -> None:
         self._hashes[event.request_id] = 0
+        if self.config.offload_prompt_only:
+            self._prompt_tokens[event.request_id] = event.num_prompt_tokens
         self._name(event.request_id, event.block_hashes)
 
     def _appended(self, seq: int, event: ev.BlockHashesAppended) -> None:
@@ -234,10 +242,22 @@ class MissLedger:
         start = self._hashes.get(rid, 0)
         self._hashes[rid] = start + len(hashes)
         name = self.keys.setdefault  # the first to name a key keeps it; C-level loops, no per-key step
-        for per_block, suffix in self._key_rules:
+        prompt = self._prompt_tokens.get(rid, -1)  # under `offload_prompt_only` alone
+        for group, (per_block, suffix) in zip(self.groups, self._key_rules):
             last = hashes[(start // per_block + 1) * per_block - 1 - start::per_block]
             if last:
                 _drain(map(name, map(bytes.__add__, last, repeat(suffix)) if suffix else last, repeat(rid)))
+                if prompt >= 0:
+                    self._name_decode(rid, start // per_block, last, suffix, prompt // group.block_size)
+
+    def _name_decode(self, rid: str, first: int, last: tuple[bytes, ...], suffix: bytes, prompt_blocks: int) -> None:
+        """Keys this request named first past its prompt's whole blocks (block `first` on): never
+        stored under `offload_prompt_only`."""
+        named = self.keys
+        for position, hashed in enumerate(last, first):
+            key = hashed + suffix
+            if position >= prompt_blocks and named.get(key) == rid:
+                self._decode_named.setdefault(key, rid)
 
     def _rewound(self, seq: int, event: ev.BlockHashesRewound) -> None:
         self._hashes[event.request_id] = event.num_hashes
@@ -248,6 +268,7 @@ class MissLedger:
     def _request_ended(self, seq: int, event: ev.RequestFinished | ev.RequestAborted) -> None:
         rid = event.request_id
         self._ended[rid] = seq
+        self._prompt_tokens.pop(rid, None)
         self._unanswered.pop(rid, None)
         self._hashes.pop(rid, None)
         self._attempts.pop(rid, None)
@@ -292,6 +313,9 @@ class MissLedger:
 
     def _not_admitted(self, seq: int, effect: fx.KeysNotAdmitted, effects: tuple[fx.Effect, ...]) -> None:
         self._refused.update(dict.fromkeys(effect.keys, seq))
+
+    def _below_threshold(self, seq: int, effect: fx.KeysBelowThreshold, effects: tuple[fx.Effect, ...]) -> None:
+        self._below.update(dict.fromkeys(effect.keys, (seq, effect.request_id)))
 
     def _failed(self, seq: int, effect: fx.TransferFailed, effects: tuple[fx.Effect, ...]) -> None:
         if effect.kind == "store":
@@ -421,7 +445,7 @@ class MissLedger:
         keys = axis_keys[first:end]
         if not all(map(set.isdisjoint, self._held, repeat(keys))):
             return None
-        for facts in (self._storing, self._gone, self._store_failed, self._refused):
+        for facts in (self._storing, self._gone, self._store_failed, self._refused, self._below, self._decode_named):
             if facts and not facts.keys().isdisjoint(keys):
                 return None
         kind = self.groups[self.axis].kind
@@ -441,7 +465,9 @@ class MissLedger:
         gone = self._gone.get(key)
         store_failed = self._store_failed.get(key)
         refused = self._refused.get(key, -1)
-        latest = max(gone[1] if gone else -1, store_failed[0] if store_failed else -1, refused)
+        below = self._below.get(key)
+        latest = max(gone[1] if gone else -1, store_failed[0] if store_failed else -1, refused,
+                     below[0] if below else -1)
         if gone is not None and gone[1] == latest:
             tier, seq, reason, job, room, why = gone
             if reason is fx.Reason.EVICTED:
@@ -452,8 +478,14 @@ class MissLedger:
         if store_failed is not None and store_failed[0] == latest:
             seq, job, why = store_failed
             return ("store_failed", -1, seq, job, "", _reason_words(why))
-        if refused >= 0:
+        if refused >= 0 and refused == latest:
             return ("not_admitted", -1, refused, -1, "", "")
+        if below is not None:
+            return ("below_store_threshold", -1, below[0], -1, below[1],
+                    f"store_threshold {self.config.store_threshold}")
+        decoded_by = self._decode_named.get(key)
+        if decoded_by is not None:
+            return ("decode_not_offloaded", -1, -1, -1, decoded_by, "")
         named_by = self.keys.get(key)
         if named_by is None and not key:
             return ("unexplained", -1, -1, -1, "", "")
@@ -634,6 +666,7 @@ _FACTS = fx.dispatch_table("misses", {
     fx.StartStore: MissLedger._store_started,
     fx.StartLoad: MissLedger._load_started,
     fx.KeysNotAdmitted: MissLedger._not_admitted,
+    fx.KeysBelowThreshold: MissLedger._below_threshold,
     fx.TransferFailed: MissLedger._failed,
     fx.JobEnded: MissLedger._job_over,
     fx.RequestAdmitted: MissLedger._admit,

@@ -73,7 +73,8 @@ class Outcome:
     def as_dict(self) -> dict:
         slot = self.config.slot_bytes
         data = {"num_tier_slots": self.config.num_tier_slots, "policy": self.config.policy.value,
-                "rules": self.config.rules,
+                "rules": self.config.rules, "store_threshold": self.config.store_threshold,
+                "offload_prompt_only": self.config.offload_prompt_only,
                 "lower_tiers": [t.to_dict() for t in self.config.lower_tiers],
                 "hit_tokens": self.stats["hit_tokens"], "loads": self.stats["loads"],
                 "evictions": self.stats["evictions"], "store_rejections": self.stats["store_rejections"],
@@ -116,7 +117,7 @@ _MOVES = fx.dispatch_table("whatif's blocks moved", {
     fx.StartLoad: _loaded,
     fx.StartSpill: _spilled,
 }, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysLoadable,
-            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))
 
 
 def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
@@ -655,7 +656,7 @@ _FOLLOW = fx.dispatch_table("whatif's re-drive", {
     fx.KeysLoadable: Redrive._loadable,  # tier 1, for a fleet's shared tier
     fx.JobEnded: Redrive._job_over,
 }, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysUnloadable,
-            fx.KeysNotAdmitted, fx.TransferFailed, fx.RequestAdmitted, fx.RequestRequeued))
+            fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.TransferFailed, fx.RequestAdmitted, fx.RequestRequeued))
 
 
 def _host_loadable(effect: fx.KeysLoadable) -> tuple[bytes, ...]:
@@ -672,4 +673,4 @@ _ACCESSES = fx.dispatch_table("whatif's LRU estimate", {
     fx.KeysLoadable: _host_loadable,
     fx.StartLoad: _loaded_keys,
 }, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
-            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))

@@ -127,9 +127,14 @@ class Simulator:
         # simulator saw the engine's notifications while carrying them out.
         self.gone_at: dict[bytes, tuple[int, fx.Reason, int]] = {}
         self.refused_at: dict[bytes, int] = {}
+        self.below_at: dict[bytes, int] = {}  # each key's last offer below the store threshold (seq)
+        self.decode_named: set[bytes] = set()  # keys first named past their request's prompt
         self.ended_at: dict[str, int] = {}  # request -> the seq it finished or was aborted
         self.started_at: dict[int, int] = {}  # job -> the seq of the event that started it
         self.reset_seqs: list[int] = []
+        # The last finished requests (doc, hashes, tokens), for conversations' next turns (`add_turn`).
+        self.finished_turns: list[tuple[int, list[bytes], int]] = []
+        self.next_doc = 1 << 20  # the texts of turns' replies (docs of `add_request` are small ints)
 
     # Driving the engine.
 
@@ -148,8 +153,10 @@ class Simulator:
         if self.truth is not None and isinstance(event, (ev.RequestAdded, ev.BlockHashesAppended)):
             request = self.requests[event.request_id]
             for group in self.groups:
-                for key in self.keys(request, group.group_id):
-                    self.first_named.setdefault(key, request.rid)
+                prompt_blocks = request.num_prompt_tokens // group.block_size
+                for position, key in enumerate(self.keys(request, group.group_id)):
+                    if self.first_named.setdefault(key, request.rid) == request.rid and position >= prompt_blocks:
+                        self.decode_named.add(key)
         elif self.truth is not None and isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
             self.ended_at[event.request_id] = self.events - 1
         for effect in effects:
@@ -252,6 +259,14 @@ class Simulator:
         if self.truth is not None:
             self.refused_at.update(dict.fromkeys(effect.keys, self.events - 1))
 
+    def _below_threshold(self, effect: fx.KeysBelowThreshold) -> None:
+        """Only a key host memory does not hold is offered, and only under a threshold."""
+        if (not effect.keys or not self.announced[0].isdisjoint(effect.keys)
+                or self.config.store_threshold < 2):
+            raise SimulationError(f"keys held back that host memory holds, or none, or with no threshold: {effect}")
+        if self.truth is not None:
+            self.below_at.update(dict.fromkeys(effect.keys, self.events - 1))
+
     def _copy(self, job: SimJob) -> None:
         """The worker's copy; the simulator runs it as late as it may."""
         if job.copied:
@@ -349,6 +364,22 @@ class Simulator:
         hashes = [chain_hash(doc, i) for i in range(num_prompt_tokens // size)]
         self.requests[rid] = SimRequest(rid, doc, num_prompt_tokens, hashes, len(self.groups), max_tokens)
         self.emit(ev.RequestAdded(request_id=rid, num_prompt_tokens=num_prompt_tokens, block_hashes=hashes))
+        return rid
+
+    def add_turn(self, previous: tuple[int, list[bytes], int], extra_tokens: int, max_tokens: int) -> str:
+        """A conversation's next turn: a finished request's whole blocks, its reply's among them,
+        then `extra_tokens` of new text (`previous` from `finished_turns`)."""
+        doc, hashes, num_tokens = previous
+        rid = f"req-{self.next_request}"
+        self.next_request += 1
+        size = self.config.hash_block_size
+        num_prompt_tokens = num_tokens + extra_tokens
+        kept = hashes[:num_tokens // size]
+        new = [chain_hash("turn", rid, i) for i in range(len(kept), num_prompt_tokens // size)]
+        self.next_doc += 1  # its reply continues a text of its own
+        request = SimRequest(rid, self.next_doc, num_prompt_tokens, kept + new, len(self.groups), max_tokens)
+        self.requests[rid] = request
+        self.emit(ev.RequestAdded(request_id=rid, num_prompt_tokens=num_prompt_tokens, block_hashes=kept + new))
         return rid
 
     def waiting(self) -> list[str]:
@@ -481,6 +512,8 @@ class Simulator:
             "unanswered": self.unanswered.get(request.rid),
             "gone": [self.gone_at.get(k) for k in keys],
             "refused": [self.refused_at.get(k, -1) for k in keys],
+            "below": [self.below_at.get(k, -1) for k in keys],
+            "decode_named": [k in self.decode_named for k in keys],
             "storing": [storing.get(k) for k in keys]})
 
     def _check_hit(self, request: SimRequest, local: int, ext: int) -> None:
@@ -687,6 +720,8 @@ class Simulator:
             return  # chunked prefill continues
         request.num_output += 1
         if request.num_output >= request.max_tokens:
+            self.finished_turns.append((request.doc, list(request.hashes), request.num_tokens))
+            del self.finished_turns[:-16]
             final = [tuple(t) for t in request.table]
             self.emit(ev.RequestFinished(request_id=request.rid, block_ids=final))
             self._free_table(request)
@@ -805,10 +840,10 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
                docs: int = 3, max_prompt_blocks: int = 6, max_tokens: int = 6, fail_rate: float = 0.05,
                reset_rate: float = 0.0, abort_rate: float = 0.02, completion_rate: float = 0.4,
                check_every: int = 0, damage_rate: float = 0.0, foreign_rate: float = 0.0,
-               lookup_fail_rate: float = 0.0) -> None:
+               lookup_fail_rate: float = 0.0, turn_rate: float = 0.0) -> None:
     """A seeded workload: arrivals, admissions, steps and completions in random order;
     with lower tiers, blocks damaged on disk, blocks another process wrote, and
-    lookups of tier 1 that go unanswered."""
+    lookups of tier 1 that go unanswered; with `turn_rate`, conversations' next turns."""
     size = sim.config.hash_block_size
     for n in range(steps):
         if damage_rate and sim.disks and rng.random() < damage_rate:  # no draw without lower tiers
@@ -818,6 +853,8 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
         if rng.random() < arrivals:
             prompt = rng.randint(1, max_prompt_blocks) * size + rng.randrange(size)
             sim.add_request(rng.randrange(docs), prompt, rng.randint(1, max_tokens))
+        if turn_rate and sim.finished_turns and rng.random() < turn_rate:  # no draw without turns
+            sim.add_turn(rng.choice(sim.finished_turns), rng.randrange(1, 2 * size), rng.randint(1, max_tokens))
         for rid in sim.waiting():
             if (lookup_fail_rate and sim.disks and rid not in sim.unanswered and sim.requests[rid].status == "waiting"
                     and rng.random() < lookup_fail_rate):
@@ -854,6 +891,7 @@ _PERFORM = {
     fx.RequestAdmitted: Simulator._admitted,
     fx.RequestRequeued: Simulator._requeued,
     fx.KeysNotAdmitted: Simulator._not_admitted,
+    fx.KeysBelowThreshold: Simulator._below_threshold,
     fx.StartSpill: Simulator._start,
     fx.DropTierKeys: Simulator._drop,
 }

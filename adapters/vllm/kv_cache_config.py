@@ -104,7 +104,8 @@ def _engine_group(group_id: int, spec: vk.KVCacheSpec) -> GroupSpec:
 def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: PolicyName,
                   world_size: int, block_size: int, protection: Protection = Protection.FLUSH,
                   store_mode: StoreMode = StoreMode.EAGER,
-                  lower_tiers: tuple[LowerTierSpec, ...] = (), tier_copies: int = 0) -> EngineConfig:
+                  lower_tiers: tuple[LowerTierSpec, ...] = (), tier_copies: int = 0, store_threshold: int = 1,
+                  max_tracker_size: int = 64_000, offload_prompt_only: bool = False) -> EngineConfig:
     groups = tuple(_engine_group(i, g.kv_cache_spec) for i, g in enumerate(config.kv_cache_groups))
     hash_block_size = config.hash_block_size or block_size
     transfer = transfer_config(config)
@@ -120,4 +121,7 @@ def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: Poli
         lower_tiers=lower_tiers,
         slot_bytes=slot_bytes(transfer),
         tier_copies=tier_copies if lower_tiers else 0,
+        store_threshold=store_threshold,
+        max_tracker_size=max_tracker_size,
+        offload_prompt_only=offload_prompt_only,
     )

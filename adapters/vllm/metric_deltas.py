@@ -58,6 +58,9 @@ class MetricDeltas:
             mark = (metric, tier)
             self._dropped[mark] = self._dropped.get(mark, 0) + len(keys)
 
+    def stores_skipped(self, keys: tuple[bytes, ...]) -> None:
+        self._count_drop(m.STORES_SKIPPED, "", keys)
+
     def violation(self) -> None:
         self._violations += 1
 

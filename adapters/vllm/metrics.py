@@ -53,6 +53,9 @@ ALLOCATION_FAILURE = Metric("vllm:kv_offload_allocation_failure", COUNTER,
                             "Number of KV offload store allocation attempts that failed.")
 LOOKUP_DELAY = Metric("vllm:kv_offload_lookup_sync_delay_seconds", HISTOGRAM,
                       "Histogram of the time spent in a single offload lookup call, in seconds.", _LOOKUP_BUCKETS)
+STORES_SKIPPED = Metric("vllm:kv_offload_stores_skipped", COUNTER,
+                        "Blocks offered for storing and not stored: fewer than store_threshold requests had "
+                        "offered them.")
 HIT_TOKENS = Metric("vllm:kvledger_hit_tokens", COUNTER, "Tokens restored from the tier instead of computed.")
 RESTORE_STAGE = Metric("vllm:kvledger_restore_stage_seconds", HISTOGRAM,
                        "Time a restore waited at each stage, on the scheduler's clock: lookup, admission, "
@@ -152,7 +155,7 @@ TIER_CHUNK_HITS = Metric("vllm:kv_offload_tiering_chunk_hits", COUNTER,
                          "answer said it holds.", label="tier")
 
 METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE, ALLOCATION_FAILURE,
-           LOOKUP_DELAY, HIT_TOKENS, MISSED_TOKENS, RESTORE_STAGE, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
+           LOOKUP_DELAY, STORES_SKIPPED, HIT_TOKENS, MISSED_TOKENS, RESTORE_STAGE, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
            EVICTIONS, RESET_DROPPED, FLUSHES, FLUSHED_JOBS, VIOLATIONS, LOG_FAILURES, TIER_USED, TIER_CAPACITY,
            JOBS_IN_FLIGHT, CPU_USAGE, CPU_WRITE_USAGE, CPU_READ_USAGE,
            TIER_READ_BYTES, TIER_READ_TIME, TIER_WRITE_BYTES, TIER_WRITE_TIME, TIER_PROMOTION_FAILURES,

@@ -146,6 +146,9 @@ class LedgerScheduler:
         _log.warning(f"{effect.kind}_failed", request_id=effect.request_id or None, job_id=effect.job_id,
                      worker_index=effect.worker_index, keys=hex_keys(effect.keys), step=self._position.step_index)
 
+    def _below_threshold(self, effect: fx.KeysBelowThreshold) -> None:
+        self._metrics.stores_skipped(effect.keys)
+
     def _violation(self, effect: fx.ReportViolation) -> None:
         self._metrics.violation()
         _log.error("protocol_violation", code=effect.code, message=effect.message, event_kind=effect.event_kind,
@@ -307,4 +310,5 @@ _CARRY = fx.dispatch_table("scheduler side", {
     fx.TransferFailed: LedgerScheduler._failed,
     fx.JobEnded: LedgerScheduler._job_ended,  # restore_timing's last mark
     fx.ReportViolation: LedgerScheduler._violation,
+    fx.KeysBelowThreshold: LedgerScheduler._below_threshold,  # vllm:kv_offload_stores_skipped
 }, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.KeysLoadable, fx.KeysNotAdmitted, fx.RequestAdmitted, fx.RequestRequeued))

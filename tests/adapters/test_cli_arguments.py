@@ -40,7 +40,7 @@ BAD = {  # subcommand -> flag -> a bad value
     "requests": {"--until": "-1"},
     "explain": {"--until": "-1", "--window": "0", "--window-seconds": "-2"},
     "whatif": {"--jobs": "0", "--capacity-bytes": "0", "--capacity-blocks": "-4", "--policy": "mru", "--secondary-tiers": "[{",
-               "--shared-tier": "{"},
+               "--shared-tier": "{", "--store-threshold": "0", "--max-tracker-size": "-1", "--sweep": "policy"},
     "inspect": {"--at": "-3"},
     "bisect": {"--jobs": "0"},
     "simulate": {"--steps": "0", "--fail-rate": "2", "--digest-interval": "-1",

@@ -29,7 +29,8 @@ GONE = {"evicted": fx.Reason.EVICTED, "reset": fx.Reason.RESET, "transfer_failed
 # A shared tier's unanswered lookup, by the reason the simulator chose (`ev.LOOKUP_FAILURES`).
 LOOKUP = {"tier_down": "down", "lookup_timed_out": "timed_out", "lookup_dropped": "dropped"}
 NOT_RESTORABLE = {"first_seen", "evicted", "reset", "transfer_failed", "store_failed", "not_admitted",
-                  "stored_too_late", "not_computed_yet", "request_ended", "lazy_not_offloaded", *LOOKUP}
+                  "below_store_threshold", "decode_not_offloaded", "stored_too_late", "not_computed_yet",
+                  "request_ended", "lazy_not_offloaded", *LOOKUP}
 # Said of a block that was.
 RESTORABLE = {"after_gap", "bounded_by_group", "no_host_slot"}
 LATER = {"load_failed", "promotion_failed", "partial_block"}  # decided after the admission, or by the prompt's length
@@ -99,6 +100,12 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
                 assert run.seq < admission.seq and (run.cause != "reset" or run.seq in sim.reset_seqs), (where, run)
             elif run.cause == "not_admitted":
                 assert all(truth["refused"][p] == run.seq for p in blocks) and run.seq < admission.seq, (where, run)
+            elif run.cause == "below_store_threshold":  # its last offer, fewer requests than the threshold
+                assert sim.config.store_threshold >= 2 and run.seq < admission.seq, (where, run)
+                assert all(truth["below"][p] == run.seq for p in blocks), (where, run)
+            elif run.cause == "decode_not_offloaded":  # first named past its request's prompt, never stored
+                assert sim.config.offload_prompt_only and all(truth["decode_named"][p] for p in blocks), (where, run)
+                assert all(truth["gone"][p] is None and truth["storing"][p] is None for p in blocks), (where, run)
             elif run.cause == "load_failed":
                 assert run.job_id == admission.load_job and run.job_id in sim.failed_jobs, (where, run)
             elif run.cause == "promotion_failed":  # restored from a lower tier, whose read failed
@@ -136,10 +143,12 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
 @pytest.mark.slow
 @settings(deadline=None)
 @given(config=st.sampled_from(SIMULATED_CONFIGS), seed=st.integers(0, 2**16), prefix_caching=st.booleans(),
-       fail_rate=st.sampled_from([0.0, 0.1]), reset_rate=st.sampled_from([0.0, 0.03]))
-def test_every_admission_is_explained_as_the_simulator_saw_it(config, seed, prefix_caching, fail_rate, reset_rate):
+       fail_rate=st.sampled_from([0.0, 0.1]), reset_rate=st.sampled_from([0.0, 0.03]),
+       turn_rate=st.sampled_from([0.0, 0.2]))
+def test_every_admission_is_explained_as_the_simulator_saw_it(config, seed, prefix_caching, fail_rate, reset_rate,
+                                                              turn_rate):
     sim, ledger = _run(config, seed, prefix_caching=prefix_caching, fail_rate=fail_rate, reset_rate=reset_rate,
-                       damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.05)
+                       damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.05, turn_rate=turn_rate)
     _check(sim, ledger)
 
 
@@ -155,7 +164,7 @@ def test_every_cause_is_reached_and_checked():
     for config in (*SIMULATED_CONFIGS, SMALL):
         for seed in range(6):
             sim, ledger = _run(config, seed, prefix_caching=seed % 2 == 0, fail_rate=0.1, reset_rate=0.03,
-                               damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.1)
+                               damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.1, turn_rate=0.2)
             seen |= _check(sim, ledger)
     assert seen == set(CAUSES) - {"unexplained"} - WHATIF, f"never reached: {set(CAUSES) - seen - {'unexplained'}}"
 

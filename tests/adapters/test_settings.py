@@ -587,6 +587,17 @@ def test_key_generations_default_to_private():
     assert "key_generations must be 'private' or 'counted'" in problem({**base, "key_generations": "shared"})
 
 
+def test_vllms_store_threshold_and_prompt_only_under_vllms_names():
+    base = {"capacity_bytes": 1 << 20}
+    settings = parse_settings(base)
+    assert (settings.store_threshold, settings.max_tracker_size, settings.offload_prompt_only) == (1, 64_000, False)
+    settings = parse_settings({**base, "store_threshold": 2, "max_tracker_size": 1000, "offload_prompt_only": True})
+    assert (settings.store_threshold, settings.max_tracker_size, settings.offload_prompt_only) == (2, 1000, True)
+    assert "store_threshold must be >= 1" in problem({**base, "store_threshold": 0})
+    assert "max_tracker_size must be >= 1" in problem({**base, "max_tracker_size": 0})
+    assert "offload_prompt_only'] must be bool" in problem({**base, "offload_prompt_only": "yes"})
+
+
 # The README and the parser agree, and values are refused with what to write instead.
 
 

@@ -43,8 +43,8 @@ def _whatif(entry: dict, world_size: int, copies: int) -> int:
                                      "hash_block_size": 16, "num_device_blocks": 64, "num_tier_slots": 32,
                                      "world_size": world_size, "slot_bytes": SLOT_BYTES, "tier_copies": copies})
     located = {k: v for k, v in entry.items() if k not in ("path", "url", "on_unreachable")}  # whatif need not say where
-    args = argparse.Namespace(capacity_bytes=None, capacity_blocks=None, policy=None,
-                              secondary_tiers=json.dumps([located]))
+    args = argparse.Namespace(capacity_bytes=None, capacity_blocks=None, policy=None, store_threshold=None,
+                              max_tracker_size=None, offload_prompt_only=None, secondary_tiers=json.dumps([located]))
     (spec,) = _other_config(args, config).lower_tiers
     return spec.num_blocks
 

@@ -135,6 +135,28 @@ def test_the_command_beside_the_recorded_run(log, capsys):
     assert "predicted, other config" in text and "self-check" in text
 
 
+def test_the_store_threshold_and_prompt_only_asked_and_swept(log, capsys):
+    """vLLM's knobs on a log recorded without them: fewer blocks stored, the held-back
+    blocks' misses named, and the sweep's point at 3 the same answer as asking for 3."""
+    assert main(["whatif", str(log), "--store-threshold", "3", "--offload-prompt-only", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    predicted, same = data["predicted"], data["predicted_as_recorded"]
+    assert (predicted["store_threshold"], predicted["offload_prompt_only"]) == (3, True)
+    assert predicted["not_applied"] == 0
+    assert predicted["blocks_moved"].get("stored", 0) < same["blocks_moved"]["stored"]
+    assert predicted["misses"]["missed_by_cause"]["below_store_threshold"]["tokens"] > 0
+    assert main(["whatif", str(log), "--store-threshold", "3", "--json"]) == 0
+    asked = json.loads(capsys.readouterr().out)["predicted"]
+    assert main(["whatif", str(log), "--sweep", "store-threshold", "--json"]) == 0
+    sweep = json.loads(capsys.readouterr().out)["sweep"]
+    rows = {row["store_threshold"]: row for row in sweep["points"]}
+    assert list(rows) == [1, 2, 3, 4, 6, 8]
+    assert (rows[3]["hit_tokens"], rows[3]["blocks_stored"]) == (asked["hit_tokens"], asked["blocks_moved"]["stored"])
+    assert rows[1]["blocks_stored"] == same["blocks_moved"]["stored"] and rows[1]["below_store_threshold_tokens"] == 0
+    assert main(["whatif", str(log), "--sweep", "store-threshold"]) == 0
+    assert "held back (tokens)" in capsys.readouterr().out
+
+
 def test_passes_in_processes_answer_as_passes_in_turn(log, tmp_path, capsys):
     """`--jobs 2` runs the recorded run, each prediction and each sweep point in processes:
     the same answer, and a torn log is refused the same way."""

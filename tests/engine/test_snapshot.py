@@ -20,7 +20,7 @@ from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig
 from tests.engine.builders import SIMULATED_CONFIGS
 
-IDS = ["full", "swa", "swa-pin-arc", "mamba", "swa-mixed", "swa-lazy", "full-fs", "swa-fs-arc"]
+IDS = ["full", "swa", "swa-pin-arc", "mamba", "swa-mixed", "swa-lazy", "full-fs", "swa-fs-arc", "swa-threshold"]
 
 
 def _trace(config: EngineConfig, seed: int, steps: int = 80) -> list[ev.Event]:
@@ -107,7 +107,7 @@ def test_snapshots_of_another_version_or_config_are_refused() -> None:
 def test_a_new_field_of_the_state_is_not_forgotten() -> None:
     """A field added to the state must be added to the snapshot too (or here, as derived
     from the config): then this list changes with it."""
-    from kvledger.engine.state import Core, Job, LowerTier, RequestState, Stats
+    from kvledger.engine.state import Core, Job, LowerTier, OfferTracker, RequestState, Stats
 
     def fields(cls: type) -> tuple[str, ...]:  # a class compiled by mypyc has __mypyc_attrs__ instead
         return getattr(cls, "__slots__", None) or cls.__mypyc_attrs__  # type: ignore[attr-defined]
@@ -118,9 +118,10 @@ def test_a_new_field_of_the_state_is_not_forgotten() -> None:
         "block_refs", "block_pins", "block_generation", "block_group", "block_key",
         "block_readers", "block_writer", "lazy_keys",
         "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot", "policy",
-        "lower", "spill_reads", "requests", "jobs", "stats"))
+        "offers", "lower", "spill_reads", "requests", "jobs", "stats"))
     # RequestState: next_free_tokens (from free_floor), hashes_repr and canonical_text (caches of the
     # digest's text) are not kept
     assert len(fields(RequestState)) == 18 and len(fields(Job)) == 15
     assert fields(LowerTier) == ("name", "capacity", "held", "writing", "reading", "counts")
+    assert fields(OfferTracker) == ("counts", "last")
     assert len(fields(Stats)) == 15

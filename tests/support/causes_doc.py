@@ -26,7 +26,13 @@ SHOWN = [cause for cause in CAUSES if cause not in ("unexplained", "log_table")]
 
 
 def _runs():
-    """Each seeded run: its config, its admissions, and its events by seq."""
+    """Each seeded run: its config, its admissions, and its events by seq; then the same with
+    conversations' next turns, for the causes only those reach."""
+    for turns in ({}, {"turn_rate": 0.2}):
+        yield from _seeded(turns)
+
+
+def _seeded(turns: dict[str, float]):
     for number, config in enumerate((*SIMULATED_CONFIGS, SMALL)):
         for seed in range(6):
             ledger = MissLedger(config)
@@ -37,7 +43,7 @@ def _runs():
                 events.append(event)
 
             sim = Simulator(config, prefix_caching=seed % 2 == 0, observe=observe)
-            run_random(sim, random.Random(seed), steps=120, arrivals=0.8, max_tokens=12, **RATES)
+            run_random(sim, random.Random(seed), steps=120, arrivals=0.8, max_tokens=12, **RATES, **turns)
             yield number, seed, config, ledger.admissions, events
 
 
