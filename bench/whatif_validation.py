@@ -12,6 +12,12 @@ Two workloads:
 
     python bench/whatif_validation.py [--workload demo|multi|both] [--out bench/out/whatif]
 
+And vLLM's store threshold (`--workload oneoff`): four shared 300-word
+documents asked four questions each, among twelve one-off documents asked
+once, in a shuffled order, one prompt at a time, on tiny-llama, with host
+memory for three documents; recorded at `store_threshold` 1, predicted at 2
+and 3 (`whatif --store-threshold`), and run at 2 and 3 for real.
+
 Each run is a process of its own (vLLM started afresh, same prompts, same
 order). Prints, per capacity, the predicted and the measured hit tokens (the
 engine's count; vLLM's own cached-token count beside it) and the error.
@@ -37,6 +43,9 @@ WORKLOADS = {
                  record=2, others=(1, 3, 4)),
     "multi": dict(model="tiny-llama", block=32, docs=8, doc_words=300, questions=6, batch=8,
                   record=4, others=(2, 6, 8)),
+    # one-off documents among shared ones (`oneoffs`: asked once each); capacity in documents, thresholds
+    "oneoff": dict(model="tiny-llama", block=32, docs=4, doc_words=300, questions=4, batch=1, oneoffs=12,
+                   record=3, thresholds=(2, 3), others=()),
 }
 
 
@@ -49,7 +58,10 @@ def _prompts(spec: dict, questions: range | None = None) -> list[list[str]]:
     documents = [words(rng, spec["doc_words"]) for _ in range(spec["docs"])]
     asked = [[f"{doc} {words(rng, 20 + q)}" for doc in documents] for q in range(spec["questions"])]
     prompts = [p for q in (questions or range(spec["questions"])) for p in asked[q]]
-    if spec["batch"] > 1:
+    if spec.get("oneoffs"):  # each asked once, among the shared documents' questions
+        prompts += [f"{words(rng, spec['doc_words'])} {words(rng, 20)}" for _ in range(spec["oneoffs"])]
+        rng.shuffle(prompts)
+    elif spec["batch"] > 1:
         head, tail = prompts[:spec["docs"]], prompts[spec["docs"]:]  # each document computed once first
         rng.shuffle(tail)
         prompts = head + tail
@@ -57,7 +69,7 @@ def _prompts(spec: dict, questions: range | None = None) -> list[list[str]]:
 
 
 def run_one(workload: str, capacity_bytes: int, log: str, models: str, questions: range | None = None,
-            tiers: list | None = None) -> dict:
+            tiers: list | None = None, store_threshold: int = 1) -> dict:
     """In its own process: one engine at this host capacity (and these tiers below it), the
     workload (or these questions of it), its counts."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -72,6 +84,7 @@ def run_one(workload: str, capacity_bytes: int, log: str, models: str, questions
               enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
               max_num_seqs=max(4, spec["batch"]), seed=0,
               kv_transfer_config=kv_transfer_config(capacity_bytes=capacity_bytes, event_log=log,
+                                                    store_threshold=store_threshold,
                                                     **({"secondary_tiers": tiers} if tiers else {})))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     cached = 0
@@ -146,28 +159,67 @@ def validate(workload: str, out: Path) -> list[dict]:
     return rows
 
 
+def validate_threshold(out: Path) -> list[dict]:
+    """Recorded at store_threshold 1, predicted and run at each of the workload's thresholds."""
+    from kvledger.adapters.log_files import open_log
+    from kvledger.adapters.log_tools import whatif
+
+    workload = "oneoff"
+    spec = WORKLOADS[workload]
+    out.mkdir(parents=True, exist_ok=True)
+    models = out / "models"
+    everything = out / f"{workload}-all.log"
+    _run(workload, 1 << 30, everything, models)
+    capacity = spec["record"] * (spec["doc_words"] // spec["block"]) * _slot_bytes(everything)
+    recorded_log = out / f"{workload}-recorded.log"
+    runs = {1: (_run(workload, capacity, recorded_log, models), recorded_log)}
+    for threshold in spec["thresholds"]:
+        log = out / f"{workload}-threshold{threshold}.log"
+        runs[threshold] = (_run(workload, capacity, log, models, store_threshold=threshold), log)
+    header, records = open_log(recorded_log)
+    cached = list(records)
+    rows = []
+    for threshold, (real, log) in runs.items():
+        predicted = whatif.predict(header.config, attrs.evolve(header.config, store_threshold=threshold), cached)
+        measured = _measured(log)
+        real_header, real_records = open_log(log)
+        stored = whatif.recorded(real_header.config, real_records).moved.get("stored", 0)
+        rows.append({"workload": workload, "documents": spec["record"], "store_threshold": threshold,
+                     "capacity_bytes": capacity, "slots": header.config.num_tier_slots,
+                     "predicted_hit_tokens": predicted.stats["hit_tokens"], "measured_hit_tokens": measured,
+                     "predicted_blocks_stored": predicted.moved.get("stored", 0), "measured_blocks_stored": stored,
+                     "vllm_cached_tokens": real["vllm_cached_tokens"], "recorded_here": threshold == 1,
+                     "error": round((predicted.stats["hit_tokens"] - measured) / measured, 4) if measured else None})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
         workload, capacity, log, models = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
         extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
         questions = range(*extra["questions"]) if "questions" in extra else None
-        print("RESULT " + json.dumps(run_one(workload, capacity, log, models, questions, extra.get("tiers"))),
-              flush=True)
+        print("RESULT " + json.dumps(run_one(workload, capacity, log, models, questions, extra.get("tiers"),
+                                             extra.get("store_threshold", 1))), flush=True)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=["demo", "multi", "both"], default="both")
+    parser.add_argument("--workload", choices=["demo", "multi", "both", "oneoff"], default="both")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "whatif"))
     args = parser.parse_args()
     rows = []
-    for workload in (["demo", "multi"] if args.workload == "both" else [args.workload]):
+    if args.workload == "oneoff":
+        rows = validate_threshold(Path(args.out))
+    for workload in (["demo", "multi"] if args.workload == "both" else [args.workload] if not rows else []):
         rows += validate(workload, Path(args.out))
     print()
-    print(f"{'workload':<8} {'docs':>4} {'slots':>7} {'predicted':>10} {'measured':>9} {'vLLM cached':>11} {'error':>7}")
+    print(f"{'workload':<8} {'docs':>4} {'slots':>7} {'threshold':>9} {'predicted':>10} {'measured':>9} "
+          f"{'vLLM cached':>11} {'error':>7}")
     for row in rows:
         error = f"{row['error']:+.1%}" if row["error"] is not None else "-"
         mark = " (recorded here)" if row["recorded_here"] else ""
-        print(f"{row['workload']:<8} {row['documents']!s:>4} {row['slots']:>7} {row['predicted_hit_tokens']:>10} "
-              f"{row['measured_hit_tokens']:>9} {row['vllm_cached_tokens']:>11} {error:>7}{mark}")
+        print(f"{row['workload']:<8} {row['documents']!s:>4} {row['slots']:>7} {row.get('store_threshold', 1):>9} "
+              f"{row['predicted_hit_tokens']:>10} {row['measured_hit_tokens']:>9} {row['vllm_cached_tokens']:>11} "
+              f"{error:>7}{mark}")
 
 
 if __name__ == "__main__":

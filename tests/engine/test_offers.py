@@ -119,3 +119,23 @@ def test_the_config_names_a_bad_threshold_or_tracker() -> None:
     assert "store_threshold" not in full_only_config().to_dict()  # a log without them keeps its digests
     config = full_only_config(store_threshold=2, offload_prompt_only=True)
     assert EngineConfig.from_dict(config.to_dict()) == config
+
+
+def test_a_log_under_a_threshold_replays_checked_and_from_its_snapshots(tmp_path) -> None:
+    """The tracker is state: its digests check, and a replay that starts at a snapshot
+    decides every later store as the run did."""
+    from kvledger.adapters.cli.main import main
+    from kvledger.adapters.engine_host import EngineHost
+    from tests.engine.builders import SIMULATED_CONFIGS
+
+    config = SIMULATED_CONFIGS[-1]
+    assert config.store_threshold == 2 and config.offload_prompt_only
+    path = tmp_path / "events.log"
+    host = EngineHost(config, log_path=path, digest_interval=4, snapshot_interval_events=200)
+    sim = Simulator(config, host=host)
+    run_random(sim, random.Random(3), steps=200, arrivals=0.8, max_tokens=20, turn_rate=0.2)
+    host.close()
+    assert sim.state.core.stats.keys_stored > 0 and len(sim.state.core.offers.counts) == config.max_tracker_size
+    assert main(["replay", str(path), "--check"]) == 0
+    assert main(["inspect", str(path), "--at", str(sim.events - 5)]) == 0  # from the last snapshot before it
+    assert main(["bisect", str(path)]) == 0

@@ -295,3 +295,20 @@ def test_a_load_failing_on_one_rank_is_recomputed_on_every_rank(models, tmp_path
     assert {x["worker_index"] for x in seen} == {1} and len(seen) == stats["load_failures"]
     assert len(applied) == stats["load_failures"]
     assert any(c > 0 for c in result["shifted"]["cached"])  # rank 1's other loads went fine
+
+
+def test_a_store_threshold_holds_one_off_tails_back_and_outputs_still_match(models, tmp_path):
+    """vLLM's store_threshold 2 and offload_prompt_only on a real model: a block is stored once a
+    second prompt offers it, and restores equal a recompute. `first`'s four prompts are on three
+    prefixes: the first prefix, offered twice, is stored; the other two, offered once, are held
+    back, computed again in `again` (which offers them a second time), and restored in `shifted`."""
+    result, summary = _run(models, tmp_path, "tiny-gemma3",
+                           extra={"store_threshold": 2, "offload_prompt_only": True})
+    _restored_equal_recomputed(result)
+    assert [c >= 96 for c in result["again"]["cached"]] == [True, False, False, True]
+    assert all(c >= 96 for c in result["shifted"]["cached"])
+    assert summary["violations"] == 0 and summary["stats"]["stores"] > 0
+    again = summary["explained"][4:8]  # one admission a prompt, in order
+    assert [any(run.cause == "below_store_threshold" for run in a.runs) for a in again] == [False, True, True, False]
+    held = [(a, run) for a in summary["explained"] for run in a.runs if run.cause == "below_store_threshold"]
+    assert all(run.seq < admission.seq and run.other_request != admission.request_id for admission, run in held)
