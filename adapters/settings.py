@@ -74,6 +74,7 @@ class ConnectorSettings:
     store_threshold: int = 1  # vLLM's: store a block once this many requests offered it
     max_tracker_size: int = 64_000  # vLLM's: keys whose offers are counted
     offload_prompt_only: bool = False  # vLLM's (its default is on): store prompt blocks alone
+    self_describing_kv_events: bool = False  # vLLM's: KV events carry vLLM's hashes, tokens and locality
 
 
 _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -107,6 +108,8 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
                               "are forgotten)"),
     "offload_prompt_only": (bool, "vLLM's: store only blocks whole within the prompt, none of the generated "
                                   "tokens' (vLLM's default is true; kvledger's false)"),
+    "self_describing_kv_events": (bool, "vLLM's: KV events announce each stored block with vLLM's block "
+                                        "hashes, its parent, its tokens and its tier's locality"),
 }
 
 _FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -242,6 +245,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         store_threshold=threshold,
         max_tracker_size=tracker,
         offload_prompt_only=extra.get("offload_prompt_only", False),
+        self_describing_kv_events=extra.get("self_describing_kv_events", False),
     )
 
 

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+# A tier's locality in self-describing KV events, relative to this replica (vLLM 0.33's words).
+_LOCALITY = {"fs": "LOCAL", "valkey": "REMOTE"}
+
 
 def _worker_index() -> int:
     try:
@@ -68,7 +71,10 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                 tier_copies=copies, store_threshold=settings.store_threshold,
                 max_tracker_size=settings.max_tracker_size, offload_prompt_only=settings.offload_prompt_only)
             events = vllm_config.kv_events_config
-            tier_events = (TierEvents(group_event_specs(kv_cache_config), len(settings.secondary_tiers))
+            tier_events = (TierEvents(group_event_specs(kv_cache_config), len(settings.secondary_tiers),
+                                      self_describing=settings.self_describing_kv_events,
+                                      localities=[_LOCALITY[tier.kind] for tier in settings.secondary_tiers],
+                                      hash_block_size=config.hash_block_size)
                            if events is not None and events.enable_kv_cache_events else None)
             tiers = (SchedulerTiers(settings, vllm_config, kv_cache_config, world_size=world_size)
                      if settings.secondary_tiers else None)

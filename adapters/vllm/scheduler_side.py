@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import structlog
@@ -77,6 +78,7 @@ class LedgerScheduler:
         if self.log_path is not None:
             _log.info("event_log_opened", path=self.log_path)
         self._tables: tuple = ()  # each group's `req_to_blocks`, which vLLM's managers keep for their life
+        self._scheduled: Mapping[str, int] = {}  # the current step's requests (vLLM's num_scheduled_tokens)
         self._pool: BlockPoolView | None = None
         self._requests: dict[str, Request] = {}
         # Streaming sessions (vLLM's resumable requests): the planner compares their
@@ -118,9 +120,13 @@ class LedgerScheduler:
         for phase in fx.WORKER_PHASES:
             self._carried.extend(routed[phase])
         fx.dispatch(_CARRY, self, effects)
+        events = self.tier_events
+        if events is not None and events.self_describing and routed[fx.Phase.AFTER_FORWARD]:
+            stores = [e for e in routed[fx.Phase.AFTER_FORWARD] if type(e) is fx.StartStore]
+            events.describe_stores(stores, self._requests, self._tables, self._scheduled)
         notifications = routed[fx.Phase.NOTIFICATION]
-        if notifications and self.tier_events is not None:
-            self.tier_events.observe(notifications)
+        if notifications and events is not None:
+            events.observe(notifications)
 
     def _load_started(self, load: fx.StartLoad) -> None:
         self.restores.load_started(load.job_id, load.request_id, any(t for g in load.promote_tiers for t in g))
@@ -143,6 +149,8 @@ class LedgerScheduler:
     def _failed(self, effect: fx.TransferFailed) -> None:
         if effect.tier and self._tiers is not None:  # a copy that failed to write may be partly there
             self._tiers.removed(effect.tier, effect.keys)
+        if effect.kind == "store" and self.tier_events is not None:
+            self.tier_events.forget_unstored(effect.keys)
         _log.warning(f"{effect.kind}_failed", request_id=effect.request_id or None, job_id=effect.job_id,
                      worker_index=effect.worker_index, keys=hex_keys(effect.keys), step=self._position.step_index)
 
@@ -202,6 +210,7 @@ class LedgerScheduler:
         assert self._tables, "bind_kv_cache_manager was not called"
         scheduled = scheduler_output.num_scheduled_tokens
         self.restores.scheduled(scheduled)
+        self._scheduled = scheduled  # the step's requests, for self-describing KV events
         events = plan_step(
             self.host.state, step_index=self._position.step_index + 1, preempted=scheduler_output.preempted_req_ids or (),
             scheduled=scheduled, admissions=self._lookups.take_admissions(), requests=self._requests, tables=self._tables,

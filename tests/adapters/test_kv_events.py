@@ -159,3 +159,74 @@ def test_a_disk_tier_is_advertised_with_medium_storage_while_it_holds_a_block(mo
     assert {x.medium for x in removed if isinstance(x, BlockRemoved)} == {"CPU", "STORAGE"}
     assert e.advertised == {"CPU": set(), "STORAGE": set()}
     e.check_advertised()
+
+
+# Self-describing: vLLM's hashes, the parent, the tokens and the tier's locality.
+
+class _Request:
+    """What `describe_stores` reads of vLLM's `Request`: its block hashes and its tokens."""
+
+    def __init__(self, hashes: list[bytes], tokens: list[int]) -> None:
+        self.block_hashes = hashes
+        self.all_token_ids = tokens
+
+
+class _Block:
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+
+
+def _described_store(events: TierEvents, keys: tuple[bytes, ...], blocks: tuple[int, ...]) -> list[bytes]:
+    """A request of len(keys) blocks in group 0 (full) and one block in group 1 (sliding), stored; vLLM's hashes."""
+    vllm_hashes = [bytes([i]) * 32 for i in range(1, len(keys) + 1)]
+    request = _Request(vllm_hashes, list(range(32 * len(keys) + 5)))
+    tables = ({"r": [_Block(b) for b in blocks]}, {"r": [_Block(90)]})
+    store = fx.StartStore(job_id=1, request_id="", keys=(keys, (b"w" * 32 + (1).to_bytes(4, "big"),)),
+                          source_block_ids=(blocks, (90,)), target_slot_ids=(tuple(range(len(keys))), (9,)))
+    events.describe_stores([store], {"r": request}, tables, ["r"])
+    return vllm_hashes
+
+
+def test_self_described_blocks_carry_vllms_hashes_tokens_and_locality_per_tier() -> None:
+    events = TierEvents(SPECS, 1, self_describing=True, localities=["REMOTE"], hash_block_size=32)
+    keys = tuple(b"k%d" % i + b"\0" * 29 + (0).to_bytes(4, "big") for i in range(3))  # kvledger's chained keys
+    vllm_hashes = _described_store(events, keys, (11, 12, 13))
+    window = b"w" * 32 + (1).to_bytes(4, "big")
+    events.observe([fx.KeysLoadable(keys=(*keys, window), tier=0), fx.KeysLoadable(keys=keys[:2], tier=1)])
+    stored = events.take()
+    host = [e for e in stored if e.medium == "CPU" and e.group_idx == 0]
+    assert [e.block_hashes for e in host] == [[maybe_convert_block_hash(h)] for h in vllm_hashes]
+    assert [e.parent_block_hash for e in host] == [None, *map(maybe_convert_block_hash, vllm_hashes[:2])]
+    assert [e.token_ids for e in host] == [list(range(0, 32)), list(range(32, 64)), list(range(64, 96))]
+    assert {e.locality for e in host} == {"LOCAL"}
+    (plain,) = [e for e in stored if e.group_idx == 1]  # a sliding-window block keeps the plain form
+    assert plain.token_ids == [] and plain.block_hashes == [maybe_convert_block_hash(b"w" * 32)]
+    below = [e for e in stored if e.medium == "STORAGE"]
+    assert [e.block_hashes for e in below] == [[maybe_convert_block_hash(h)] for h in vllm_hashes[:2]]
+    assert {e.locality for e in below} == {"REMOTE"}
+    # Removed under the same hashes, tier by tier; the payload kept while a tier announces it.
+    events.observe([fx.KeysUnloadable(keys=keys, tier=0, reason=fx.Reason.EVICTED)])
+    removed = events.take()
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(map(maybe_convert_block_hash, vllm_hashes))
+    assert set(events._described) == set(keys[:2])
+    events.observe([fx.KeysUnloadable(keys=keys[:2], tier=1, reason=fx.Reason.EVICTED)])
+    assert [e.medium for e in events.take()] == ["STORAGE", "STORAGE"] and not events._described
+
+
+def test_a_failed_store_leaves_no_payload_behind() -> None:
+    events = TierEvents(SPECS, 0, self_describing=True, hash_block_size=32)
+    keys = tuple(b"k%d" % i + b"\0" * 29 + (0).to_bytes(4, "big") for i in range(2))
+    _described_store(events, keys, (11, 12))
+    assert set(events._described) == set(keys)
+    events.forget_unstored(keys)
+    assert not events._described and events.take() == []
+
+
+def test_without_self_describing_events_carry_kvledgers_keys() -> None:
+    events = TierEvents(SPECS, 0, hash_block_size=32)
+    keys = (b"k" * 32 + (0).to_bytes(4, "big"),)
+    _described_store(events, keys, (11,))
+    events.observe([fx.KeysLoadable(keys=keys, tier=0)])
+    (event,) = events.take()
+    assert event.block_hashes == [maybe_convert_block_hash(b"k" * 32)] and event.token_ids == []
+    assert event.locality is None

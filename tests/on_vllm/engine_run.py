@@ -60,19 +60,38 @@ def prompts(seed: int, count: int, prefix_words: int, tail_words: int) -> tuple[
     return first, shifted, others
 
 
-def watch_kv_events(llm) -> dict:
+def watch_kv_events(llm, described: bool = False) -> dict:
     """Wrap the scheduler connector's `take_events`: after each call, the CPU
     blocks advertised so far (stored minus removed) must be exactly those the
-    engine can load right now."""
+    engine can load right now. `described` (self-describing events): each
+    stored block's hash must be vLLM's own hash of its parent and its tokens."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
 
     from kvledger.engine import queries
 
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    seen = {"stored": 0, "removed": 0, "checks": 0, "problems": []}
+    hash_fn = get_hash_fn_by_name(llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
+    seen = {"stored": 0, "removed": 0, "checks": 0, "described": 0, "problems": []}
     advertised: set = set()
+    whole: dict = {}  # an announced hash (as events carry it) -> vLLM's hash bytes, recomputed here
     take = connector.take_events
+
+    def check_described(event) -> None:
+        if not event.token_ids:
+            seen["problems"].append("a block stored without its tokens")
+            return
+        parent = None
+        if event.parent_block_hash is not None:
+            parent = whole.get(event.parent_block_hash)
+            if parent is None:
+                return  # its parent was announced before this watch, or not by this process
+        recomputed = hash_block_tokens(hash_fn, parent, event.token_ids)
+        if maybe_convert_block_hash(recomputed) != event.block_hashes[-1] or event.locality != "LOCAL":
+            seen["problems"].append("a described block's hash is not vLLM's hash of its parent and tokens")
+        whole[event.block_hashes[-1]] = recomputed
+        seen["described"] += 1
 
     def checked_take():
         events = list(take())
@@ -80,6 +99,8 @@ def watch_kv_events(llm) -> dict:
             pairs = {(event.group_idx, h) for h in event.block_hashes}
             if isinstance(event, BlockStored):
                 assert event.medium == "CPU"
+                if described:
+                    check_described(event)
                 if pairs & advertised:
                     seen["problems"].append(f"stored twice: {sorted(pairs & advertised)[:2]}")
                 advertised.update(pairs)
@@ -193,7 +214,7 @@ def main(spec: dict) -> None:
 
         engine_args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     llm = LLM(**engine_args)
-    kv_events = watch_kv_events(llm) if spec.get("kv_events") else None
+    kv_events = watch_kv_events(llm, spec.get("kv_events") == "described") if spec.get("kv_events") else None
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     first, shifted, others = prompts(spec.get("seed", 0), spec.get("count", 4), spec.get("prefix_words", 100),
                                      spec.get("tail_words", 10))

@@ -115,6 +115,21 @@ def test_a_small_pool_preempts_and_evicts_and_outputs_still_match(models, tmp_pa
     assert kv_events["removed"] >= stats["evictions"] > 0
 
 
+def test_self_describing_kv_events_carry_vllms_hashes_and_tokens(models, tmp_path):
+    """vLLM's `self_describing_kv_events`: each block announced is vLLM's own hash of its parent
+    and its tokens (recomputed with vLLM's hash function at every take), and the blocks announced
+    are still exactly those the engine can load, evictions removed under the same hashes."""
+    result, summary = _run(
+        models, tmp_path, "tiny-llama", count=16, prefix_words=90, tail_words=40,
+        engine={"num_gpu_blocks_override": 48, "max_num_seqs": 16, "max_model_len": 512},
+        extra={"capacity_bytes": 48 * 32768, "self_describing_kv_events": True}, kv_events="described")
+    _restored_equal_recomputed(result)
+    kv_events, stats = result["kv_events"], summary["stats"]
+    assert kv_events["problems"] == []
+    assert kv_events["stored"] == stats["keys_stored"] and kv_events["removed"] >= stats["evictions"] > 0
+    assert kv_events["described"] > stats["keys_stored"] // 2  # a chain's first block, or one whose parent was
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_failed_loads_are_recomputed(models, tmp_path, model):
     result, summary = _run(models, tmp_path, model, golden=f"load_failures_{model}",
