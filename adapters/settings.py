@@ -45,6 +45,7 @@ class FaultSettings:
     corrupt: bool = False  # a failed load still writes garbage into its blocks, and reports success
     store_hold_steps: int = 0  # each store starts this many steps late (unless flushed): a slow transfer
     ranks: tuple[int, ...] = ()  # the tensor-parallel workers that inject these faults; empty: every worker
+    tier_read_delay_s: float = 0.0  # every read of a tier below host memory starts this late: a slow disk
 
     def applies_to(self, worker_index: int) -> bool:
         return not self.ranks or worker_index in self.ranks
@@ -75,6 +76,7 @@ class ConnectorSettings:
     max_tracker_size: int = 64_000  # vLLM's: keys whose offers are counted
     offload_prompt_only: bool = False  # vLLM's (its default is on): store prompt blocks alone
     self_describing_kv_events: bool = False  # vLLM's: KV events carry vLLM's hashes, tokens and locality
+    restore_budget: str = "load"  # or "auto": load a hit only where it is estimated faster than computing it
 
 
 _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -108,6 +110,8 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
                               "are forgotten)"),
     "offload_prompt_only": (bool, "vLLM's: store only blocks whole within the prompt, none of the generated "
                                   "tokens' (vLLM's default is true; kvledger's false)"),
+    "restore_budget": (str, "'load' (every hit loaded) or 'auto' (a hit loaded only where loading it is estimated "
+                            "faster than computing it, by the measured load and prefill times)"),
     "self_describing_kv_events": (bool, "vLLM's: KV events announce each stored block with vLLM's block "
                                         "hashes, its parent, its tokens and its tier's locality"),
 }
@@ -120,6 +124,7 @@ _FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "corrupt": bool,
     "store_hold_steps": int,
     "ranks": (list, tuple),
+    "tier_read_delay_s": (int, float),
 }
 
 
@@ -215,6 +220,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     memory_keys = extra.get("miss_memory_keys", MAX_KEYS)
     if memory_keys < 1:
         raise ConfigError(f"miss_memory_keys must be >= 1, got {memory_keys}")
+    budget = extra.get("restore_budget", "load")
+    if budget not in ("load", "auto"):
+        raise ConfigError(f"restore_budget must be 'load' or 'auto', got {budget!r}")
     threshold = extra.get("store_threshold", 1)
     if threshold < 1:
         raise ConfigError(f"store_threshold must be >= 1 (1: store every block at once), got {threshold}")
@@ -246,6 +254,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         max_tracker_size=tracker,
         offload_prompt_only=extra.get("offload_prompt_only", False),
         self_describing_kv_events=extra.get("self_describing_kv_events", False),
+        restore_budget=budget,
     )
 
 
@@ -268,6 +277,9 @@ def _parse_faults(raw: Mapping[str, Any]) -> FaultSettings:
         if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
             raise ConfigError(f"fault_injection.ranks must be worker indices (ints >= 0), got {ranks!r}")
         values["ranks"] = tuple(sorted(set(ranks)))
+    delay = values.get("tier_read_delay_s", 0.0)
+    if not 0.0 <= delay <= 60.0:
+        raise ConfigError(f"fault_injection.tier_read_delay_s must be within [0, 60] seconds, got {delay}")
     if values.get("store_hold_steps", 0) < 0:
         raise ConfigError(f"fault_injection.store_hold_steps must be >= 0, got {values['store_hold_steps']}")
     return FaultSettings(**values)

@@ -11,6 +11,7 @@ offers       vLLM's store threshold: which blocks enough requests have offered t
 slots        a tier slot's life, as `SLOT_MOVES` says
 lower        the tiers below host memory: what each holds, spills, promotions
 lookup       the tier-hit query behind `get_num_new_matched_tokens`
+budget       load or recompute, by the clock: the hit's end that saves the most time
 planner      a scheduler step's events, decided from what vLLM exposes
 hma          which blocks each KV group needs (full attention, sliding window, mamba)
 policies     eviction orders: LRU and ARC

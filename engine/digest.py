@@ -80,6 +80,8 @@ def digest(state: State) -> str:
         put(sorted(core.spill_reads.items()))
     if core.offers is not None:  # only under a store threshold, likewise
         put(core.offers.canonical())
+    if core.restore_costs is not None:  # only once measured (restore_budget "auto"), likewise
+        put(core.restore_costs)
     return h.hexdigest()
 
 
@@ -133,6 +135,8 @@ def part_digest(state: State, part: int, parts: int) -> str:
     lo, hi = _bounds(len(rids), part, parts)
     for rid in islice(rids, lo, hi):
         put_text(core.requests[rid].canonical_repr())
+    if core.restore_costs is not None:  # only once measured: other logs keep their digests
+        put(core.restore_costs)
     offers = core.offers
     if offers is not None:  # only under a store threshold: other logs keep their digests
         lo, hi = _bounds(len(offers.counts), part, parts)

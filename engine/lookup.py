@@ -26,10 +26,13 @@ from typing import Final
 
 import attrs
 
-from kvledger.events.config import GroupKind, GroupSpec
+from kvledger.events.config import GroupKind, GroupSpec, RestoreBudget
 
 from . import hma, lower
+from .budget import budget_end
 from .state import STORED_CODE, Core, RequestState, RequestStatus, State
+
+_AUTO: Final = RestoreBudget.AUTO
 
 
 @attrs.frozen
@@ -41,6 +44,9 @@ class LookupResult:
     ready: bool = True
     slots_taken: int = 0  # with lower tiers: host slots the hit's load takes from the evictable pool
     promotions: int = 0  # of those, the slots of keys promoted from a lower tier (the rest are read in place)
+    # `restore_budget: "auto"` cut it (`budget.py`): the hit offered beyond the local
+    # hit, and the estimates (us) of loading the part cut against computing it.
+    budget: tuple[int, int, int] | None = None
     # What the answer rests on (`_basis`), None if it is not to be given back;
     # and the missing keys whose arrival would lengthen it.
     basis: tuple | None = attrs.field(default=None, eq=False, repr=False)
@@ -67,7 +73,7 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
     most = (request.num_tokens - 1) // alignment * alignment  # leave one token to compute
     known = lower.known(core)
     if previous is not None and previous.basis is not None:
-        stores_matter = previous.basis[-1] >= 0
+        stores_matter = previous.basis[-2] >= 0
         if (previous.basis == _basis(core, request, num_local_tokens, slots_promised, stores_matter)
                 and not any(map(known, previous.awaits))):
             return previous
@@ -102,13 +108,23 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
                 break
         end -= alignment
     hit = max(end - num_local_tokens, 0)
+    budget = None
+    if hit and core.restore_costs is not None and core.config.restore_budget is _AUTO:
+        kept, load_us, compute_us = budget_end(core, request, num_local_tokens, end)
+        if kept < end:
+            budget = (hit, load_us, compute_us)
+            end, hit = kept, kept - num_local_tokens
+            slots = (_slots_taken(core, request, num_local_tokens, end, slots_promised, promotions_promised)
+                     if hit else (0, 0))
+            taken, promotions = slots if slots is not None and slots[0] >= 0 else (0, 0)
     if core.lower:
-        return LookupResult(hit, slots_taken=taken, promotions=promotions)
+        return LookupResult(hit, slots_taken=taken, promotions=promotions, budget=budget)
     # Only the missing keys the full walks stopped at can lengthen a hit that no
     # window group shortened; a shortened one, any store.
     stores_matter = end < best
     basis = _basis(core, request, num_local_tokens, slots_promised, stores_matter)
-    return LookupResult(hit, slots_taken=taken, basis=basis, awaits=() if stores_matter else tuple(stops))
+    return LookupResult(hit, slots_taken=taken, budget=budget, basis=basis,
+                        awaits=() if stores_matter else tuple(stops))
 
 
 def _basis(core: Core, request: RequestState, local: int, promised: int, stores_matter: bool) -> tuple:
@@ -117,7 +133,8 @@ def _basis(core: Core, request: RequestState, local: int, promised: int, stores_
     stats = core.stats
     hashes = request.hashes
     return (request.request_id, hashes[-1] if hashes else b"", len(hashes), request.num_tokens, local, promised,
-            core.epoch, stats.evictions, stats.keys_failed, stats.loads, stats.stores if stores_matter else -1)
+            core.epoch, stats.evictions, stats.keys_failed, stats.loads, stats.stores if stores_matter else -1,
+            core.restore_costs)
 
 
 def _slots_taken(core: Core, request: RequestState, start: int, end: int, promised: int,

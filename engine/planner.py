@@ -87,6 +87,9 @@ class Admission:
     request_id: str
     num_local_tokens: int  # vLLM's own prefix-cache hit, as passed to the lookup
     num_external_tokens: int  # the tier hit to load
+    # `restore_budget: "auto"` cut the lookup's hit: offered, kept, and the estimates (us) of
+    # loading the part cut against computing it (`lookup.LookupResult.budget`)
+    budget: tuple[int, int, int, int] | None = None
 
 
 def new_hashes(state: State, request_id: str, request: Request,
@@ -182,6 +185,10 @@ def _admission(core: Core, admission: Admission, table: tuple[tuple[int, ...], .
                resumed: bool) -> list[ev.Event]:
     rid, local = admission.request_id, admission.num_local_tokens
     events: list[ev.Event] = []
+    if admission.budget is not None:
+        offered, kept, load_us, compute_us = admission.budget
+        events.append(ev.RestoreBudgeted(request_id=rid, offered_tokens=offered, kept_tokens=kept, load_us=load_us,
+                                         compute_us=compute_us))
     if resumed:
         events.append(ev.RequestResumed(request_id=rid))
     if local:

@@ -683,6 +683,29 @@ def _tier_lookup_failed(core: Core, event: ev.TierLookupFailed, out: list[fx.Eff
                                 f"{', '.join(ev.LOOKUP_FAILURES)}", request_id=event.request_id)
 
 
+def _restore_costs_measured(core: Core, event: ev.RestoreCostsMeasured, out: list[fx.Effect]) -> None:
+    """The costs the next lookups weigh a hit by (`lookup.budget`)."""
+    tiers = 1 + len(core.lower)
+    if len(event.load_fixed_us) != tiers or len(event.load_ns_per_block) != tiers:
+        raise ProtocolViolation("bad_restore_costs", f"{len(event.load_fixed_us)} and {len(event.load_ns_per_block)} "
+                                f"tier costs for {tiers} tiers (host memory and each lower tier)")
+    if min(event.compute_ns_per_token, *event.load_fixed_us, *event.load_ns_per_block) < 0:
+        raise ProtocolViolation("bad_restore_costs", "a cost below zero")
+    core.restore_costs = (event.compute_ns_per_token, event.load_fixed_us, event.load_ns_per_block)
+
+
+def _restore_budgeted(core: Core, event: ev.RestoreBudgeted, out: list[fx.Effect]) -> None:
+    """On the record for `explain`; nothing in the state changes."""
+    request = core.requests.get(event.request_id)
+    if request is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        raise ProtocolViolation("illegal_request_event", f"restore_budgeted for a request not waiting: "
+                                f"{event.request_id!r}", request_id=event.request_id)
+    if not 0 <= event.kept_tokens < event.offered_tokens or min(event.load_us, event.compute_us) < 0:
+        raise ProtocolViolation("bad_restore_budget", f"kept {event.kept_tokens} of {event.offered_tokens} tokens "
+                                f"(load {event.load_us} us, compute {event.compute_us} us)",
+                                request_id=event.request_id)
+
+
 _HANDLERS: Final[dict[type, Callable[[Core, Any, list[fx.Effect]], None]]] = {
     ev.RequestAdded: _request_added,
     ev.BlockHashesAppended: _block_hashes_appended,
@@ -703,5 +726,7 @@ _HANDLERS: Final[dict[type, Callable[[Core, Any, list[fx.Effect]], None]]] = {
     ev.CacheReset: _cache_reset,
     ev.TierKeysFound: _tier_keys_found,
     ev.TierLookupFailed: _tier_lookup_failed,
+    ev.RestoreCostsMeasured: _restore_costs_measured,
+    ev.RestoreBudgeted: _restore_budgeted,
 }
 assert set(_HANDLERS) == set(ev.EVENT_TYPES), "every event kind needs a handler"

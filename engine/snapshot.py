@@ -103,9 +103,19 @@ def capture(state: State) -> list[Any]:
         [_request(r) for r in c.requests.values()],
         [_job(j) for j in c.jobs.values()],
         list(c.stats.as_dict().values()),
-        # Only under a store threshold (`offers.py`), so that other snapshots keep their shape.
-        *([[list(row) for row in c.offers.canonical()]] if c.offers is not None else []),
+        # Parts of later settings, only where set (so that other snapshots keep their shape).
+        *([_optional(c)] if c.offers is not None or c.restore_costs is not None else []),
     ]
+
+
+def _optional(c: Core) -> dict[str, Any]:
+    parts: dict[str, Any] = {}
+    if c.offers is not None:  # a store threshold (`offers.py`)
+        parts["offers"] = [list(row) for row in c.offers.canonical()]
+    if c.restore_costs is not None:  # restore_budget "auto"
+        compute, fixed, per_block = c.restore_costs
+        parts["restore_costs"] = [compute, list(fixed), list(per_block)]
+    return parts
 
 
 # --- restore ------------------------------------------------------------------
@@ -216,14 +226,22 @@ def _restore(config: EngineConfig, data: Sequence[Any]) -> State:
     (_version, scalars, columns, block_key, block_readers, block_writer, lazy_keys, slot_index, slot_key,
      slot_state, slot_loads, free_slots, policy, lower, spill_reads, requests, jobs, stats) = data[:18]
     core = Core(config)
-    if (core.offers is not None) != (len(data) == 19) or len(data) > 19:
-        raise SnapshotError(f"snapshot of {len(data)} parts for a store threshold of {config.store_threshold}")
+    optional = data[18] if len(data) == 19 else {}
+    if len(data) > 19 or not isinstance(optional, dict) or set(optional) - {"offers", "restore_costs"}:
+        raise SnapshotError(f"snapshot of {len(data)} parts, or an optional part this engine does not know")
+    if (core.offers is not None) != ("offers" in optional):
+        raise SnapshotError(f"snapshot {'without' if core.offers is not None else 'with'} offers for a store "
+                            f"threshold of {config.store_threshold}")
     if core.offers is not None:
-        for key, count, request_id in data[18]:
+        for key, count, request_id in optional["offers"]:
             if type(key) is not bytes or type(count) is not int or count < 1 or type(request_id) is not str:
                 raise SnapshotError("offers: expected rows of key, count, request")
             core.offers.counts[key] = count
             core.offers.last[key] = request_id
+    if "restore_costs" in optional:
+        compute, fixed, per_block = optional["restore_costs"]
+        core.restore_costs = (compute, tuple(_column(fixed, len(config.lower_tiers) + 1, "restore_costs")),
+                              tuple(_column(per_block, len(config.lower_tiers) + 1, "restore_costs")))
     n, m = config.num_device_blocks, config.num_tier_slots
     core.step_index, core.epoch, core.next_job_id, core.next_fresh_slot = scalars
     core.block_refs, core.block_pins, core.block_generation, core.block_group = (

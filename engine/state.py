@@ -419,7 +419,7 @@ _CORE_FIELDS = (
     "block_readers", "block_writer", "lazy_keys",
     # tier
     "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot",
-    "policy", "offers",
+    "policy", "offers", "restore_costs",
     # tiers below host memory, and the host slots spills are reading (slot -> count)
     "lower", "spill_reads",
     # requests and jobs
@@ -471,6 +471,9 @@ class Core:
         self.policy: LRU | ARC = make_policy(config.policy, m)
         # vLLM's store threshold (`offers.py`): None unless a block must be offered twice or more
         self.offers: OfferTracker | None = OfferTracker() if config.store_threshold >= 2 else None
+        # `restore_budget: "auto"`: the last measured costs (`RestoreCostsMeasured`): compute ns a
+        # token, then per tier the fixed us of a load and ns a block; None until measured
+        self.restore_costs: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
         self.lower = [LowerTier(t.name, t.num_blocks) for t in config.lower_tiers]
         self.spill_reads: dict[int, int] = {}
         self.requests: dict[str, RequestState] = {}

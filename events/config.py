@@ -40,6 +40,14 @@ alike, and such a log reads as this build's rules). The log reader resolves
 it from the log's own records (`adapters/log_rules.py`); no engine runs under it."""
 
 
+class RestoreBudget(enum.Enum):
+    """Whether a hit is loaded whatever it costs (LOAD) or only where loading is
+    estimated faster than computing (AUTO: `RestoreCostsMeasured`)."""
+
+    LOAD = "load"
+    AUTO = "auto"
+
+
 class GroupKind(enum.Enum):
     FULL = "full"
     SLIDING = "sliding"
@@ -194,6 +202,7 @@ class EngineConfig:
     max_tracker_size: int = attrs.field(default=64_000, validator=_positive)
     # vLLM's `offload_prompt_only`: only blocks whole within the prompt are stored.
     offload_prompt_only: bool = attrs.field(default=False, validator=_bool)
+    restore_budget: RestoreBudget = attrs.field(default=RestoreBudget.LOAD, converter=RestoreBudget)
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -247,6 +256,8 @@ class EngineConfig:
             data["max_tracker_size"] = self.max_tracker_size
         if self.offload_prompt_only:
             data["offload_prompt_only"] = True
+        if self.restore_budget is not RestoreBudget.LOAD:
+            data["restore_budget"] = self.restore_budget.value
         data["rules"] = self.rules  # always, from 0.2.0 on (absent: see `from_dict`)
         return data
 

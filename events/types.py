@@ -281,6 +281,38 @@ class BlockHashesRewound:
     num_hashes: int
 
 
+@attrs.frozen(kw_only=True)
+class RestoreCostsMeasured:
+    """What a restore costs and what a recompute costs, as measured while serving
+    (`restore_budget: "auto"`): the engine decides each hit by these numbers, so
+    they enter as an event and a replay decides as the run did. Per tier (0: host
+    memory, then each lower tier), a load of n blocks that reads from it takes
+    `load_fixed_us[t] + n * load_ns_per_block[t] / 1000` microseconds; a token
+    computed in a prefill takes `compute_ns_per_token` nanoseconds."""
+
+    kind: ClassVar[str] = "restore_costs_measured"
+    version: ClassVar[int] = 1
+    compute_ns_per_token: int
+    load_fixed_us: tuple[int, ...]
+    load_ns_per_block: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class RestoreBudgeted:
+    """A request's hit cut short because loading the rest was estimated slower than
+    computing it (`restore_budget: "auto"`): of `offered_tokens` restorable beyond the
+    local hit, `kept_tokens` are loaded; the rest would have taken `load_us` to load
+    against `compute_us` to compute. A fact for `explain`; the engine keeps nothing of it."""
+
+    kind: ClassVar[str] = "restore_budgeted"
+    version: ClassVar[int] = 1
+    request_id: str
+    offered_tokens: int
+    kept_tokens: int
+    load_us: int
+    compute_us: int
+
+
 Event = Union[
     RequestAdded,
     BlockHashesAppended,
@@ -301,6 +333,8 @@ Event = Union[
     TierKeysFound,
     BlockHashesRewound,
     TierLookupFailed,
+    RestoreCostsMeasured,
+    RestoreBudgeted,
 ]
 
 TransferEvent = Union[StoreCompleted, StoreFailed, LoadCompleted, LoadFailed]

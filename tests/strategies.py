@@ -41,6 +41,9 @@ EXAMPLE_EVENTS: dict[str, ev.Event] = {
         ev.TierKeysFound(tier=1, keys=(_H[2], _H[3])),
         ev.BlockHashesRewound(request_id="cmpl-7f3a-0", num_hashes=2),
         ev.TierLookupFailed(tier=1, request_id="cmpl-91c2-0", reason="timed_out"),
+        ev.RestoreCostsMeasured(compute_ns_per_token=41_000, load_fixed_us=(30, 2_000), load_ns_per_block=(9_000, 350_000)),
+        ev.RestoreBudgeted(request_id="cmpl-7f3a-0", offered_tokens=64, kept_tokens=32, load_us=180_000,
+                           compute_us=40_000),
     )
 }
 assert set(EXAMPLE_EVENTS) == set(ev.KIND_TO_TYPE), "every event kind needs an example"
@@ -104,6 +107,11 @@ _BY_KIND: dict[str, st.SearchStrategy] = {
     "block_hashes_rewound": st.builds(ev.BlockHashesRewound, request_id=request_ids, num_hashes=small_ints),
     "tier_lookup_failed": st.builds(ev.TierLookupFailed, tier=small_ints, request_id=request_ids,
                                     reason=st.sampled_from(ev.LOOKUP_FAILURES)),
+    "restore_costs_measured": st.builds(ev.RestoreCostsMeasured, compute_ns_per_token=ints,
+                                        load_fixed_us=st.lists(ints, min_size=1, max_size=3).map(tuple),
+                                        load_ns_per_block=st.lists(ints, min_size=1, max_size=3).map(tuple)),
+    "restore_budgeted": st.builds(ev.RestoreBudgeted, request_id=request_ids, offered_tokens=ints, kept_tokens=ints,
+                                  load_us=ints, compute_us=ints),
 }
 assert set(_BY_KIND) == set(ev.KIND_TO_TYPE), "every event kind needs a strategy"
 

@@ -350,7 +350,7 @@ MISS_COLORS = {
     "after_gap": "#98df8a", "bounded_by_group": "#c5b0d5", "no_host_slot": "#c49c94", "load_failed": "#ff9896",
     "log_table": "#dbdb8d", "unexplained": "#000000", "partial_block": "#c7c7c7",
     "promotion_failed": "#f7b6d2", "tier_down": "#393b79", "lookup_timed_out": "#637939", "lookup_dropped": "#8c6d31",
-    "below_store_threshold": "#843c39", "decode_not_offloaded": "#7b4173",
+    "below_store_threshold": "#843c39", "decode_not_offloaded": "#7b4173", "load_slower_than_compute": "#e7ba52",
 }
 
 

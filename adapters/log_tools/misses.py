@@ -58,6 +58,8 @@ CAUSES: Final[dict[str, str]] = {
                         "hit's end needs (often one it never kept: such a group stores only the blocks its "
                         "layers read)",
     "no_host_slot": "restorable, but a longer hit would promote more blocks than host memory holds",
+    "load_slower_than_compute": "restorable, but loading it was estimated slower than computing it "
+                                "(`restore_budget: \"auto\"`)",
     "load_failed": "restored, then its load failed: recomputed",
     "promotion_failed": "restored from a tier below host memory, then reading it from that tier failed (the "
                         "report says why): recomputed",
@@ -173,6 +175,8 @@ class MissLedger:
         self._hashes: dict[str, int] = {}  # request -> hashes it has named keys from so far
         self._ended: dict[str, int] = {}  # request -> seq it finished or was aborted
         self._unanswered: dict[str, tuple[int, int, str]] = {}  # request -> its lookup's failure: tier, seq, reason
+        self._budgeted: dict[str, ev.RestoreBudgeted] = {}  # request -> the budget's cut of its next admission
+        self._budgeted_at: dict[str, int] = {}  # and that event's seq
         self._attempts: dict[str, int] = {}
         self._jobs: dict[int, str] = {}  # the stores and loads in flight -> their kind
         self._ended_jobs: list[int] = []  # the jobs this event ended (`JobEnded`), folded after its other facts
@@ -262,6 +266,10 @@ class MissLedger:
     def _rewound(self, seq: int, event: ev.BlockHashesRewound) -> None:
         self._hashes[event.request_id] = event.num_hashes
 
+    def _budget(self, seq: int, event: ev.RestoreBudgeted) -> None:
+        self._budgeted[event.request_id] = event
+        self._budgeted_at[event.request_id] = seq
+
     def _lookup_failed(self, seq: int, event: ev.TierLookupFailed) -> None:
         self._unanswered.setdefault(event.request_id, (event.tier, seq, event.reason))
 
@@ -269,6 +277,8 @@ class MissLedger:
         rid = event.request_id
         self._ended[rid] = seq
         self._prompt_tokens.pop(rid, None)
+        self._budgeted.pop(rid, None)
+        self._budgeted_at.pop(rid, None)
         self._unanswered.pop(rid, None)
         self._hashes.pop(rid, None)
         self._attempts.pop(rid, None)
@@ -404,12 +414,20 @@ class MissLedger:
         restored = [(promoted.get(axis_keys[p], HOST), seq, job) for p in range(local // size, (local + ext) // size)]
         _merge(runs, local // size, size, "restored", restored)
         first_missed = (local + ext) // size
-        fast = self._never_stored_run(axis_keys, first_missed, most // size, rid)
+        budgeted = self._budgeted.pop(rid, None)
+        budget_seq = self._budgeted_at.pop(rid, -1)
+        cut_end = (local + budgeted.offered_tokens) // size if budgeted is not None else -1
+        fast = self._never_stored_run(axis_keys, first_missed, most // size, rid) if budgeted is None else None
         whys: list[_Why] = [] if fast is None else fast
         for p in range(first_missed, most // size) if fast is None else ():
             key = axis_keys[p] if p < len(axis_keys) else b""
             loadable = self._tiers_holding(key)
-            if loadable:
+            if loadable and p < cut_end:
+                assert budgeted is not None
+                why = ("load_slower_than_compute", -1, budget_seq, -1, "",
+                       f"load estimated {_duration(budgeted.load_us)} against compute "
+                       f"{_duration(budgeted.compute_us)}")
+            elif loadable:
                 if p == first_missed and self.cut.get(rid, -1) > ext:
                     why = ("log_table", -1, -1, -1, "", f"its lookup offered {self.cut[rid]} tokens")
                 elif p == first_missed:
@@ -572,6 +590,13 @@ def _failure_reason(effects: tuple[fx.Effect, ...]) -> str:
     return ""
 
 
+def _duration(us: int) -> str:
+    """An estimate in words: 40 us, 1.2 ms, 3.40 s."""
+    if us < 1000:
+        return f"{us} us"
+    return f"{us / 1000:.1f} ms" if us < 1_000_000 else f"{us / 1e6:.2f} s"
+
+
 def _reason_words(reason: str, lead: str = "") -> str:
     """A worker's failure reason for a run's detail: the word and what it means ("" for none)."""
     if not reason:
@@ -684,4 +709,5 @@ _FOLLOW: dict[type, Callable[[MissLedger, int, Any], None]] = {
     ev.StepScheduled: MissLedger._step,
     ev.CacheReset: MissLedger._reset,
     ev.TierLookupFailed: MissLedger._lookup_failed,
+    ev.RestoreBudgeted: MissLedger._budget,
 }

@@ -29,7 +29,7 @@ from kvledger.engine.lookup import LookupResult, lookup
 from kvledger.engine.reducer import reduce
 from kvledger.engine.state import RequestStatus, SlotState, State, initial_state
 from kvledger.events import types as ev
-from kvledger.events.config import EngineConfig, GroupKind, StoreMode
+from kvledger.events.config import EngineConfig, GroupKind, RestoreBudget, StoreMode
 from kvledger.events.types import NULL_BLOCK_ID
 
 
@@ -438,6 +438,12 @@ class Simulator:
         new_touch = sum(1 for ids in touched for b in ids if b != NULL_BLOCK_ID and self.holders[b] == 0)
         if fresh_count > len(self.free) - new_touch:
             return False
+        budgeted = None
+        if result.budget is not None:  # restore_budget "auto" cut the hit: on the record first
+            offered, load_us, compute_us = result.budget
+            self.emit(ev.RestoreBudgeted(request_id=rid, offered_tokens=offered, kept_tokens=ext, load_us=load_us,
+                                         compute_us=compute_us))
+            budgeted = (offered, self.events - 1)
         if request.status == "preempted":
             self.emit(ev.RequestResumed(request_id=rid))
         if local:
@@ -449,7 +455,7 @@ class Simulator:
         allocated = [[self._allocate() if fresh else NULL_BLOCK_ID for fresh in plan] for plan in plans]
         request.table = [t + a for t, a in zip(touched, allocated)]
         if self.truth is not None:
-            self._note_truth(request, local, ext)
+            self._note_truth(request, local, ext, budgeted)
         request.computed = local + ext
         request.status = "loading" if ext else "running"
         self._admitting = (rid, local, ext)
@@ -464,7 +470,16 @@ class Simulator:
         del self.answers[rid]
         return True
 
-    def _note_truth(self, request: SimRequest, local: int, ext: int) -> None:
+    def measure_costs(self, rng: random.Random) -> None:
+        """`restore_budget: "auto"`: what loads and prefills cost, as a server measures them (drawn)."""
+        tiers = 1 + len(self.config.lower_tiers)
+        self.emit(ev.RestoreCostsMeasured(
+            compute_ns_per_token=rng.choice([1_000, 20_000, 200_000]),
+            load_fixed_us=tuple(rng.choice([0, 200, 5_000]) for _ in range(tiers)),
+            load_ns_per_block=tuple(rng.choice([10_000, 500_000, 5_000_000]) for _ in range(tiers))))
+
+    def _note_truth(self, request: SimRequest, local: int, ext: int,
+                    budgeted: tuple[int, int] | None = None) -> None:
         """The admission about to be emitted, as this simulator sees it (`truth`)."""
         assert self.truth is not None
         full = [g.group_id for g in self.groups if g.kind is GroupKind.FULL]
@@ -513,6 +528,7 @@ class Simulator:
             "gone": [self.gone_at.get(k) for k in keys],
             "refused": [self.refused_at.get(k, -1) for k in keys],
             "below": [self.below_at.get(k, -1) for k in keys],
+            "budgeted": budgeted,
             "decode_named": [k in self.decode_named for k in keys],
             "storing": [storing.get(k) for k in keys]})
 
@@ -855,6 +871,8 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
             sim.add_request(rng.randrange(docs), prompt, rng.randint(1, max_tokens))
         if turn_rate and sim.finished_turns and rng.random() < turn_rate:  # no draw without turns
             sim.add_turn(rng.choice(sim.finished_turns), rng.randrange(1, 2 * size), rng.randint(1, max_tokens))
+        if sim.config.restore_budget is RestoreBudget.AUTO and rng.random() < 0.1:  # no draw without the budget
+            sim.measure_costs(rng)
         for rid in sim.waiting():
             if (lookup_fail_rate and sim.disks and rid not in sim.unanswered and sim.requests[rid].status == "waiting"
                     and rng.random() < lookup_fail_rate):

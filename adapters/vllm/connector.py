@@ -69,7 +69,8 @@ class KVLedgerConnector(KVConnectorBase_V1, SupportsHMA):
                 world_size=world_size, block_size=vllm_config.cache_config.block_size,
                 lower_tiers=engine_tiers(settings, slot_bytes(transfer_config(kv_cache_config)), copies),
                 tier_copies=copies, store_threshold=settings.store_threshold,
-                max_tracker_size=settings.max_tracker_size, offload_prompt_only=settings.offload_prompt_only)
+                max_tracker_size=settings.max_tracker_size, offload_prompt_only=settings.offload_prompt_only,
+                restore_budget=settings.restore_budget)
             events = vllm_config.kv_events_config
             tier_events = (TierEvents(group_event_specs(kv_cache_config), len(settings.secondary_tiers),
                                       self_describing=settings.self_describing_kv_events,

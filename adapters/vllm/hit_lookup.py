@@ -78,9 +78,14 @@ class HitLookups:
 
     def admitted(self, request_id: str, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks (`update_state_after_alloc`)."""
-        self._last_answer.pop(request_id, None)
+        answer = self._last_answer.pop(request_id, None)
         if queries.request_status(self._state(), request_id) in queries.ADMITTABLE:
-            self._admitted.append(Admission(request_id, self._local_hit.pop(request_id, 0), num_external_tokens))
+            budget = None
+            if answer is not None and answer.budget is not None:  # `restore_budget: "auto"` cut its hit
+                offered, load_us, compute_us = answer.budget
+                budget = (offered, answer.num_hit_tokens, load_us, compute_us)
+            self._admitted.append(Admission(request_id, self._local_hit.pop(request_id, 0), num_external_tokens,
+                                            budget))
             if num_external_tokens:  # admitted with its hit: its promotions are spoken for
                 slots, promotions = self._pending_promotions.pop(request_id, (0, 0))
                 self._promised += slots

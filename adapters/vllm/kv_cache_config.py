@@ -105,7 +105,8 @@ def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: Poli
                   world_size: int, block_size: int, protection: Protection = Protection.FLUSH,
                   store_mode: StoreMode = StoreMode.EAGER,
                   lower_tiers: tuple[LowerTierSpec, ...] = (), tier_copies: int = 0, store_threshold: int = 1,
-                  max_tracker_size: int = 64_000, offload_prompt_only: bool = False) -> EngineConfig:
+                  max_tracker_size: int = 64_000, offload_prompt_only: bool = False,
+                  restore_budget: str = "load") -> EngineConfig:
     groups = tuple(_engine_group(i, g.kv_cache_spec) for i, g in enumerate(config.kv_cache_groups))
     hash_block_size = config.hash_block_size or block_size
     transfer = transfer_config(config)
@@ -124,4 +125,5 @@ def engine_config(config: vk.KVCacheConfig, *, capacity_bytes: int, policy: Poli
         store_threshold=store_threshold,
         max_tracker_size=max_tracker_size,
         offload_prompt_only=offload_prompt_only,
+        restore_budget=restore_budget,
     )

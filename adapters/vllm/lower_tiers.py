@@ -43,6 +43,7 @@ from kvledger.transfers.lower_tiers.block_seal import derive
 from kvledger.transfers.lower_tiers.contract import Find, WorkerSite
 from kvledger.transfers.lower_tiers.health import Health
 from kvledger.transfers.lower_tiers.replica_tier import ReplicaTierIO
+from kvledger.transfers.lower_tiers.slowed_tier import SlowedTierIO
 from kvledger.transfers.lower_tiers.tier_jobs import TierIO
 from kvledger.transfers.lower_tiers.tier_types import tier_blocks, tier_type
 
@@ -308,7 +309,11 @@ def open_worker_tiers(settings: ConnectorSettings, vllm_config: Any, kv_cache_co
         row = tier_type(tier)
         io = row.open_io(tier, WorkerSite(name=name, namespace=space, identity=ident, write_identity=write_identity,
                                            rows=rows, payload_bytes=payload_bytes, writes=writes))
-        ios[index] = io if writes else ReplicaTierIO(io)
+        io = io if writes else ReplicaTierIO(io)
+        faults = settings.faults
+        if faults.tier_read_delay_s and faults.applies_to(rank):  # a slow disk or a far store, on purpose
+            io = SlowedTierIO(io, faults.tier_read_delay_s)
+        ios[index] = io
         _log.info("tier_opened", tier=name, **row.where(tier), namespace=space.hex(), rank=rank, writes=writes,
                   sealed=tier.secret.current is not None, encrypted=tier.secret.encrypt,
                   **({"trusted_key_ids": seal.trusted()} if (seal := tier.secret.seal()) is not None else {}))

@@ -40,13 +40,14 @@ from kvledger.adapters.vllm.kv_events import TierEvents
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.adapters.vllm.metric_deltas import MetricDeltas
+from kvledger.adapters.vllm.restore_costs import CostMeter
 from kvledger.adapters.vllm.restore_timing import RestoreTimes
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.planner import new_hashes, plan_step
 from kvledger.engine.state import RequestStatus
 from kvledger.events import types as ev
-from kvledger.events.config import ConfigError, EngineConfig, StoreMode
+from kvledger.events.config import ConfigError, EngineConfig, RestoreBudget, StoreMode
 from kvledger.events.keys import hex_keys
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ class LedgerScheduler:
         self._tiers = tiers
         self._misses = (MissCounter(config, max_keys=settings.miss_memory_keys, background=True)
                         if settings.miss_metrics else None)
+        # restore_budget "auto": what loads and prefills cost here, measured (`restore_costs.py`)
+        self._costs = CostMeter(len(config.lower_tiers)) if config.restore_budget is RestoreBudget.AUTO else None
         self._lookups = HitLookups(lambda: self.host.state, self._apply, tiers)
         self._chain = self._chain_keys(tiers.key_root) if tiers is not None else None
         self._keys_of = self._chain.keys if self._chain is not None else None
@@ -130,6 +133,8 @@ class LedgerScheduler:
 
     def _load_started(self, load: fx.StartLoad) -> None:
         self.restores.load_started(load.job_id, load.request_id, any(t for g in load.promote_tiers for t in g))
+        if self._costs is not None:
+            self._costs.load_started(load, time.monotonic())
 
     def _pin(self, effect: fx.PinDeviceBlocks) -> None:
         self._block_pool.touch(effect.block_ids)
@@ -145,6 +150,8 @@ class LedgerScheduler:
     def _job_ended(self, effect: fx.JobEnded) -> None:
         if effect.kind == "load":  # a failed load is recomputed: its time is not a restore's
             self.restores.load_ended(effect.job_id, ok=not effect.failed_keys)
+            if self._costs is not None:
+                self._costs.load_ended(effect.job_id, not effect.failed_keys, time.monotonic())
 
     def _failed(self, effect: fx.TransferFailed) -> None:
         if effect.tier and self._tiers is not None:  # a copy that failed to write may be partly there
@@ -211,6 +218,10 @@ class LedgerScheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         self.restores.scheduled(scheduled)
         self._scheduled = scheduled  # the step's requests, for self-describing KV events
+        if self._costs is not None:  # the last step's time is a sample; the next lookups weigh the news
+            measured = self._costs.step(time.monotonic(), scheduler_output.total_num_scheduled_tokens)
+            if measured is not None:
+                self._apply([measured])
         events = plan_step(
             self.host.state, step_index=self._position.step_index + 1, preempted=scheduler_output.preempted_req_ids or (),
             scheduled=scheduled, admissions=self._lookups.take_admissions(), requests=self._requests, tables=self._tables,

@@ -32,7 +32,7 @@ NOT_RESTORABLE = {"first_seen", "evicted", "reset", "transfer_failed", "store_fa
                   "below_store_threshold", "decode_not_offloaded", "stored_too_late", "not_computed_yet",
                   "request_ended", "lazy_not_offloaded", *LOOKUP}
 # Said of a block that was.
-RESTORABLE = {"after_gap", "bounded_by_group", "no_host_slot"}
+RESTORABLE = {"after_gap", "bounded_by_group", "no_host_slot", "load_slower_than_compute"}
 LATER = {"load_failed", "promotion_failed", "partial_block"}  # decided after the admission, or by the prompt's length
 WHATIF = {"log_table"}  # `kvledger whatif`'s own (tests/adapters/test_whatif.py)
 assert NOT_RESTORABLE | RESTORABLE | LATER | WHATIF == set(CAUSES) - {"unexplained"}
@@ -106,6 +106,11 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
             elif run.cause == "decode_not_offloaded":  # first named past its request's prompt, never stored
                 assert sim.config.offload_prompt_only and all(truth["decode_named"][p] for p in blocks), (where, run)
                 assert all(truth["gone"][p] is None and truth["storing"][p] is None for p in blocks), (where, run)
+            elif run.cause == "load_slower_than_compute":  # the budget's cut: the event, within what was offered
+                assert truth["budgeted"] is not None, (where, run)
+                offered, seq = truth["budgeted"]
+                assert run.seq == seq < admission.seq and sim.config.restore_budget.value == "auto", (where, run)
+                assert run.last_block < (truth["local"] + offered) // size and "against compute" in run.detail
             elif run.cause == "load_failed":
                 assert run.job_id == admission.load_job and run.job_id in sim.failed_jobs, (where, run)
             elif run.cause == "promotion_failed":  # restored from a lower tier, whose read failed

@@ -63,6 +63,11 @@ SIMULATED_CONFIGS = [
                          GroupSpec(group_id=1, kind="sliding", block_size=16, window=32)),
                  hash_block_size=16, num_device_blocks=40, num_tier_slots=16, store_threshold=2,
                  max_tracker_size=12, offload_prompt_only=True),
+    # Load or recompute by the clock, a disk below host memory.
+    EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),
+                         GroupSpec(group_id=1, kind="sliding", block_size=16, window=32)),
+                 hash_block_size=16, num_device_blocks=40, num_tier_slots=8, restore_budget="auto",
+                 lower_tiers=({"name": "1:fs", "num_blocks": 24},)),
 ]
 
 

@@ -128,7 +128,7 @@ def test_a_log_under_a_threshold_replays_checked_and_from_its_snapshots(tmp_path
     from kvledger.adapters.engine_host import EngineHost
     from tests.engine.builders import SIMULATED_CONFIGS
 
-    config = SIMULATED_CONFIGS[-1]
+    config = next(c for c in SIMULATED_CONFIGS if c.store_threshold > 1)
     assert config.store_threshold == 2 and config.offload_prompt_only
     path = tmp_path / "events.log"
     host = EngineHost(config, log_path=path, digest_interval=4, snapshot_interval_events=200)

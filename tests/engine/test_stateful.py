@@ -263,7 +263,7 @@ def _trace(config: EngineConfig, seed: int) -> list:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["full", "swa", "swa-pin-arc", "mamba", "swa-mixed", "swa-lazy",
-                                                    "full-fs", "swa-fs-arc", "swa-threshold"])
+                                                    "full-fs", "swa-fs-arc", "swa-threshold", "swa-fs-budget"])
 def test_reduce_step_equals_fold_of_reduce(config: EngineConfig) -> None:
     from kvledger.engine.digest import digest
     from kvledger.engine.state import initial_state

@@ -11,6 +11,7 @@ health         whether a tier's server is up: a circuit breaker its I/O and look
 tier_jobs      the runner's jobs on the tiers (spills, promotions into host slots, removals) and `TierIO`
 tier_io        what the tiers' I/O shares: jobs queued for I/O threads, blocks settled, outcomes polled
 replica_tier   a tier as seen by a rank whose KV another rank writes: read-only
+slowed_tier    a tier whose reads start late on purpose (`tier_read_delay_s`), for benchmarks and tests
 block_header   the header every stored block carries (namespace, key, checksums, seal), file or value
 block_errors   why a stored block cannot be served, for every tier and format
 block_seal     a tier's secret over a block: a keyed MAC, or AES-256-GCM encryption
