@@ -11,6 +11,7 @@ log_seek         reading a binary log from a snapshot
 log_rules        the decision rules of a kvledger 0.1.0 log, shown by its records
 log_tools/       the log tools: explain's misses, whatif, the fleet, the report's series (engine and events only)
 miss_counter     missed prompt tokens by cause, counted while serving
+restore_costs    what a load and a prefill cost here, measured, for `restore_budget: "auto"`
 structlog_setup  structlog, configured once for every kvledger process
 vllm_version     the vLLM releases kvledger follows, and what to say about the installed one
 """

@@ -9,7 +9,6 @@ connector         `KVLedgerConnector`, the class vLLM instantiates: forwards eac
 scheduler_side    the scheduler half: vLLM's calls in, engine events out
 hit_lookup        `get_num_new_matched_tokens`, and what it remembers between vLLM's calls
 restore_timing    where a restore's time goes, on the scheduler's clock
-restore_costs     what a load and a prefill cost here, measured, for `restore_budget: "auto"`
 worker_side       the worker half: runs the step's transfers
 metadata          what crosses between the scheduler and the workers, per step
 kv_cache_config   vLLM's KV cache config, translated once into kvledger's own types

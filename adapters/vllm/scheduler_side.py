@@ -40,7 +40,7 @@ from kvledger.adapters.vllm.kv_events import TierEvents
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.adapters.vllm.metric_deltas import MetricDeltas
-from kvledger.adapters.vllm.restore_costs import CostMeter
+from kvledger.adapters.restore_costs import CostMeter
 from kvledger.adapters.vllm.restore_timing import RestoreTimes
 from kvledger.engine import effects as fx
 from kvledger.engine import queries

@@ -354,6 +354,7 @@ VLLM_033 = {
     "vllm:kv_offload_store_size": (m.HISTOGRAM, ()),  # C:98
     "vllm:kv_offload_lookup_sync_delay_seconds": (m.HISTOGRAM, ()),  # C:102
     "vllm:kv_offload_allocation_failure": (m.COUNTER, ()),  # C:141
+    "vllm:kv_offload_stores_skipped": (m.COUNTER, ()),  # S:87 (registered with store_threshold >= 2)
     "vllm:kv_offload_cpu_cache_usage_perc": (m.GAUGE, ()),  # P:55
     "vllm:kv_offload_cpu_cache_write_usage_perc": (m.GAUGE, ()),  # P:63
     "vllm:kv_offload_cpu_cache_read_usage_perc": (m.GAUGE, ()),  # P:70
@@ -381,7 +382,8 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 
 def definitions():
-    found = {**get_connector_metric_definitions(), **CPUOffloadingSpec.build_metric_definitions({}),
+    found = {**get_connector_metric_definitions(),
+             **CPUOffloadingSpec.build_metric_definitions({"store_threshold": 2}),
              **TieringOffloadingSpec.build_metric_definitions({})}
     return {name: ("counter" if isinstance(d, OffloadingCounterMetadata) else
                    "gauge" if isinstance(d, OffloadingGaugeMetadata) else "histogram", tuple(d.labelnames))
@@ -394,8 +396,8 @@ def test_each_vllm_name_is_registered_with_the_kind_and_labels_vllm_033_gives_it
     families = {name: family for name, family in prom._families.items() if name.startswith("vllm:kv_offload_")}
     assert {m.CPU_USAGE.name, m.CPU_WRITE_USAGE.name, m.CPU_READ_USAGE.name, m.TIER_CHUNK_QUERIES.name,
             m.TIER_CHUNK_HITS.name} <= set(families)
-    # 0.33 counts stores its reuse threshold (store_threshold >= 2) turned away; kvledger has none.
-    assert "vllm:kv_offload_stores_skipped" not in families
+    # Blocks held back by the reuse threshold (store_threshold >= 2): kvledger's engine decides it too.
+    assert m.STORES_SKIPPED.name == "vllm:kv_offload_stores_skipped" and m.STORES_SKIPPED.name in families
     for name, family in families.items():
         kind, labels = VLLM_033[name]
         assert family._type == kind, name

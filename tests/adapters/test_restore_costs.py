@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvledger.adapters.vllm.restore_costs import EVERY_STEPS, CostMeter, LinearFit
+from kvledger.adapters.restore_costs import EVERY_STEPS, CostMeter, LinearFit
 from kvledger.engine import effects as fx
 
 pytestmark = pytest.mark.fast
