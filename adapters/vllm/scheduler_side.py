@@ -31,6 +31,7 @@ import structlog
 
 from kvledger.adapters.engine_host import EngineHost
 from kvledger.adapters.miss_counter import MissCounter
+from kvledger.adapters.restore_costs import CostMeter
 from kvledger.adapters.settings import ConnectorSettings
 from kvledger.adapters.vllm import metrics as m
 from kvledger.adapters.vllm.block_pool import BlockPoolView
@@ -40,7 +41,6 @@ from kvledger.adapters.vllm.kv_events import TierEvents
 from kvledger.adapters.vllm.lower_tiers import SchedulerTiers
 from kvledger.adapters.vllm.metadata import KVLedgerMetadata, KVLedgerWorkerMetadata
 from kvledger.adapters.vllm.metric_deltas import MetricDeltas
-from kvledger.adapters.restore_costs import CostMeter
 from kvledger.adapters.vllm.restore_timing import RestoreTimes
 from kvledger.engine import effects as fx
 from kvledger.engine import queries
