@@ -12,6 +12,11 @@ Two workloads:
 
     python bench/whatif_validation.py [--workload demo|multi|both] [--out bench/out/whatif]
 
+And vLLM's `offload_prompt_only` (`--workload turns`): six 200-word documents
+on tiny-llama, each a conversation of two turns (the second turn's prompt is
+the first's, its 64-token reply, and a new question, as token ids), recorded
+storing every block, predicted and run storing prompt blocks alone.
+
 And vLLM's store threshold (`--workload oneoff`): four shared 300-word
 documents asked four questions each, among twelve one-off documents asked
 once, in a shuffled order, one prompt at a time, on tiny-llama, with host
@@ -159,6 +164,72 @@ def validate(workload: str, out: Path) -> list[dict]:
     return rows
 
 
+TURNS = dict(model="tiny-llama", block=32, docs=6, doc_words=200, reply_tokens=64)
+
+
+def run_turns(capacity_bytes: int, log: str, models: str, prompt_only: bool) -> dict:
+    """In its own process: every conversation's first turn, then every second turn (the first
+    turn's prompt, its reply and a new question, as token ids), one prompt at a time."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvledger.adapters.cli.demo import words
+    from kvledger.adapters.settings import kv_transfer_config
+    from kvledger.adapters.testing.tiny_models import build_model
+
+    model = build_model(TURNS["model"], Path(models))
+    llm = LLM(model=str(model), dtype="float32", max_model_len=1024, block_size=TURNS["block"], enforce_eager=True,
+              enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20, max_num_seqs=4, seed=0,
+              kv_transfer_config=kv_transfer_config(capacity_bytes=capacity_bytes, event_log=log,
+                                                    offload_prompt_only=prompt_only))
+    tokenizer = llm.get_tokenizer()
+    rng = random.Random(9)
+    params = SamplingParams(temperature=0.0, max_tokens=TURNS["reply_tokens"], ignore_eos=True)
+    firsts = [tokenizer.encode(f"{words(rng, TURNS['doc_words'])} {words(rng, 20)}") for _ in range(TURNS["docs"])]
+    cached, replies = 0, []
+    for ids in firsts:
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        cached += output.num_cached_tokens or 0
+        replies.append(list(output.outputs[0].token_ids))
+    for ids, reply in zip(firsts, replies):
+        turn = ids + reply + tokenizer.encode(words(rng, 20), add_special_tokens=False)
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=turn)], params, use_tqdm=False)
+        cached += output.num_cached_tokens or 0
+    del llm
+    return {"vllm_cached_tokens": cached, "seconds": 0.0}
+
+
+def validate_turns(out: Path) -> list[dict]:
+    """Recorded storing every block; predicted and run storing prompt blocks alone."""
+    from kvledger.adapters.log_files import open_log
+    from kvledger.adapters.log_tools import whatif
+
+    out.mkdir(parents=True, exist_ok=True)
+    models = out / "models"
+    runs = {}
+    for prompt_only in (False, True):
+        log = out / f"turns-prompt-only-{prompt_only}.log"
+        runs[prompt_only] = (_run("turns", 64 << 20, log, models, offload_prompt_only=prompt_only), log)
+    header, records = open_log(runs[False][1])
+    cached = list(records)
+    rows = []
+    for prompt_only, (real, log) in runs.items():
+        predicted = whatif.predict(header.config, attrs.evolve(header.config, offload_prompt_only=prompt_only),
+                                   cached)
+        measured = _measured(log)
+        real_header, real_records = open_log(log)
+        stored = whatif.recorded(real_header.config, real_records).moved.get("stored", 0)
+        rows.append({"workload": "turns", "documents": TURNS["docs"], "offload_prompt_only": prompt_only,
+                     "slots": header.config.num_tier_slots, "predicted_hit_tokens": predicted.stats["hit_tokens"],
+                     "measured_hit_tokens": measured, "predicted_blocks_stored": predicted.moved.get("stored", 0),
+                     "measured_blocks_stored": stored, "vllm_cached_tokens": real["vllm_cached_tokens"],
+                     "recorded_here": not prompt_only,
+                     "error": round((predicted.stats["hit_tokens"] - measured) / measured, 4) if measured else None})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def validate_threshold(out: Path) -> list[dict]:
     """Recorded at store_threshold 1, predicted and run at each of the workload's thresholds."""
     from kvledger.adapters.log_files import open_log
@@ -199,16 +270,21 @@ def main() -> None:
         workload, capacity, log, models = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
         extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
         questions = range(*extra["questions"]) if "questions" in extra else None
+        if workload == "turns":
+            print("RESULT " + json.dumps(run_turns(capacity, log, models, extra["offload_prompt_only"])), flush=True)
+            return
         print("RESULT " + json.dumps(run_one(workload, capacity, log, models, questions, extra.get("tiers"),
                                              extra.get("store_threshold", 1))), flush=True)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=["demo", "multi", "both", "oneoff"], default="both")
+    parser.add_argument("--workload", choices=["demo", "multi", "both", "oneoff", "turns"], default="both")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "whatif"))
     args = parser.parse_args()
     rows = []
     if args.workload == "oneoff":
         rows = validate_threshold(Path(args.out))
+    elif args.workload == "turns":
+        rows = validate_turns(Path(args.out))
     for workload in (["demo", "multi"] if args.workload == "both" else [args.workload] if not rows else []):
         rows += validate(workload, Path(args.out))
     print()
@@ -216,7 +292,8 @@ def main() -> None:
           f"{'vLLM cached':>11} {'error':>7}")
     for row in rows:
         error = f"{row['error']:+.1%}" if row["error"] is not None else "-"
-        mark = " (recorded here)" if row["recorded_here"] else ""
+        mark = (" (recorded here)" if row["recorded_here"] else "") + (" prompt only" if row.get("offload_prompt_only")
+                                                                       else "")
         print(f"{row['workload']:<8} {row['documents']!s:>4} {row['slots']:>7} {row.get('store_threshold', 1):>9} "
               f"{row['predicted_hit_tokens']:>10} {row['measured_hit_tokens']:>9} {row['vllm_cached_tokens']:>11} "
               f"{error:>7}{mark}")
