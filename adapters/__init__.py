@@ -10,6 +10,7 @@ log_files        event logs on disk: reading either form, writing step by step
 log_seek         reading a binary log from a snapshot
 log_rules        the decision rules of a kvledger 0.1.0 log, shown by its records
 log_tools/       the log tools: explain's misses, whatif, the fleet, the report's series (engine and events only)
+backpressure     vLLM 0.33's backpressure: a lower tier's writes measured, the share of spills to drop
 miss_counter     missed prompt tokens by cause, counted while serving
 restore_costs    what a load and a prefill cost here, measured, for `restore_budget: "auto"`
 structlog_setup  structlog, configured once for every kvledger process

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from kvledger.adapters.backpressure import BackpressureSettings
 from kvledger.adapters.engine_host import SNAPSHOT_INTERVAL_EVENTS
 from kvledger.adapters.miss_counter import MAX_KEYS
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
@@ -77,6 +78,8 @@ class ConnectorSettings:
     offload_prompt_only: bool = False  # vLLM's (its default is on): store prompt blocks alone
     self_describing_kv_events: bool = False  # vLLM's: KV events carry vLLM's hashes, tokens and locality
     restore_budget: str = "load"  # or "auto": load a hit only where it is estimated faster than computing it
+    # vLLM 0.33's `backpressure`, per lower tier in order (None: never dropped): `adapters.backpressure`
+    backpressure: tuple[BackpressureSettings | None, ...] = ()
 
 
 _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -110,6 +113,8 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
                               "are forgotten)"),
     "offload_prompt_only": (bool, "vLLM's: store only blocks whole within the prompt, none of the generated "
                                   "tokens' (vLLM's default is true; kvledger's false)"),
+    "backpressure": (dict, "vLLM 0.33's: every lower tier's spills dropped while its writes run slow (a tier's "
+                           "own 'backpressure' entry overrides it); backpressure_cls, policy_cls, high_water_s, ..."),
     "restore_budget": (str, "'load' (every hit loaded) or 'auto' (a hit loaded only where loading it is estimated "
                             "faster than computing it, by the measured load and prefill times)"),
     "self_describing_kv_events": (bool, "vLLM's: KV events announce each stored block with vLLM's block "
@@ -220,6 +225,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     memory_keys = extra.get("miss_memory_keys", MAX_KEYS)
     if memory_keys < 1:
         raise ConfigError(f"miss_memory_keys must be >= 1, got {memory_keys}")
+    tier_entries, pressures = _backpressure(extra.get("backpressure"), extra.get("secondary_tiers", ()))
     budget = extra.get("restore_budget", "load")
     if budget not in ("load", "auto"):
         raise ConfigError(f"restore_budget must be 'load' or 'auto', got {budget!r}")
@@ -245,7 +251,8 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         log_level=level,
         log_json=extra.get("log_json", False),
         faults=_parse_faults(extra.get("fault_injection", {})),
-        secondary_tiers=_parse_tiers(extra.get("secondary_tiers", ())),
+        secondary_tiers=_parse_tiers(tier_entries),
+        backpressure=pressures,
         weights_version=weights_version,
         key_generations=generations,
         miss_metrics=extra.get("miss_metrics", True),
@@ -283,6 +290,63 @@ def _parse_faults(raw: Mapping[str, Any]) -> FaultSettings:
     if values.get("store_hold_steps", 0) < 0:
         raise ConfigError(f"fault_injection.store_hold_steps must be >= 0, got {values['store_hold_steps']}")
     return FaultSettings(**values)
+
+
+_DETECTORS = ("EMABackpressureDetector",)
+_POLICIES = {"ThrottledDropPolicy": True, "DropStorePolicy": False}
+_PRESSURE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "high_water_s": (int, float), "low_water_s": (int, float), "alpha": (int, float), "warmup_completions": int,
+    "decay_half_life_s": (int, float), "cooldown_s": (int, float), "failure_threshold": int,
+    "ramp_factor": (int, float)}
+
+
+def _backpressure(top: Any, tiers: Any) -> tuple[Any, tuple[BackpressureSettings | None, ...]]:
+    """vLLM 0.33's `backpressure`: the top level's, each tier's own over it; the tiers'
+    entries without theirs (their types' parsers know nothing of it)."""
+    if top is not None and not isinstance(top, dict):
+        raise ConfigError(f"backpressure must be a mapping, got {top!r}")
+    if not isinstance(tiers, (list, tuple)):
+        return tiers, ()  # the tiers' own parser names the problem
+    entries, pressures = [], []
+    for index, entry in enumerate(tiers):
+        if not isinstance(entry, dict):
+            entries.append(entry)
+            pressures.append(None)
+            continue
+        own = entry.get("backpressure")
+        entries.append({k: v for k, v in entry.items() if k != "backpressure"})
+        if own is not None and not isinstance(own, dict):
+            raise ConfigError(f"secondary_tiers[{index}].backpressure must be a mapping, got {own!r}")
+        if top is None and own is None:
+            pressures.append(None)
+            continue
+        pressures.append(_pressure(f"secondary_tiers[{index}].backpressure", {**(top or {}), **(own or {})},
+                                   remote=entry.get("type") == "valkey"))
+    return entries, tuple(pressures)
+
+
+def _pressure(where: str, raw: dict, *, remote: bool) -> BackpressureSettings:
+    """One tier's; a remote store (Valkey) takes vLLM's network water marks, a disk its local ones."""
+    detector = raw.get("backpressure_cls")
+    if not isinstance(detector, str) or detector.rsplit(".", 1)[-1] not in _DETECTORS:
+        raise ConfigError(f"{where} needs backpressure_cls 'EMABackpressureDetector' (the one kvledger measures "
+                          f"as vLLM does), got {detector!r}")
+    policy = raw.get("policy_cls", "ThrottledDropPolicy")
+    if not isinstance(policy, str) or policy.rsplit(".", 1)[-1] not in _POLICIES:
+        raise ConfigError(f"{where}.policy_cls must be 'ThrottledDropPolicy' or 'DropStorePolicy', got {policy!r}")
+    unknown = sorted(set(raw) - set(_PRESSURE_FIELDS) - {"backpressure_cls", "policy_cls"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: "
+                          f"backpressure_cls, policy_cls, {', '.join(_PRESSURE_FIELDS)}")
+    values: dict[str, Any] = {"high_water_s": 0.050 if remote else 0.010, "low_water_s": 0.010 if remote else 0.002}
+    for name, expected in _PRESSURE_FIELDS.items():
+        if name in raw:
+            values[name] = _typed(f"{where}.{name}", raw[name], expected)
+    if not 0 <= values["low_water_s"] <= values["high_water_s"]:
+        raise ConfigError(f"{where}: low_water_s must be from 0 to high_water_s")
+    if not 0 < values.get("alpha", 0.15) <= 1 or values.get("failure_threshold", 3) < 1:
+        raise ConfigError(f"{where}: alpha must be in (0, 1] and failure_threshold at least 1")
+    return BackpressureSettings(throttled=_POLICIES[policy.rsplit(".", 1)[-1]], **values)
 
 
 def _parse_tiers(raw: Any) -> tuple[TierSettings, ...]:

@@ -82,6 +82,8 @@ def digest(state: State) -> str:
         put(core.offers.canonical())
     if core.restore_costs is not None:  # only once measured (restore_budget "auto"), likewise
         put(core.restore_costs)
+    if core.pressure is not None:  # only once a tier was under pressure, likewise
+        put(core.pressure)
     return h.hexdigest()
 
 
@@ -137,6 +139,8 @@ def part_digest(state: State, part: int, parts: int) -> str:
         put_text(core.requests[rid].canonical_repr())
     if core.restore_costs is not None:  # only once measured: other logs keep their digests
         put(core.restore_costs)
+    if core.pressure is not None:  # likewise, once a tier was under pressure
+        put(core.pressure)
     offers = core.offers
     if offers is not None:  # only under a store threshold: other logs keep their digests
         lo, hi = _bounds(len(offers.counts), part, parts)

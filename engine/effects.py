@@ -4,7 +4,7 @@ Effects only describe work; the effect runner (transfers/) and the adapter
 perform it, and outcomes come back as events. They hold no callables, so they
 compare equal and serialize. Commands are imperatives (`StartStore`);
 notifications are past-tense facts (`KeysLoadable`, `KeysUnloadable`,
-`KeysNotAdmitted`, `KeysBelowThreshold`, `TransferFailed`, `JobEnded`, `RequestAdmitted`, `RequestRequeued`,
+`KeysNotAdmitted`, `KeysBelowThreshold`, `SpillDropped`, `TransferFailed`, `JobEnded`, `RequestAdmitted`, `RequestRequeued`,
 `ReportViolation`) for logs, KV events, metrics and the
 lower tiers' lookups, and ask for no work: whoever keeps a view of what the
 engine decided translates them, and never reads the state around a step.
@@ -146,6 +146,15 @@ class KeysBelowThreshold:
 
 
 @attrs.frozen(kw_only=True)
+class SpillDropped:
+    """Notification: these host keys were not written to lower tier `tier`: the tier
+    is under pressure (`TierPressure`) and its policy dropped this spill."""
+
+    tier: int
+    keys: tuple[bytes, ...]
+
+
+@attrs.frozen(kw_only=True)
 class TransferFailed:
     """Notification: a worker reported these keys of a transfer failed (all of
     them when it named none), with the request it served ("" for a spill)."""
@@ -214,8 +223,8 @@ class ReportViolation:
 
 
 Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceBlocks, KeysLoadable, KeysUnloadable,
-               KeysNotAdmitted, KeysBelowThreshold, TransferFailed, JobEnded, RequestAdmitted, RequestRequeued,
-               ReportViolation, StartSpill, DropTierKeys]
+               KeysNotAdmitted, KeysBelowThreshold, SpillDropped, TransferFailed, JobEnded, RequestAdmitted,
+               RequestRequeued, ReportViolation, StartSpill, DropTierKeys]
 
 EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 
@@ -242,6 +251,7 @@ ROUTES: dict[type, Phase] = {
     KeysUnloadable: Phase.NOTIFICATION,
     KeysNotAdmitted: Phase.NOTIFICATION,
     KeysBelowThreshold: Phase.NOTIFICATION,
+    SpillDropped: Phase.NOTIFICATION,
     TransferFailed: Phase.NOTIFICATION,
     JobEnded: Phase.NOTIFICATION,
     RequestAdmitted: Phase.NOTIFICATION,

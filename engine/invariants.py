@@ -287,6 +287,9 @@ def find_problems(core: Core) -> list[str]:
     _check_block_counts(core, problems)
     _check_tier(core, problems)
     _check_offers(core, problems)
+    if core.pressure is not None and (len(core.pressure) != len(core.lower) or any(
+            not 0 <= drop <= 1_000_000 or not 0 <= owed < 1_000_000 for drop, owed in core.pressure)):
+        problems.append(f"the lower tiers' pressure is not a share and a debt below one per tier: {core.pressure}")
     return problems
 
 

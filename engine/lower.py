@@ -158,12 +158,20 @@ def _make_room(core: Core, index: int, wanted: int, out: list[fx.Effect]) -> int
 def plan_spills(core: Core, keys: tuple, slot_ids: tuple, out: list[fx.Effect]) -> None:
     """Write these just-stored host keys (per group) to every lower tier that
     lacks them; what a tier cannot make room for is not written."""
+    pressure = core.pressure
     for index, tier in enumerate(core.lower, start=1):
         held, writing = tier.held, tier.writing
         wanted = [(g, key, slot) for g, (group_keys, group_slots) in enumerate(zip(keys, slot_ids))
                   for key, slot in zip(group_keys, group_slots) if key not in held and key not in writing]
         if not wanted:
             continue
+        if pressure is not None and pressure[index - 1][0]:  # vLLM's backpressure: this share of spills dropped
+            row = pressure[index - 1]
+            row[1] += row[0]
+            if row[1] >= 1_000_000:
+                row[1] -= 1_000_000
+                out.append(fx.SpillDropped(tier=index, keys=tuple(key for _, key, _ in wanted)))
+                continue
         room = _make_room(core, index, len(wanted), out)
         if len(wanted) > room:
             tier.counts["write_rejections"] += len(wanted) - room

@@ -706,6 +706,18 @@ def _restore_budgeted(core: Core, event: ev.RestoreBudgeted, out: list[fx.Effect
                                 request_id=event.request_id)
 
 
+def _tier_pressure(core: Core, event: ev.TierPressure, out: list[fx.Effect]) -> None:
+    """The fraction of spills to the tier dropped from here on (`lower.plan_spills`)."""
+    if not 1 <= event.tier <= len(core.lower):
+        raise ProtocolViolation("unknown_tier", f"tier {event.tier}: the engine has {len(core.lower)} lower tiers")
+    if not 0 <= event.drop_ppm <= 1_000_000 or event.latency_ns_per_mib < 0:
+        raise ProtocolViolation("bad_tier_pressure", f"drop {event.drop_ppm} ppm (0 to 1,000,000), latency "
+                                f"{event.latency_ns_per_mib} ns a MiB")
+    if core.pressure is None:
+        core.pressure = [[0, 0] for _ in core.lower]
+    core.pressure[event.tier - 1][0] = event.drop_ppm
+
+
 _HANDLERS: Final[dict[type, Callable[[Core, Any, list[fx.Effect]], None]]] = {
     ev.RequestAdded: _request_added,
     ev.BlockHashesAppended: _block_hashes_appended,
@@ -728,5 +740,6 @@ _HANDLERS: Final[dict[type, Callable[[Core, Any, list[fx.Effect]], None]]] = {
     ev.TierLookupFailed: _tier_lookup_failed,
     ev.RestoreCostsMeasured: _restore_costs_measured,
     ev.RestoreBudgeted: _restore_budgeted,
+    ev.TierPressure: _tier_pressure,
 }
 assert set(_HANDLERS) == set(ev.EVENT_TYPES), "every event kind needs a handler"

@@ -104,7 +104,8 @@ def capture(state: State) -> list[Any]:
         [_job(j) for j in c.jobs.values()],
         list(c.stats.as_dict().values()),
         # Parts of later settings, only where set (so that other snapshots keep their shape).
-        *([_optional(c)] if c.offers is not None or c.restore_costs is not None else []),
+        *([_optional(c)] if c.offers is not None or c.restore_costs is not None or c.pressure is not None
+          else []),
     ]
 
 
@@ -115,6 +116,8 @@ def _optional(c: Core) -> dict[str, Any]:
     if c.restore_costs is not None:  # restore_budget "auto"
         compute, fixed, per_block = c.restore_costs
         parts["restore_costs"] = [compute, list(fixed), list(per_block)]
+    if c.pressure is not None:  # a tier under pressure (vLLM's backpressure)
+        parts["pressure"] = [list(row) for row in c.pressure]
     return parts
 
 
@@ -227,7 +230,7 @@ def _restore(config: EngineConfig, data: Sequence[Any]) -> State:
      slot_state, slot_loads, free_slots, policy, lower, spill_reads, requests, jobs, stats) = data[:18]
     core = Core(config)
     optional = data[18] if len(data) == 19 else {}
-    if len(data) > 19 or not isinstance(optional, dict) or set(optional) - {"offers", "restore_costs"}:
+    if len(data) > 19 or not isinstance(optional, dict) or set(optional) - {"offers", "restore_costs", "pressure"}:
         raise SnapshotError(f"snapshot of {len(data)} parts, or an optional part this engine does not know")
     if (core.offers is not None) != ("offers" in optional):
         raise SnapshotError(f"snapshot {'without' if core.offers is not None else 'with'} offers for a store "
@@ -242,6 +245,9 @@ def _restore(config: EngineConfig, data: Sequence[Any]) -> State:
         compute, fixed, per_block = optional["restore_costs"]
         core.restore_costs = (compute, tuple(_column(fixed, len(config.lower_tiers) + 1, "restore_costs")),
                               tuple(_column(per_block, len(config.lower_tiers) + 1, "restore_costs")))
+    if "pressure" in optional:
+        core.pressure = [list(_column(row, 2, "pressure")) for row in _column(optional["pressure"],
+                                                                                 len(config.lower_tiers), "pressure")]
     n, m = config.num_device_blocks, config.num_tier_slots
     core.step_index, core.epoch, core.next_job_id, core.next_fresh_slot = scalars
     core.block_refs, core.block_pins, core.block_generation, core.block_group = (

@@ -419,7 +419,7 @@ _CORE_FIELDS = (
     "block_readers", "block_writer", "lazy_keys",
     # tier
     "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot",
-    "policy", "offers", "restore_costs",
+    "policy", "offers", "restore_costs", "pressure",
     # tiers below host memory, and the host slots spills are reading (slot -> count)
     "lower", "spill_reads",
     # requests and jobs
@@ -474,6 +474,9 @@ class Core:
         # `restore_budget: "auto"`: the last measured costs (`RestoreCostsMeasured`): compute ns a
         # token, then per tier the fixed us of a load and ns a block; None until measured
         self.restore_costs: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
+        # vLLM's `backpressure` (`TierPressure`): per lower tier [the spills dropped, ppm; the drop owed,
+        # ppm]; None until a tier is first measured under pressure
+        self.pressure: list[list[int]] | None = None
         self.lower = [LowerTier(t.name, t.num_blocks) for t in config.lower_tiers]
         self.spill_reads: dict[int, int] = {}
         self.requests: dict[str, RequestState] = {}
@@ -495,6 +498,7 @@ class Core:
         other.slot_loads = dict(self.slot_loads)
         other.policy = self.policy.clone()
         other.offers = self.offers.clone() if self.offers is not None else None
+        other.pressure = [list(row) for row in self.pressure] if self.pressure is not None else None
         other.lower = [t.clone() for t in self.lower]
         other.spill_reads = dict(self.spill_reads)
         other.requests = {k: r.clone() for k, r in self.requests.items()}

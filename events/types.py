@@ -313,6 +313,21 @@ class RestoreBudgeted:
     compute_us: int
 
 
+@attrs.frozen(kw_only=True)
+class TierPressure:
+    """A lower tier's writes measured slow (vLLM 0.33's `backpressure`): of the spills
+    to tier `tier` from here on, this fraction (parts per million) is dropped, as the
+    configured policy decides from the latency's moving average (`latency_ns_per_mib`,
+    for the record); 0 when the tier recovered. The engine keeps the fraction and
+    drops spills by it, so a replay drops the same ones."""
+
+    kind: ClassVar[str] = "tier_pressure"
+    version: ClassVar[int] = 1
+    tier: int
+    drop_ppm: int
+    latency_ns_per_mib: int
+
+
 Event = Union[
     RequestAdded,
     BlockHashesAppended,
@@ -335,6 +350,7 @@ Event = Union[
     TierLookupFailed,
     RestoreCostsMeasured,
     RestoreBudgeted,
+    TierPressure,
 ]
 
 TransferEvent = Union[StoreCompleted, StoreFailed, LoadCompleted, LoadFailed]

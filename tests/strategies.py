@@ -44,6 +44,7 @@ EXAMPLE_EVENTS: dict[str, ev.Event] = {
         ev.RestoreCostsMeasured(compute_ns_per_token=41_000, load_fixed_us=(30, 2_000), load_ns_per_block=(9_000, 350_000)),
         ev.RestoreBudgeted(request_id="cmpl-7f3a-0", offered_tokens=64, kept_tokens=32, load_us=180_000,
                            compute_us=40_000),
+        ev.TierPressure(tier=1, drop_ppm=1_000_000, latency_ns_per_mib=12_000_000),
     )
 }
 assert set(EXAMPLE_EVENTS) == set(ev.KIND_TO_TYPE), "every event kind needs an example"
@@ -112,6 +113,7 @@ _BY_KIND: dict[str, st.SearchStrategy] = {
                                         load_ns_per_block=st.lists(ints, min_size=1, max_size=3).map(tuple)),
     "restore_budgeted": st.builds(ev.RestoreBudgeted, request_id=request_ids, offered_tokens=ints, kept_tokens=ints,
                                   load_us=ints, compute_us=ints),
+    "tier_pressure": st.builds(ev.TierPressure, tier=small_ints, drop_ppm=ints, latency_ns_per_mib=ints),
 }
 assert set(_BY_KIND) == set(ev.KIND_TO_TYPE), "every event kind needs a strategy"
 

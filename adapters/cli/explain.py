@@ -134,7 +134,8 @@ def describe(run: Run, tiers: list[str]) -> str:
         if run.job_id >= 0:
             text += f", making room for job {run.job_id}" + (f" of request {run.other_request}" if run.other_request
                                                               else "")
-    elif run.cause in ("reset", "transfer_failed", "store_failed", "not_admitted", "load_failed", "promotion_failed"):
+    elif run.cause in ("reset", "transfer_failed", "store_failed", "not_admitted", "load_failed", "promotion_failed",
+                       "spill_dropped"):
         text += f" at seq {run.seq}" + (f" (job {run.job_id})" if run.job_id >= 0 else "")
         if where and run.cause not in ("load_failed", "promotion_failed"):
             text += f", {where}"

@@ -351,6 +351,7 @@ MISS_COLORS = {
     "log_table": "#dbdb8d", "unexplained": "#000000", "partial_block": "#c7c7c7",
     "promotion_failed": "#f7b6d2", "tier_down": "#393b79", "lookup_timed_out": "#637939", "lookup_dropped": "#8c6d31",
     "below_store_threshold": "#843c39", "decode_not_offloaded": "#7b4173", "load_slower_than_compute": "#e7ba52",
+    "spill_dropped": "#5254a3",
 }
 
 

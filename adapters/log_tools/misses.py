@@ -43,6 +43,8 @@ CAUSES: Final[dict[str, str]] = {
     "lookup_dropped": "first seen here; a shared tier's lookups queued too deep, so this request's was answered "
                       "empty",
     "evicted": "evicted to make room for other blocks",
+    "spill_dropped": "evicted from host memory, never written below it: that tier was under pressure and its "
+                     "backpressure policy dropped the write",
     "reset": "dropped by a cache reset",
     "transfer_failed": "dropped when a transfer of it failed",
     "store_failed": "its store failed",
@@ -167,6 +169,7 @@ class MissLedger:
         self._store_failed: dict[bytes, tuple[int, int, str]] = {}  # seq, job, the worker's reason
         self._refused: dict[bytes, int] = {}  # seq of the last refusal
         self._below: dict[bytes, tuple[int, str]] = {}  # seq and request of the last offer below the threshold
+        self._spill_dropped: dict[bytes, tuple[int, int]] = {}  # seq and tier of the last spill dropped for pressure
         # Under `offload_prompt_only`: keys first named past their request's prompt -> that request
         self._decode_named: dict[bytes, str] = {}
         self._prompt_tokens: dict[str, int] = {}  # the same: each live request's prompt length
@@ -214,6 +217,7 @@ class MissLedger:
         if not most:  # unbounded (a replay's explain)
             return
         for table in (self.keys, self._gone, self._storing, self._store_failed, self._refused, self._below,
+                      self._spill_dropped,
                       self._decode_named, self._ended, self._unanswered):
             _bound(table, most)
 
@@ -323,6 +327,9 @@ class MissLedger:
 
     def _not_admitted(self, seq: int, effect: fx.KeysNotAdmitted, effects: tuple[fx.Effect, ...]) -> None:
         self._refused.update(dict.fromkeys(effect.keys, seq))
+
+    def _spill_was_dropped(self, seq: int, effect: fx.SpillDropped, effects: tuple[fx.Effect, ...]) -> None:
+        self._spill_dropped.update(dict.fromkeys(effect.keys, (seq, effect.tier)))
 
     def _below_threshold(self, seq: int, effect: fx.KeysBelowThreshold, effects: tuple[fx.Effect, ...]) -> None:
         self._below.update(dict.fromkeys(effect.keys, (seq, effect.request_id)))
@@ -488,6 +495,9 @@ class MissLedger:
                      below[0] if below else -1)
         if gone is not None and gone[1] == latest:
             tier, seq, reason, job, room, why = gone
+            dropped = self._spill_dropped.get(key)
+            if reason is fx.Reason.EVICTED and tier == HOST and dropped is not None and dropped[0] < seq:
+                return ("spill_dropped", dropped[1], dropped[0], -1, "", f"evicted from host memory at seq {seq}")
             if reason is fx.Reason.EVICTED:
                 return ("evicted", tier, seq, job, room,
                         f"policy {self.config.policy.value}" if tier == HOST else "by the tier's own eviction")
@@ -692,6 +702,7 @@ _FACTS = fx.dispatch_table("misses", {
     fx.StartLoad: MissLedger._load_started,
     fx.KeysNotAdmitted: MissLedger._not_admitted,
     fx.KeysBelowThreshold: MissLedger._below_threshold,
+    fx.SpillDropped: MissLedger._spill_was_dropped,
     fx.TransferFailed: MissLedger._failed,
     fx.JobEnded: MissLedger._job_over,
     fx.RequestAdmitted: MissLedger._admit,

@@ -243,4 +243,4 @@ _SERIES = fx.dispatch_table("the report's series", {
     fx.ReportViolation: SeriesFold._violation,
     fx.JobEnded: SeriesFold._job_over,  # a load's end moves its request on
 }, ignored=(fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
-            fx.KeysLoadable, fx.KeysUnloadable, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.TransferFailed, fx.StartLoad, fx.RequestAdmitted, fx.RequestRequeued))
+            fx.KeysLoadable, fx.KeysUnloadable, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.SpillDropped, fx.TransferFailed, fx.StartLoad, fx.RequestAdmitted, fx.RequestRequeued))

@@ -117,7 +117,7 @@ _MOVES = fx.dispatch_table("whatif's blocks moved", {
     fx.StartLoad: _loaded,
     fx.StartSpill: _spilled,
 }, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysLoadable,
-            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.SpillDropped, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))
 
 
 def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
@@ -656,7 +656,7 @@ _FOLLOW = fx.dispatch_table("whatif's re-drive", {
     fx.KeysLoadable: Redrive._loadable,  # tier 1, for a fleet's shared tier
     fx.JobEnded: Redrive._job_over,
 }, ignored=(fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks, fx.KeysUnloadable,
-            fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.TransferFailed, fx.RequestAdmitted, fx.RequestRequeued))
+            fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.SpillDropped, fx.TransferFailed, fx.RequestAdmitted, fx.RequestRequeued))
 
 
 def _host_loadable(effect: fx.KeysLoadable) -> tuple[bytes, ...]:
@@ -673,4 +673,4 @@ _ACCESSES = fx.dispatch_table("whatif's LRU estimate", {
     fx.KeysLoadable: _host_loadable,
     fx.StartLoad: _loaded_keys,
 }, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks, fx.UnpinDeviceBlocks,
-            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))
+            fx.KeysUnloadable, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.SpillDropped, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))

@@ -128,6 +128,8 @@ class Simulator:
         self.gone_at: dict[bytes, tuple[int, fx.Reason, int]] = {}
         self.refused_at: dict[bytes, int] = {}
         self.below_at: dict[bytes, int] = {}  # each key's last offer below the store threshold (seq)
+        self.pressured: dict[int, int] = {}  # lower tier -> the share of its spills dropped (ppm)
+        self.spill_dropped_at: dict[bytes, tuple[int, int]] = {}  # key -> its last dropped spill: seq, tier
         self.decode_named: set[bytes] = set()  # keys first named past their request's prompt
         self.ended_at: dict[str, int] = {}  # request -> the seq it finished or was aborted
         self.started_at: dict[int, int] = {}  # job -> the seq of the event that started it
@@ -266,6 +268,20 @@ class Simulator:
             raise SimulationError(f"keys held back that host memory holds, or none, or with no threshold: {effect}")
         if self.truth is not None:
             self.below_at.update(dict.fromkeys(effect.keys, self.events - 1))
+
+    def _spill_dropped(self, effect: fx.SpillDropped) -> None:
+        """Only a tier told it is under pressure drops spills."""
+        if not effect.keys or not self.pressured.get(effect.tier):
+            raise SimulationError(f"a spill dropped to a tier under no pressure, or of no key: {effect}")
+        if self.truth is not None:
+            self.spill_dropped_at.update(dict.fromkeys(effect.keys, (self.events - 1, effect.tier)))
+
+    def pressure(self, rng: random.Random) -> None:
+        """vLLM's backpressure: a lower tier's writes measured slow (or well again)."""
+        tier = rng.randrange(1, 1 + len(self.config.lower_tiers))
+        drop = rng.choice([0, 500_000, 1_000_000])
+        self.pressured[tier] = drop
+        self.emit(ev.TierPressure(tier=tier, drop_ppm=drop, latency_ns_per_mib=rng.randrange(10**8)))
 
     def _copy(self, job: SimJob) -> None:
         """The worker's copy; the simulator runs it as late as it may."""
@@ -529,6 +545,7 @@ class Simulator:
             "refused": [self.refused_at.get(k, -1) for k in keys],
             "below": [self.below_at.get(k, -1) for k in keys],
             "budgeted": budgeted,
+            "spill_dropped": [self.spill_dropped_at.get(k) for k in keys],
             "decode_named": [k in self.decode_named for k in keys],
             "storing": [storing.get(k) for k in keys]})
 
@@ -856,7 +873,7 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
                docs: int = 3, max_prompt_blocks: int = 6, max_tokens: int = 6, fail_rate: float = 0.05,
                reset_rate: float = 0.0, abort_rate: float = 0.02, completion_rate: float = 0.4,
                check_every: int = 0, damage_rate: float = 0.0, foreign_rate: float = 0.0,
-               lookup_fail_rate: float = 0.0, turn_rate: float = 0.0) -> None:
+               lookup_fail_rate: float = 0.0, turn_rate: float = 0.0, pressure_rate: float = 0.0) -> None:
     """A seeded workload: arrivals, admissions, steps and completions in random order;
     with lower tiers, blocks damaged on disk, blocks another process wrote, and
     lookups of tier 1 that go unanswered; with `turn_rate`, conversations' next turns."""
@@ -873,6 +890,8 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
             sim.add_turn(rng.choice(sim.finished_turns), rng.randrange(1, 2 * size), rng.randint(1, max_tokens))
         if sim.config.restore_budget is RestoreBudget.AUTO and rng.random() < 0.1:  # no draw without the budget
             sim.measure_costs(rng)
+        if pressure_rate and sim.disks and rng.random() < pressure_rate:  # no draw without lower tiers
+            sim.pressure(rng)
         for rid in sim.waiting():
             if (lookup_fail_rate and sim.disks and rid not in sim.unanswered and sim.requests[rid].status == "waiting"
                     and rng.random() < lookup_fail_rate):
@@ -910,6 +929,7 @@ _PERFORM = {
     fx.RequestRequeued: Simulator._requeued,
     fx.KeysNotAdmitted: Simulator._not_admitted,
     fx.KeysBelowThreshold: Simulator._below_threshold,
+    fx.SpillDropped: Simulator._spill_dropped,
     fx.StartSpill: Simulator._start,
     fx.DropTierKeys: Simulator._drop,
 }

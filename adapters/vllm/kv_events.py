@@ -192,4 +192,4 @@ _TRANSLATE = fx.dispatch_table("KV events", {
     fx.KeysLoadable: TierEvents._loadable,
     fx.KeysUnloadable: TierEvents._unloadable,
 }, ignored=(fx.StartStore, fx.StartLoad, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.PinDeviceBlocks,
-            fx.UnpinDeviceBlocks, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))
+            fx.UnpinDeviceBlocks, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.SpillDropped, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))

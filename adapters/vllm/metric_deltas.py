@@ -61,6 +61,10 @@ class MetricDeltas:
     def stores_skipped(self, keys: tuple[bytes, ...]) -> None:
         self._count_drop(m.STORES_SKIPPED, "", keys)
 
+    def spill_dropped(self, tier: str, keys: tuple[bytes, ...]) -> None:
+        self._count_drop(m.BACKPRESSURE_BLOCKS_DROPPED, tier, keys)
+        self._count_drop(m.BACKPRESSURE_STORES_DROPPED, tier, (b"",))  # one store (spill) a notification
+
     def violation(self) -> None:
         self._violations += 1
 

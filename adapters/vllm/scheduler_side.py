@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from kvledger.adapters.backpressure import Backpressure
 from kvledger.adapters.engine_host import EngineHost
 from kvledger.adapters.miss_counter import MissCounter
 from kvledger.adapters.restore_costs import CostMeter
@@ -95,6 +96,9 @@ class LedgerScheduler:
                         if settings.miss_metrics else None)
         # restore_budget "auto": what loads and prefills cost here, measured (`restore_costs.py`)
         self._costs = CostMeter(len(config.lower_tiers)) if config.restore_budget is RestoreBudget.AUTO else None
+        # vLLM's backpressure: each lower tier's writes measured, the share of spills dropped (`backpressure.py`)
+        pressured = {index: s for index, s in enumerate(settings.backpressure, start=1) if s is not None}
+        self._pressure = Backpressure(pressured, config.slot_bytes) if pressured else None
         self._lookups = HitLookups(lambda: self.host.state, self._apply, tiers)
         self._chain = self._chain_keys(tiers.key_root) if tiers is not None else None
         self._keys_of = self._chain.keys if self._chain is not None else None
@@ -123,6 +127,11 @@ class LedgerScheduler:
         for phase in fx.WORKER_PHASES:
             self._carried.extend(routed[phase])
         fx.dispatch(_CARRY, self, effects)
+        if self._pressure is not None:
+            now = time.monotonic()
+            for effect in routed[fx.Phase.AFTER_FORWARD]:
+                if type(effect) is fx.StartSpill:
+                    self._pressure.spill_started(effect, now)
         events = self.tier_events
         if events is not None and events.self_describing and routed[fx.Phase.AFTER_FORWARD]:
             stores = [e for e in routed[fx.Phase.AFTER_FORWARD] if type(e) is fx.StartStore]
@@ -148,6 +157,8 @@ class LedgerScheduler:
             self._tiers.removed(effect.tier, effect.keys)
 
     def _job_ended(self, effect: fx.JobEnded) -> None:
+        if effect.kind == "spill" and self._pressure is not None:
+            self._pressure.spill_ended(effect, time.monotonic())
         if effect.kind == "load":  # a failed load is recomputed: its time is not a restore's
             self.restores.load_ended(effect.job_id, ok=not effect.failed_keys)
             if self._costs is not None:
@@ -163,6 +174,9 @@ class LedgerScheduler:
 
     def _below_threshold(self, effect: fx.KeysBelowThreshold) -> None:
         self._metrics.stores_skipped(effect.keys)
+
+    def _spill_dropped(self, effect: fx.SpillDropped) -> None:
+        self._metrics.spill_dropped(self._tier_names[effect.tier - 1], effect.keys)
 
     def _violation(self, effect: fx.ReportViolation) -> None:
         self._metrics.violation()
@@ -218,6 +232,10 @@ class LedgerScheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         self.restores.scheduled(scheduled)
         self._scheduled = scheduled  # the step's requests, for self-describing KV events
+        if self._pressure is not None:  # a tier's pressure rose or eased: the engine drops spills by it
+            moved = self._pressure.tick(time.monotonic())
+            if moved:
+                self._apply(list(moved))
         if self._costs is not None:  # the last step's time is a sample; the next lookups weigh the news
             measured = self._costs.step(time.monotonic(), scheduler_output.total_num_scheduled_tokens)
             if measured is not None:
@@ -331,4 +349,5 @@ _CARRY = fx.dispatch_table("scheduler side", {
     fx.JobEnded: LedgerScheduler._job_ended,  # restore_timing's last mark
     fx.ReportViolation: LedgerScheduler._violation,
     fx.KeysBelowThreshold: LedgerScheduler._below_threshold,  # vllm:kv_offload_stores_skipped
+    fx.SpillDropped: LedgerScheduler._spill_dropped,  # vllm:kv_offload_tiering_backpressure_*_dropped
 }, ignored=(fx.StartStore, fx.StartSpill, fx.DropTierKeys, fx.FlushStores, fx.KeysLoadable, fx.KeysNotAdmitted, fx.RequestAdmitted, fx.RequestRequeued))

@@ -366,6 +366,8 @@ VLLM_033 = {
     "vllm:kv_offload_tiering_cascade_job_failures": (m.COUNTER, ("tier",)),  # T:192
     "vllm:kv_offload_tiering_chunk_queries": (m.COUNTER, ("tier",)),  # T:200
     "vllm:kv_offload_tiering_chunk_hits": (m.COUNTER, ("tier",)),  # T:206
+    "vllm:kv_offload_tiering_backpressure_stores_dropped": (m.COUNTER, ("tier",)),  # T:290
+    "vllm:kv_offload_tiering_backpressure_blocks_dropped": (m.COUNTER, ("tier",)),  # T:299
     "vllm:kv_offload_tiering_promotion_latency_seconds": (m.HISTOGRAM, ("tier", "result")),  # T:250
 }
 

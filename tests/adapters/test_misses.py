@@ -28,7 +28,7 @@ from tests.engine.builders import SIMULATED_CONFIGS
 GONE = {"evicted": fx.Reason.EVICTED, "reset": fx.Reason.RESET, "transfer_failed": fx.Reason.FAILED}
 # A shared tier's unanswered lookup, by the reason the simulator chose (`ev.LOOKUP_FAILURES`).
 LOOKUP = {"tier_down": "down", "lookup_timed_out": "timed_out", "lookup_dropped": "dropped"}
-NOT_RESTORABLE = {"first_seen", "evicted", "reset", "transfer_failed", "store_failed", "not_admitted",
+NOT_RESTORABLE = {"first_seen", "evicted", "spill_dropped", "reset", "transfer_failed", "store_failed", "not_admitted",
                   "below_store_threshold", "decode_not_offloaded", "stored_too_late", "not_computed_yet",
                   "request_ended", "lazy_not_offloaded", *LOOKUP}
 # Said of a block that was.
@@ -100,6 +100,9 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
                 assert run.seq < admission.seq and (run.cause != "reset" or run.seq in sim.reset_seqs), (where, run)
             elif run.cause == "not_admitted":
                 assert all(truth["refused"][p] == run.seq for p in blocks) and run.seq < admission.seq, (where, run)
+            elif run.cause == "spill_dropped":  # evicted from host after its write below was dropped for pressure
+                assert all(truth["spill_dropped"][p] == (run.seq, run.tier) for p in blocks), (where, run)
+                assert all(truth["gone"][p][0] > run.seq and truth["gone"][p][2] == 0 for p in blocks), (where, run)
             elif run.cause == "below_store_threshold":  # its last offer, fewer requests than the threshold
                 assert sim.config.store_threshold >= 2 and run.seq < admission.seq, (where, run)
                 assert all(truth["below"][p] == run.seq for p in blocks), (where, run)
@@ -149,11 +152,12 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
 @settings(deadline=None)
 @given(config=st.sampled_from(SIMULATED_CONFIGS), seed=st.integers(0, 2**16), prefix_caching=st.booleans(),
        fail_rate=st.sampled_from([0.0, 0.1]), reset_rate=st.sampled_from([0.0, 0.03]),
-       turn_rate=st.sampled_from([0.0, 0.2]))
+       turn_rate=st.sampled_from([0.0, 0.2]), pressure_rate=st.sampled_from([0.0, 0.05]))
 def test_every_admission_is_explained_as_the_simulator_saw_it(config, seed, prefix_caching, fail_rate, reset_rate,
-                                                              turn_rate):
+                                                              turn_rate, pressure_rate):
     sim, ledger = _run(config, seed, prefix_caching=prefix_caching, fail_rate=fail_rate, reset_rate=reset_rate,
-                       damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.05, turn_rate=turn_rate)
+                       damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.05, turn_rate=turn_rate,
+                       pressure_rate=pressure_rate)
     _check(sim, ledger)
 
 
@@ -169,7 +173,8 @@ def test_every_cause_is_reached_and_checked():
     for config in (*SIMULATED_CONFIGS, SMALL):
         for seed in range(6):
             sim, ledger = _run(config, seed, prefix_caching=seed % 2 == 0, fail_rate=0.1, reset_rate=0.03,
-                               damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.1, turn_rate=0.2)
+                               damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.1, turn_rate=0.2,
+                               pressure_rate=0.05)
             seen |= _check(sim, ledger)
     assert seen == set(CAUSES) - {"unexplained"} - WHATIF, f"never reached: {set(CAUSES) - seen - {'unexplained'}}"
 

@@ -77,3 +77,4 @@ def test_the_decision_is_on_the_record() -> None:
 def test_the_config_keeps_other_logs_digests(budget: str) -> None:
     config = full_only_config(restore_budget=budget)
     assert ("restore_budget" in config.to_dict()) == (budget == "auto")
+

@@ -118,7 +118,7 @@ def test_a_new_field_of_the_state_is_not_forgotten() -> None:
         "block_refs", "block_pins", "block_generation", "block_group", "block_key",
         "block_readers", "block_writer", "lazy_keys",
         "slot_of_key", "slot_key", "slot_state", "slot_loads", "free_slots", "next_fresh_slot", "policy",
-        "offers", "restore_costs", "lower", "spill_reads", "requests", "jobs", "stats"))
+        "offers", "restore_costs", "pressure", "lower", "spill_reads", "requests", "jobs", "stats"))
     # RequestState: next_free_tokens (from free_floor), hashes_repr and canonical_text (caches of the
     # digest's text) are not kept
     assert len(fields(RequestState)) == 18 and len(fields(Job)) == 15

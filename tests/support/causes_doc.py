@@ -28,7 +28,7 @@ SHOWN = [cause for cause in CAUSES if cause not in ("unexplained", "log_table")]
 def _runs():
     """Each seeded run: its config, its admissions, and its events by seq; then the same with
     conversations' next turns, for the causes only those reach."""
-    for turns in ({}, {"turn_rate": 0.2}):
+    for turns in ({}, {"turn_rate": 0.2, "pressure_rate": 0.05}):
         yield from _seeded(turns)
 
 
