@@ -73,10 +73,12 @@ class MetricDeltas:
 
     def take(self, state: State, *, log_failed: bool, tiers: SchedulerTiers | None,
              misses: dict[str, int] | None = None,
-             restores: list[tuple[str, float]] | None = None) -> m.KVLedgerStats | None:
+             restores: list[tuple[str, float]] | None = None,
+             pressure: dict[str, float] | None = None) -> m.KVLedgerStats | None:
         """What moved since the last report, or None when nothing did.
         `misses`: missed tokens by cause since then (`MissCounter.take`);
-        `restores`: the stages of restores completed since then (`RestoreTimes.take`)."""
+        `restores`: the stages of restores completed since then (`RestoreTimes.take`);
+        `pressure`: each backpressured tier's write latency average, seconds a MiB."""
         totals = queries.totals(state)
         tier = queries.tier_usage(state)
         # Slots a transfer holds (vLLM 0.33's "pinned"): every used one but the evictable,
@@ -124,6 +126,8 @@ class MetricDeltas:
             stats.add(m.TIER_BLOCKS_CAPACITY, usage.capacity_blocks, usage.name)
             for field, metric in _TIER_COUNTED:
                 self._count(stats, metric, usage.name, field, usage.counts[field])
+        for name, seconds in (pressure or {}).items():
+            stats.add(m.BACKPRESSURE_LATENCY_EMA, seconds, name)
         if tiers is not None:
             self._lookups(stats, tiers)
         return stats

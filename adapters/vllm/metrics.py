@@ -122,6 +122,9 @@ TIER_KEYS_READ = Metric("vllm:kvledger_tiering_promoted_blocks", COUNTER,
                         "Blocks promoted from a secondary tier towards the device.", label="tier")
 TIER_KEYS_WRITTEN = Metric("vllm:kvledger_tiering_written_blocks", COUNTER,
                            "Blocks written to a secondary tier.", label="tier")
+BACKPRESSURE_LATENCY_EMA = Metric("vllm:kv_offload_tiering_backpressure_store_latency_ema", GAUGE,
+                                  "Exponential moving average of store latency for back-pressure detection, in s/MiB.",
+                                  label="tier")
 BACKPRESSURE_STORES_DROPPED = Metric("vllm:kv_offload_tiering_backpressure_stores_dropped", COUNTER,
                                      "Number of store operations dropped due to back-pressure on a secondary tier.",
                                      label="tier")
@@ -160,7 +163,7 @@ TIER_CHUNK_HITS = Metric("vllm:kv_offload_tiering_chunk_hits", COUNTER,
                          "answer said it holds.", label="tier")
 
 METRICS = (LOAD_BYTES, LOAD_TIME, LOAD_SIZE, STORE_BYTES, STORE_TIME, STORE_SIZE, ALLOCATION_FAILURE,
-           LOOKUP_DELAY, STORES_SKIPPED, BACKPRESSURE_STORES_DROPPED, BACKPRESSURE_BLOCKS_DROPPED, HIT_TOKENS, MISSED_TOKENS, RESTORE_STAGE, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
+           LOOKUP_DELAY, STORES_SKIPPED, BACKPRESSURE_LATENCY_EMA, BACKPRESSURE_STORES_DROPPED, BACKPRESSURE_BLOCKS_DROPPED, HIT_TOKENS, MISSED_TOKENS, RESTORE_STAGE, LOADS, STORES, LOAD_FAILURES, STORE_FAILURES, FAILED_BLOCKS,
            EVICTIONS, RESET_DROPPED, FLUSHES, FLUSHED_JOBS, VIOLATIONS, LOG_FAILURES, TIER_USED, TIER_CAPACITY,
            JOBS_IN_FLIGHT, CPU_USAGE, CPU_WRITE_USAGE, CPU_READ_USAGE,
            TIER_READ_BYTES, TIER_READ_TIME, TIER_WRITE_BYTES, TIER_WRITE_TIME, TIER_PROMOTION_FAILURES,

@@ -278,7 +278,9 @@ class LedgerScheduler:
         """What moved since the last report (`MetricDeltas`); None when nothing did."""
         return self._metrics.take(self.host.state, log_failed=self.host.log_failure is not None, tiers=self._tiers,
                                   misses=self._misses.take() if self._misses is not None else None,
-                                  restores=self.restores.take())
+                                  restores=self.restores.take(),
+                                  pressure=None if self._pressure is None else
+                                  {self._tier_names[t - 1]: d.ema for t, d in self._pressure.detectors.items()})
 
     def take_events(self) -> list:
         return [] if self.tier_events is None else self.tier_events.take()

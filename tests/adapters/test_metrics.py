@@ -366,6 +366,7 @@ VLLM_033 = {
     "vllm:kv_offload_tiering_cascade_job_failures": (m.COUNTER, ("tier",)),  # T:192
     "vllm:kv_offload_tiering_chunk_queries": (m.COUNTER, ("tier",)),  # T:200
     "vllm:kv_offload_tiering_chunk_hits": (m.COUNTER, ("tier",)),  # T:206
+    "vllm:kv_offload_tiering_backpressure_store_latency_ema": (m.GAUGE, ("tier",)),  # T:281
     "vllm:kv_offload_tiering_backpressure_stores_dropped": (m.COUNTER, ("tier",)),  # T:290
     "vllm:kv_offload_tiering_backpressure_blocks_dropped": (m.COUNTER, ("tier",)),  # T:299
     "vllm:kv_offload_tiering_promotion_latency_seconds": (m.HISTOGRAM, ("tier", "result")),  # T:250
@@ -451,3 +452,38 @@ def test_the_miss_counts_keep_vllm_stepping_until_they_are_taken():
     finally:
         scheduler.shutdown()
     assert not any(t.name == "kvledger-misses" for t in threading.enumerate())  # shutdown ends the thread
+
+
+def test_a_tier_under_backpressure_has_its_spills_dropped_counted_and_its_latency_gauged(tmp_path):
+    """The scheduler times each spill (vLLM's detector: here any time a MiB is too slow), tells
+    the engine the share to drop, and reports the drops and the latency under vLLM's names."""
+    import time
+
+    from kvledger.adapters.settings import parse_settings
+    from kvledger.adapters.vllm.scheduler_side import LedgerScheduler
+    from kvledger.events import types as ev
+    from tests.engine.builders import FULL, make_config
+
+    settings = parse_settings({"capacity_bytes": 1 << 20, "backpressure": {
+        "backpressure_cls": "EMABackpressureDetector", "policy_cls": "DropStorePolicy", "high_water_s": 0,
+        "low_water_s": 0, "warmup_completions": 1}, "secondary_tiers": [
+        {"type": "fs", "path": str(tmp_path), "capacity_bytes": 1 << 20}]})
+    config = make_config(groups=(FULL,), num_tier_slots=16, lower_tiers=({"name": "1:fs", "num_blocks": 16},),
+                         slot_bytes=1 << 16)
+    scheduler = LedgerScheduler(config, settings)
+    try:
+        for rid, blocks in (("a", (1,)), ("b", (2,))):  # two spills written: the warm-up, then a slow one
+            _stored_request(scheduler, rid, blocks, step=len(rid) + blocks[0])
+            (spill,) = queries.job_ids(scheduler.host.state)
+            scheduler._apply([ev.StoreCompleted(job_id=spill)])
+        moved = scheduler._pressure.tick(time.monotonic())  # as build_connector_meta does each step
+        assert [(e.tier, e.drop_ppm) for e in moved] == [(1, 1_000_000)]
+        scheduler._apply(moved)
+        _stored_request(scheduler, "c", (3,), step=9)
+        assert not queries.job_ids(scheduler.host.state)  # its spill dropped: no job
+        data = _settled_stats(scheduler).data
+        assert data[m.COUNTER][f"{m.BACKPRESSURE_STORES_DROPPED.name}|1:fs"] == 1
+        assert data[m.COUNTER][f"{m.BACKPRESSURE_BLOCKS_DROPPED.name}|1:fs"] == 1
+        assert data[m.GAUGE][f"{m.BACKPRESSURE_LATENCY_EMA.name}|1:fs"] > 0
+    finally:
+        scheduler.shutdown()
