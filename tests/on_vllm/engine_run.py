@@ -213,6 +213,11 @@ def main(spec: dict) -> None:
         from vllm.config import KVEventsConfig
 
         engine_args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    if spec.get("kv_events_zmq"):  # vLLM's own publisher: a test subscribes to the stream
+        from vllm.config import KVEventsConfig
+
+        engine_args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                         endpoint=spec["kv_events_zmq"], topic="kv")
     llm = LLM(**engine_args)
     kv_events = watch_kv_events(llm, spec.get("kv_events") == "described") if spec.get("kv_events") else None
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
