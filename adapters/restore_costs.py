@@ -10,8 +10,8 @@ less as newer ones come. The numbers enter the engine as an event
 (`RestoreCostsMeasured`) when they first exist and when one moves by a fifth
 or more, at most every `EVERY_STEPS` steps: a replay decides as the run did.
 
-A tier not measured yet costs nothing: its hits are loaded, as under "load",
-until its loads say otherwise. A tier judged too slow is read no more, so
+A tier not measured yet (fewer than two sizes of load) costs nothing: its hits
+are loaded, as under "load", until its loads say otherwise. A tier judged too slow is read no more, so
 its estimate stays where its last loads left it.
 """
 
@@ -44,15 +44,18 @@ class LinearFit:
         self.xy = self.xy * d + x * y
 
     def estimate(self) -> tuple[float, float] | None:
-        """(a, b), neither below zero; None before any sample. Samples of one x, or a
-        slope the noise made negative, give the mean ratio y/x and no fixed part."""
+        """(a, b), neither below zero; None until samples of more than one x tell the fixed
+        part from the slope (one size alone cannot: read as all slope, a tier with a long
+        fixed wait looked cheap for short loads, measured on 2026-12-07). A slope the noise
+        made negative gives the mean ratio y/x and no fixed part."""
         if not self.n or not self.x:
             return None
         spread = self.n * self.xx - self.x * self.x
-        if spread > 1e-9 * self.n * self.xx:
-            slope = (self.n * self.xy - self.x * self.y) / spread
-            if slope > 0:
-                return max(0.0, (self.y - slope * self.x) / self.n), slope
+        if spread <= 1e-6 * self.n * self.xx:
+            return None
+        slope = (self.n * self.xy - self.x * self.y) / spread
+        if slope > 0:
+            return max(0.0, (self.y - slope * self.x) / self.n), slope
         return 0.0, self.y / self.x
 
 

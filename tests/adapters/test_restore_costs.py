@@ -23,8 +23,10 @@ def test_a_fit_finds_the_fixed_part_and_the_slope() -> None:
     assert a == pytest.approx(0.002) and b == pytest.approx(0.0005)
     one = LinearFit()
     for _ in range(5):
-        one.add(8, 0.004)  # one size only: the mean ratio, no fixed part
-    assert one.estimate() == pytest.approx((0.0, 0.0005))
+        one.add(8, 0.004)  # one size only: a fixed wait and a cost a block cannot be told apart
+    assert one.estimate() is None
+    one.add(16, 0.005)
+    assert one.estimate() == pytest.approx((0.003, 0.000125))
 
 
 def _load(job_id: int, blocks: int, tier: int) -> fx.StartLoad:
