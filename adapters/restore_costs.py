@@ -29,8 +29,9 @@ LONGEST_STEP_S = 10.0  # an interval longer than this is idle time, not a step's
 class LinearFit:
     """y = a + b x by weighted least squares; each sample's weight decays by `decay` per newer one."""
 
-    def __init__(self, decay: float = 0.95) -> None:
+    def __init__(self, decay: float = 0.95, *, all_fixed: bool = False) -> None:
         self.decay = decay
+        self.all_fixed = all_fixed  # a slope the noise made negative: the mean y as fixed (else y/x as slope)
         self.n = self.x = self.y = self.xx = self.xy = 0.0
         self.samples = 0
 
@@ -47,7 +48,8 @@ class LinearFit:
         """(a, b), neither below zero; None until samples of more than one x tell the fixed
         part from the slope (one size alone cannot: read as all slope, a tier with a long
         fixed wait looked cheap for short loads, measured on 2026-12-07). A slope the noise
-        made negative gives the mean ratio y/x and no fixed part."""
+        made negative gives the mean y as a fixed part (`all_fixed`: a load's first, slow
+        sample did that) or the mean ratio y/x and no fixed part."""
         if not self.n or not self.x:
             return None
         spread = self.n * self.xx - self.x * self.x
@@ -56,12 +58,13 @@ class LinearFit:
         slope = (self.n * self.xy - self.x * self.y) / spread
         if slope > 0:
             return max(0.0, (self.y - slope * self.x) / self.n), slope
-        return 0.0, self.y / self.x
+        return (self.y / self.n, 0.0) if self.all_fixed else (0.0, self.y / self.x)
 
 
 class CostMeter:
     def __init__(self, num_lower_tiers: int) -> None:
-        self._loads = [LinearFit() for _ in range(1 + num_lower_tiers)]  # per tier: seconds against blocks
+        # per tier: seconds against blocks; noise read as a fixed wait, never as a cheap short load
+        self._loads = [LinearFit(all_fixed=True) for _ in range(1 + num_lower_tiers)]
         self._compute = LinearFit()  # seconds a step against its tokens
         self._started: dict[int, tuple[float, int, int]] = {}  # load job -> start, blocks, tier
         self._last_step: tuple[float, int] | None = None  # the last step's start and tokens

@@ -27,6 +27,10 @@ def test_a_fit_finds_the_fixed_part_and_the_slope() -> None:
     assert one.estimate() is None
     one.add(16, 0.005)
     assert one.estimate() == pytest.approx((0.003, 0.000125))
+    slow_first = LinearFit(decay=1.0, all_fixed=True)  # a first load slower than a larger second one
+    slow_first.add(12, 0.5)
+    slow_first.add(24, 0.26)
+    assert slow_first.estimate() == pytest.approx((0.38, 0.0))  # a fixed wait, not 32 ms a block
 
 
 def _load(job_id: int, blocks: int, tier: int) -> fx.StartLoad:
