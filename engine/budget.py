@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from kvledger.events.config import GroupKind
 
-from . import hma
+from . import hma, lower
 from .state import Core, RequestState
 
 
@@ -27,16 +27,10 @@ def budget_end(core: Core, request: RequestState, start: int, end: int) -> tuple
     compute_ns, fixed_us, per_block_ns = costs
     alignment = core.alignment
     slot_of_key = core.slot_of_key
-    lower = core.lower
 
     def tier_of(key: bytes) -> int:
         """The tier a load reads the key from; -1 where none holds it."""
-        if key in slot_of_key:
-            return 0
-        for index, tier in enumerate(lower, start=1):
-            if key in tier.held:
-                return index
-        return -1
+        return 0 if key in slot_of_key else lower.holder(core, key) or -1
 
     full = [g for g in core.groups if g.kind is GroupKind.FULL]
     windows = [g for g in core.groups if g.kind is not GroupKind.FULL]

@@ -178,8 +178,8 @@ class MissLedger:
         self._hashes: dict[str, int] = {}  # request -> hashes it has named keys from so far
         self._ended: dict[str, int] = {}  # request -> seq it finished or was aborted
         self._unanswered: dict[str, tuple[int, int, str]] = {}  # request -> its lookup's failure: tier, seq, reason
-        self._budgeted: dict[str, ev.RestoreBudgeted] = {}  # request -> the budget's cut of its next admission
-        self._budgeted_at: dict[str, int] = {}  # and that event's seq
+        # request -> the budget's cut of its next admission, and that event's seq
+        self._budgeted: dict[str, tuple[ev.RestoreBudgeted, int]] = {}
         self._attempts: dict[str, int] = {}
         self._jobs: dict[int, str] = {}  # the stores and loads in flight -> their kind
         self._ended_jobs: list[int] = []  # the jobs this event ended (`JobEnded`), folded after its other facts
@@ -271,8 +271,7 @@ class MissLedger:
         self._hashes[event.request_id] = event.num_hashes
 
     def _budget(self, seq: int, event: ev.RestoreBudgeted) -> None:
-        self._budgeted[event.request_id] = event
-        self._budgeted_at[event.request_id] = seq
+        self._budgeted[event.request_id] = (event, seq)
 
     def _lookup_failed(self, seq: int, event: ev.TierLookupFailed) -> None:
         self._unanswered.setdefault(event.request_id, (event.tier, seq, event.reason))
@@ -282,7 +281,6 @@ class MissLedger:
         self._ended[rid] = seq
         self._prompt_tokens.pop(rid, None)
         self._budgeted.pop(rid, None)
-        self._budgeted_at.pop(rid, None)
         self._unanswered.pop(rid, None)
         self._hashes.pop(rid, None)
         self._attempts.pop(rid, None)
@@ -421,8 +419,7 @@ class MissLedger:
         restored = [(promoted.get(axis_keys[p], HOST), seq, job) for p in range(local // size, (local + ext) // size)]
         _merge(runs, local // size, size, "restored", restored)
         first_missed = (local + ext) // size
-        budgeted = self._budgeted.pop(rid, None)
-        budget_seq = self._budgeted_at.pop(rid, -1)
+        budgeted, budget_seq = self._budgeted.pop(rid, (None, -1))
         cut_end = (local + budgeted.offered_tokens) // size if budgeted is not None else -1
         fast = self._never_stored_run(axis_keys, first_missed, most // size, rid) if budgeted is None else None
         whys: list[_Why] = [] if fast is None else fast

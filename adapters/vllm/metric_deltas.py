@@ -54,16 +54,19 @@ class MetricDeltas:
             self._count_drop(_HOST_DROPS.get(effect.reason), "", effect.keys)
 
     def _count_drop(self, metric: m.Metric | None, tier: str, keys: tuple[bytes, ...]) -> None:
-        if metric is not None and keys:
+        self._count_up(metric, tier, len(keys))
+
+    def _count_up(self, metric: m.Metric | None, tier: str, count: int) -> None:
+        if metric is not None and count:
             mark = (metric, tier)
-            self._dropped[mark] = self._dropped.get(mark, 0) + len(keys)
+            self._dropped[mark] = self._dropped.get(mark, 0) + count
 
     def stores_skipped(self, keys: tuple[bytes, ...]) -> None:
         self._count_drop(m.STORES_SKIPPED, "", keys)
 
     def spill_dropped(self, tier: str, keys: tuple[bytes, ...]) -> None:
         self._count_drop(m.BACKPRESSURE_BLOCKS_DROPPED, tier, keys)
-        self._count_drop(m.BACKPRESSURE_STORES_DROPPED, tier, (b"",))  # one store (spill) a notification
+        self._count_up(m.BACKPRESSURE_STORES_DROPPED, tier, 1)  # one store (spill) a notification
 
     def violation(self) -> None:
         self._violations += 1
