@@ -184,7 +184,10 @@ def text_of(value: object) -> str:
     if type(value) is tuple:
         if len(value) == 1:
             return "(" + text_of(value[0]) + ",)"
-        return "(" + ", ".join([text_of(item) for item in value]) + ")"
+        try:  # an order whose every key's text is kept: one C-level pass (no str or int equals a key)
+            return "(" + ", ".join(map(_key_texts.__getitem__, value)) + ")"
+        except KeyError:
+            return "(" + ", ".join([text_of(item) for item in value]) + ")"
     return repr(value)
 
 

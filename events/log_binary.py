@@ -64,6 +64,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import chain
 from typing import cast
 
 import attrs
@@ -569,7 +570,8 @@ def _newer_identity(chunks: _Chunks) -> tuple[str, str] | None:
     return data["engine_version"][:40], commit[:64] if type(commit) is str else ""
 
 
-def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings) -> Iterator[Record]:
+def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings, out: list[Record]) -> None:
+    """The frame's records, appended to `out` (those before a bad row are there when it raises)."""
     seq = cursor.next_seq
     if not (type(frame) is tuple and len(frame) == 3 and type(frame[2]) is tuple):
         raise LogError("corrupt: a frame must be [first_seq, step_index, [rows]]", seq=seq)
@@ -587,7 +589,7 @@ def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings
             digest = _digest_of_row(row)
             if digest is None:
                 raise LogError(f"corrupt: bad digest row {row!r}", seq=seq)
-            yield DigestRecord(seq=next_seq, step_index=step_index, digest=digest)
+            out.append(DigestRecord(seq=next_seq, step_index=step_index, digest=digest))
             continue
         entry = readers.get(code)
         if entry is None:
@@ -603,7 +605,7 @@ def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings
             raise LogError(f"record seq {next_seq}: {exc}", seq=seq) from None
         next_seq += 1
         cursor.next_seq = next_seq
-        yield read_event_record(next_seq - 1, step_index, event)
+        out.append(read_event_record(next_seq - 1, step_index, event))
 
 
 def _snapshot_record(payload: bytes, cursor: Cursor, *, decode: bool) -> SnapshotRecord | None:
@@ -625,6 +627,15 @@ def _snapshot_record(payload: bytes, cursor: Cursor, *, decode: bool) -> Snapsho
 
 
 def _read_steps(chunks: _Chunks, log: BinaryLog, cursor: Cursor, snapshots: bool) -> Iterator[Record | SnapshotRecord]:
+    """The records, decoded a frame at a time and handed on at C speed: a log tool's reading
+    is a generator's resumption a frame (about 20 events), not one an event."""
+    return chain.from_iterable(_read_frames(chunks, log, cursor, snapshots))
+
+
+def _read_frames(chunks: _Chunks, log: BinaryLog, cursor: Cursor,
+                 snapshots: bool) -> Iterator[list[Record | SnapshotRecord]]:
+    """Each frame's records, in a list (a snapshot's record alone); records decoded before
+    a bad row are handed on before the error is raised."""
     strings, version, readers = Strings(), log.version, log.readers
     stream = zstandard.ZstdDecompressor().decompressobj() if version >= 2 else None
     while True:
@@ -637,7 +648,7 @@ def _read_steps(chunks: _Chunks, log: BinaryLog, cursor: Cursor, snapshots: bool
                 record = _snapshot_record(payload, cursor, decode=snapshots)
                 strings, stream = Strings(), zstandard.ZstdDecompressor().decompressobj()
                 if record is not None:
-                    yield record
+                    yield [record]
                 continue
             if kind == FRAME_INDEX:
                 _check_end(chunks, cursor.next_seq)
@@ -651,7 +662,13 @@ def _read_steps(chunks: _Chunks, log: BinaryLog, cursor: Cursor, snapshots: bool
             except zstandard.ZstdError as exc:
                 raise LogError(f"corrupt: bad zstd block ({exc})", seq=cursor.next_seq) from None
         frame = _unpack(payload, cursor.next_seq, use_list=False)
-        yield from _decode_frame(frame, cursor, readers, strings)
+        out: list[Record | SnapshotRecord] = []
+        try:
+            _decode_frame(frame, cursor, readers, strings, out)  # type: ignore[arg-type]
+        except LogError:
+            yield out
+            raise
+        yield out
 
 
 def _check_end(chunks: _Chunks, seq: int) -> None:

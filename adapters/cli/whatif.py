@@ -38,18 +38,19 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         raise BadArgument("--report draws the capacity sweep: give --sweep too")
     if args.report:
         _page(check_report_path, args.report, source=args.log, force=args.force)  # before the sweep's work
-    with _Passes(args.jobs) as passes:  # each pass reads the log on its own: N at a time, in processes
-        recorded = passes.run(_recorded, config, log)
-        same = passes.run(whatif.predict, config, config, log)
-        predicted = passes.run(whatif.predict, config, other, log) if other != config else None
-        sweep = (_sweep(config, other, log, passes) if args.sweep == "capacity" else
-                 _sweep_threshold(config, other, log, passes) if args.sweep else None)
-        (outcome, records), same = recorded.result(), same.result()
+    with _Passes(args.jobs) as passes:
+        predictions = _Predictions(config, log)
+        same = predictions.ask(config)
+        predicted = predictions.ask(other) if other != config else None
+        sweep = (_sweep(config, other, log, passes, predictions) if args.sweep == "capacity" else
+                 _sweep_threshold(config, other, predictions) if args.sweep else None)
+        predictions.run(passes)
+        outcome, records = predictions.recorded, log.records
         data = {"log": args.log, "events": records, "slot_bytes": config.slot_bytes,
-                "recorded": outcome.as_dict(), "predicted_as_recorded": same.as_dict(),
-                "self_check": _error(same.stats["hit_tokens"], outcome.stats["hit_tokens"])}
+                "recorded": outcome.as_dict(), "predicted_as_recorded": same().as_dict(),
+                "self_check": _error(same().stats["hit_tokens"], outcome.stats["hit_tokens"])}
         if predicted is not None:
-            data["predicted"] = predicted.result().as_dict()
+            data["predicted"] = predicted().as_dict()
         if sweep is not None:
             data["sweep"] = sweep()
             data["sweep"]["recorded"]["hit_tokens"] = outcome.stats["hit_tokens"]
@@ -135,6 +136,7 @@ class _Passes:
     gives a future either way."""
 
     def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
         self._pool = ProcessPoolExecutor(jobs) if jobs > 1 else None
 
     def __enter__(self) -> _Passes:
@@ -152,10 +154,40 @@ class _Passes:
         return done
 
 
-def _recorded(config: EngineConfig, log: _Log) -> tuple[whatif.Outcome, int]:
-    """The recorded run, and how many records the log holds."""
-    outcome = whatif.recorded(config, log)
-    return outcome, log.records
+class _Predictions:
+    """Every configuration asked about, predicted in passes over the log that each decode it
+    and fold the log's own engine once for all the re-drives they carry (`whatif.predict_many`):
+    one pass, or with `--jobs N` N passes in processes, the configurations dealt among them.
+    The first pass gives the recorded run too."""
+
+    def __init__(self, recorded: EngineConfig, log: _Log) -> None:
+        self._config = recorded
+        self._log = log
+        self._asked: list[EngineConfig] = []
+        self._outcomes: list[whatif.Outcome] = []
+        self.recorded: whatif.Outcome | None = None
+
+    def ask(self, config: EngineConfig) -> Callable[[], whatif.Outcome]:
+        """The prediction under `config`, once `run` has run (a configuration asked twice runs once)."""
+        if config not in self._asked:
+            self._asked.append(config)
+        index = self._asked.index(config)
+        return lambda: self._outcomes[index]
+
+    def run(self, passes: _Passes) -> None:
+        groups = [self._asked[start::passes.jobs] for start in range(min(passes.jobs, len(self._asked)))]
+        futures = [passes.run(_predict_many, self._config, group, self._log) for group in groups]
+        results = [future.result() for future in futures]
+        self.recorded, self._log.records = results[0][0], results[0][2]
+        by_group = [outcomes for _, outcomes, _ in results]
+        self._outcomes = [by_group[index % len(groups)][index // len(groups)] for index in range(len(self._asked))]
+
+
+def _predict_many(recorded: EngineConfig, configs: list[EngineConfig],
+                  log: _Log) -> tuple[whatif.Outcome, list[whatif.Outcome], int]:
+    """One pass (in a process of its own under `--jobs`): the outcomes, and how many records it read."""
+    outcome, outcomes = whatif.predict_many(recorded, configs, log)
+    return outcome, outcomes, log.records
 
 
 class _Log:
@@ -263,15 +295,15 @@ def _tiers(text: str, config: EngineConfig, flag: str = "--secondary-tiers") -> 
     return tuple(specs)
 
 
-def _sweep(recorded: EngineConfig, config: EngineConfig, log: _Log, passes: _Passes) -> Callable[[], dict]:
+def _sweep(recorded: EngineConfig, config: EngineConfig, log: _Log, passes: _Passes,
+           predictions: _Predictions) -> Callable[[], dict]:
     """Hit tokens against host capacity: the engine driven again at each point, under the
     asked policy and (`by_policy`) under LRU and ARC each, with the blocks each moved; and
-    (LRU) the one-pass estimate from stack distances at the same points. The passes are
-    started here; the returned call gathers them."""
+    (LRU) the one-pass estimate from stack distances at the same points. The points are
+    asked here (the curve's pass started); the returned call gathers them once run."""
     bound = whatif.distinct_keys_bound(recorded, log)
     points = sorted({max(1, min(bound, int(config.num_tier_slots * f))) for f in SWEEP_FACTORS} | {bound})
-    runs = {(slots, policy): passes.run(whatif.predict, recorded,
-                                        attrs.evolve(config, num_tier_slots=slots, policy=policy), log)
+    runs = {(slots, policy): predictions.ask(attrs.evolve(config, num_tier_slots=slots, policy=policy))
             for slots in points for policy in PolicyName}
     one_pass = config.policy.value == "lru" and not config.lower_tiers
     curve = passes.run(whatif.lru_curve, recorded, log, bound) if one_pass else None
@@ -281,7 +313,7 @@ def _sweep(recorded: EngineConfig, config: EngineConfig, log: _Log, passes: _Pas
         for slots in points:
             by_policy = {}
             for policy in PolicyName:
-                outcome = runs[slots, policy].result()
+                outcome = runs[slots, policy]()
                 by_policy[policy.value] = {"hit_tokens": outcome.stats["hit_tokens"], "blocks_moved": outcome.moved}
             rows.append({"num_tier_slots": slots, "hit_tokens": by_policy[config.policy.value]["hit_tokens"],
                          "capacity_bytes": slots * recorded.slot_bytes if recorded.slot_bytes else None,
@@ -300,17 +332,15 @@ def _sweep(recorded: EngineConfig, config: EngineConfig, log: _Log, passes: _Pas
 THRESHOLDS = (1, 2, 3, 4, 6, 8)
 
 
-def _sweep_threshold(recorded: EngineConfig, config: EngineConfig, log: _Log,
-                     passes: _Passes) -> Callable[[], dict]:
+def _sweep_threshold(recorded: EngineConfig, config: EngineConfig, predictions: _Predictions) -> Callable[[], dict]:
     """Hit tokens and blocks stored against the store threshold, at the asked capacity
     and policy: what holding one-off prompts back buys before turning it on."""
-    runs = {n: passes.run(whatif.predict, recorded, attrs.evolve(config, store_threshold=n), log)
-            for n in THRESHOLDS}
+    runs = {n: predictions.ask(attrs.evolve(config, store_threshold=n)) for n in THRESHOLDS}
 
     def gather() -> dict:
         rows = []
         for n in THRESHOLDS:
-            outcome = runs[n].result().as_dict()
+            outcome = runs[n]().as_dict()
             rows.append({"store_threshold": n, "hit_tokens": outcome["hit_tokens"],
                          "blocks_stored": outcome["blocks_moved"].get("stored", 0),
                          "evictions": outcome["evictions"],

@@ -120,8 +120,45 @@ _MOVES = fx.dispatch_table("whatif's blocks moved", {
             fx.KeysUnloadable, fx.KeysNotAdmitted, fx.KeysBelowThreshold, fx.SpillDropped, fx.TransferFailed, fx.JobEnded, fx.ReportViolation, fx.RequestAdmitted, fx.RequestRequeued))
 
 
+class LogEngine:
+    """The log's own engine, folded once for every re-drive that follows it (`predict_many`):
+    the twins of their jobs, and the requests the log's vLLM sent back to waiting. With
+    `counted`, it also keeps what `recorded` gives: the log's own outcome."""
+
+    def __init__(self, config: EngineConfig, *, counted: bool = False) -> None:
+        self.config = config
+        self.state = initial_state(config)
+        self.effects: tuple[fx.Effect, ...] = ()
+        self.seq = 0
+        self.tally = Tally() if counted else None
+        self.ledger = MissLedger(config, on_admission=self.tally.add) if self.tally is not None else None
+        self.moved: dict[str, int] = {}
+        self.violations = 0
+
+    def admitting(self, event: ev.Event) -> bool:
+        """Whether the log's engine holds this touch's or allocation's request as admittable,
+        before the event: with this re-drive's not, vLLM admitted it again."""
+        kind = type(event)
+        return ((kind is ev.BlocksTouched or kind is ev.BlocksAllocated)
+                and queries.request_status(self.state, event.request_id) in _ADMITTING)  # type: ignore[attr-defined]
+
+    def step(self, event: ev.Event) -> None:
+        self.state, self.effects = reduce(self.state, event)
+        if self.ledger is not None:
+            self.ledger.observe(self.seq, event, self.effects)
+            _moved(self.moved, self.effects)
+            self.violations += sum(type(effect) is fx.ReportViolation for effect in self.effects)
+        self.seq += 1
+
+    def outcome(self) -> Outcome:
+        assert self.ledger is not None and self.tally is not None, "a LogEngine made with counted=True"
+        self.ledger.flush()
+        return Outcome(self.config, queries.stats(self.state), self.tally.as_dict(), self.moved,
+                       not_applied=self.violations)
+
+
 def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
-    """The log as it happened."""
+    """The log as it happened (`predict_many` gives it too, from the same read of the log)."""
     moved: dict[str, int] = {}
 
     def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
@@ -143,12 +180,14 @@ class Redrive:
     log's did, each worker's report where the log has it (a failure read as an
     end: none fails here). One with no such twin ends after the next step."""
 
-    def __init__(self, recorded: EngineConfig, config: EngineConfig, *, on_admission=None, on_effects=None) -> None:
+    def __init__(self, recorded: EngineConfig, config: EngineConfig, *, on_admission=None, on_effects=None,
+                 log: LogEngine | None = None) -> None:
         self.config = config
         # The log's own engine, in step: for the twins, and because where a load of the log
         # failed vLLM admitted its request again, so one this engine loaded for is sent
-        # back to waiting first.
-        self.recorded = initial_state(recorded)
+        # back to waiting first. Shared by re-drives run together (`predict_many`), which
+        # step it once an event; a re-drive alone steps its own (`feed`).
+        self.log = LogEngine(recorded) if log is None else log
         self.state = initial_state(config)
         self.tally = Tally()
         self.ledger = MissLedger(config, on_admission=self.tally.add)
@@ -166,7 +205,6 @@ class Redrive:
         # again), and any failed load (its request may be admitted again).
         self._breaks: dict[str, list[int]] = {}
         self._load_failures: list[int] = []
-        self._mentions: dict[int, list[int]] = {}  # device block -> the indices of the events that name it
         self._index = -1
         self._pulled: set[int] = set()  # the indices of allocations taken early by a longer hit
         self._promoted: dict[int, list[tuple[bytes, int]]] = {}  # shared tier: load job -> (key, block) it reads
@@ -174,22 +212,15 @@ class Redrive:
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
         self.on_effects = on_effects  # (effects) after each event
 
+    @property
+    def recorded(self) -> State:
+        return self.log.state
+
     def run(self, events: Iterable[ev.Event], *, ahead: int = READ_AHEAD) -> None:
         """Feed every event, reading at least `ahead` events ahead of the one fed (and at most
         twice that many held): a longer hit than the log's can take the blocks its request was
         allocated in later steps (`_admission`), as far ahead as the events read."""
-        stream = iter(events)
-        held = list(islice(stream, 2 * ahead))
-        self.prepare(held)
-        while True:
-            end = self._base + len(self._events)
-            done = len(self._events) < 2 * ahead  # the stream ended: feed the rest
-            for index in range(self._base, end if done else self._base + ahead):
-                self.feed_at(index)
-            if done:
-                return
-            more = list(islice(stream, ahead))
-            self.prepare(self._events[ahead:] + more, base=self._base + ahead)
+        run_together([self], events, ahead=ahead)
 
     def prepare(self, events: list[ev.Event], *, base: int = 0) -> None:
         """The log's events from event `base` on, to be fed in order by `feed_at` (several
@@ -197,7 +228,6 @@ class Redrive:
         self._later = later = {}
         self._breaks = breaks = {}
         self._load_failures = failures = []
-        self._mentions = mentions = {}
         self._pulled = {index for index in self._pulled if index >= base}
         self._base = base
         for index, event in enumerate(events, start=base):  # (a type's test per event: `run` calls it per window)
@@ -208,18 +238,13 @@ class Redrive:
                 breaks.setdefault(event.request_id, []).append(index)  # type: ignore[attr-defined]
             elif kind is ev.LoadFailed:
                 failures.append(index)
-            ids = getattr(event, "block_ids", None)
-            if not ids:
-                continue
-            for group in (ids if type(ids[0]) is tuple else (ids,)):
-                for block in group:
-                    if block:
-                        seen = mentions.get(block)
-                        if seen is None:
-                            mentions[block] = [index]
-                        else:
-                            seen.append(index)
         self._events = events
+
+    def share_window(self, other: Redrive) -> None:
+        """`other`'s window of the log (read only once prepared), for a re-drive fed in step with it."""
+        self._later, self._breaks, self._load_failures = other._later, other._breaks, other._load_failures
+        self._events, self._base = other._events, other._base
+        self._pulled = {index for index in self._pulled if index >= other._base}
 
     @property
     def events(self) -> list[ev.Event]:
@@ -230,14 +255,18 @@ class Redrive:
         self.feed(self._events[index - self._base])
 
     def feed(self, event: ev.Event) -> None:
+        """The event, with the log's engine stepped here (a re-drive alone)."""
+        admitting = self.log.admitting(event)
+        self.log.step(event)
+        self.follow(event, admitting)
+
+    def follow(self, event: ev.Event, admitting: bool) -> None:
+        """The event, once the log's engine has taken it (`admitting`: its `admitting` before)."""
         if self._index in self._pulled:  # an allocation an earlier, longer hit took at once
-            self.recorded, _ = reduce(self.recorded, event)
             return
         kind = type(event)  # (type tests, not isinstance: a re-drive makes several per event)
-        readmitted = ((kind is ev.BlocksTouched or kind is ev.BlocksAllocated)
-                      and queries.request_status(self.recorded, event.request_id) in _ADMITTING
-                      and queries.request_status(self.state, event.request_id) not in _ADMITTING)
-        self.recorded, recorded_effects = reduce(self.recorded, event)
+        readmitted = admitting and queries.request_status(self.state, event.request_id) not in _ADMITTING  # type: ignore[attr-defined]
+        recorded_effects = self.log.effects
         if kind in _TRANSFER_REPORTS:
             twin = self.twins.get(event.job_id)
             self.started = []
@@ -359,6 +388,8 @@ class Redrive:
         steps, taken now while they are free (and left out of those allocations later)."""
         ids = [list(group) for group in event.block_ids]
         breaks = self._breaks.get(event.request_id, [])
+        named: set[int] = set()  # the blocks the events after this one name, up to `scanned`
+        scanned = self._index
         for index in self._later.get(event.request_id, ()):
             if index <= self._index or index in self._pulled:
                 continue
@@ -373,8 +404,9 @@ class Redrive:
             present = {b for group in ids for b in group}
             # Only blocks no event names until that allocation (another request's use of them, a free,
             # vLLM naming them near eviction) and free now.
-            if not present.isdisjoint(blocks) or not queries.blocks_free(self.state, blocks) or any(
-                    self._next_mention(block) != index for block in blocks):
+            scanned = self._name_blocks(named, scanned, index - 1)
+            if not present.isdisjoint(blocks) or not queries.blocks_free(self.state, blocks) or not named.isdisjoint(
+                    blocks):
                 break
             for group, more in zip(ids, later.block_ids):
                 group.extend(more)
@@ -384,10 +416,16 @@ class Redrive:
                 break
         return event
 
-    def _next_mention(self, block: int) -> int:
-        mentions = self._mentions.get(block, ())
-        at = bisect.bisect_right(mentions, self._index)
-        return mentions[at] if at < len(mentions) else -1
+    def _name_blocks(self, named: set[int], after: int, end: int) -> int:
+        """Add to `named` the device blocks the events in (after, end] name; gives `end`. Read
+        from the window when a longer hit looks ahead (rarely): an index of every mention,
+        built for each window, was a fifth of a re-drive's time."""
+        for event in self._events[after + 1 - self._base:end + 1 - self._base]:
+            ids = getattr(event, "block_ids", None)
+            if ids:
+                for group in (ids if type(ids[0]) is tuple else (ids,)):
+                    named.update(group)
+        return max(after, end)
 
     def _unpin(self, blocks: list[int]) -> None:
         """The log's vLLM reuses these blocks, so no job of its held them pinned: a job of
@@ -525,6 +563,45 @@ def predict(recorded_config: EngineConfig, config: EngineConfig, records: Iterab
     drive = Redrive(recorded_config, config)
     drive.run(events_in(records))
     return drive.outcome()
+
+
+def predict_many(recorded_config: EngineConfig, configs: list[EngineConfig], records: Iterable[object], *,
+                 ahead: int = READ_AHEAD) -> tuple[Outcome, list[Outcome]]:
+    """The log as recorded, and its traffic under each configuration, from one read of the
+    log: it is decoded once, the log's engine folded once, and every re-drive follows it
+    (each the same as `predict` alone: tests/adapters/test_whatif.py)."""
+    log = LogEngine(recorded_config, counted=True)
+    drives = [Redrive(recorded_config, config, log=log) for config in configs]
+    run_together(drives, events_in(records), ahead=ahead, log=log)
+    return log.outcome(), [drive.outcome() for drive in drives]
+
+
+def run_together(drives: list[Redrive], events: Iterable[ev.Event], *, ahead: int = READ_AHEAD,
+                 log: LogEngine | None = None) -> None:
+    """Feed every event to each re-drive, the log's engine (theirs, shared; the first's where
+    `log` is None) stepped once an event; reading at least `ahead` events ahead of the one fed
+    and holding at most twice that many (`Redrive.run`)."""
+    lead = drives[0]
+    log = lead.log if log is None else log
+    assert all(drive.log is log for drive in drives), "re-drives run together share the log's engine"
+    stream = iter(events)
+    base = 0
+    held = list(islice(stream, 2 * ahead))
+    while True:
+        lead.prepare(held, base=base)
+        for drive in drives[1:]:
+            drive.share_window(lead)
+        done = len(held) < 2 * ahead  # the stream ended: feed the rest
+        for index, event in enumerate(held if done else held[:ahead], start=base):
+            admitting = log.admitting(event)
+            log.step(event)
+            for drive in drives:
+                drive._index = index
+                drive.follow(event, admitting)
+        if done:
+            return
+        held = held[ahead:] + list(islice(stream, ahead))
+        base += ahead
 
 
 def distinct_keys_bound(config: EngineConfig, records: Iterable[object]) -> int:

@@ -95,6 +95,26 @@ def test_a_redrive_reading_ahead_a_window_predicts_as_one_holding_the_log(config
     assert "unexplained" not in short.outcome().misses["missed_by_cause"]
 
 
+@settings(deadline=None, max_examples=25)
+@given(config=st.sampled_from(SIMULATED_CONFIGS), seed=st.integers(0, 2**16), chunk=st.sampled_from([0, 48]),
+       ahead=st.sampled_from([5, 40, whatif.READ_AHEAD]))
+def test_redrives_run_together_predict_as_each_alone(config, seed, chunk, ahead):
+    """One read of the log for every question (`predict_many`): the log's engine folded once
+    and followed by re-drives of several capacities and policies, each of which takes later
+    allocations early on its own. Each gives what it gives alone, and the log's own outcome is
+    `recorded`'s."""
+    events, _ = _trace(config, seed, fail_rate=0.1, chunk=chunk)
+    configs = [config, attrs.evolve(config, num_tier_slots=max(1, config.num_tier_slots // 4)),
+               attrs.evolve(config, num_tier_slots=config.num_tier_slots * 4, policy="arc")]
+    records = [_Record(e, seq) for seq, e in enumerate(events)]
+    recorded, outcomes = whatif.predict_many(config, configs, records, ahead=ahead)
+    assert recorded.as_dict() == whatif.recorded(config, records).as_dict()
+    for other, outcome in zip(configs, outcomes):
+        alone = whatif.Redrive(config, other)
+        alone.run(iter(events), ahead=ahead)
+        assert outcome.as_dict() == alone.outcome().as_dict()
+
+
 @pytest.mark.parametrize("index", [0, 1, 3])
 def test_the_one_pass_curve_agrees_where_every_key_fits(index):
     config = SIMULATED_CONFIGS[index]
@@ -109,8 +129,9 @@ def test_the_one_pass_curve_agrees_where_every_key_fits(index):
 
 
 class _Record:
-    def __init__(self, event) -> None:
+    def __init__(self, event, seq: int = -1) -> None:
         self.event = event
+        self.seq = seq
 
 
 @pytest.fixture(scope="module")
