@@ -88,7 +88,7 @@ FAULTS = ("master_killed", "replica_restarted", "node_paused", "slot_migrated", 
 class Replica:
     """One vLLM server with kvledger, its log, and whether the router sends it requests."""
 
-    def __init__(self, name: str, model: Path, transfer: dict, out: Path, start) -> None:
+    def __init__(self, name: str, model: Path, transfer: dict | None, out: Path, start) -> None:
         self.name, self.model, self.transfer, self.out, self._start = name, model, transfer, out, start
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -153,11 +153,15 @@ class Router:
 def client(index: int, args, router: Router, model: str, workload, deadline: float, traffic, records: list,
            lock: threading.Lock) -> None:
     rng = random.Random(args.seed * 1000 + index)
-    while time.monotonic() < deadline:
+
+    def over() -> bool:
+        return time.monotonic() >= deadline or bool(args.requests) and len(records) >= args.requests
+
+    while not over():
         opening, questions = workload.session(rng)
         history = opening
         for question in questions:
-            if time.monotonic() >= deadline:
+            if over():
                 return
             prompt = f"{history}Q: {question}\nA:"
             with traffic.request():
@@ -357,8 +361,16 @@ def main(argv: list[str] | None = None, start=soak.start_server) -> dict:
     parser.add_argument("--compare-by", choices=("server", "reset"), default="server",
                         help="server: the sample on a server with no connector; reset: on replica a, each after "
                              "reset_prefix_cache empties every tier (one server start less, for the suite)")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="stop once this many requests were sent (and --minutes passed or not): two runs "
+                             "of the same seeded sessions serve the same requests")
+    parser.add_argument("--without-kvledger", action="store_true",
+                        help="the same replicas and traffic with no connector: the memory baseline kvledger's "
+                             "slopes are weighed against (faults: a replica restarted or reset, dropped streams)")
     parser.add_argument("--out", default=str(HERE / "out" / "fleet_soak"))
     args = parser.parse_args(argv)
+    if args.without_kvledger:
+        args.faults = [f for f in args.faults if f in ("replica_restarted", "reset", "clients_dropped")]
     if args.minutes <= 0 or args.sample_every_s <= 0:
         parser.error("--minutes and --sample-every-s must be positive")
 
@@ -397,8 +409,8 @@ def run(args, out: Path, model: Path, cluster: ClusterProcesses, disk: Path, mou
              {"type": "valkey", "urls": cluster.urls, "capacity_bytes": 64 << 20, "timeout_s": TIMEOUT_S,
               "secret_env": SECRET_ENV}]
     logs = {name: out / f"events-{name}.kvlog" for name in REPLICAS}
-    replicas = {name: Replica(name, model, kv_transfer_config(capacity_bytes=2 << 20, event_log=str(logs[name]),
-                                                              log_json=True, secondary_tiers=tiers), out, start)
+    replicas = {name: Replica(name, model, None if args.without_kvledger else kv_transfer_config(
+        capacity_bytes=2 << 20, event_log=str(logs[name]), log_json=True, secondary_tiers=tiers), out, start)
                 for name in REPLICAS}
     records: list[dict] = []
     samples: list[dict] = []
@@ -411,7 +423,7 @@ def run(args, out: Path, model: Path, cluster: ClusterProcesses, disk: Path, mou
             replica.start()
         print(f"replicas up: {', '.join(r.base for r in replicas.values())}; {args.clients} clients for "
               f"{args.minutes} min", flush=True)
-        started = time.monotonic()
+        started, wall_started = time.monotonic(), time.time()
         deadline = started + args.minutes * 60
         router = Router(replicas, args.route)
         workload = soak.Workload(args.seed)
@@ -420,7 +432,7 @@ def run(args, out: Path, model: Path, cluster: ClusterProcesses, disk: Path, mou
         for thread in threads:
             thread.start()
         next_sample, next_fault, turn = started, started + (args.fault_every_s or float("inf")), 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and any(thread.is_alive() for thread in threads):
             now = time.monotonic()
             if now >= next_sample:
                 samples.append(take_sample(now - started, replicas, cluster, logs))
@@ -436,7 +448,7 @@ def run(args, out: Path, model: Path, cluster: ClusterProcesses, disk: Path, mou
             thread.join(timeout=180)
         samples.append(take_sample(time.monotonic() - started, replicas, cluster, logs))
         compared = {}
-        if args.compare_by == "reset":
+        if args.compare_by == "reset" and not args.without_kvledger:
             compared = soak.compare(args, replicas["a"].base, str(model), records, reset=True)
     finally:
         for replica in replicas.values():
@@ -445,9 +457,13 @@ def run(args, out: Path, model: Path, cluster: ClusterProcesses, disk: Path, mou
     (out / "samples.json").write_text(json.dumps(samples))
     (out / "requests.json").write_text(json.dumps(records))
     summary = summarise(args, records, samples, faults, started)
+    if args.without_kvledger:  # no log to read, nothing restored to compare
+        return summary
     written = {name: written_logs(logs[name]) for name in REPLICAS}
     summary["logs"] = {name: [p.name for p in paths] for name, paths in written.items()}
-    summary["promoted"] = {name: promoted(paths) for name, paths in written.items()}
+    summary["promoted"] = {name: promoted(paths, wall_started) for name, paths in written.items()}
+    summary["cross_replica_recovery"] = cross_replica_recovery(summary["faults"], summary["promoted"])
+    print_promoted(summary["promoted"], summary["cross_replica_recovery"])
     summary["replay_check"] = {path.name: soak.replay_check(path) for paths in written.values() for path in paths}
     summary["fleet_prediction"] = fleet_prediction([p for paths in written.values() for p in paths],
                                                    summary["promoted"])
@@ -532,10 +548,11 @@ def written_logs(first: Path) -> list[Path]:
     return [first, *more] if first.exists() else more
 
 
-def promoted(logs: list[Path]) -> dict:
+def promoted(logs: list[Path], wall_started: float) -> dict:
     """Blocks this replica promoted from each lower tier, split into those it had written there
     itself (in this process or an earlier one of it) and those it had not (the other
-    replica's), per minute of its logs' clock."""
+    replica's), per minute of the run (by the steps' wall times in the logs); and when each
+    of the other's was promoted (`other_at`, seconds into the run)."""
     from kvledger.adapters.log_files import open_log
     from kvledger.engine import effects as fx
     from kvledger.engine.replay import replay
@@ -543,31 +560,61 @@ def promoted(logs: list[Path]) -> dict:
     own: dict[int, set[bytes]] = {}
     counts: dict[str, int] = {}
     by_minute: dict[int, dict[str, int]] = {}
-    clock = {"first": 0, "now": 0}
+    other_at: list[float] = []
+    clock = {"now": 0.0}
 
     def observe(seq, event, state, effects) -> None:
         wall = getattr(event, "wall_time_us", 0)
         if wall:
-            clock["now"] = wall
-            clock["first"] = clock["first"] or wall
+            clock["now"] = wall / 1e6 - wall_started
         for effect in effects:
             if type(effect) is fx.StartSpill:
                 own.setdefault(effect.tier, set()).update(k for group in effect.keys for k in group)
             elif type(effect) is fx.StartLoad:
-                minute = (clock["now"] - clock["first"]) // 60_000_000
+                minute = int(clock["now"] // 60)
                 for tiers, keys in zip(effect.promote_tiers, effect.keys):
                     for tier, key in zip(tiers, keys):
                         if tier:
-                            name = f"tier {tier} {'own' if key in own.get(tier, ()) else 'other'}"
+                            mine = key in own.get(tier, ())
+                            name = f"tier {tier} {'own' if mine else 'other'}"
                             counts[name] = counts.get(name, 0) + 1
                             row = by_minute.setdefault(minute, {})
                             row[name] = row.get(name, 0) + 1
+                            if not mine:
+                                other_at.append(round(clock["now"], 1))
 
     for log in logs:
         header, records = open_log(log)
         replay(header.config, records, observe=observe)
     names = {0: "host"} | {index + 1: tier.name for index, tier in enumerate(header.config.lower_tiers)}
-    return {"tiers": names, "blocks": counts, "by_minute": {str(m + 1): row for m, row in sorted(by_minute.items())}}
+    return {"tiers": names, "blocks": counts, "by_minute": {str(m + 1): row for m, row in sorted(by_minute.items())},
+            "other_at": other_at}
+
+
+def cross_replica_recovery(faults: list[dict], promoted_: dict) -> list[dict]:
+    """Per fault: blocks either replica promoted that the other had written, in the minute
+    before the fault began and in the minute after it ended (the goal: back to the minute
+    before)."""
+    times = sorted(t for entry in promoted_.values() for t in entry["other_at"])
+    rows = []
+    for fault in faults:
+        before = sum(fault["start"] - 60 <= t < fault["start"] for t in times)
+        after = sum(fault["end"] <= t < fault["end"] + 60 for t in times)
+        rows.append({"kind": fault["kind"], "start": fault["start"], "end": fault["end"],
+                     "other_written_promoted_minute_before": before, "minute_after": after,
+                     "back": after >= before})
+    return rows
+
+
+def print_promoted(promoted_: dict, recovery: list[dict]) -> None:
+    for name, entry in promoted_.items():
+        print(f"replica {name}: promoted {entry['blocks']} (tiers {entry['tiers']})", flush=True)
+        for minute, row in entry["by_minute"].items():
+            print(f"  minute {minute:>3}: {row}", flush=True)
+    for row in recovery:
+        print(f"after {row['kind']} ({row['start']}-{row['end']} s): blocks the other replica wrote, promoted "
+              f"{row['other_written_promoted_minute_before']} in the minute before, {row['minute_after']} in the "
+              f"minute after", flush=True)
 
 
 def fleet_prediction(logs: list[Path], measured: dict) -> dict:
