@@ -196,10 +196,6 @@ def measure(args: argparse.Namespace) -> None:
         row["replay_from_end_events"] = data["events"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    # Last: the fold holds its events in this process, whose memory a tool started after it would
-    # be charged with (its peak counted from the fork, before it ran anything).
-    rows.append(_fold_speed(path, args.fold_events))
-    print(json.dumps(rows[-1]), flush=True)
     lock.release()
     (out / "measured.json").write_text(json.dumps(rows, indent=2))
 
@@ -426,10 +422,6 @@ def snapshot_cost(args: argparse.Namespace) -> None:
                **{f"{k}_median": round(statistics.median(v), 1) for k, v in times.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    # Last: the fold holds its events in this process, whose memory a tool started after it would
-    # be charged with (its peak counted from the fork, before it ran anything).
-    rows.append(_fold_speed(path, args.fold_events))
-    print(json.dumps(rows[-1]), flush=True)
     lock.release()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "snapshot_cost.json").write_text(json.dumps(rows, indent=2))
