@@ -474,8 +474,14 @@ def run(args, out: Path, model: Path, cluster: ClusterProcesses, disk: Path, mou
     (out / "samples.json").write_text(json.dumps(samples))
     (out / "requests.json").write_text(json.dumps(records))
     summary = summarise(args, records, samples, faults, started)
+    summary["wall_started"] = wall_started
     if args.without_kvledger:  # no log to read, nothing restored to compare
         return summary
+    # Each replica's Valkey tier downs, in a fault's window or not, and those outside in a stall of the host.
+    summary["valkey_tier_downs"] = {name: soak.tier_downs(out / f"server-{name}.out", out / "host_stalls.jsonl",
+                                                          faults, started, wall_started, TIMEOUT_S)
+                                    for name in REPLICAS}
+    print(f"valkey tier down: {summary['valkey_tier_downs']}", flush=True)
     written = {name: written_logs(logs[name]) for name in REPLICAS}
     summary["logs"] = {name: [p.name for p in paths] for name, paths in written.items()}
     summary["promoted"] = {name: promoted(paths, wall_started) for name, paths in written.items()}
