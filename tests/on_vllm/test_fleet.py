@@ -7,53 +7,25 @@ replicas hash differently, and kvledger's keys must not)."""
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-from pathlib import Path
-
 import pytest
 
-from tests.support.zygotes import OTHER_SEED, zygote
+from tests.support.zygotes import OTHER_SEED
+
+from .bench_servers import ForkedServer, bench_module
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _fleet_module():
-    spec = importlib.util.spec_from_file_location("kvledger_fleet_soak", REPO / "bench" / "fleet_soak.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-class _ForkedServer:
-    """A replica's server forked from its zygote (replica b's under another hash seed): the
-    interface of the Popen `soak.start_server` gives."""
-
-    def __init__(self, fleet, args: list[str], log: Path) -> None:
-        self._zygote = zygote(OTHER_SEED if log.name == "server-b.out" else None)
-        self.pid = self._zygote.start({"module": fleet.soak.SERVER_MODULE, "argv": args, "multiprocess": True}, log)
-
-    def poll(self) -> int | None:
-        return self._zygote.poll()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self._zygote.wait(timeout)
-        except TimeoutError:
-            raise subprocess.TimeoutExpired("vLLM's API server", timeout) from None
-
 
 def test_two_replicas_share_their_tiers_through_a_failover_and_serve_nothing_wrong(tmp_path, monkeypatch):
-    fleet = _fleet_module()
+    fleet = bench_module("fleet_soak")
     for name, value in fleet.soak.SERVER_ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv(fleet.SECRET_ENV, "fleet-suite-secret-0123456789abcdef")
     summary = fleet.main(
         ["--minutes", "1", "--clients", "3", "--fault-every-s", "20", "--hold-s", "5", "--faults", "master_killed",
          "--sample-every-s", "5", "--check-sample", "8", "--compare-by", "reset", "--out", str(tmp_path / "fleet")],
-        start=lambda args, log: _ForkedServer(fleet, args, log))
+        start=lambda args, log: ForkedServer(fleet.soak.SERVER_MODULE, args, log,
+                                             OTHER_SEED if log.name == "server-b.out" else None))
     assert all(summary["served_by_replica"][name] > 5 for name in fleet.REPLICAS), summary["served_by_replica"]
     assert summary["failed_outside_faults"] == 0, summary["failures_outside_faults"]
     killed = [fault for fault in summary["faults"] if fault["kind"] == "master_killed"]

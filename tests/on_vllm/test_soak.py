@@ -7,52 +7,21 @@ from the zygote's forkserver), which spares three imports of vLLM."""
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-from pathlib import Path
-
 import pytest
 
-from .conftest import zygote
+from .bench_servers import ForkedServer, bench_module
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("kvledger_soak", REPO / "bench" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-class _ForkedServer:
-    """`bench/soak.py`'s server, forked from the zygote (with the test's environment, which
-    holds `SERVER_ENV`): the interface of the Popen it would start."""
-
-    def __init__(self, soak, args: list[str], log: Path) -> None:
-        self._zygote = zygote()
-        self.pid = self._zygote.start({"module": soak.SERVER_MODULE, "argv": args, "multiprocess": True}, log)
-
-    def poll(self) -> int | None:
-        return self._zygote.poll()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self._zygote.wait(timeout)
-        except TimeoutError:
-            raise subprocess.TimeoutExpired("vLLM's API server", timeout) from None
-
 
 def test_a_minute_of_serving_under_faults_fails_nothing_outside_them_and_serves_nothing_wrong(tmp_path, monkeypatch):
-    soak = _soak_module()
+    soak = bench_module("soak")
     for name, value in soak.SERVER_ENV.items():  # a forked run takes the environment as it is at its start
         monkeypatch.setenv(name, value)
     summary = soak.main(
         ["--minutes", "1", "--clients", "2", "--fault-every-s", "6", "--hold-s", "3", "--sample-every-s", "2",
          "--check-sample", "8", "--compare-by", "reset", "--out", str(tmp_path / "soak")],
-        start=lambda args, log: _ForkedServer(soak, args, log))
+        start=lambda args, log: ForkedServer(soak.SERVER_MODULE, args, log))
     assert summary["served"] > 20, summary
     assert summary["failed_outside_faults"] == 0, summary["failures_outside_faults"]
     kinds = {fault["kind"] for fault in summary["faults"]}
