@@ -96,9 +96,8 @@ class Replica:
         self.core = core
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.open = threading.Event()
-        self._cond = threading.Condition()
-        self.in_flight = 0
+        self.gate = soak.Traffic()  # open: the router sends it turns; drained before a restart or reset
+        self.gate.open.clear()
         self.server = None
         self.starts = 0
 
@@ -118,30 +117,12 @@ class Replica:
             else:
                 os.environ[BIND_ENV] = before
         soak.wait_healthy(self.base, self.server, timeout_s)
-        self.open.set()
+        self.gate.open.set()
 
     def stop(self) -> None:
-        self.open.clear()
+        self.gate.open.clear()
         if self.server is not None:
             soak.stop_server(self.server)
-
-    @contextlib.contextmanager
-    def request(self):
-        with self._cond:
-            self.in_flight += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self.in_flight -= 1
-                self._cond.notify_all()
-
-    def drain(self, timeout_s: float) -> bool:
-        """No new requests (the router sends them to the other replica); wait for those in flight."""
-        self.open.clear()
-        with self._cond:
-            return self._cond.wait_for(lambda: self.in_flight == 0, timeout_s)
-
 
 class Router:
     """Each turn to a replica (`random`, seeded per client, or `round-robin`), among those
@@ -155,7 +136,7 @@ class Router:
 
     def pick(self, rng: random.Random) -> Replica:
         while True:
-            open_ = [r for r in self.replicas.values() if r.open.is_set()]
+            open_ = [r for r in self.replicas.values() if r.gate.open.is_set()]
             if open_:
                 if self.how == "random":
                     return rng.choice(open_)
@@ -181,7 +162,7 @@ def client(index: int, args, router: Router, model: str, workload, deadline: flo
             prompt = f"{history}Q: {question}\nA:"
             with traffic.request():
                 replica = router.pick(rng)
-                with replica.request():
+                with replica.gate.counted():
                     dropped = traffic.drop.is_set() and rng.random() < 0.5
                     at = time.monotonic()
                     record = {"client": index, "replica": replica.name, "at": at, "prompt": prompt,
@@ -331,7 +312,7 @@ class Faults:
 
     def _pick(self) -> Replica | None:
         """A replica serving now (a reset or restart of one that is down would not be the fault asked)."""
-        serving = [self.replicas[name] for name in REPLICAS if self.replicas[name].open.is_set()]
+        serving = [self.replicas[name] for name in REPLICAS if self.replicas[name].gate.open.is_set()]
         return self.rng.choice(serving) if serving else None
 
     def _run(self, kind: str, hold_s: float) -> str:
@@ -344,9 +325,9 @@ class Faults:
             note = migrate_slots(self.cluster, self.rng)
         elif kind == "replica_restarted":
             replica = self._pick()
-            if replica is None or len([r for r in self.replicas.values() if r.open.is_set()]) < 2:
+            if replica is None or len([r for r in self.replicas.values() if r.gate.open.is_set()]) < 2:
                 return "skipped: one replica is down already"
-            drained = replica.drain(120)
+            drained = replica.gate.drain(120)
             replica.stop()
             try:
                 replica.start(timeout_s=4 * RESTART_S)
@@ -358,13 +339,13 @@ class Faults:
             replica = self._pick()
             if replica is None:
                 return "skipped: no replica serving"
-            drained = replica.drain(120)
+            drained = replica.gate.drain(120)
             attempts, answer = 0, {}
             while attempts < 100 and not answer.get("success"):
                 attempts += 1
                 answer = soak.post(f"{replica.base}/reset_prefix_cache?reset_external=true", {})
                 time.sleep(0 if answer.get("success") else 0.1)
-            replica.open.set()
+            replica.gate.open.set()
             note = f"replica {replica.name}: {json.dumps(answer)} after {attempts} attempt(s)" + (
                 "" if drained else ", NOT drained")
         elif kind == "disk_filled":
@@ -530,7 +511,7 @@ def take_sample(t: float, replicas: dict[str, Replica], cluster: ClusterProcesse
     entry = {"t": t, "processes": processes, "cluster": cluster_info(cluster),
              "log_bytes": {n: p.stat().st_size if p.exists() else 0 for n, p in logs.items()}, "metrics": {}}
     for name, replica in replicas.items():
-        if replica.open.is_set():
+        if replica.gate.open.is_set():
             with contextlib.suppress(Exception):
                 entry["metrics"][name] = soak.scrape(replica.base)
     return entry

@@ -226,6 +226,12 @@ class Traffic:
     @contextlib.contextmanager
     def request(self):
         self.open.wait()
+        with self.counted():
+            yield
+
+    @contextlib.contextmanager
+    def counted(self):
+        """In flight, whether the gate is open or not (a fleet's router chose an open replica)."""
         with self._cond:
             self._in_flight += 1
         try:

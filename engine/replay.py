@@ -112,8 +112,9 @@ def replay(
             steps += 1
         # A rejected event's effects are its one `ReportViolation` (`reduce`).
         first = produced[0] if produced else None
-        rejected = isinstance(first, violation)  # (as cheap as a type test: `reduce` makes no subclass)
+        rejected = False
         if isinstance(first, violation):
+            rejected = True
             result.violations.append((seq, first))
             if result.first_problem is None:
                 result.first_problem = Finding(seq, "violation", f"{first.code}: {first.message}")

@@ -572,17 +572,16 @@ def predict_many(recorded_config: EngineConfig, configs: list[EngineConfig], rec
     (each the same as `predict` alone: tests/adapters/test_whatif.py)."""
     log = LogEngine(recorded_config, counted=True)
     drives = [Redrive(recorded_config, config, log=log) for config in configs]
-    run_together(drives, events_in(records), ahead=ahead, log=log)
+    run_together(drives, events_in(records), ahead=ahead)
     return log.outcome(), [drive.outcome() for drive in drives]
 
 
-def run_together(drives: list[Redrive], events: Iterable[ev.Event], *, ahead: int = READ_AHEAD,
-                 log: LogEngine | None = None) -> None:
-    """Feed every event to each re-drive, the log's engine (theirs, shared; the first's where
-    `log` is None) stepped once an event; reading at least `ahead` events ahead of the one fed
-    and holding at most twice that many (`Redrive.run`)."""
+def run_together(drives: list[Redrive], events: Iterable[ev.Event], *, ahead: int = READ_AHEAD) -> None:
+    """Feed every event to each re-drive, the log's engine they share stepped once an event;
+    reading at least `ahead` events ahead of the one fed and holding at most twice that many
+    (`Redrive.run`)."""
     lead = drives[0]
-    log = lead.log if log is None else log
+    log = lead.log
     assert all(drive.log is log for drive in drives), "re-drives run together share the log's engine"
     stream = iter(events)
     base = 0
