@@ -13,7 +13,8 @@ the thread's CPU beside them). A queue past `max_queued` events (the fold
 falling behind for half a minute or more) stops the counter rather than
 hold memory without end.
 
-The ledger keeps at most about `max_keys` keys' facts. A fold that raises
+The ledger keeps at most about `max_keys` keys' facts (`default_keys`: four
+times what the tiers hold). A fold that raises
 stops the counter (logged once; `stopped` says why) and serving goes on
 without it.
 """
@@ -35,8 +36,21 @@ from kvledger.events.config import EngineConfig
 _log = structlog.get_logger("kvledger.adapters.miss_counter")
 
 MAX_KEYS = 262_144
-"""Keys whose facts the live counter remembers by default: about 100 MB at
-most, and four times the blocks of a host tier of 64k slots."""
+"""The most keys whose facts the counter remembers unless told otherwise
+(`miss_memory_keys`): four times the blocks of a host tier of 64k slots."""
+
+MIN_KEYS = 16_384
+"""The fewest it remembers unless told otherwise, however small the tiers."""
+
+
+def default_keys(config: EngineConfig) -> int:
+    """Four times the blocks every tier holds, host memory and each tier below it,
+    from `MIN_KEYS` to `MAX_KEYS`: a key's facts matter while it may come back, and
+    one not named again while the tiers turned over four times would mostly miss
+    anyway. A fixed 262,144 grew a small fleet replica's scheduler by about 0.6 MB
+    a minute for hours before the bound was reached (`bench/fleet_soak.py`)."""
+    blocks = config.num_tier_slots + sum(tier.num_blocks for tier in config.lower_tiers)
+    return min(MAX_KEYS, max(MIN_KEYS, 4 * blocks))
 
 MAX_QUEUED = 1_000_000
 """Events the scheduler may queue ahead of the fold before the counter stops:
@@ -55,10 +69,12 @@ class MissCounter:
     waits for the queue to be folded; `close` folds what is queued and ends
     the thread."""
 
-    def __init__(self, config: EngineConfig, *, max_keys: int = MAX_KEYS, background: bool = False,
+    def __init__(self, config: EngineConfig, *, max_keys: int | None = None, background: bool = False,
                  max_queued: int = MAX_QUEUED) -> None:
+        """`max_keys`: `default_keys(config)` where None."""
         self._seq = 0
-        self._ledger: MissLedger | None = MissLedger(config, on_admission=self._count, max_keys=max_keys)
+        self.max_keys = default_keys(config) if max_keys is None else max_keys
+        self._ledger: MissLedger | None = MissLedger(config, on_admission=self._count, max_keys=self.max_keys)
         self._counts: dict[str, int] = {}
         self._counts_lock = threading.Lock()
         self.stopped: str | None = None

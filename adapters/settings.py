@@ -18,7 +18,6 @@ import attrs
 
 from kvledger.adapters.backpressure import BackpressureSettings
 from kvledger.adapters.engine_host import SNAPSHOT_INTERVAL_EVENTS
-from kvledger.adapters.miss_counter import MAX_KEYS
 from kvledger.events.config import ConfigError, PolicyName, Protection, StoreMode
 from kvledger.transfers.lower_tiers.fs.settings import FsTierSettings, block_file_bytes
 from kvledger.transfers.lower_tiers.tier_types import TierSettings
@@ -72,7 +71,7 @@ class ConnectorSettings:
     weights_version: str | None = None  # names the weights in the tiers' namespace (lower tiers)
     key_generations: str = "private"  # or "counted": see `_FIELDS`
     miss_metrics: bool = True  # count missed tokens by cause live (`adapters.miss_counter`)
-    miss_memory_keys: int = MAX_KEYS
+    miss_memory_keys: int | None = None  # None: four times what the tiers hold (`miss_counter.default_keys`)
     store_threshold: int = 1  # vLLM's: store a block once this many requests offered it
     max_tracker_size: int = 64_000  # vLLM's: keys whose offers are counted
     offload_prompt_only: bool = False  # vLLM's (its default is on): store prompt blocks alone
@@ -107,7 +106,8 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
                              "same new weights through one reset each)"),
     "miss_metrics": (bool, "count missed prompt tokens by cause (vllm:kvledger_missed_tokens), folding the "
                            "engine's notifications on a thread of its own"),
-    "miss_memory_keys": (int, "keys whose history the miss counter remembers (the oldest-named are forgotten)"),
+    "miss_memory_keys": (int, "keys whose history the miss counter remembers (the oldest-named are forgotten; "
+                              "by default four times the blocks every tier holds, 16384 to 262144)"),
     "store_threshold": (int, "vLLM's: store a block only once this many requests have offered it (1: at once)"),
     "max_tracker_size": (int, "vLLM's: keys whose offers store_threshold counts (the least recently offered "
                               "are forgotten)"),
@@ -222,8 +222,8 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     generations = extra.get("key_generations", "private")
     if generations not in ("private", "counted"):
         raise ConfigError(f"key_generations must be 'private' or 'counted', got {generations!r}")
-    memory_keys = extra.get("miss_memory_keys", MAX_KEYS)
-    if memory_keys < 1:
+    memory_keys = extra.get("miss_memory_keys")
+    if memory_keys is not None and memory_keys < 1:
         raise ConfigError(f"miss_memory_keys must be >= 1, got {memory_keys}")
     tier_entries, pressures = _backpressure(extra.get("backpressure"), extra.get("secondary_tiers", ()))
     budget = extra.get("restore_budget", "load")

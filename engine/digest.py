@@ -161,6 +161,12 @@ KEY_TEXTS_MAX = 1 << 16
 digest's cost on a small tier, and from one digest to the next most of its keys are the
 same; a tier whose order could outgrow this uses `repr` (`_policy_text`)."""
 
+KEY_TEXTS_MIN = 1 << 10
+"""The fewest keys a digest's memo holds before it forgets them: past four times what the
+tier's order can hold (and this), the keys kept are mostly ones that left the order: kept
+up to `KEY_TEXTS_MAX`, they grew a 64-slot tier's scheduler by about 0.3 MB a minute for
+hours (`bench/fleet_soak.py`)."""
+
 _key_texts: dict[bytes, str] = {}
 
 
@@ -170,7 +176,10 @@ def _policy_text(core: Core, value: object) -> str:
     would be cleared before a key came round again: each would cost a miss (1.8x `repr`'s
     time at 8,192 keys, measured), so a large tier's digests, on the scheduler's thread,
     take `repr` as before."""
-    if 2 * core.config.num_tier_slots <= KEY_TEXTS_MAX:
+    most = 2 * core.config.num_tier_slots
+    if most <= KEY_TEXTS_MAX:
+        if len(_key_texts) > max(4 * most, KEY_TEXTS_MIN):
+            _key_texts.clear()  # mostly keys that left the order: each still in it costs one repr again
         return text_of(value)
     return repr(value)
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import random
 import threading
 
+import attrs
 import pytest
 
 from kvledger.adapters.log_tools.misses import MissLedger, totals
-from kvledger.adapters.miss_counter import MissCounter
+from kvledger.adapters.miss_counter import MAX_KEYS, MIN_KEYS, MissCounter, default_keys
 from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.engine.reducer import reduce_step
 from kvledger.engine.state import initial_state
@@ -103,6 +104,20 @@ def test_the_memory_bounds_the_ends_of_requests_too_where_they_name_few_keys() -
         served.apply(events)
         assert len(counter._ledger.keys) <= 40 and len(counter._ledger._ended) <= 40
     assert len(counter._ledger.keys) == 35 and len(counter._ledger._ended) > 20
+
+
+@pytest.mark.fast
+def test_its_memory_follows_what_the_tiers_hold() -> None:
+    """By default it remembers four times the blocks every tier holds, host memory and
+    each tier below, within MIN_KEYS and MAX_KEYS: a small fleet replica's counter once
+    grew its scheduler for hours towards a fixed 262,144 keys."""
+    assert MissCounter(SMALL).max_keys == MIN_KEYS  # a few slots: the floor
+    tiers = attrs.evolve(SMALL, num_tier_slots=8_192, lower_tiers=({"name": "1:fs", "num_blocks": 4_096},
+                                                                   {"name": "2:valkey", "num_blocks": 20_000}))
+    assert default_keys(tiers) == 4 * (8_192 + 4_096 + 20_000)
+    assert MissCounter(tiers).max_keys == 4 * (8_192 + 4_096 + 20_000)
+    assert default_keys(attrs.evolve(SMALL, num_tier_slots=1 << 20)) == MAX_KEYS
+    assert MissCounter(tiers, max_keys=100).max_keys == 100  # `miss_memory_keys` set
 
 
 @pytest.mark.fast

@@ -254,3 +254,26 @@ def test_the_policys_text_is_its_repr(value: object) -> None:
 
     assert text_of(value) == repr(value)
     assert text_of(value) == repr(value)  # again, from what it kept
+
+
+def test_the_kept_key_texts_follow_the_tier_not_every_key_it_ever_held() -> None:
+    """Keys that left the policy's order are forgotten once the kept texts pass four times
+    what the order can hold (at least KEY_TEXTS_MIN): on a small tier, every key that ever
+    passed through it had been kept, up to KEY_TEXTS_MAX, growing a scheduler for hours."""
+    import random
+
+    from kvledger.adapters.testing.simulator import Simulator, run_random
+    from tests.adapters.test_misses import SMALL
+
+    sim = Simulator(SMALL)
+    rng = random.Random(0)
+    digest_module._key_texts.clear()
+    passed: set[bytes] = set()
+    largest = 0
+    for i in range(3_000):
+        run_random(sim, rng, steps=5, arrivals=1.0, docs=10_000, max_prompt_blocks=4)
+        passed.update(sim.state.core.slot_of_key)
+        part_digest(sim.state, i % PARTS, PARTS)
+        largest = max(largest, len(digest_module._key_texts))
+    assert len(passed) > 2 * digest_module.KEY_TEXTS_MIN  # without the bound, all of them
+    assert largest <= digest_module.KEY_TEXTS_MIN + 2 * SMALL.num_tier_slots
