@@ -683,6 +683,19 @@ def _tier_lookup_failed(core: Core, event: ev.TierLookupFailed, out: list[fx.Eff
                                 f"{', '.join(ev.LOOKUP_FAILURES)}", request_id=event.request_id)
 
 
+def _first_generation_hashes(core: Core, event: ev.FirstGenerationHashes, out: list[fx.Effect]) -> None:
+    """On the record for `explain`; nothing in the state changes. They must be the
+    generation-0 hashes of the blocks the request just named."""
+    request = core.requests.get(event.request_id)
+    if request is None:
+        raise ProtocolViolation("illegal_request_event", f"first_generation_hashes for an unknown request: "
+                                f"{event.request_id!r}", request_id=event.request_id)
+    if event.first < 0 or event.first + len(event.block_hashes) != len(request.hashes):
+        raise ProtocolViolation("bad_first_generation_hashes", f"{len(event.block_hashes)} hashes from position "
+                                f"{event.first} for a request with {len(request.hashes)}",
+                                request_id=event.request_id)
+
+
 def _restore_costs_measured(core: Core, event: ev.RestoreCostsMeasured, out: list[fx.Effect]) -> None:
     """The costs the next lookups weigh a hit by (`lookup.budget`)."""
     tiers = 1 + len(core.lower)
@@ -740,6 +753,7 @@ _HANDLERS: Final[dict[type, Callable[[Core, Any, list[fx.Effect]], None]]] = {
     ev.TierLookupFailed: _tier_lookup_failed,
     ev.RestoreCostsMeasured: _restore_costs_measured,
     ev.RestoreBudgeted: _restore_budgeted,
+    ev.FirstGenerationHashes: _first_generation_hashes,
     ev.TierPressure: _tier_pressure,
 }
 assert set(_HANDLERS) == set(ev.EVENT_TYPES), "every event kind needs a handler"

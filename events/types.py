@@ -328,6 +328,22 @@ class TierPressure:
     latency_ns_per_mib: int
 
 
+@attrs.frozen(kw_only=True)
+class FirstGenerationHashes:
+    """After a cache reset that began a new key generation (`CacheReset.rekeyed`), the
+    request's hashes as key generation 0 has them, for its blocks from position `first`
+    on, told beside the hashes it just named (`RequestAdded`, `BlockHashesAppended`): the
+    same tokens' hashes before any reset. A block stored under an earlier generation is
+    never found under the new keys; with these, `explain` says that the reset lost it
+    rather than that it was never seen. A fact for `explain`; the engine keeps nothing of it."""
+
+    kind: ClassVar[str] = "first_generation_hashes"
+    version: ClassVar[int] = 1
+    request_id: str
+    first: int
+    block_hashes: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
+
+
 Event = Union[
     RequestAdded,
     BlockHashesAppended,
@@ -351,6 +367,7 @@ Event = Union[
     RestoreCostsMeasured,
     RestoreBudgeted,
     TierPressure,
+    FirstGenerationHashes,
 ]
 
 TransferEvent = Union[StoreCompleted, StoreFailed, LoadCompleted, LoadFailed]

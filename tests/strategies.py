@@ -45,6 +45,7 @@ EXAMPLE_EVENTS: dict[str, ev.Event] = {
         ev.RestoreBudgeted(request_id="cmpl-7f3a-0", offered_tokens=64, kept_tokens=32, load_us=180_000,
                            compute_us=40_000),
         ev.TierPressure(tier=1, drop_ppm=1_000_000, latency_ns_per_mib=12_000_000),
+        ev.FirstGenerationHashes(request_id="cmpl-7f3a-0", first=0, block_hashes=(_H[0], _H[1])),
     )
 }
 assert set(EXAMPLE_EVENTS) == set(ev.KIND_TO_TYPE), "every event kind needs an example"
@@ -114,6 +115,8 @@ _BY_KIND: dict[str, st.SearchStrategy] = {
     "restore_budgeted": st.builds(ev.RestoreBudgeted, request_id=request_ids, offered_tokens=ints, kept_tokens=ints,
                                   load_us=ints, compute_us=ints),
     "tier_pressure": st.builds(ev.TierPressure, tier=small_ints, drop_ppm=ints, latency_ns_per_mib=ints),
+    "first_generation_hashes": st.builds(ev.FirstGenerationHashes, request_id=request_ids, first=small_ints,
+                                         block_hashes=hash_tuples),
 }
 assert set(_BY_KIND) == set(ev.KIND_TO_TYPE), "every event kind needs a strategy"
 

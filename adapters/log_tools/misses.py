@@ -191,6 +191,14 @@ class MissLedger:
         self._load_failures: dict[int, tuple[int, set[bytes], int, str]] = {}
         self._wall_us = 0
         self.cut: dict[str, int] = {}  # what-if: request -> the hit its lookup offered, cut to fit the log's table
+        # Key generations (`ev.FirstGenerationHashes`): each key named after a rekeying reset -> the same
+        # block's key in generation 0; each block a rekeying reset dropped, by its generation-0 key -> the
+        # tier, the reset's seq and the generation it was stored under. The last `_name`: request, start, hashes.
+        self._generation = 0
+        self._rekeyed_at = -1  # the seq of the last rekeying reset
+        self._first_keys: dict[bytes, bytes] = {}
+        self._reset_lost: dict[bytes, tuple[int, int, int]] = {}
+        self._last_named: tuple[str, int, tuple[bytes, ...]] = ("", -1, ())
 
     # The fold.
 
@@ -217,7 +225,7 @@ class MissLedger:
         if not most:  # unbounded (a replay's explain)
             return
         for table in (self.keys, self._gone, self._storing, self._store_failed, self._refused, self._below,
-                      self._spill_dropped,
+                      self._spill_dropped, self._first_keys, self._reset_lost,
                       self._decode_named, self._ended, self._unanswered):
             _bound(table, most)
 
@@ -249,6 +257,8 @@ class MissLedger:
         """Name the keys of the blocks whose last hash is among these (`hma.append_keys`'s rule)."""
         start = self._hashes.get(rid, 0)
         self._hashes[rid] = start + len(hashes)
+        if self._generation:
+            self._last_named = (rid, start, hashes)
         name = self.keys.setdefault  # the first to name a key keeps it; C-level loops, no per-key step
         prompt = self._prompt_tokens.get(rid, -1)  # under `offload_prompt_only` alone
         for group, (per_block, suffix) in zip(self.groups, self._key_rules):
@@ -266,6 +276,19 @@ class MissLedger:
             key = hashed + suffix
             if position >= prompt_blocks and named.get(key) == rid:
                 self._decode_named.setdefault(key, rid)
+
+    def _first_generation(self, seq: int, event: ev.FirstGenerationHashes) -> None:
+        """The generation-0 keys of the blocks just named, by the same rule (`_name`)."""
+        rid, start, hashes = self._last_named
+        if rid != event.request_id or start != event.first or len(hashes) != len(event.block_hashes):
+            return  # not beside the hashes it names: nothing to pair
+        first_keys = self._first_keys
+        for per_block, suffix in self._key_rules:
+            offset = (start // per_block + 1) * per_block - 1 - start
+            now, then = hashes[offset::per_block], event.block_hashes[offset::per_block]
+            if suffix:
+                now, then = tuple(h + suffix for h in now), tuple(h + suffix for h in then)
+            first_keys.update(zip(now, then))
 
     def _rewound(self, seq: int, event: ev.BlockHashesRewound) -> None:
         self._hashes[event.request_id] = event.num_hashes
@@ -289,8 +312,10 @@ class MissLedger:
         self._wall_us = event.wall_time_us
 
     def _reset(self, seq: int, event: ev.CacheReset) -> None:
-        if event.rekeyed:  # every request's keys start again
+        if event.rekeyed:  # every request's keys start again, under a new generation
             self._hashes = dict.fromkeys(self._hashes, 0)
+            self._generation += 1
+            self._rekeyed_at = seq
 
     def _became_loadable(self, seq: int, effect: fx.KeysLoadable, effects: tuple[fx.Effect, ...]) -> None:
         self._held[effect.tier].update(effect.keys)
@@ -298,6 +323,10 @@ class MissLedger:
     def _unloadable(self, seq: int, effect: fx.KeysUnloadable, effects: tuple[fx.Effect, ...]) -> None:
         job, room = _room(effects)
         self._held[effect.tier].difference_update(effect.keys)
+        if seq == self._rekeyed_at and effect.reason is fx.Reason.RESET:  # lost to the new generation
+            first = self._first_keys.get
+            lost = (effect.tier, seq, self._generation - 1)
+            self._reset_lost.update((first(key, key), lost) for key in effect.keys)
         why = _failure_reason(effects) if effect.reason is fx.Reason.FAILED else ""
         self._gone.update(dict.fromkeys(effect.keys, (effect.tier, seq, effect.reason, job, room, why)))
 
@@ -470,6 +499,8 @@ class MissLedger:
         for facts in (self._storing, self._gone, self._store_failed, self._refused, self._below, self._decode_named):
             if facts and not facts.keys().isdisjoint(keys):
                 return None
+        if self._reset_lost and not self._reset_lost.keys().isdisjoint(map(self._first_keys.get, keys, keys)):
+            return None  # held under an earlier key generation
         kind = self.groups[self.axis].kind
         whys: list[_Why] = []
         for named_by, same in groupby(map(self.keys.get, keys)):
@@ -514,14 +545,20 @@ class MissLedger:
         named_by = self.keys.get(key)
         if named_by is None and not key:
             return ("unexplained", -1, -1, -1, "", "")
-        return self._never_stored(named_by or "", rid, kind)
+        return self._never_stored(named_by or "", rid, kind, self._first_keys.get(key))
 
-    def _never_stored(self, named_by: str, rid: str, kind: GroupKind) -> _Why:
+    def _never_stored(self, named_by: str, rid: str, kind: GroupKind, key_first: bytes | None = None) -> _Why:
+        """`key_first`: the key's generation-0 key, where it was named after a rekeying reset."""
         if named_by in ("", rid):
             unanswered = self._unanswered.get(rid)
             if unanswered is not None:  # the one place it may have been: the shared tier, unasked
                 tier, seq, reason = unanswered
                 return (_LOOKUP_CAUSES[reason], tier, seq, -1, "", "")
+            if key_first is not None:  # new under this key generation: was it held under an earlier one?
+                lost = self._reset_lost.get(key_first)
+                if lost is not None:
+                    tier, seq, generation = lost
+                    return ("reset", tier, seq, -1, "", f"stored under key generation {generation}")
             return ("first_seen", -1, -1, -1, "", "")
         if kind is not GroupKind.FULL:
             return ("never kept by its group", -1, -1, -1, "", "")
@@ -718,4 +755,5 @@ _FOLLOW: dict[type, Callable[[MissLedger, int, Any], None]] = {
     ev.CacheReset: MissLedger._reset,
     ev.TierLookupFailed: MissLedger._lookup_failed,
     ev.RestoreBudgeted: MissLedger._budget,
+    ev.FirstGenerationHashes: MissLedger._first_generation,
 }

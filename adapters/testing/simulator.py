@@ -42,17 +42,18 @@ def chain_hash(*parts: object) -> bytes:
 
 
 class SimRequest:
-    __slots__ = ("rid", "doc", "status", "num_prompt_tokens", "num_tokens", "hashes", "table",
+    __slots__ = ("rid", "doc", "status", "num_prompt_tokens", "num_tokens", "hashes", "first_hashes", "table",
                  "computed", "max_tokens", "num_output", "load_job")
 
     def __init__(self, rid: str, doc: int, num_prompt_tokens: int, hashes: list[bytes], groups: int,
-                 max_tokens: int) -> None:
+                 max_tokens: int, first_hashes: list[bytes] | None = None) -> None:
         self.rid = rid
         self.doc = doc
         self.status = "waiting"
         self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = num_prompt_tokens
-        self.hashes = hashes
+        self.hashes = hashes  # under the current key generation
+        self.first_hashes = hashes if first_hashes is None else first_hashes  # under generation 0
         self.table: list[list[int]] = [[] for _ in range(groups)]
         self.computed = 0
         self.max_tokens = max_tokens
@@ -134,6 +135,13 @@ class Simulator:
         self.ended_at: dict[str, int] = {}  # request -> the seq it finished or was aborted
         self.started_at: dict[int, int] = {}  # job -> the seq of the event that started it
         self.reset_seqs: list[int] = []
+        # Key generations: a rekeying reset (`reset(rekey=True)`, as the connector's with tiers below host
+        # memory) keys every block anew. Each key of a later generation -> its generation-0 key, and each
+        # block such a reset dropped, by its generation-0 key -> (seq, tier, the generation it was stored under).
+        self.generation = 0
+        self._rekeying = False  # while a rekeying reset's event is applied
+        self.first_key_of: dict[bytes, bytes] = {}
+        self.reset_lost: dict[bytes, tuple[int, int, int]] = {}
         # The last finished requests (doc, hashes, tokens), for conversations' next turns (`add_turn`).
         self.finished_turns: list[tuple[int, list[bytes], int]] = []
         self.next_doc = 1 << 20  # the texts of turns' replies (docs of `add_request` are small ints)
@@ -156,9 +164,12 @@ class Simulator:
             request = self.requests[event.request_id]
             for group in self.groups:
                 prompt_blocks = request.num_prompt_tokens // group.block_size
-                for position, key in enumerate(self.keys(request, group.group_id)):
+                keys = self.keys(request, group.group_id)
+                for position, key in enumerate(keys):
                     if self.first_named.setdefault(key, request.rid) == request.rid and position >= prompt_blocks:
                         self.decode_named.add(key)
+                if self.generation:
+                    self.first_key_of.update(zip(keys, self.keys(request, group.group_id, request.first_hashes)))
         elif self.truth is not None and isinstance(event, (ev.RequestFinished, ev.RequestAborted)):
             self.ended_at[event.request_id] = self.events - 1
         for effect in effects:
@@ -219,7 +230,11 @@ class Simulator:
             raise SimulationError(f"tier {effect.tier}: keys announced unloadable that were not loadable")
         announced.difference_update(effect.keys)
         if self.truth is not None:
-            self.gone_at.update(dict.fromkeys(effect.keys, (self.events - 1, effect.reason, effect.tier)))
+            seq = self.events - 1
+            self.gone_at.update(dict.fromkeys(effect.keys, (seq, effect.reason, effect.tier)))
+            if effect.reason is fx.Reason.RESET and self._rekeying:
+                lost = (seq, effect.tier, self.generation - 1)
+                self.reset_lost.update((self.first_key_of.get(k, k), lost) for k in effect.keys)
 
     def _failed(self, effect: fx.TransferFailed) -> None:
         """A notification for logs; the job's own reports carry the outcome."""
@@ -367,19 +382,34 @@ class Simulator:
 
     # Requests.
 
-    def keys(self, request: SimRequest, group_id: int) -> list[bytes]:
+    def keys(self, request: SimRequest, group_id: int, hashes: list[bytes] | None = None) -> list[bytes]:
+        """The request's keys in a group (from `hashes`, its generation-0 hashes say, where given)."""
+        hashes = request.hashes if hashes is None else hashes
         group = self.groups[group_id]
         per = group.block_size // self.config.hash_block_size
         suffix = group_id.to_bytes(4, "big")
-        return [request.hashes[(i + 1) * per - 1] + suffix for i in range(len(request.hashes) // per)]
+        return [hashes[(i + 1) * per - 1] + suffix for i in range(len(hashes) // per)]
+
+    def _keyed(self, first: bytes) -> bytes:
+        """A block's hash under the current key generation, from its generation-0 hash."""
+        return chain_hash("generation", self.generation, first) if self.generation else first
+
+    def _tell(self, event: ev.RequestAdded | ev.BlockHashesAppended, first: list[bytes]) -> None:
+        """Hashes named, and after a rekeying reset the same blocks' generation-0 hashes."""
+        self.emit(event)
+        if self.generation and first:
+            request = self.requests[event.request_id]
+            self.emit(ev.FirstGenerationHashes(request_id=request.rid, first=len(request.hashes) - len(first),
+                                               block_hashes=tuple(first)))
 
     def add_request(self, doc: int, num_prompt_tokens: int, max_tokens: int) -> str:
         rid = f"req-{self.next_request}"
         self.next_request += 1
         size = self.config.hash_block_size
-        hashes = [chain_hash(doc, i) for i in range(num_prompt_tokens // size)]
-        self.requests[rid] = SimRequest(rid, doc, num_prompt_tokens, hashes, len(self.groups), max_tokens)
-        self.emit(ev.RequestAdded(request_id=rid, num_prompt_tokens=num_prompt_tokens, block_hashes=hashes))
+        first = [chain_hash(doc, i) for i in range(num_prompt_tokens // size)]
+        hashes = [self._keyed(h) for h in first]
+        self.requests[rid] = SimRequest(rid, doc, num_prompt_tokens, hashes, len(self.groups), max_tokens, first)
+        self._tell(ev.RequestAdded(request_id=rid, num_prompt_tokens=num_prompt_tokens, block_hashes=hashes), first)
         return rid
 
     def add_turn(self, previous: tuple[int, list[bytes], int], extra_tokens: int, max_tokens: int) -> str:
@@ -390,12 +420,13 @@ class Simulator:
         self.next_request += 1
         size = self.config.hash_block_size
         num_prompt_tokens = num_tokens + extra_tokens
-        kept = hashes[:num_tokens // size]
-        new = [chain_hash("turn", rid, i) for i in range(len(kept), num_prompt_tokens // size)]
+        kept = hashes[:num_tokens // size]  # generation 0's (`finished_turns`)
+        first = kept + [chain_hash("turn", rid, i) for i in range(len(kept), num_prompt_tokens // size)]
         self.next_doc += 1  # its reply continues a text of its own
-        request = SimRequest(rid, self.next_doc, num_prompt_tokens, kept + new, len(self.groups), max_tokens)
+        keyed = [self._keyed(h) for h in first]
+        request = SimRequest(rid, self.next_doc, num_prompt_tokens, keyed, len(self.groups), max_tokens, first)
         self.requests[rid] = request
-        self.emit(ev.RequestAdded(request_id=rid, num_prompt_tokens=num_prompt_tokens, block_hashes=kept + new))
+        self._tell(ev.RequestAdded(request_id=rid, num_prompt_tokens=num_prompt_tokens, block_hashes=keyed), first)
         return rid
 
     def waiting(self) -> list[str]:
@@ -542,6 +573,8 @@ class Simulator:
             "ended_at": dict(self.ended_at),
             "unanswered": self.unanswered.get(request.rid),
             "gone": [self.gone_at.get(k) for k in keys],
+            "reset_lost": [self.reset_lost.get(self.first_key_of[k]) if k in self.first_key_of else None
+                           for k in keys],
             "refused": [self.refused_at.get(k, -1) for k in keys],
             "below": [self.below_at.get(k, -1) for k in keys],
             "budgeted": budgeted,
@@ -620,14 +653,37 @@ class Simulator:
         self.unanswered[rid] = (reason, self.events)
         self.emit(ev.TierLookupFailed(tier=1, request_id=rid, reason=reason))
 
-    def reset(self, *, sleep: bool = False) -> None:
+    def reset(self, *, sleep: bool = False, rekey: bool = False) -> None:
         """A cache reset; with `sleep`, then vLLM's sleep, which discards the KV
         cache: every free block loses its content and leaves the prefix cache.
         (vLLM sleeps with no request running, so a held block keeps its content
-        here: a store still reading one must not be cut short.)"""
+        here: a store still reading one must not be cut short.) With `rekey`, a
+        new key generation begins, as the connector's does with tiers below host
+        memory: every live request's blocks are keyed anew and told again."""
         self.epoch += 1
         self.reset_seqs.append(self.events)
-        self.emit(ev.CacheReset(epoch=self.epoch))
+        if rekey:
+            self.generation += 1
+        self._rekeying = rekey
+        self.emit(ev.CacheReset(epoch=self.epoch, rekeyed=rekey))
+        self._rekeying = False
+        if rekey:
+            # The same tokens' KV under the new keys: a block, slot or file holding a live request's
+            # block holds it under its new key (a load in flight still copies it to the request).
+            renamed: dict[object, object] = {}
+            for request in list(self.requests.values()):
+                before = [self.keys(request, g.group_id) for g in self.groups]
+                request.first_hashes = list(request.first_hashes)
+                request.hashes = [self._keyed(h) for h in request.first_hashes]
+                for group, old in zip(self.groups, before):
+                    renamed.update(zip(old, self.keys(request, group.group_id)))
+            self.content = [renamed.get(c, c) for c in self.content]  # type: ignore[arg-type]
+            self.slot_content = {slot: renamed.get(c, c) for slot, c in self.slot_content.items()}  # type: ignore[arg-type]
+            self.disks = [{key: renamed.get(c, c) for key, c in disk.items()} for disk in self.disks]  # type: ignore[arg-type]
+            for request in list(self.requests.values()):
+                if request.hashes:
+                    self._tell(ev.BlockHashesAppended(request_id=request.rid, num_tokens=request.num_tokens,
+                                                      block_hashes=tuple(request.hashes)), request.first_hashes)
         if sleep:
             for block in self.free:
                 self.content[block] = ("discarded by sleep", block)
@@ -753,7 +809,7 @@ class Simulator:
             return  # chunked prefill continues
         request.num_output += 1
         if request.num_output >= request.max_tokens:
-            self.finished_turns.append((request.doc, list(request.hashes), request.num_tokens))
+            self.finished_turns.append((request.doc, list(request.first_hashes), request.num_tokens))
             del self.finished_turns[:-16]
             final = [tuple(t) for t in request.table]
             self.emit(ev.RequestFinished(request_id=request.rid, block_ids=final))
@@ -763,10 +819,13 @@ class Simulator:
         request.num_tokens += 1
         size = self.config.hash_block_size
         if request.num_tokens // size > len(request.hashes):
-            new = chain_hash(request.doc, request.num_prompt_tokens, len(request.hashes))
-            request.hashes.append(new)
-            self.emit(ev.BlockHashesAppended(request_id=request.rid, num_tokens=request.num_tokens,
-                                             block_hashes=(new,)))
+            first = chain_hash(request.doc, request.num_prompt_tokens, len(request.hashes))
+            if request.first_hashes is request.hashes:
+                request.first_hashes = list(request.hashes)
+            request.first_hashes.append(first)
+            request.hashes.append(self._keyed(first))
+            self._tell(ev.BlockHashesAppended(request_id=request.rid, num_tokens=request.num_tokens,
+                                              block_hashes=(request.hashes[-1],)), [first])
 
     # The workers.
 
@@ -907,7 +966,7 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
                 worker = rng.choice(sorted(job.pending))
                 sim.complete(job_id, worker, rng.random() < fail_rate, rng)
         if reset_rate and rng.random() < reset_rate:
-            sim.reset(sleep=rng.random() < 0.5)
+            sim.reset(sleep=rng.random() < 0.5, rekey=bool(sim.disks) and rng.random() < 0.5)
         if check_every and n % check_every == 0:
             sim.check()
 

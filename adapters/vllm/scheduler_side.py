@@ -102,6 +102,9 @@ class LedgerScheduler:
         self._lookups = HitLookups(lambda: self.host.state, self._apply, tiers)
         self._chain = self._chain_keys(tiers.key_root) if tiers is not None else None
         self._keys_of = self._chain.keys if self._chain is not None else None
+        # After a reset that began a new key generation: generation 0's keys, told beside the new
+        # ones (`ev.FirstGenerationHashes`), so `explain` can say which blocks the reset lost.
+        self._first_chain: ChainKeys | None = None
         if tiers is not None:
             self._apply(list(tiers.startup_events()))
 
@@ -109,6 +112,8 @@ class LedgerScheduler:
 
     def _apply(self, events: list[ev.Event]) -> tuple[fx.Effect, ...]:
         """Apply one step's (or one call's) events; carry out what is the scheduler's."""
+        if self._first_chain is not None:
+            events = self._with_first_generation(events)
         if self._misses is None:
             effects = self.host.apply_step(events)
         else:
@@ -118,6 +123,23 @@ class LedgerScheduler:
         if effects:
             self._carry_out(effects)
         return effects
+
+    def _with_first_generation(self, events: list[ev.Event]) -> list[ev.Event]:
+        """Each hash a request names, followed by the same blocks' generation-0 hashes."""
+        first_chain = self._first_chain
+        assert first_chain is not None
+        told: list[ev.Event] = []
+        for event in events:
+            told.append(event)
+            if type(event) is ev.RequestAdded or type(event) is ev.BlockHashesAppended:
+                request = self._requests.get(event.request_id)
+                if request is None or not event.block_hashes:
+                    continue
+                first = first_chain.keys(request)
+                start = len(first) - len(event.block_hashes)
+                told.append(ev.FirstGenerationHashes(request_id=event.request_id, first=start,
+                                                     block_hashes=tuple(first[start:])))
+        return told
 
     def _carry_out(self, effects: tuple[fx.Effect, ...]) -> None:
         """The scheduler's own effects, and the notifications translated for logs,
@@ -270,6 +292,8 @@ class LedgerScheduler:
         self.restores.forget(rid)
         if self._chain is not None:
             self._chain.forget(rid)
+        if self._first_chain is not None:
+            self._first_chain.forget(rid)
         if self._tiers is not None:
             self._tiers.forget(rid)
         return False, None  # blocks are freed now; the engine flushes stores that still read them
@@ -311,6 +335,8 @@ class LedgerScheduler:
             # Private generations are salted at random: another replica's reset, whatever weights it
             # loaded, never lands on these keys (adapters may draw randomness; the keys enter the log).
             salt = os.urandom(16) if self.settings.key_generations == "private" else b""
+            if self._first_chain is None:  # the chain being replaced is generation 0's
+                self._first_chain = self._chain
             self._chain = self._chain_keys(generation_root(tiers.key_root, epoch, salt))
             self._keys_of = self._chain.keys
             tiers.new_generation()

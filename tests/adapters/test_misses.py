@@ -45,6 +45,9 @@ def _run(config: EngineConfig, seed: int, *, prefix_caching: bool, **rates: floa
     return sim, ledger
 
 
+REKEYED = "reset, under an earlier key generation"  # `_check`'s name for a cause it checked apart
+
+
 def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
     """Every admission explained consistently with the simulator's truth; the causes seen."""
     assert sim.truth is not None
@@ -76,6 +79,14 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
             if run.cause == "first_seen":
                 assert all(truth["named_first"][p] for p in blocks), (where, run)
                 assert truth["unanswered"] is None, (where, run)  # else the lookup's failure is the cause
+                assert not any(truth["reset_lost"][p] for p in blocks), (where, run)  # else the reset is
+            elif run.cause == "reset" and "key generation" in run.detail:  # held under an earlier generation
+                seen.add(REKEYED)
+                assert all(truth["named_first"][p] for p in blocks), (where, run)
+                for p in blocks:  # dropped by that reset, from that tier, stored under that generation
+                    seq, tier, generation = truth["reset_lost"][p]
+                    assert (seq, tier) == (run.seq, run.tier) and seq in sim.reset_seqs, (where, run)
+                    assert run.detail == f"stored under key generation {generation}", (where, run)
             elif run.cause in LOOKUP:
                 assert all(truth["named_first"][p] for p in blocks), (where, run)
                 reason, seq = truth["unanswered"]
@@ -176,6 +187,8 @@ def test_every_cause_is_reached_and_checked():
                                damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.1, turn_rate=0.2,
                                pressure_rate=0.05)
             seen |= _check(sim, ledger)
+    assert REKEYED in seen  # a block stored under an earlier key generation, asked for under a later one
+    seen.discard(REKEYED)
     assert seen == set(CAUSES) - {"unexplained"} - WHATIF, f"never reached: {set(CAUSES) - seen - {'unexplained'}}"
 
 

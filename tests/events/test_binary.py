@@ -420,7 +420,7 @@ def test_the_committed_version_1_log_decodes() -> None:
         expected_header, expected = read_jsonl(lines)
         assert (header, records) == (expected_header, list(expected))
     later = {"tier_keys_found", "block_hashes_rewound", "tier_lookup_failed",  # kinds added after the version-1
-             "restore_costs_measured", "restore_budgeted", "tier_pressure"}  # writer
+             "restore_costs_measured", "restore_budgeted", "tier_pressure", "first_generation_hashes"}  # writer
     assert {r.event.kind for r in records if isinstance(r, EventRecord)} == set(SCHEMAS) - later
     assert any(isinstance(r, DigestRecord) for r in records)
 

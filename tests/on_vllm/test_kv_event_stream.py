@@ -95,3 +95,23 @@ def test_vllms_kv_event_stream_announces_what_the_log_says_each_tier_holds(model
     assert held[0] and held[1]  # both tiers held blocks at the end: the comparison says something
     assert announced["CPU"] == pairs_of(held[0])
     assert announced["STORAGE"] == pairs_of(held[1])
+    _explained_by_the_new_key_generation(log)
+
+
+def _explained_by_the_new_key_generation(log) -> None:
+    """With a tier below host memory the reset begins a new key generation: the shifted
+    prompts' shared prefixes, stored before it under generation 0's keys, are computed
+    again under new keys, and `explain` says so, with the reset's seq (not `first_seen`)."""
+    from kvledger.events import types as ev
+    from tests.support.causes import explained
+
+    _, records = open_log(log)
+    records = list(records)
+    (reset,) = [r.seq for r in records if type(getattr(r, "event", None)) is ev.CacheReset]
+    assert any(type(getattr(r, "event", None)) is ev.FirstGenerationHashes and r.seq > reset for r in records)
+    admissions, _ = explained(log)
+    first_after = next(a for a in admissions if a.seq > reset)
+    lost = [run for run in first_after.runs if run.cause == "reset"]
+    assert lost and lost[0].first_block == 0, first_after.runs  # its shared prefix, from the first block
+    assert all(run.seq == reset and run.detail == "stored under key generation 0" for run in lost), lost
+    assert all(run.cause != "first_seen" for run in first_after.runs if run.first_block < lost[-1].last_block)

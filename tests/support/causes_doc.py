@@ -23,6 +23,7 @@ SMALL = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=16),)
                      num_device_blocks=24, num_tier_slots=6, protection="pin")
 RATES = {"fail_rate": 0.1, "reset_rate": 0.03, "damage_rate": 0.05, "foreign_rate": 0.05, "lookup_fail_rate": 0.1}
 SHOWN = [cause for cause in CAUSES if cause not in ("unexplained", "log_table")]  # log_table: whatif's
+REKEYED = "reset, under an earlier key generation"  # shown beside `reset`'s first example
 
 
 def _runs():
@@ -47,7 +48,7 @@ def _seeded(turns: dict[str, float]):
             yield number, seed, config, ledger.admissions, events
 
 
-def _example(cause: str, config: EngineConfig, admission: Admission, events: list[ev.Event]) -> list[str]:
+def _example(cause: str, config: EngineConfig, admission: Admission, events: list[ev.Event], named) -> list[str]:
     tiers = ["host"] + [t.name for t in config.lower_tiers]
     lines = [f"request {admission.request_id}, admission {admission.attempt} at seq {admission.seq}: "
              f"{admission.num_tokens} tokens, {admission.tokens('device')} in vLLM's prefix cache, "
@@ -55,9 +56,8 @@ def _example(cause: str, config: EngineConfig, admission: Admission, events: lis
     for run in admission.runs:
         blocks = f"block {run.first_block}" if run.first_block == run.last_block else \
             f"blocks {run.first_block}-{run.last_block}"
-        mark = "->" if run.cause == cause else "  "
+        mark = "->" if run == named else "  "
         lines.append(f"{mark} {blocks:<14} {describe(run, tiers)}")
-    named = next(run for run in admission.runs if run.cause == cause)
     if 0 <= named.seq < len(events):
         lines.append(f"   seq {named.seq}: {json.dumps(codec.to_record(events[named.seq]))}")
     return lines
@@ -68,9 +68,12 @@ def render() -> str:
     for number, seed, config, admissions, events in _runs():
         for admission in admissions:
             for run in admission.runs:
-                if run.outcome == "missed" and run.cause in SHOWN and run.cause not in found:
-                    found[run.cause] = (number, seed, _example(run.cause, config, admission, events))
-        if len(found) == len(SHOWN):
+                if run.outcome != "missed" or run.cause not in SHOWN:
+                    continue
+                shown = REKEYED if run.cause == "reset" and "key generation" in run.detail else run.cause
+                if shown not in found:
+                    found[shown] = (number, seed, _example(run.cause, config, admission, events, run))
+        if len(found) == len(SHOWN) + 1:
             break
     out = [
         "<!-- Rendered by tests/support/causes_doc.py from seeded simulator runs; do not edit by hand.",
@@ -85,10 +88,14 @@ def render() -> str:
         "as the log's JSON form has it. The causes are described in the README's table.",
         "",
     ]
-    for cause in SHOWN:
-        out.append(f"## `{cause}`")
-        out.append("")
-        out.append(CAUSES[cause][0].upper() + CAUSES[cause][1:] + ".")
+    for cause in [*SHOWN[:SHOWN.index("reset") + 1], REKEYED, *SHOWN[SHOWN.index("reset") + 1:]]:
+        if cause == REKEYED:
+            out.append("A block stored before a reset that began a new key generation (tiers below host memory),")
+            out.append("asked for again under its new key:")
+        else:
+            out.append(f"## `{cause}`")
+            out.append("")
+            out.append(CAUSES[cause][0].upper() + CAUSES[cause][1:] + ".")
         out.append("")
         if cause not in found:
             out.append("(no seeded run reaches it)")
