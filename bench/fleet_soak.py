@@ -522,28 +522,13 @@ def summarise(args, records: list[dict], samples: list[dict], faults: Faults, st
     for minute in range(int(args.minutes + 0.999)):
         row: dict = {"minute": minute + 1}
         for name in REPLICAS:
-            window = [r for r in records if r["replica"] == name and minute * 60 <= r["at"] - started < (minute + 1) * 60]
-            ttfts = sorted(r["ttft_s"] for r in window if r.get("ok") and r.get("ttft_s") is not None)
-            row[name] = {"served": sum(r["ok"] for r in window), "failed": sum(not r["ok"] for r in window),
-                         "cached_tokens": sum(r.get("cached", 0) for r in window if r["ok"])}
-            if ttfts:
-                row[name].update(ttft_p50_ms=round(1e3 * ttfts[len(ttfts) // 2], 1),
-                                 ttft_p99_ms=round(1e3 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))], 1))
+            row[name] = soak.minute_row([r for r in records if r["replica"] == name
+                                         and minute * 60 <= r["at"] - started < (minute + 1) * 60])
         per_minute.append(row)
         print(f"minute {row['minute']:>3}: " + "; ".join(
             f"{n}: served {row[n]['served']:>4}, failed {row[n]['failed']:>2}, TTFT p50 {row[n].get('ttft_p50_ms', '-')} "
             f"p99 {row[n].get('ttft_p99_ms', '-')} ms, cached {row[n]['cached_tokens']}" for n in REPLICAS), flush=True)
-    warm = min(soak.WARMUP_S, args.minutes * 60 / 5)
-    growth: dict[str, dict] = {}
-    for kind in sorted({k for s in samples for k in s["processes"]}):
-        rows = [(s["t"], s["processes"][kind]) for s in samples if kind in s["processes"] and s["t"] >= warm]
-        if not rows:
-            continue
-        slope = soak.slope_mb_per_min([(t, p["rss_mb"]) for t, p in rows])
-        growth[kind] = {"rss_mb_first": round(rows[0][1]["rss_mb"], 1), "rss_mb_last": round(rows[-1][1]["rss_mb"], 1),
-                        "rss_slope_mb_per_min": None if slope is None else round(slope, 3),
-                        **{f"{k}_range": [min(p[k] for _, p in rows), max(p[k] for _, p in rows)]
-                           for k in ("fds", "threads", "sockets")}}
+    growth = soak.growth_after_warmup(samples, args.minutes)
     failed = [r for r in records if not r["ok"]]
     outside = [r for r in failed if not faults.in_window(r["at"])]
     last_fault_end = max((w["end"] for w in faults.windows), default=started)

@@ -590,22 +590,21 @@ def valkey_recovery(records: list[dict], samples: list[dict], faults: Faults, st
     return rows
 
 
-def summarise(args, records: list[dict], samples: list[dict], faults: Faults, started: float, metrics: dict) -> dict:
-    per_minute = []
-    minutes = int(args.minutes + 0.999)
-    for minute in range(minutes):
-        window = [r for r in records if minute * 60 <= r["at"] - started < (minute + 1) * 60]
-        ttfts = sorted(r["ttft_s"] for r in window if r.get("ok") and r.get("ttft_s") is not None)
-        row = {"minute": minute + 1, "served": sum(r["ok"] for r in window), "failed": sum(not r["ok"] for r in window),
-               "cached_tokens": sum(r.get("cached", 0) for r in window if r["ok"])}
-        if ttfts:
-            row.update(ttft_p50_ms=round(1e3 * ttfts[len(ttfts) // 2], 1),
-                       ttft_p99_ms=round(1e3 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))], 1))
-        per_minute.append(row)
-        print(f"minute {row['minute']:>3}: served {row['served']:>4}, failed {row['failed']:>3}, "
-              f"TTFT p50 {row.get('ttft_p50_ms', '-')} ms p99 {row.get('ttft_p99_ms', '-')} ms, "
-              f"cached tokens {row['cached_tokens']}", flush=True)
-    warm = min(WARMUP_S, args.minutes * 60 / 5)
+def minute_row(window: list[dict]) -> dict:
+    """A minute's requests: served, failed, cached tokens, TTFT p50 and p99."""
+    ttfts = sorted(r["ttft_s"] for r in window if r.get("ok") and r.get("ttft_s") is not None)
+    row = {"served": sum(r["ok"] for r in window), "failed": sum(not r["ok"] for r in window),
+           "cached_tokens": sum(r.get("cached", 0) for r in window if r["ok"])}
+    if ttfts:
+        row.update(ttft_p50_ms=round(1e3 * ttfts[len(ttfts) // 2], 1),
+                   ttft_p99_ms=round(1e3 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))], 1))
+    return row
+
+
+def growth_after_warmup(samples: list[dict], minutes: float) -> dict[str, dict]:
+    """Per sampled process: its memory's slope after the warm-up, and its descriptors', threads'
+    and sockets' ranges."""
+    warm = min(WARMUP_S, minutes * 60 / 5)
     growth: dict[str, dict] = {}
     for kind in sorted({k for s in samples for k in s["processes"]}):
         rows = [(s["t"], s["processes"][kind]) for s in samples if kind in s["processes"] and s["t"] >= warm]
@@ -616,6 +615,20 @@ def summarise(args, records: list[dict], samples: list[dict], faults: Faults, st
                         "rss_slope_mb_per_min": None if slope is None else round(slope, 3),
                         **{f"{k}_range": [min(p[k] for _, p in rows), max(p[k] for _, p in rows)]
                            for k in ("fds", "threads", "sockets")}}
+    return growth
+
+
+def summarise(args, records: list[dict], samples: list[dict], faults: Faults, started: float, metrics: dict) -> dict:
+    per_minute = []
+    minutes = int(args.minutes + 0.999)
+    for minute in range(minutes):
+        row = {"minute": minute + 1, **minute_row(
+            [r for r in records if minute * 60 <= r["at"] - started < (minute + 1) * 60])}
+        per_minute.append(row)
+        print(f"minute {row['minute']:>3}: served {row['served']:>4}, failed {row['failed']:>3}, "
+              f"TTFT p50 {row.get('ttft_p50_ms', '-')} ms p99 {row.get('ttft_p99_ms', '-')} ms, "
+              f"cached tokens {row['cached_tokens']}", flush=True)
+    growth = growth_after_warmup(samples, args.minutes)
     last_fault_end = max((w["end"] for w in faults.windows), default=started)
     failed = [r for r in records if not r["ok"]]
     outside = [r for r in failed if not faults.in_window(r["at"])]
