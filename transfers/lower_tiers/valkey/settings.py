@@ -6,6 +6,7 @@ say, a cluster's node or one server).
 from __future__ import annotations
 
 import os
+import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -22,6 +23,12 @@ from kvledger.transfers.lower_tiers.valkey.store import BadCertificate, StoreDow
 
 _log = structlog.get_logger("kvledger.adapters.tier_settings")  # the name its lines have always carried
 
+
+START_RETRIES_S = (0.5, 1.0, 2.0)
+"""Waits between the start check's tries of an unanswered server: a slow answer or a failover
+while a replica restarts is not a wrong setting. In the fleet soak a replica restarted during
+host stalls failed to start when one ping outlasted its 0.5 s `timeout_s` (`bench/fleet_soak.py`);
+a server that is truly down costs a start these 3.5 s and then the error, as before."""
 
 VALKEY_SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}  # scheme -> TLS
 
@@ -154,7 +161,7 @@ def check_valkey_tier(where: str, tier: ValkeyTierSettings) -> None:
                      why="AUTH goes over plain redis://: anyone on the path reads the password; use rediss://")
     store = open_store(tier.server)
     try:
-        store.ping()
+        _ping(store, where)
         if isinstance(store, ValkeyStore) and store.cluster_enabled():
             raise ConfigError(f"{where}: {tier.server.where} is a node of a cluster, which answers most keys "
                               f"with MOVED: set cluster: true (and name the cluster's nodes in 'urls')")
@@ -170,3 +177,16 @@ def check_valkey_tier(where: str, tier: ValkeyTierSettings) -> None:
         _log.warning("tier_unreachable_at_start", where=where, server=tier.server.where, error=str(exc))
     finally:
         store.close()
+
+
+def _ping(store: Any, where: str) -> None:
+    """`store.ping()`, tried again after each of `START_RETRIES_S` while the server does not
+    answer; the last try's `StoreDown` is raised."""
+    for wait in START_RETRIES_S:
+        try:
+            store.ping()
+            return
+        except StoreDown as exc:
+            _log.warning("tier_start_check_retried", where=where, error=str(exc), retry_s=wait)
+            time.sleep(wait)
+    store.ping()
