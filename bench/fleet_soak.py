@@ -384,6 +384,9 @@ def main(argv: list[str] | None = None, start=soak.start_server) -> dict:
     parser.add_argument("--without-kvledger", action="store_true",
                         help="the same replicas and traffic with no connector: the memory baseline kvledger's "
                              "slopes are weighed against (faults: a replica restarted or reset, dropped streams)")
+    parser.add_argument("--kvledger-extra", type=json.loads, default={}, metavar="JSON",
+                        help="more kv_connector_extra_config settings for both replicas, such as "
+                             "'{\"miss_metrics\": false}'")
     parser.add_argument("--out", default=str(HERE / "out" / "fleet_soak"))
     args = parser.parse_args(argv)
     if args.without_kvledger:
@@ -427,7 +430,8 @@ def run(args, out: Path, model: Path, cluster: ClusterProcesses, disk: Path, mou
               "secret_env": SECRET_ENV}]
     logs = {name: out / f"events-{name}.kvlog" for name in REPLICAS}
     replicas = {name: Replica(name, model, None if args.without_kvledger else kv_transfer_config(
-        capacity_bytes=2 << 20, event_log=str(logs[name]), log_json=True, secondary_tiers=tiers), out, start, core)
+        capacity_bytes=2 << 20, event_log=str(logs[name]), log_json=True, secondary_tiers=tiers,
+        **args.kvledger_extra), out, start, core)
                 for core, name in enumerate(REPLICAS)}
     records: list[dict] = []
     samples: list[dict] = []
