@@ -286,6 +286,8 @@ class Redrive:
             if self.config.protection is Protection.PIN:
                 self._unpin([b for ids in event.block_ids for b in ids if b != NULL_BLOCK_ID])
             if queries.request_status(self.state, event.request_id) in _ADMITTING:
+                if not admitting:  # sent back here alone: the log's request kept the blocks it had
+                    event = self._with_the_logs_table(event)
                 event = self._admission(event)
         step = kind is ev.StepScheduled
         if self.untimed and kind not in _ADMISSION_EVENTS:  # a load with no twin ends before anything
@@ -379,6 +381,21 @@ class Redrive:
             if queries.job_view(self.state, job_id) is not None:
                 self.untimed[job_id] = (isinstance(effect, fx.StartLoad), self.steps)
         self.started = []
+
+    def _with_the_logs_table(self, event: ev.BlocksAllocated) -> ev.BlocksAllocated:
+        """A load that failed here alone (a shared tier's block another replica's writes evicted)
+        sent the request back to waiting, and its blocks with it; in the log it kept them, and this
+        allocation only extends its table. Admitted again here, it takes the blocks of the log's
+        table this engine's lacks, where they are free: without them its table stays short of every
+        step the log schedules it in (each of which would then be refused whole)."""
+        logged = self.recorded.core.requests.get(event.request_id)
+        mine = self.state.core.requests.get(event.request_id)
+        if logged is None or mine is None:
+            return event
+        ids = tuple(tuple(table[len(own):]) for table, own in zip(logged.table, mine.table))
+        if ids == event.block_ids or not queries.blocks_free(self.state, [b for group in ids for b in group if b]):
+            return event
+        return attrs.evolve(event, block_ids=ids)
 
     def _pull_forward(self, event: ev.BlocksAllocated, first: tuple[int, ...], local: int,
                       hit: int) -> ev.BlocksAllocated:
