@@ -197,6 +197,12 @@ def request_keys(state: State, request_id: str) -> tuple[tuple[bytes, ...], ...]
     return () if r is None else tuple(tuple(keys) for keys in r.keys)
 
 
+def request_table(state: State, request_id: str) -> tuple[tuple[int, ...], ...]:
+    """The request's block table, per KV group (empty for an unknown request)."""
+    r = state.core.requests.get(request_id)
+    return () if r is None else tuple(tuple(table) for table in r.table)
+
+
 def has_jobs_in_flight(state: State) -> bool:
     return bool(state.core.jobs)
 

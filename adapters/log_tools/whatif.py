@@ -388,11 +388,11 @@ class Redrive:
         allocation only extends its table. Admitted again here, it takes the blocks of the log's
         table this engine's lacks, where they are free: without them its table stays short of every
         step the log schedules it in (each of which would then be refused whole)."""
-        logged = self.recorded.core.requests.get(event.request_id)
-        mine = self.state.core.requests.get(event.request_id)
-        if logged is None or mine is None:
+        logged = queries.request_table(self.recorded, event.request_id)
+        mine = queries.request_table(self.state, event.request_id)
+        if not logged or not mine:
             return event
-        ids = tuple(tuple(table[len(own):]) for table, own in zip(logged.table, mine.table))
+        ids = tuple(table[len(own):] for table, own in zip(logged, mine))
         if ids == event.block_ids or not queries.blocks_free(self.state, [b for group in ids for b in group if b]):
             return event
         return attrs.evolve(event, block_ids=ids)
