@@ -14,9 +14,8 @@ falling behind for half a minute or more) stops the counter rather than
 hold memory without end.
 
 The ledger keeps at most about `max_keys` keys' facts (`default_keys`: four
-times what the tiers hold). A fold that raises
-stops the counter (logged once; `stopped` says why) and serving goes on
-without it.
+times what the tiers hold). A fold that raises stops the counter (logged
+once; `stopped` says why) and serving goes on without it.
 """
 
 from __future__ import annotations
@@ -47,8 +46,9 @@ def default_keys(config: EngineConfig) -> int:
     """Four times the blocks every tier holds, host memory and each tier below it,
     from `MIN_KEYS` to `MAX_KEYS`: a key's facts matter while it may come back, and
     one not named again while the tiers turned over four times would mostly miss
-    anyway. A fixed 262,144 grew a small fleet replica's scheduler by about 0.6 MB
-    a minute for hours before the bound was reached (`bench/fleet_soak.py`)."""
+    anyway. A fixed 262,144 grew a small fleet replica's scheduler by about 0.7 MB
+    a minute for hours before the bound was reached (8.4 MB over 12 minutes of its
+    log: `bench/fleet_soak.py`)."""
     blocks = config.num_tier_slots + sum(tier.num_blocks for tier in config.lower_tiers)
     return min(MAX_KEYS, max(MIN_KEYS, 4 * blocks))
 

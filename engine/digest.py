@@ -164,8 +164,8 @@ same; a tier whose order could outgrow this uses `repr` (`_policy_text`)."""
 KEY_TEXTS_MIN = 1 << 10
 """The fewest keys a digest's memo holds before it forgets them: past four times what the
 tier's order can hold (and this), the keys kept are mostly ones that left the order: kept
-up to `KEY_TEXTS_MAX`, they grew a 64-slot tier's scheduler by about 0.3 MB a minute for
-hours (`bench/fleet_soak.py`)."""
+up to `KEY_TEXTS_MAX`, they grew a 64-slot tier's scheduler by about 0.2 MB a minute for
+hours (3 MB over 18 minutes of a fleet replica's log: `bench/fleet_soak.py`)."""
 
 _key_texts: dict[bytes, str] = {}
 

@@ -262,7 +262,7 @@ class MissLedger:
         name = self.keys.setdefault  # the first to name a key keeps it; C-level loops, no per-key step
         prompt = self._prompt_tokens.get(rid, -1)  # under `offload_prompt_only` alone
         for group, (per_block, suffix) in zip(self.groups, self._key_rules):
-            last = hashes[(start // per_block + 1) * per_block - 1 - start::per_block]
+            last = _last_hashes(hashes, start, per_block)
             if last:
                 _drain(map(name, map(bytes.__add__, last, repeat(suffix)) if suffix else last, repeat(rid)))
                 if prompt >= 0:
@@ -282,13 +282,11 @@ class MissLedger:
         rid, start, hashes = self._last_named
         if rid != event.request_id or start != event.first or len(hashes) != len(event.block_hashes):
             return  # not beside the hashes it names: nothing to pair
-        first_keys = self._first_keys
         for per_block, suffix in self._key_rules:
-            offset = (start // per_block + 1) * per_block - 1 - start
-            now, then = hashes[offset::per_block], event.block_hashes[offset::per_block]
+            now, then = _last_hashes(hashes, start, per_block), _last_hashes(event.block_hashes, start, per_block)
             if suffix:
                 now, then = tuple(h + suffix for h in now), tuple(h + suffix for h in then)
-            first_keys.update(zip(now, then))
+            self._first_keys.update(zip(now, then))
 
     def _rewound(self, seq: int, event: ev.BlockHashesRewound) -> None:
         self._hashes[event.request_id] = event.num_hashes
@@ -617,6 +615,12 @@ def _run(first: int, last: int, size: int, outcome: str, why: tuple) -> Run:
 
 
 _drain = partial(deque, maxlen=0)  # runs an iterator of C-level calls to its end, keeping nothing
+
+
+def _last_hashes(hashes: tuple[bytes, ...], start: int, per_block: int) -> tuple[bytes, ...]:
+    """Of a request's hashes from hash `start` on, the last of each block of `per_block`
+    hashes (`hma.append_keys`'s rule): a group's keys are these, with its suffix."""
+    return hashes[(start // per_block + 1) * per_block - 1 - start::per_block]
 
 
 def _bound(memory: dict, most: int) -> None:

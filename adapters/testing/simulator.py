@@ -46,14 +46,14 @@ class SimRequest:
                  "computed", "max_tokens", "num_output", "load_job")
 
     def __init__(self, rid: str, doc: int, num_prompt_tokens: int, hashes: list[bytes], groups: int,
-                 max_tokens: int, first_hashes: list[bytes] | None = None) -> None:
+                 max_tokens: int, first_hashes: list[bytes]) -> None:
         self.rid = rid
         self.doc = doc
         self.status = "waiting"
         self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = num_prompt_tokens
         self.hashes = hashes  # under the current key generation
-        self.first_hashes = hashes if first_hashes is None else first_hashes  # under generation 0
+        self.first_hashes = first_hashes  # under generation 0 (the same hashes until a rekeying reset)
         self.table: list[list[int]] = [[] for _ in range(groups)]
         self.computed = 0
         self.max_tokens = max_tokens
@@ -573,8 +573,7 @@ class Simulator:
             "ended_at": dict(self.ended_at),
             "unanswered": self.unanswered.get(request.rid),
             "gone": [self.gone_at.get(k) for k in keys],
-            "reset_lost": [self.reset_lost.get(self.first_key_of[k]) if k in self.first_key_of else None
-                           for k in keys],
+            "reset_lost": [self.reset_lost.get(self.first_key_of.get(k)) for k in keys],  # type: ignore[arg-type]
             "refused": [self.refused_at.get(k, -1) for k in keys],
             "below": [self.below_at.get(k, -1) for k in keys],
             "budgeted": budgeted,
@@ -673,7 +672,6 @@ class Simulator:
             renamed: dict[object, object] = {}
             for request in list(self.requests.values()):
                 before = [self.keys(request, g.group_id) for g in self.groups]
-                request.first_hashes = list(request.first_hashes)
                 request.hashes = [self._keyed(h) for h in request.first_hashes]
                 for group, old in zip(self.groups, before):
                     renamed.update(zip(old, self.keys(request, group.group_id)))
@@ -820,8 +818,6 @@ class Simulator:
         size = self.config.hash_block_size
         if request.num_tokens // size > len(request.hashes):
             first = chain_hash(request.doc, request.num_prompt_tokens, len(request.hashes))
-            if request.first_hashes is request.hashes:
-                request.first_hashes = list(request.hashes)
             request.first_hashes.append(first)
             request.hashes.append(self._keyed(first))
             self._tell(ev.BlockHashesAppended(request_id=request.rid, num_tokens=request.num_tokens,
