@@ -95,28 +95,24 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
 
     # Window groups: walk down to the largest boundary every group can serve, and
     # whose keys from lower tiers fit in host memory on their way to the device.
-    end = best
-    partial = [g for g in core.groups if g.kind is not GroupKind.FULL]
-    taken = promotions = 0
-    while end > num_local_tokens:
-        if all(_covers(core, request, g, num_local_tokens, end, known) for g in partial):
-            slots = _slots_taken(core, request, num_local_tokens, end, slots_promised, promotions_promised)
-            if slots is None:
-                return LATER
-            if slots[0] >= 0:
-                taken, promotions = slots
-                break
-        end -= alignment
+    walked = _servable_end(core, request, num_local_tokens, best, known, slots_promised, promotions_promised)
+    if walked is None:
+        return LATER
+    end, taken, promotions = walked
     hit = max(end - num_local_tokens, 0)
     budget = None
     if hit and core.restore_costs is not None and core.config.restore_budget is _AUTO:
         kept, load_us, compute_us = budget_end(core, request, num_local_tokens, end)
         if kept < end:
+            # The shorter hit is walked as the first was: with windows it reads other
+            # keys, and one of them may still be storing (ask later) or not fit.
+            walked = _servable_end(core, request, num_local_tokens, kept, known, slots_promised,
+                                   promotions_promised)
+            if walked is None:
+                return LATER
             budget = (hit, load_us, compute_us)
-            end, hit = kept, kept - num_local_tokens
-            slots = (_slots_taken(core, request, num_local_tokens, end, slots_promised, promotions_promised)
-                     if hit else (0, 0))
-            taken, promotions = slots if slots is not None and slots[0] >= 0 else (0, 0)
+            end, taken, promotions = walked
+            hit = end - num_local_tokens
     if core.lower:
         return LookupResult(hit, slots_taken=taken, promotions=promotions, budget=budget)
     # Only the missing keys the full walks stopped at can lengthen a hit that no
@@ -125,6 +121,24 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
     basis = _basis(core, request, num_local_tokens, slots_promised, stores_matter)
     return LookupResult(hit, slots_taken=taken, budget=budget, basis=basis,
                         awaits=() if stores_matter else tuple(stops))
+
+
+def _servable_end(core: Core, request: RequestState, start: int, end: int, known: Callable[[bytes], bool],
+                  promised: int, promoting: int) -> tuple[int, int, int] | None:
+    """The largest boundary at or below `end` that every window group can serve
+    and whose keys from lower tiers fit in host memory on their way to the
+    device: (end, slots taken, promotions); `start` where none; None: ask later."""
+    alignment = core.alignment
+    partial = [g for g in core.groups if g.kind is not GroupKind.FULL]
+    while end > start:
+        if all(_covers(core, request, g, start, end, known) for g in partial):
+            slots = _slots_taken(core, request, start, end, promised, promoting)
+            if slots is None:
+                return None
+            if slots[0] >= 0:
+                return end, slots[0], slots[1]
+        end -= alignment
+    return start, 0, 0
 
 
 def _basis(core: Core, request: RequestState, local: int, promised: int, stores_matter: bool) -> tuple:

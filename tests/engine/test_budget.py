@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.engine.lookup import lookup
+from kvledger.engine.lookup import LATER, lookup
+from kvledger.engine.state import SlotState
 from kvledger.events import types as ev
-from tests.engine.builders import Engine, chain, full_only_config, key, seed_tier
+from tests.engine.builders import Engine, chain, full_only_config, key, make_config, seed_tier
 
 BLOCK = 32  # full_only_config's
 
@@ -56,6 +57,26 @@ def test_a_fixed_cost_larger_than_the_hit_computes_it_whole() -> None:
     assert result.num_hit_tokens == 0 and result.budget[0] == 8 * BLOCK
     _costs(engine, 1_000_000, (100_000, 100_000), (1_000, 1_000))  # 1 ms a token: load it all
     assert lookup(engine.state, "r", 0).num_hit_tokens == 8 * BLOCK
+
+
+@pytest.mark.parametrize("window_tail", [SlotState.STORING, SlotState.STORED])
+def test_a_shorter_hit_is_walked_again_for_the_window_keys_it_reads(window_tail: SlotState) -> None:
+    """The cut hit's window reads other blocks than the whole hit's: one still being
+    stored makes it wait, as the whole hit would (a hypothesis example offered it)."""
+    engine = Engine(make_config(lower_tiers=({"name": "1:fs", "num_blocks": 64},), restore_budget="auto"))
+    hashes = chain(8, "doc")
+    full = [key(h, 0) for h in hashes]
+    window = [key(h, 1) for h in hashes]
+    seed_tier(engine.state, full[:4] + window[2:3])
+    seed_tier(engine.state, window[3:4], window_tail)  # the cut hit's last window block
+    engine.apply(ev.TierKeysFound(tier=1, keys=(*full[4:], *window[6:])))
+    engine.add("r", 8 * BLOCK + 1, hashes=hashes)
+    _costs(engine, 10_000, (50, 500), (20_000, 2_000_000))  # the disk too slow: keep the host prefix
+    result = lookup(engine.state, "r", 0)
+    if window_tail is SlotState.STORING:
+        assert result == LATER
+    else:
+        assert result.num_hit_tokens == 4 * BLOCK and result.budget[0] == 8 * BLOCK
 
 
 def test_the_decision_is_on_the_record() -> None:
