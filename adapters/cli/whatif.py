@@ -106,6 +106,7 @@ def _fleet(args: argparse.Namespace) -> int:
                      "blocks_read_from_shared_tier": fleet.promoted_blocks(outcome),
                      "bytes_read_from_shared_tier": fleet.promoted_blocks(outcome) * config.slot_bytes or None,
                      "not_applied": outcome.not_applied,
+                     "requests_left_out_of_steps": outcome.requests_dropped,
                      "misses": outcome.misses["missed_by_cause"]})
     data = {"shared_tier": {"name": tier.name, "num_blocks": tier.num_blocks,
                             "capacity_bytes": tier.num_blocks * first.slot_bytes or None,
@@ -128,6 +129,8 @@ def _fleet(args: argparse.Namespace) -> int:
               f"{row['blocks_read_from_shared_tier']:>13}")
     print("(hit tokens: as recorded; predicted with each one's own configuration; with the tier below it alone; "
           "with the tier shared by all. Read from it: blocks promoted from the shared tier.)")
+    for row in rows:
+        _refusals(row["log"], row)
     return EXIT_OK
 
 
@@ -353,6 +356,14 @@ def _sweep_threshold(recorded: EngineConfig, config: EngineConfig, predictions: 
     return gather
 
 
+def _refusals(name: str, outcome: dict) -> None:
+    """A prediction whose engine refused events is of part of the traffic: said beside it."""
+    if outcome["not_applied"]:
+        print(f"warning: {name}: {outcome['not_applied']} events refused by the re-drive, "
+              f"{outcome['requests_left_out_of_steps']} of them a step applied without a request out of step "
+              "with the log: the prediction leaves that traffic out")
+
+
 def _print(data: dict) -> None:
     recorded, same = data["recorded"], data["predicted_as_recorded"]
     columns: list[tuple[str, dict]] = [("recorded", recorded), ("predicted, same config", same)]
@@ -387,6 +398,8 @@ def _print(data: dict) -> None:
         for cause in causes:
             print(f"  {cause:<20}" + "".join(
                 f"{c['misses']['missed_by_cause'].get(cause, {}).get('tokens', 0):>{width}}" for _, c in columns))
+    for name, c in columns[1:]:
+        _refusals(name, c)
     check = data["self_check"]
     if check["relative_error"] is not None:
         print(f"self-check: the same config predicts {check['predicted_hit_tokens']} hit tokens where the log "

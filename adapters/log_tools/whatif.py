@@ -69,6 +69,7 @@ class Outcome:
     misses: dict  # `misses.totals`
     moved: dict[str, int]  # blocks stored to host memory, loaded from it, spilled and promoted per lower tier
     not_applied: int = 0  # events the other configuration's engine refused (a violation)
+    requests_dropped: int = 0  # of those, steps applied without a request out of step with the log
 
     def as_dict(self) -> dict:
         slot = self.config.slot_bytes
@@ -78,7 +79,8 @@ class Outcome:
                 "lower_tiers": [t.to_dict() for t in self.config.lower_tiers],
                 "hit_tokens": self.stats["hit_tokens"], "loads": self.stats["loads"],
                 "evictions": self.stats["evictions"], "store_rejections": self.stats["store_rejections"],
-                "blocks_moved": self.moved, "misses": self.misses, "not_applied": self.not_applied}
+                "blocks_moved": self.moved, "misses": self.misses, "not_applied": self.not_applied,
+                "requests_left_out_of_steps": self.requests_dropped}
         if slot:
             data["capacity_bytes"] = self.config.num_tier_slots * slot
             data["bytes_moved"] = {name: count * slot for name, count in self.moved.items()}
@@ -193,6 +195,7 @@ class Redrive:
         self.ledger = MissLedger(config, on_admission=self.tally.add)
         self.moved: dict[str, int] = {}
         self.not_applied = 0
+        self.requests_dropped = 0  # a request left out of a step the engine refused for it alone
         self.seq = 0
         self.steps = 0
         self.twins: dict[int, int] = {}  # the log's job -> this engine's
@@ -282,6 +285,8 @@ class Redrive:
             return
         if readmitted:
             self._send_back(event.request_id, as_the_log=False)
+        if kind is ev.BlocksTouched:
+            self._whole([b for ids in event.block_ids for b in ids if b != NULL_BLOCK_ID])
         if kind is ev.BlocksAllocated:
             if self.config.protection is Protection.PIN:
                 self._unpin([b for ids in event.block_ids for b in ids if b != NULL_BLOCK_ID])
@@ -305,7 +310,7 @@ class Redrive:
         """At the end: what the drive restored, moved and missed."""
         self.ledger.flush()
         return Outcome(self.config, queries.stats(self.state), self.tally.as_dict(), self.moved,
-                       self.not_applied)
+                       self.not_applied, self.requests_dropped)
 
     def _pair(self, recorded_effects: tuple[fx.Effect, ...]) -> None:
         """The jobs just started, each the twin of the log's started by the same event, or untimed."""
@@ -444,6 +449,15 @@ class Redrive:
                     named.update(group)
         return max(after, end)
 
+    def _whole(self, blocks: list[int]) -> None:
+        """The log's vLLM found these blocks in its prefix cache, so whole: a load of this
+        engine still writing them (a hit here the log computed, or loaded sooner) ends first."""
+        for job in queries.jobs_on_blocks(self.state, blocks):
+            view = queries.job_view(self.state, job)
+            if view is not None and view.kind == "load":
+                self._finish(job)
+        self._adopt()
+
     def _unpin(self, blocks: list[int]) -> None:
         """The log's vLLM reuses these blocks, so no job of its held them pinned: a job of
         this engine that does (it stored what the log's did not) ends first."""
@@ -493,12 +507,32 @@ class Redrive:
 
     def _apply(self, event: ev.Event) -> None:
         self.state, effects = reduce(self.state, event)
+        if type(event) is ev.StepScheduled and effects and type(effects[0]) is fx.ReportViolation:
+            event, effects = self._without_the_refused(event, effects)
         self.ledger.observe(self.seq, event, effects)
         self.seq += 1
         _moved(self.moved, effects)
         if self.on_effects is not None:
             self.on_effects(effects)
         fx.dispatch(_FOLLOW, self, effects)
+
+    def _without_the_refused(self, event: ev.StepScheduled,
+                             effects: tuple[fx.Effect, ...]) -> tuple[ev.StepScheduled, tuple[fx.Effect, ...]]:
+        """A step refused for one request this engine has out of step with the log (its
+        table short of what the step computes) is applied without it: the others' steps go
+        on, where refusing the step whole would leave every request behind from here on.
+        (The engine checks a whole step before changing anything.) The refusal is counted."""
+        self.not_applied += 1
+        refused = effects[0]
+        while type(refused) is fx.ReportViolation and refused.request_id in event.request_ids:
+            self.requests_dropped += 1
+            kept = [i for i, rid in enumerate(event.request_ids) if rid != refused.request_id]
+            event = attrs.evolve(event, request_ids=tuple(event.request_ids[i] for i in kept),
+                                 num_computed_tokens=tuple(event.num_computed_tokens[i] for i in kept),
+                                 num_scheduled_tokens=tuple(event.num_scheduled_tokens[i] for i in kept))
+            self.state, effects = reduce(self.state, event)
+            refused = effects[0] if effects else None
+        return event, effects if type(refused) is not fx.ReportViolation else effects[1:]
 
     def _refused(self, effect: fx.ReportViolation) -> None:
         self.not_applied += 1

@@ -19,7 +19,11 @@ from kvledger.adapters.cli.main import main
 from kvledger.adapters.log_tools import whatif
 from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.engine import queries
-from tests.engine.builders import SIMULATED_CONFIGS
+from kvledger.engine.replay import replay
+from kvledger.events import types as ev
+from kvledger.events.config import EngineConfig, GroupSpec
+from kvledger.events.log_records import EventRecord
+from tests.engine.builders import SIMULATED_CONFIGS, chain, key
 
 pytestmark = pytest.mark.slow
 
@@ -240,6 +244,53 @@ def test_bad_input_is_one_line_and_exit_2(log, capsys, argv, words):
     assert main(["whatif", str(log), *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+# A re-drive out of step with its log.
+
+def _failed_load_then_a_touch() -> tuple:
+    """A replica's third life, cut to its first steps: request b's load fails ("missing"),
+    vLLM admits b again to compute its blocks, and c, sharing b's first block, finds it in
+    vLLM's prefix cache. The re-drive's load of that block succeeded (none fails there), so b
+    is admitted again with a hit, a load of its own with no twin in the log."""
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
+                          num_device_blocks=32, num_tier_slots=8, lower_tiers=({"name": "1:fs", "num_blocks": 16},))
+    b = chain(3, "b")
+    c = (b[0], *chain(2, "c"))
+    events = [
+        ev.TierKeysFound(tier=1, keys=(key(b[0], 0),)),
+        ev.RequestAdded(request_id="b", num_prompt_tokens=100, block_hashes=b),
+        ev.BlocksAllocated(request_id="b", block_ids=((10,),), num_external_tokens=32),
+        ev.StepScheduled(step_index=0, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=()),
+        ev.LoadFailed(job_id=1, worker_index=0, block_ids=(10,), keys=(key(b[0], 0),), reason="missing"),
+        ev.RequestAdded(request_id="c", num_prompt_tokens=100, block_hashes=c),
+        ev.BlocksAllocated(request_id="b", block_ids=((10, 11, 12, 13),), num_external_tokens=0),
+        ev.BlocksTouched(request_id="c", block_ids=((10,),)),
+        ev.BlocksAllocated(request_id="c", block_ids=((14, 15, 16),), num_external_tokens=0),
+        ev.StepScheduled(step_index=1, request_ids=("b", "c"), num_computed_tokens=(0, 32),
+                         num_scheduled_tokens=(100, 68)),
+    ]
+    return config, events
+
+
+def test_a_block_the_logs_vllm_found_cached_ends_the_redrives_load_of_it():
+    config, events = _failed_load_then_a_touch()
+    steps = [sum(type(e) is ev.StepScheduled for e in events[:i]) for i in range(len(events))]
+    records = [EventRecord(seq=i, step_index=steps[i], event=e) for i, e in enumerate(events)]
+    assert not replay(config, records).violations
+    drive = _drive(config, config, events)
+    assert drive.not_applied == 0  # c's touch of block 10 waited for b's load here: refused, and every step of c after
+    assert queries.request_view(drive.state, "c").next_store_positions == (3,)  # its step taken: its blocks stored
+
+
+def test_a_request_out_of_step_is_left_out_of_the_step_not_the_others(monkeypatch):
+    """Should a request fall out of step anyway, the others' steps go on without it."""
+    config, events = _failed_load_then_a_touch()
+    monkeypatch.setattr(whatif.Redrive, "_whole", lambda self, blocks: None)  # the divergence, as before the fix
+    drive = _drive(config, config, events)
+    assert drive.not_applied == 2 and drive.requests_dropped == 1  # c's touch, and the step refused for c
+    assert queries.request_view(drive.state, "b").next_store_positions == (3,)  # b's part of the step applied
+    assert queries.request_view(drive.state, "c").next_store_positions == (0,)
 
 
 # Several replicas, one shared tier.
