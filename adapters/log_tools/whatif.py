@@ -211,6 +211,7 @@ class Redrive:
         self._index = -1
         self._pulled: set[int] = set()  # the indices of allocations taken early by a longer hit
         self._promoted: dict[int, list[tuple[bytes, int]]] = {}  # shared tier: load job -> (key, block) it reads
+        self._load_steps: dict[int, int] = {}  # this engine's loads in flight -> the step that started them
         self.shared: SharedTier | None = None  # tier 1, when several replicas share it (`fleet.py`)
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
         self.on_effects = on_effects  # (effects) after each event
@@ -329,11 +330,17 @@ class Redrive:
 
     def _end_untimed(self, *, loads: bool, every: bool = False) -> None:
         """Jobs with no twin: a load ends before the next event that is not an admission, a store or
-        spill after the step after the one that started it."""
-        due = [job for job, (load, step) in self.untimed.items()
+        spill after the step after the one that started it. A worker ends a step's loads in the
+        order they started, so loads of the same step started before an untimed one end with it
+        (twins too, earlier than the log has them): the order their blocks go back to the
+        eviction policy in is the order vLLM's worker gave them."""
+        due = [(job, step) for job, (load, step) in self.untimed.items()
                if load == loads and (loads or every or step < self.steps - 1)]
         self.started = []
-        for job in due:
+        for job, step in due:
+            if loads:
+                for earlier in [j for j, s in self._load_steps.items() if s == step and j < job]:
+                    self._finish(earlier)
             self._finish(job)
         self._adopt()
 
@@ -542,6 +549,7 @@ class Redrive:
 
     def _load_started(self, effect: fx.StartLoad) -> None:
         self.started.append(effect)
+        self._load_steps[effect.job_id] = self.steps
         if self.shared is not None and effect.promote_tiers:
             promoted = [(key, block) for tiers, keys, blocks in
                         zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
@@ -551,6 +559,7 @@ class Redrive:
 
     def _job_over(self, effect: fx.JobEnded) -> None:
         self._promoted.pop(effect.job_id, None)
+        self._load_steps.pop(effect.job_id, None)
 
     def _loadable(self, effect: fx.KeysLoadable) -> None:
         if effect.tier == 1 and self.shared is not None:

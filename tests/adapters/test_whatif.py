@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kvledger.adapters.cli.main import main
 from kvledger.adapters.log_tools import whatif
 from kvledger.adapters.testing.simulator import Simulator, run_random
+from kvledger.engine import effects as fx
 from kvledger.engine import queries
 from kvledger.engine.replay import replay
 from kvledger.events import types as ev
@@ -291,6 +292,46 @@ def test_a_request_out_of_step_is_left_out_of_the_step_not_the_others(monkeypatc
     assert drive.not_applied == 2 and drive.requests_dropped == 1  # c's touch, and the step refused for c
     assert queries.request_view(drive.state, "b").next_store_positions == (3,)  # b's part of the step applied
     assert queries.request_view(drive.state, "c").next_store_positions == (0,)
+
+
+def test_a_load_the_log_never_had_ends_in_turn_with_the_steps_other_loads():
+    """Three documents in host memory, asked again in one step: the log loaded a's and c's, but
+    computed b's (its vLLM asked no hit), where the re-drive loads b's too. The log schedules b
+    at once, so the re-drive ends b's load before that step; a worker ends a step's loads in
+    the order they started, so a's ends first, and the eviction that follows takes a's oldest
+    block, as in a real run at that configuration (the blocks go back to the LRU order a, b,
+    c), where ending b's alone had left b's first to go."""
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
+                          num_device_blocks=32, num_tier_slots=7)
+    docs = {name: chain(2, name) for name in "abcd"}
+    tables = {name: (3 * i + 1, 3 * i + 2, 3 * i + 3) for i, name in enumerate("abc")}
+    events: list = []
+    for name in "abc":
+        events += [ev.RequestAdded(request_id=name, num_prompt_tokens=65, block_hashes=docs[name]),
+                   ev.BlocksAllocated(request_id=name, block_ids=(tables[name],), num_external_tokens=0)]
+    events += [ev.StepScheduled(step_index=0, request_ids=("a", "b", "c"), num_computed_tokens=(0, 0, 0),
+                                num_scheduled_tokens=(65, 65, 65)),
+               ev.StoreCompleted(job_id=1, worker_index=0),
+               *(ev.RequestFinished(request_id=name, block_ids=(tables[name],)) for name in "abc"),
+               *(ev.RequestAdded(request_id=f"{name}2", num_prompt_tokens=65, block_hashes=docs[name])
+                 for name in "abc"),
+               ev.BlocksAllocated(request_id="a2", block_ids=((10, 11),), num_external_tokens=64),
+               ev.BlocksAllocated(request_id="b2", block_ids=((12, 13, 14),), num_external_tokens=0),
+               ev.BlocksAllocated(request_id="c2", block_ids=((15, 16),), num_external_tokens=64),
+               ev.StepScheduled(step_index=1, request_ids=("b2",), num_computed_tokens=(0,),
+                                num_scheduled_tokens=(65,)),
+               ev.LoadCompleted(job_id=2, worker_index=0), ev.LoadCompleted(job_id=3, worker_index=0),
+               ev.RequestAdded(request_id="d", num_prompt_tokens=65, block_hashes=docs["d"]),
+               ev.BlocksAllocated(request_id="d", block_ids=((17, 18, 19),), num_external_tokens=0),
+               ev.StepScheduled(step_index=2, request_ids=("d",), num_computed_tokens=(0,),
+                                num_scheduled_tokens=(65,))]
+    evicted: list[bytes] = []
+    drive = whatif.Redrive(config, config, on_effects=lambda effects: evicted.extend(
+        k for e in effects if isinstance(e, fx.KeysUnloadable) for k in e.keys))
+    drive.run(events)
+    assert drive.not_applied == 0
+    assert queries.stats(drive.state)["hit_tokens"] == 3 * 64  # b2's hit too
+    assert evicted == [key(docs["a"][0], 0)]
 
 
 # Several replicas, one shared tier.
