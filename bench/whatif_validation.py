@@ -8,7 +8,10 @@ Two workloads:
   documents;
 - `multi`: eight 300-word documents on tiny-llama, each asked six questions
   in a shuffled order, batches of eight prompts at a time (vLLM schedules them
-  together), at capacities from a quarter of the documents to all of them.
+  together), at capacities from a quarter of the documents to all of them;
+- `hybrid`: the same on tiny-gemma3 (sliding-window layers beside full
+  attention), four documents, at capacities of one to four documents
+  (`--workload hybrid`; `both` is demo and multi).
 
     python bench/whatif_validation.py [--workload demo|multi|both] [--out bench/out/whatif]
 
@@ -48,6 +51,9 @@ WORKLOADS = {
                  record=2, others=(1, 3, 4)),
     "multi": dict(model="tiny-llama", block=32, docs=8, doc_words=300, questions=6, batch=8,
                   record=4, others=(2, 6, 8)),
+    # a hybrid model (sliding-window layers beside full attention: two KV cache groups)
+    "hybrid": dict(model="tiny-gemma3", block=32, docs=4, doc_words=300, questions=6, batch=8,
+                   record=2, others=(1, 3, 4)),
     # one-off documents among shared ones (`oneoffs`: asked once each); capacity in documents, thresholds
     "oneoff": dict(model="tiny-llama", block=32, docs=4, doc_words=300, questions=4, batch=1, oneoffs=12,
                    record=3, thresholds=(2, 3), others=()),
@@ -277,7 +283,7 @@ def main() -> None:
                                              extra.get("store_threshold", 1))), flush=True)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=["demo", "multi", "both", "oneoff", "turns"], default="both")
+    parser.add_argument("--workload", choices=["demo", "multi", "hybrid", "both", "oneoff", "turns"], default="both")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "whatif"))
     args = parser.parse_args()
     rows = []
