@@ -212,6 +212,8 @@ class Redrive:
         self._pulled: set[int] = set()  # the indices of allocations taken early by a longer hit
         self._promoted: dict[int, list[tuple[bytes, int]]] = {}  # shared tier: load job -> (key, block) it reads
         self._load_steps: dict[int, int] = {}  # this engine's loads in flight -> the step that started them
+        self._early: dict[str, tuple[int, int]] = {}  # admitted this step, loaded in the log alone: (local, tokens)
+        self._admitted: list[str] = []  # the requests admitted in this step, in order
         self.shared: SharedTier | None = None  # tier 1, when several replicas share it (`fleet.py`)
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
         self.on_effects = on_effects  # (effects) after each event
@@ -292,10 +294,15 @@ class Redrive:
             if self.config.protection is Protection.PIN:
                 self._unpin([b for ids in event.block_ids for b in ids if b != NULL_BLOCK_ID])
             if queries.request_status(self.state, event.request_id) in _ADMITTING:
+                self._admitted.append(event.request_id)
                 if not admitting:  # sent back here alone: the log's request kept the blocks it had
                     event = self._with_the_logs_table(event)
                 event = self._admission(event)
         step = kind is ev.StepScheduled
+        if step:
+            if self._early:
+                event = self._with_early_prefills(event)
+            self._admitted = []
         if self.untimed and kind not in _ADMISSION_EVENTS:  # a load with no twin ends before anything
             self._end_untimed(loads=True)  # else happens to its request: the log's schedule runs it
         self.started = []
@@ -510,7 +517,41 @@ class Redrive:
             hit -= alignment
         if hit < offered:
             self.ledger.cut[event.request_id] = offered
+        if not hit and event.num_external_tokens:
+            # Nothing to load here: vLLM computes the prompt in this step, in the blocks the
+            # log allocates it in its next steps (taken now, where free).
+            size = self.config.hash_block_size
+            prompt = -(-view.num_tokens // size) * size - local
+            event = self._pull_forward(event, view.table_positions, local, prompt)
+            covered = prompt if _table_takes(self.config, event.block_ids, view.table_positions, local, prompt) \
+                else event.num_external_tokens
+            self._early[event.request_id] = (local, min(covered, view.num_tokens - local))
         return attrs.evolve(event, num_external_tokens=hit)
+
+    def _with_early_prefills(self, event: ev.StepScheduled) -> ev.StepScheduled:
+        """The requests admitted in this step that the log loaded for and this engine computes:
+        the log's vLLM waited for their loads and computes them from the next step, where one
+        with nothing to load computes in the step it is admitted. Their blocks the log loaded
+        are computed in this step here, so stored when the real run would store them; the rest
+        of the prompt keeps the log's step."""
+        early, self._early = self._early, {}
+        order, self._admitted = {rid: i for i, rid in enumerate(self._admitted)}, []
+        ids, done, scheduled = list(event.request_ids), list(event.num_computed_tokens), list(event.num_scheduled_tokens)
+        for rid, (local, tokens) in early.items():
+            view = queries.request_view(self.state, rid)
+            if (rid in event.request_ids or view is None or view.status is not RequestStatus.RUNNING
+                    or view.num_computed_tokens != local):
+                continue
+            # vLLM schedules the step's new requests in the order it admitted them (the order
+            # the engine plans their stores in): before the first one admitted after it.
+            at = next((i for i, other in enumerate(ids) if order.get(other, -1) > order[rid]), len(ids))
+            ids.insert(at, rid)
+            done.insert(at, local)
+            scheduled.insert(at, tokens)
+        if len(ids) == len(event.request_ids):
+            return event
+        return attrs.evolve(event, request_ids=tuple(ids), num_computed_tokens=tuple(done),
+                            num_scheduled_tokens=tuple(scheduled))
 
     def _apply(self, event: ev.Event) -> None:
         self.state, effects = reduce(self.state, event)

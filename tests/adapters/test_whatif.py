@@ -334,6 +334,44 @@ def test_a_load_the_log_never_had_ends_in_turn_with_the_steps_other_loads():
     assert evicted == [key(docs["a"][0], 0)]
 
 
+def test_a_request_the_log_loaded_for_computes_in_the_step_it_is_admitted_here():
+    """x's blocks were in the log's host memory, not in a smaller one's: the log's vLLM waited a
+    step for x2's load, where with nothing to load it computes x2 in the step it admits it, first
+    (it was admitted before y). So x2's blocks are stored in that step, before y's, and the two
+    slots go to them, not to y's."""
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
+                          num_device_blocks=32, num_tier_slots=8)
+    x, z, w = chain(2, "x"), chain(2, "z"), chain(2, "w")
+    events = [
+        ev.RequestAdded(request_id="a", num_prompt_tokens=65, block_hashes=x),
+        ev.RequestAdded(request_id="b", num_prompt_tokens=65, block_hashes=z),
+        ev.BlocksAllocated(request_id="a", block_ids=((1, 2, 3),), num_external_tokens=0),
+        ev.BlocksAllocated(request_id="b", block_ids=((4, 5, 6),), num_external_tokens=0),
+        ev.StepScheduled(step_index=0, request_ids=("b", "a"), num_computed_tokens=(0, 0),
+                         num_scheduled_tokens=(65, 65)),
+        ev.RequestFinished(request_id="a", block_ids=((1, 2, 3),)),
+        ev.RequestFinished(request_id="b", block_ids=((4, 5, 6),)),
+        ev.StepScheduled(step_index=1, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=()),
+        ev.StoreCompleted(job_id=1, worker_index=0),
+        ev.RequestAdded(request_id="x2", num_prompt_tokens=65, block_hashes=x),
+        ev.RequestAdded(request_id="y", num_prompt_tokens=65, block_hashes=w),
+        ev.BlocksAllocated(request_id="x2", block_ids=((7, 8),), num_external_tokens=64),  # loaded in the log
+        ev.BlocksAllocated(request_id="y", block_ids=((9, 10, 11),), num_external_tokens=0),
+        ev.StepScheduled(step_index=2, request_ids=("y",), num_computed_tokens=(0,), num_scheduled_tokens=(65,)),
+        ev.LoadCompleted(job_id=2, worker_index=0),
+        ev.BlocksAllocated(request_id="x2", block_ids=((12,),), num_external_tokens=0),
+        ev.StepScheduled(step_index=3, request_ids=("x2", "y"), num_computed_tokens=(64, 65),
+                         num_scheduled_tokens=(1, 1)),
+    ]
+    stores: list[list[bytes]] = []
+    drive = whatif.Redrive(config, attrs.evolve(config, num_tier_slots=2), on_effects=lambda effects: stores.extend(
+        [k for group in e.keys for k in group] for e in effects if isinstance(e, fx.StartStore)))
+    drive.run(events)
+    assert drive.not_applied == 0
+    assert queries.stats(drive.state)["hit_tokens"] == 0  # x did not fit beside z here
+    assert stores == [[key(h, 0) for h in z], [key(h, 0) for h in x]]
+
+
 # Several replicas, one shared tier.
 
 @pytest.fixture(scope="module")
