@@ -214,6 +214,11 @@ class Redrive:
         self._load_steps: dict[int, int] = {}  # this engine's loads in flight -> the step that started them
         self._early: dict[str, tuple[int, int]] = {}  # admitted this step, loaded in the log alone: (local, tokens)
         self._admitted: list[str] = []  # the requests admitted in this step, in order
+        # Admitted this step with a load the log did not have: (local, computed after it); moved a step
+        # later, with their loads (job ids) kept running past this step.
+        self._late: dict[str, tuple[int, int]] = {}
+        self._deferred: dict[str, int] = {}
+        self._waiting: set[int] = set()
         self.shared: SharedTier | None = None  # tier 1, when several replicas share it (`fleet.py`)
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
         self.on_effects = on_effects  # (effects) after each event
@@ -277,7 +282,13 @@ class Redrive:
             twin = self.twins.get(event.job_id)
             self.started = []
             if twin is not None and queries.job_view(self.state, twin) is not None:
-                self._complete(twin, event.worker_index, isinstance(event, (ev.LoadCompleted, ev.LoadFailed)))
+                load = kind is ev.LoadCompleted or kind is ev.LoadFailed
+                if load and self.untimed:  # loads of its step started before it, with no twin, end first
+                    step = self._load_steps.get(twin)
+                    for earlier in [j for j in self.untimed if j < twin and self._load_steps.get(j) == step
+                                    and j not in self._waiting]:
+                        self._finish(earlier)
+                self._complete(twin, event.worker_index, load)
             self._pair(recorded_effects)  # the spills a store's end starts, twinned with the log's
             self._adopt()
             for effect in recorded_effects:  # a failed load sent its request back to waiting: its blocks
@@ -286,6 +297,8 @@ class Redrive:
             return
         if (kind is ev.TierKeysFound or kind is ev.TierLookupFailed) and event.tier > len(self.config.lower_tiers):
             return
+        if self._deferred and self.untimed and getattr(event, "request_id", None) in self._deferred:
+            self._end_untimed(loads=True)  # a request moved a step later: its load ends before its next event
         if readmitted:
             self._send_back(event.request_id, as_the_log=False)
         if kind is ev.BlocksTouched:
@@ -300,8 +313,12 @@ class Redrive:
                 event = self._admission(event)
         step = kind is ev.StepScheduled
         if step:
+            if self._deferred:
+                event = self._with_deferred_prefills(event)
             if self._early:
                 event = self._with_early_prefills(event)
+            if self._late:
+                event = self._without_late_prefills(event)
             self._admitted = []
         if self.untimed and kind not in _ADMISSION_EVENTS:  # a load with no twin ends before anything
             self._end_untimed(loads=True)  # else happens to its request: the log's schedule runs it
@@ -311,6 +328,7 @@ class Redrive:
         self._adopt()
         if step:
             self.steps += 1
+            self._waiting.clear()  # their loads end before the next step's events, as vLLM's worker reports them
             if self.untimed:
                 self._end_untimed(loads=False)
 
@@ -342,7 +360,7 @@ class Redrive:
         (twins too, earlier than the log has them): the order their blocks go back to the
         eviction policy in is the order vLLM's worker gave them."""
         due = [(job, step) for job, (load, step) in self.untimed.items()
-               if load == loads and (loads or every or step < self.steps - 1)]
+               if load == loads and (loads or every or step < self.steps - 1) and job not in self._waiting]
         self.started = []
         for job, step in due:
             if loads:
@@ -517,6 +535,8 @@ class Redrive:
             hit -= alignment
         if hit < offered:
             self.ledger.cut[event.request_id] = offered
+        if hit and not event.num_external_tokens:
+            self._late[event.request_id] = (local, local + hit)
         if not hit and event.num_external_tokens:
             # Nothing to load here: vLLM computes the prompt in this step, in the blocks the
             # log allocates it in its next steps (taken now, where free).
@@ -527,6 +547,41 @@ class Redrive:
                 else event.num_external_tokens
             self._early[event.request_id] = (local, min(covered, view.num_tokens - local))
         return attrs.evolve(event, num_external_tokens=hit)
+
+    def _without_late_prefills(self, event: ev.StepScheduled) -> ev.StepScheduled:
+        """The requests admitted in this step that this engine loads for and the log computed at
+        once: vLLM waits for a load, so they leave this step and compute in the next
+        (`_with_deferred_prefills`), their loads running until then."""
+        late, self._late = self._late, {}
+        drop = set()
+        for rid, (local, computed) in late.items():
+            if rid not in event.request_ids or event.num_computed_tokens[event.request_ids.index(rid)] != local:
+                continue
+            view = queries.request_view(self.state, rid)
+            if view is None or view.load_job_id not in self.untimed:
+                continue
+            drop.add(rid)
+            self._waiting.add(view.load_job_id)
+            self._deferred[rid] = computed
+        if not drop:
+            return event
+        kept = [i for i, rid in enumerate(event.request_ids) if rid not in drop]
+        return attrs.evolve(event, request_ids=tuple(event.request_ids[i] for i in kept),
+                            num_computed_tokens=tuple(event.num_computed_tokens[i] for i in kept),
+                            num_scheduled_tokens=tuple(event.num_scheduled_tokens[i] for i in kept))
+
+    def _with_deferred_prefills(self, event: ev.StepScheduled) -> ev.StepScheduled:
+        """The requests `_without_late_prefills` left out of the last step, their loads ended:
+        they compute from what they loaded to where the log's request is after this step."""
+        deferred, self._deferred = self._deferred, {}
+        done, scheduled = list(event.num_computed_tokens), list(event.num_scheduled_tokens)
+        for index, rid in enumerate(event.request_ids):
+            computed = deferred.get(rid)
+            if computed is None or done[index] + scheduled[index] <= computed:
+                continue
+            scheduled[index] = done[index] + scheduled[index] - computed
+            done[index] = computed
+        return attrs.evolve(event, num_computed_tokens=tuple(done), num_scheduled_tokens=tuple(scheduled))
 
     def _with_early_prefills(self, event: ev.StepScheduled) -> ev.StepScheduled:
         """The requests admitted in this step that the log loaded for and this engine computes:

@@ -679,7 +679,7 @@ class Simulator:
             self.slot_content = {slot: renamed.get(c, c) for slot, c in self.slot_content.items()}  # type: ignore[arg-type]
             self.disks = [{key: renamed.get(c, c) for key, c in disk.items()} for disk in self.disks]  # type: ignore[arg-type]
             for request in list(self.requests.values()):
-                if request.hashes:
+                if request.hashes and request.status != "aborting":  # vLLM tells a cancelled request nothing
                     self._tell(ev.BlockHashesAppended(request_id=request.rid, num_tokens=request.num_tokens,
                                                       block_hashes=tuple(request.hashes)), request.first_hashes)
         if sleep:

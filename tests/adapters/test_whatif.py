@@ -372,6 +372,34 @@ def test_a_request_the_log_loaded_for_computes_in_the_step_it_is_admitted_here()
     assert stores == [[key(h, 0) for h in z], [key(h, 0) for h in x]]
 
 
+def test_a_request_the_redrive_loads_for_computes_a_step_later_than_the_log():
+    """The reverse: the log's vLLM computed r at once (it asked no hit), where this engine finds
+    x's blocks and loads them. vLLM waits a step for a load, so r computes from the next step,
+    and its block after x is stored a step later than the log stored it."""
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
+                          num_device_blocks=32, num_tier_slots=8)
+    x, y = chain(2, "x"), chain(1, "y")
+    events = [
+        ev.RequestAdded(request_id="a", num_prompt_tokens=65, block_hashes=x),
+        ev.BlocksAllocated(request_id="a", block_ids=((1, 2, 3),), num_external_tokens=0),
+        ev.StepScheduled(step_index=0, request_ids=("a",), num_computed_tokens=(0,), num_scheduled_tokens=(65,)),
+        ev.RequestFinished(request_id="a", block_ids=((1, 2, 3),)),
+        ev.StepScheduled(step_index=1, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=()),
+        ev.StoreCompleted(job_id=1, worker_index=0),
+        ev.RequestAdded(request_id="r", num_prompt_tokens=97, block_hashes=(*x, *y)),
+        ev.BlocksAllocated(request_id="r", block_ids=((4, 5, 6, 7),), num_external_tokens=0),
+        ev.StepScheduled(step_index=2, request_ids=("r",), num_computed_tokens=(0,), num_scheduled_tokens=(97,)),
+        ev.StepScheduled(step_index=3, request_ids=("r",), num_computed_tokens=(97,), num_scheduled_tokens=(1,)),
+    ]
+    stored: list[tuple[int, bytes]] = []
+    drive = whatif.Redrive(config, config, on_effects=lambda effects: stored.extend(
+        (drive.steps, k) for e in effects if isinstance(e, fx.StartStore) for group in e.keys for k in group))
+    drive.run(events)
+    assert drive.not_applied == 0 and queries.stats(drive.state)["hit_tokens"] == 64
+    # (x stored at step 0; `steps` counts the steps taken before the one applied)
+    assert stored == [(0, key(x[0], 0)), (0, key(x[1], 0)), (3, key(y[0], 0))]
+
+
 # Several replicas, one shared tier.
 
 @pytest.fixture(scope="module")
