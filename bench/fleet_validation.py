@@ -9,6 +9,11 @@ they run again, one after the other, with a real Valkey server (started here)
 below both, and the hit tokens are measured.
 
     python bench/fleet_validation.py [--out bench/out/fleet]
+
+With `--together`, the shared run serves both replicas at the same time (two
+processes), over a Valkey tier of `--shared-docs` documents (3 by default),
+small enough to evict, and the prediction takes the logs recorded apart as
+replicas that started together (`whatif --together`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import contextlib
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +38,9 @@ REPLICAS = {"a": range(0, 3), "b": range(3, 6)}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "fleet"))
+    parser.add_argument("--together", action="store_true",
+                        help="the shared run: both replicas at once, over a tier small enough to evict")
+    parser.add_argument("--shared-docs", type=float, default=3.0, help="with --together: the tier's size, in documents")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -49,21 +58,35 @@ def main() -> None:
 
     from kvledger.adapters.cli.main import main as kvledger
 
+    shared_bytes = int(args.shared_docs * (spec["doc_words"] // spec["block"]) * slot) if args.together \
+        else SHARED_BYTES
     predicted_file = out / "predicted.json"
     with open(predicted_file, "w") as sink, contextlib.redirect_stdout(sink):
         status = kvledger(["whatif", *map(str, apart.values()), "--shared-tier",
-                           json.dumps({"type": "valkey", "capacity_bytes": SHARED_BYTES}), "--json"])
+                           json.dumps({"type": "valkey", "capacity_bytes": shared_bytes}), "--json",
+                           *(["--together"] if args.together else [])])
     assert status == 0, status
     predicted = json.loads(predicted_file.read_text())
 
     from tests.support.valkey_servers import ServerProcess
 
-    server = ServerProcess(maxmemory="512mb", policy="allkeys-lru")
+    # Valkey evicts by its own memory, which holds a block in about its bytes: room for the tier's
+    # blocks and the server's own few megabytes, so that it evicts about where the tier is full.
+    server = ServerProcess(maxmemory=f"{(shared_bytes >> 20) + 4}mb" if args.together else "512mb",
+                           policy="allkeys-lru")
     try:
-        tiers = [{"type": "valkey", "url": server.url, "capacity_bytes": SHARED_BYTES, "timeout_s": 2.0}]
+        tiers = [{"type": "valkey", "url": server.url, "capacity_bytes": shared_bytes, "timeout_s": 2.0}]
         shared = {name: out / f"shared-{name}.log" for name in REPLICAS}
-        for name, questions in REPLICAS.items():
-            _run("multi", host, shared[name], models, questions=questions, tiers=tiers)
+        if args.together:  # two processes serving at once, each its own questions
+            with ThreadPoolExecutor(len(REPLICAS)) as pool:
+                for done in [pool.submit(_run, "multi", host, shared[name], models, questions=questions, tiers=tiers)
+                             for name, questions in REPLICAS.items()]:
+                    done.result()
+        else:
+            for name, questions in REPLICAS.items():
+                _run("multi", host, shared[name], models, questions=questions, tiers=tiers)
+        stats = dict(line.split(":", 1) for line in server.cli("INFO", "stats").splitlines() if ":" in line)
+        evicted = int(stats.get("evicted_keys", "0"))
     finally:
         server.close()
 
@@ -87,7 +110,7 @@ def main() -> None:
         error = f"{row['error']:+.1%}" if row["error"] is not None else "-"
         print(f"{row['replica']:<8} {row['apart']:>7} {row['predicted_alone']:>15} {row['predicted_shared']:>16} "
               f"{row['measured_restored']:>17} {row['measured_hits']:>13} {error:>7}")
-    print(f"shared tier: {predicted['shared_tier']}")
+    print(f"shared tier: {predicted['shared_tier']}; Valkey evicted {evicted} keys")
 
 
 def _restored(log: Path) -> int:

@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-tier", metavar="JSON", help='a tier the logs\' replicas would share, e.g. '
                    '{"type": "valkey", "capacity_bytes": N}: their steps in wall-time order, each finding what '
                    'the others wrote')
+    p.add_argument("--together", action="store_true", help="with --shared-tier: the logs' replicas as if they "
+                   "had started at the same moment (logs recorded apart: each step at its time since its log's "
+                   "first step)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_whatif)
     p = sub.add_parser("inspect", help="show the state at a point in a log")

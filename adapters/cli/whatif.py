@@ -26,6 +26,8 @@ _T = TypeVar("_T")
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
+    if args.together and args.shared_tier is None:
+        raise BadArgument("--together goes with --shared-tier (it puts the replicas' logs side by side)")
     if args.shared_tier is not None:
         return _fleet(args)
     if len(args.logs) > 1:
@@ -92,7 +94,7 @@ def _fleet(args: argparse.Namespace) -> int:
     if not isinstance(value, dict):
         raise BadArgument('--shared-tier takes one tier, e.g. {"type": "valkey", "capacity_bytes": 10000000000}')
     (tier,) = _tiers(json.dumps([value]), first, "--shared-tier")
-    outcomes, shared = fleet.predict_fleet(replicas, tier)
+    outcomes, shared = fleet.predict_fleet(replicas, tier, together=args.together)
     rows = []
     for replica, outcome in zip(replicas, outcomes):
         config = replica.header.config

@@ -5,7 +5,8 @@ Each replica's log is driven through an engine of its own configuration with
 the shared tier below its host memory (replacing any lower tiers it had), as
 `whatif.Redrive` drives one log; the replicas' steps are taken in the order of
 their wall time (`StepScheduled.wall_time_us`), so one replica finds what
-another wrote before. The shared tier is modelled as Valkey keeps it under
+another wrote before; with `--together`, of their time since each log's first
+step (logs recorded apart, taken as replicas serving side by side). The shared tier is modelled as Valkey keeps it under
 `allkeys-lru`: every block written through, the least recently written or
 read evicted when it is full; a replica's promotion of a block another's
 writes evicted since it was found fails and is recomputed, as it would.
@@ -36,19 +37,22 @@ class Replica:
     records: list
 
 
-def _steps(events: list) -> Iterator[tuple[int, list[int]]]:
+def _steps(events: list, *, together: bool = False) -> Iterator[tuple[int, list[int]]]:
     """The log's steps in order, each with the wall time of its step event (or the last one
-    known) and the indices of its events (a step event ends each step)."""
-    clock = 0
+    known) and the indices of its events (a step event ends each step). `together`: the time
+    since the log's first step time, as if every log had started at the same moment."""
+    clock = start = 0
     step: list[int] = []
     for index, event in enumerate(events):
         step.append(index)
         if isinstance(event, ev.StepScheduled):
             clock = event.wall_time_us or clock
-            yield clock, step
+            if together and not start and clock:
+                start = clock
+            yield clock - start, step
             step = []
     if step:
-        yield clock, step
+        yield clock - start, step
 
 
 def untimed(replicas: list[Replica]) -> list[str]:
@@ -57,8 +61,11 @@ def untimed(replicas: list[Replica]) -> list[str]:
             if not any(getattr(rec.event, "wall_time_us", 0) for rec in r.records if isinstance(rec, EventRecord))]
 
 
-def predict_fleet(replicas: list[Replica], tier: LowerTierSpec) -> tuple[list[Outcome], SharedTier]:
-    """Every replica's outcome with the shared tier below it, and the tier's counts."""
+def predict_fleet(replicas: list[Replica], tier: LowerTierSpec, *,
+                  together: bool = False) -> tuple[list[Outcome], SharedTier]:
+    """Every replica's outcome with the shared tier below it, and the tier's counts.
+    `together`: logs recorded apart (one replica after the other, or on other days) taken as
+    replicas that started serving at the same moment, each at its own recorded pace."""
     shared = SharedTier(tier.num_blocks)
     drives = []
     for replica in replicas:
@@ -69,7 +76,8 @@ def predict_fleet(replicas: list[Replica], tier: LowerTierSpec) -> tuple[list[Ou
         drives.append(drive)
     # The replicas' steps merged by wall time (ties in the order the logs were given); each
     # replica's stay in its log's order, even where its clock stepped back.
-    steps = [[(clock, index, step) for clock, step in _steps(drive.events)] for index, drive in enumerate(drives)]
+    steps = [[(clock, index, step) for clock, step in _steps(drive.events, together=together)]
+             for index, drive in enumerate(drives)]
     for _, index, step in heapq.merge(*steps, key=lambda item: item[:2]):
         for position in step:
             drives[index].feed_at(position)

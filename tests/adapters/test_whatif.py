@@ -240,6 +240,7 @@ def test_the_sweep_as_a_page_of_curves(log, tmp_path, capsys):
     (["--secondary-tiers", "{}"], "takes a JSON list"),
     (["--secondary-tiers", '[{"type": "fs"}]'], "needs capacity_bytes or num_blocks"),
     (["--secondary-tiers", '[{"type": "fs", "num_blocks": 0}]'], "num_blocks must be a positive int"),
+    (["--together"], "--together goes with --shared-tier"),
 ])
 def test_bad_input_is_one_line_and_exit_2(log, capsys, argv, words):
     assert main(["whatif", str(log), *argv]) == 2
@@ -436,6 +437,28 @@ def test_replicas_sharing_a_tier_find_what_the_others_wrote(replicas, capsys):
     assert small["shared_tier"]["blocks_evicted"] > 0
     assert [row["not_applied"] for row in small["replicas"]] == [0, 0]
     assert small["all"]["predicted_shared_hit_tokens"] < data["all"]["predicted_shared_hit_tokens"]
+
+
+def test_logs_recorded_apart_are_put_side_by_side(replicas):
+    """`--together`: each log's steps at their time since its own first step, so a log recorded
+    an hour after the other is interleaved with it, not played after it."""
+    from kvledger.adapters.cli.whatif import _read_whole
+    from kvledger.adapters.log_tools import fleet
+    from kvledger.events.config import LowerTierSpec
+
+    first, second = (fleet.Replica(path, *_read_whole(path)) for path in replicas)
+    hour = 3_600_000_000
+    later = [attrs.evolve(r, event=attrs.evolve(r.event, wall_time_us=r.event.wall_time_us + hour))
+             if type(getattr(r, "event", None)) is ev.StepScheduled else r for r in second.records]
+    moved = attrs.evolve(second, records=later)
+    clocks = [clock for clock, _ in fleet._steps(whatif.events_of(moved.records), together=True)]
+    assert clocks[0] == 0 and clocks == sorted(clocks)
+    tier = LowerTierSpec(name="1:valkey", num_blocks=64)
+    apart, _ = fleet.predict_fleet([first, moved], tier)
+    together, _ = fleet.predict_fleet([first, moved], tier, together=True)
+    same, _ = fleet.predict_fleet([first, second], tier, together=True)
+    assert [o.stats for o in together] == [o.stats for o in same]  # the hour taken out
+    assert [o.stats for o in apart] != [o.stats for o in together]  # played one after the other, it differs
 
 
 def test_logs_without_step_times_cannot_be_interleaved(capsys):
