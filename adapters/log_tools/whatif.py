@@ -190,7 +190,13 @@ class Redrive:
         # back to waiting first. Shared by re-drives run together (`predict_many`), which
         # step it once an event; a re-drive alone steps its own (`feed`).
         self.log = LogEngine(recorded) if log is None else log
-        self.state = initial_state(config)
+        # Device blocks past the log's: where a longer hit than the log's needs a block the log
+        # allocates only later, vLLM would have allocated one at once (`_spare_blocks`).
+        limit = config.num_device_blocks
+        self.state = initial_state(attrs.evolve(config, num_device_blocks=2 * limit))
+        self._spares = list(range(2 * limit - 1, limit - 1, -1))  # free spare blocks, the lowest last
+        self._renamed: dict[int, int] = {}  # the log's block -> the spare holding its content here
+        self._spared: set[str] = set()  # requests whose table holds spares the log allocates later
         self.tally = Tally()
         self.ledger = MissLedger(config, on_admission=self.tally.add)
         self.moved: dict[str, int] = {}
@@ -297,6 +303,8 @@ class Redrive:
             return
         if (kind is ev.TierKeysFound or kind is ev.TierLookupFailed) and event.tier > len(self.config.lower_tiers):
             return
+        if self._renamed or self._spared:
+            event = self._with_spares(event, kind)
         if self._deferred and self.untimed and getattr(event, "request_id", None) in self._deferred:
             self._end_untimed(loads=True)  # a request moved a step later: its load ends before its next event
         if readmitted:
@@ -470,6 +478,59 @@ class Redrive:
                 break
         return event
 
+    def _spare_blocks(self, event: ev.BlocksAllocated, first: tuple[int, ...], local: int,
+                      hit: int) -> ev.BlocksAllocated:
+        """A hit longer than the log's, whose blocks the log allocates only in a later step (and
+        another request used in between): vLLM would allocate blocks for it at once. Spare blocks
+        (past the log's) stand for them; the blocks the log allocates there later are renamed to
+        them in every event after (`_with_spares`)."""
+        groups = []
+        for group, ids, start in zip(self.config.groups, event.block_ids, first):
+            needed = set(hma.needed_range(group, local, local + hit))
+            end = (local + hit) // group.block_size
+            more = [NULL_BLOCK_ID if p not in needed else -1 for p in range(start + len(ids), end)]
+            if sum(b == -1 for b in more) > len(self._spares):
+                return event
+            groups.append((*ids, *(self._spares.pop() if b == -1 else b for b in more)))
+        self._spared.add(event.request_id)
+        return attrs.evolve(event, block_ids=tuple(groups))
+
+    def _with_spares(self, event: ev.Event, kind: type) -> ev.Event:
+        """The event with the log's blocks that spares hold here renamed. A block the log
+        allocates afresh is its own again; the blocks the log allocates a request at positions
+        its table here already holds (spares) are left out of the allocation, and renamed to
+        those spares from here on."""
+        renamed = self._renamed
+        rid = getattr(event, "request_id", None)
+        if kind is ev.BlocksAllocated and rid in self._spared:
+            mine = queries.request_table(self.state, rid)
+            logged = queries.request_table(self.recorded, rid)
+            groups = []
+            for ids, own, theirs in zip(event.block_ids, mine, logged):
+                before = len(theirs) - len(ids)  # the log's table before this allocation
+                ahead = max(0, min(len(own) - before, len(ids)))
+                for block, spare in zip(ids[:ahead], own[before:before + ahead]):
+                    if block != NULL_BLOCK_ID and block != spare:
+                        renamed[block] = spare
+                groups.append(ids[ahead:])
+            return attrs.evolve(event, block_ids=tuple(groups))
+        if kind is ev.BlocksAllocated:
+            fresh = [b for ids in event.block_ids for b in ids if b in renamed]
+            for block in fresh:  # the log's block holds new content: the spare is free again, once it is here
+                spare = renamed.pop(block)
+                if queries.blocks_free(self.state, [spare]):
+                    self._spares.append(spare)
+            return event
+        if kind is ev.RequestFinished and rid in self._spared:
+            self._spared.discard(rid)  # its final table is this engine's (spares in it)
+            return attrs.evolve(event, block_ids=queries.request_table(self.state, rid))
+        if kind is ev.BlocksNearEviction:
+            return attrs.evolve(event, block_ids=tuple(renamed.get(b, b) for b in event.block_ids))
+        if kind in (ev.BlocksFreed, ev.BlocksTouched, ev.RequestFinished):
+            return attrs.evolve(event, block_ids=tuple(tuple(renamed.get(b, b) for b in ids)
+                                                       for ids in event.block_ids))
+        return event
+
     def _name_blocks(self, named: set[int], after: int, end: int) -> int:
         """Add to `named` the device blocks the events in (after, end] name; gives `end`. Read
         from the window when a longer hit looks ahead (rarely): an index of every mention,
@@ -531,6 +592,8 @@ class Redrive:
         offered = hit
         if hit and not _table_takes(self.config, event.block_ids, view.table_positions, local, hit):
             event = self._pull_forward(event, view.table_positions, local, hit)
+        if hit and not _table_takes(self.config, event.block_ids, view.table_positions, local, hit):
+            event = self._spare_blocks(event, view.table_positions, local, hit)
         while hit and not _table_takes(self.config, event.block_ids, view.table_positions, local, hit):
             hit -= alignment
         if hit < offered:

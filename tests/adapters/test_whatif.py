@@ -401,6 +401,41 @@ def test_a_request_the_redrive_loads_for_computes_a_step_later_than_the_log():
     assert stored == [(0, key(x[0], 0)), (0, key(x[1], 0)), (3, key(y[0], 0))]
 
 
+def test_a_longer_hit_than_the_log_had_takes_spare_blocks_where_the_logs_were_in_use():
+    """r's hit here is two blocks, where the log loaded one and allocated the next a step later,
+    in blocks q used in between: vLLM would have allocated r two blocks at once, so a spare block
+    stands for the second (the hit is not cut to the log's table), and the log's block there is
+    renamed to it in every later event naming it (r's final table among them)."""
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
+                          num_device_blocks=16, num_tier_slots=8)
+    x, z, w = chain(2, "x"), chain(1, "z"), chain(1, "w")
+    events = [
+        ev.RequestAdded(request_id="a", num_prompt_tokens=65, block_hashes=x),
+        ev.BlocksAllocated(request_id="a", block_ids=((1, 2, 3),), num_external_tokens=0),
+        ev.StepScheduled(step_index=0, request_ids=("a",), num_computed_tokens=(0,), num_scheduled_tokens=(65,)),
+        ev.RequestFinished(request_id="a", block_ids=((1, 2, 3),)),
+        ev.StoreCompleted(job_id=1, worker_index=0),
+        ev.RequestAdded(request_id="r", num_prompt_tokens=97, block_hashes=(*x, *z)),
+        ev.BlocksAllocated(request_id="r", block_ids=((4,),), num_external_tokens=32),  # the log's vLLM took one
+        ev.RequestAdded(request_id="q", num_prompt_tokens=33, block_hashes=w),
+        ev.BlocksAllocated(request_id="q", block_ids=((5, 6),), num_external_tokens=0),
+        ev.StepScheduled(step_index=1, request_ids=("q",), num_computed_tokens=(0,), num_scheduled_tokens=(33,)),
+        ev.LoadCompleted(job_id=2, worker_index=0),
+        ev.RequestFinished(request_id="q", block_ids=((5, 6),)),
+        ev.BlocksAllocated(request_id="r", block_ids=((5, 6, 7),), num_external_tokens=0),
+        ev.StepScheduled(step_index=2, request_ids=("r",), num_computed_tokens=(32,), num_scheduled_tokens=(65,)),
+        ev.RequestFinished(request_id="r", block_ids=((4, 5, 6, 7),)),
+    ]
+    steps = [sum(type(e) is ev.StepScheduled for e in events[:i]) for i in range(len(events))]
+    assert not replay(config, [EventRecord(seq=i, step_index=steps[i], event=e)
+                               for i, e in enumerate(events)]).violations
+    drive = _drive(config, config, events)
+    assert drive.not_applied == 0
+    assert queries.stats(drive.state)["hit_tokens"] == 64  # two blocks: not cut to the log's one
+    assert drive._renamed == {5: 16}  # the first spare (past the log's 16 blocks) holds what r's 5 held
+    assert queries.num_requests(drive.state) == 0 and not drive._spared
+
+
 # Several replicas, one shared tier.
 
 @pytest.fixture(scope="module")
