@@ -21,7 +21,7 @@ without these counters: with any, nothing is kept.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -58,11 +58,15 @@ LATER: Final = LookupResult(0, ready=False)
 
 
 def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised: int = 0,
-           previous: LookupResult | None = None, promotions_promised: int = 0) -> LookupResult:
+           previous: LookupResult | None = None, promotions_promised: int = 0,
+           step_loads: Mapping[int, int] | None = None) -> LookupResult:
     """`slots_promised`: host slots earlier hits of this step will take (the sum of
     their `slots_taken`): vLLM admits several requests before the engine sees any;
     `promotions_promised`, the sum of their `promotions`.
-    `previous`: this request's last answer, returned again if its basis holds."""
+    `previous`: this request's last answer, returned again if its basis holds.
+    `step_loads`: per host slot, the loads this step's earlier admissions started, for a
+    caller that applies each admission before the next lookup (`kvledger whatif`): vLLM's
+    lookups of a step see none of them, so they do not make this one wait."""
     core = state.core
     request = core.requests.get(request_id)
     if request is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -95,7 +99,8 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
 
     # Window groups: walk down to the largest boundary every group can serve, and
     # whose keys from lower tiers fit in host memory on their way to the device.
-    walked = _servable_end(core, request, num_local_tokens, best, known, slots_promised, promotions_promised)
+    walked = _servable_end(core, request, num_local_tokens, best, known, slots_promised, promotions_promised,
+                           step_loads)
     if walked is None:
         return LATER
     end, taken, promotions = walked
@@ -107,7 +112,7 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
             # The shorter hit is walked as the first was: with windows it reads other
             # keys, and one of them may still be storing (ask later) or not fit.
             walked = _servable_end(core, request, num_local_tokens, kept, known, slots_promised,
-                                   promotions_promised)
+                                   promotions_promised, step_loads)
             if walked is None:
                 return LATER
             budget = (hit, load_us, compute_us)
@@ -124,7 +129,7 @@ def lookup(state: State, request_id: str, num_local_tokens: int, slots_promised:
 
 
 def _servable_end(core: Core, request: RequestState, start: int, end: int, known: Callable[[bytes], bool],
-                  promised: int, promoting: int) -> tuple[int, int, int] | None:
+                  promised: int, promoting: int, step_loads: Mapping[int, int] | None) -> tuple[int, int, int] | None:
     """The largest boundary at or below `end` that every window group can serve
     and whose keys from lower tiers fit in host memory on their way to the
     device: (end, slots taken, promotions); `start` where none; None: ask later."""
@@ -132,7 +137,7 @@ def _servable_end(core: Core, request: RequestState, start: int, end: int, known
     partial = [g for g in core.groups if g.kind is not GroupKind.FULL]
     while end > start:
         if all(_covers(core, request, g, start, end, known) for g in partial):
-            slots = _slots_taken(core, request, start, end, promised, promoting)
+            slots = _slots_taken(core, request, start, end, promised, promoting, step_loads)
             if slots is None:
                 return None
             if slots[0] >= 0:
@@ -152,7 +157,7 @@ def _basis(core: Core, request: RequestState, local: int, promised: int, stores_
 
 
 def _slots_taken(core: Core, request: RequestState, start: int, end: int, promised: int,
-                 promoting: int) -> tuple[int, int] | None:
+                 promoting: int, step_loads: Mapping[int, int] | None = None) -> tuple[int, int] | None:
     """With lower tiers, the host slots the hit [start, end) takes from the
     evictable pool: a slot for each key a lower tier holds (a promotion), and
     each evictable host key it reads (pinned while it does); 0 without. With
@@ -182,6 +187,8 @@ def _slots_taken(core: Core, request: RequestState, start: int, end: int, promis
             if slot_state[slot] != STORED_CODE:
                 return None
             loads = slot_loads.get(slot, 0)
+            if loads and step_loads:
+                loads -= step_loads.get(slot, 0)
             if loads and loads > spill_reads.get(slot, 0):
                 return None
             if core.lower:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from itertools import islice
+from itertools import islice, zip_longest
 
 import attrs
 
@@ -218,12 +218,14 @@ class Redrive:
         self._pulled: set[int] = set()  # the indices of allocations taken early by a longer hit
         self._promoted: dict[int, list[tuple[bytes, int]]] = {}  # shared tier: load job -> (key, block) it reads
         self._load_steps: dict[int, int] = {}  # this engine's loads in flight -> the step that started them
+        self._step_loads: dict[int, int] = {}  # host slot -> the loads this step's admissions started reading it
         self._early: dict[str, tuple[int, int]] = {}  # admitted this step, loaded in the log alone: (local, tokens)
         self._admitted: list[str] = []  # the requests admitted in this step, in order
         # Admitted this step with a load the log did not have: (local, computed after it); moved a step
         # later, with their loads (job ids) kept running past this step.
         self._late: dict[str, tuple[int, int]] = {}
         self._deferred: dict[str, int] = {}
+        self._shrunk: dict[str, int] = {}  # admitted this step with a shorter load than the log's: computed after it
         self._waiting: set[int] = set()
         self.shared: SharedTier | None = None  # tier 1, when several replicas share it (`fleet.py`)
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
@@ -327,6 +329,9 @@ class Redrive:
                 event = self._with_early_prefills(event)
             if self._late:
                 event = self._without_late_prefills(event)
+            if self._shrunk:
+                self._deferred.update(self._shrunk)
+                self._shrunk = {}
             self._admitted = []
         if self.untimed and kind not in _ADMISSION_EVENTS:  # a load with no twin ends before anything
             self._end_untimed(loads=True)  # else happens to its request: the log's schedule runs it
@@ -336,6 +341,7 @@ class Redrive:
         self._adopt()
         if step:
             self.steps += 1
+            self._step_loads.clear()
             self._waiting.clear()  # their loads end before the next step's events, as vLLM's worker reports them
             if self.untimed:
                 self._end_untimed(loads=False)
@@ -572,18 +578,18 @@ class Redrive:
                 if self.shared.holds(k) and not queries.tier_holds(self.state, 1, k)))
             if found:
                 self._apply(ev.TierKeysFound(tier=1, keys=found))
-        answer = lookup(self.state, event.request_id, local)
+        answer = lookup(self.state, event.request_id, local, step_loads=self._step_loads)
         if not answer.ready:
             # A key it needs is still being stored, or loaded for another request, or the hit's
             # promotions wait for host slots that transfers hold: vLLM would have waited for
             # those transfers, which the log's schedule did not; they end now.
             self._end_jobs_on(event.request_id)
-            answer = lookup(self.state, event.request_id, local)
+            answer = lookup(self.state, event.request_id, local, step_loads=self._step_loads)
             for _ in range(3):  # (ending a store starts its spills, which hold host slots a moment)
                 if answer.ready or not queries.has_jobs_in_flight(self.state):
                     break
                 self._end_jobs_on(None)
-                answer = lookup(self.state, event.request_id, local)
+                answer = lookup(self.state, event.request_id, local, step_loads=self._step_loads)
         hit = answer.num_hit_tokens if answer.ready else 0
         # The log's block table is the one vLLM allocated for the recorded hit: a window
         # group leaves null the blocks before that hit's end it did not need. A hit here
@@ -600,6 +606,8 @@ class Redrive:
             self.ledger.cut[event.request_id] = offered
         if hit and not event.num_external_tokens:
             self._late[event.request_id] = (local, local + hit)
+        elif 0 < hit < event.num_external_tokens:  # both wait for a load: the rest is computed here
+            self._shrunk[event.request_id] = local + hit
         if not hit and event.num_external_tokens:
             # Nothing to load here: vLLM computes the prompt in this step, in the blocks the
             # log allocates it in its next steps (taken now, where free).
@@ -634,16 +642,20 @@ class Redrive:
                             num_scheduled_tokens=tuple(event.num_scheduled_tokens[i] for i in kept))
 
     def _with_deferred_prefills(self, event: ev.StepScheduled) -> ev.StepScheduled:
-        """The requests `_without_late_prefills` left out of the last step, their loads ended:
-        they compute from what they loaded to where the log's request is after this step."""
-        deferred, self._deferred = self._deferred, {}
+        """The requests whose first step after their load computes from less than the log's
+        did: those `_without_late_prefills` left out of an earlier step, and those that loaded
+        less here than in the log. In the first step that schedules one, it computes from what
+        it loaded to where the log's request is after that step."""
+        deferred = self._deferred
         done, scheduled = list(event.num_computed_tokens), list(event.num_scheduled_tokens)
         for index, rid in enumerate(event.request_ids):
-            computed = deferred.get(rid)
-            if computed is None or done[index] + scheduled[index] <= computed:
+            computed = deferred.pop(rid, None)
+            if computed is None or done[index] + scheduled[index] <= computed or done[index] <= computed:
                 continue
             scheduled[index] = done[index] + scheduled[index] - computed
             done[index] = computed
+        for rid in [rid for rid in deferred if queries.request_status(self.state, rid) is None]:
+            del deferred[rid]  # gone before a step scheduled it
         return attrs.evolve(event, num_computed_tokens=tuple(done), num_scheduled_tokens=tuple(scheduled))
 
     def _with_early_prefills(self, event: ev.StepScheduled) -> ev.StepScheduled:
@@ -709,6 +721,11 @@ class Redrive:
     def _load_started(self, effect: fx.StartLoad) -> None:
         self.started.append(effect)
         self._load_steps[effect.job_id] = self.steps
+        step_loads = self._step_loads
+        for tiers, slots in zip_longest(effect.promote_tiers, effect.source_slot_ids, fillvalue=()):
+            for index, slot in enumerate(slots):
+                if not (tiers and tiers[index]) and slot >= 0:  # a host slot this load reads in place
+                    step_loads[slot] = step_loads.get(slot, 0) + 1
         if self.shared is not None and effect.promote_tiers:
             promoted = [(key, block) for tiers, keys, blocks in
                         zip(effect.promote_tiers, effect.keys, effect.target_block_ids)

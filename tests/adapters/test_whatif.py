@@ -259,6 +259,7 @@ def _failed_load_then_a_touch() -> tuple:
                           num_device_blocks=32, num_tier_slots=8, lower_tiers=({"name": "1:fs", "num_blocks": 16},))
     b = chain(3, "b")
     c = (b[0], *chain(2, "c"))
+    d = chain(3, "d")
     events = [
         ev.TierKeysFound(tier=1, keys=(key(b[0], 0),)),
         ev.RequestAdded(request_id="b", num_prompt_tokens=100, block_hashes=b),
@@ -269,8 +270,10 @@ def _failed_load_then_a_touch() -> tuple:
         ev.BlocksAllocated(request_id="b", block_ids=((10, 11, 12, 13),), num_external_tokens=0),
         ev.BlocksTouched(request_id="c", block_ids=((10,),)),
         ev.BlocksAllocated(request_id="c", block_ids=((14, 15, 16),), num_external_tokens=0),
-        ev.StepScheduled(step_index=1, request_ids=("b", "c"), num_computed_tokens=(0, 32),
-                         num_scheduled_tokens=(100, 68)),
+        ev.RequestAdded(request_id="d", num_prompt_tokens=100, block_hashes=d),
+        ev.BlocksAllocated(request_id="d", block_ids=((17, 18, 19, 20),), num_external_tokens=0),
+        ev.StepScheduled(step_index=1, request_ids=("b", "c", "d"), num_computed_tokens=(0, 32, 0),
+                         num_scheduled_tokens=(100, 68, 100)),
     ]
     return config, events
 
@@ -291,7 +294,7 @@ def test_a_request_out_of_step_is_left_out_of_the_step_not_the_others(monkeypatc
     monkeypatch.setattr(whatif.Redrive, "_whole", lambda self, blocks: None)  # the divergence, as before the fix
     drive = _drive(config, config, events)
     assert drive.not_applied == 2 and drive.requests_dropped == 1  # c's touch, and the step refused for c
-    assert queries.request_view(drive.state, "b").next_store_positions == (3,)  # b's part of the step applied
+    assert queries.request_view(drive.state, "d").next_store_positions == (3,)  # d's part of the step applied
     assert queries.request_view(drive.state, "c").next_store_positions == (0,)
 
 

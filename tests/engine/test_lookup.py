@@ -286,3 +286,18 @@ def test_an_ask_again_later_answer_is_not_given_back_once_the_store_ends():
     assert first == LATER
     e.store_done(1, worker=1)
     assert again(e, first) == LookupResult(128)
+
+
+def test_loads_this_step_started_do_not_make_a_lookup_of_the_same_step_wait():
+    """vLLM asks about every request it admits in a step before the engine sees any of their
+    allocations; a caller that applies each admission before the next lookup (`kvledger whatif`)
+    names the loads the step's earlier admissions started, and the hit is what vLLM was told."""
+    engine = Engine(full_only_config())
+    keys = full_keys(4)
+    seed_tier(engine.state, keys)
+    engine.add("a", 4 * 32 + 1, hashes=H[:4])
+    engine.add("b", 4 * 32 + 1, hashes=H[:4])
+    engine.alloc("a", (1, 2, 3, 4), ext=4 * 32)  # a loads the four blocks
+    assert lookup(engine.state, "b", 0) == LATER  # a load of another request's, from an earlier step
+    slots = {engine.core.slot_of_key[k]: 1 for k in keys}
+    assert lookup(engine.state, "b", 0, step_loads=slots).num_hit_tokens == 4 * 32
