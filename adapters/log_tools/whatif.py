@@ -226,6 +226,8 @@ class Redrive:
         self._late: dict[str, tuple[int, int]] = {}
         self._deferred: dict[str, int] = {}
         self._shrunk: dict[str, int] = {}  # admitted this step with a shorter load than the log's: computed after it
+        self._held_frees: dict[str, list[ev.BlocksFreed]] = {}  # a deferred request's frees, until its step
+        self._held_blocks: set[int] = set()  # the blocks those frees name
         self._waiting: set[int] = set()
         self.shared: SharedTier | None = None  # tier 1, when several replicas share it (`fleet.py`)
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
@@ -287,6 +289,10 @@ class Redrive:
         readmitted = admitting and queries.request_status(self.state, event.request_id) not in _ADMITTING  # type: ignore[attr-defined]
         recorded_effects = self.log.effects
         if kind in _TRANSFER_REPORTS:
+            if self.untimed and (kind is ev.StoreCompleted or kind is ev.StoreFailed):
+                # vLLM's worker reports a step's finished loads before its finished stores: the loads of
+                # earlier steps with no twin end before this store (their blocks back in the policy first).
+                self._end_untimed(loads=True, before=self.steps)
             twin = self.twins.get(event.job_id)
             self.started = []
             if twin is not None and queries.job_view(self.state, twin) is not None:
@@ -305,8 +311,18 @@ class Redrive:
             return
         if (kind is ev.TierKeysFound or kind is ev.TierLookupFailed) and event.tier > len(self.config.lower_tiers):
             return
-        if self._renamed or self._spared:
+        if self._renamed or self._spared or self._held_blocks:
             event = self._with_spares(event, kind)
+        rid = getattr(event, "request_id", None)
+        if kind is ev.BlocksFreed and rid in self._deferred:
+            # Blocks the log's vLLM freed once the request had computed past them (a window's): here it
+            # computes them in the next step that schedules it, and frees them after that step (a block
+            # the log hands another request meanwhile is a spare here: `_with_spares`).
+            self._held_frees.setdefault(rid, []).append(event)
+            self._held_blocks.update(b for ids in event.block_ids for b in ids if b != NULL_BLOCK_ID)
+            return
+        if rid in self._held_frees and kind is not ev.BlocksAllocated and kind is not ev.BlocksTouched:
+            self._release_frees(rid)
         if self._deferred and self.untimed and getattr(event, "request_id", None) in self._deferred:
             self._end_untimed(loads=True)  # a request moved a step later: its load ends before its next event
         if readmitted:
@@ -339,6 +355,9 @@ class Redrive:
         self._apply(event)
         self._pair(recorded_effects)
         self._adopt()
+        if step and self._held_frees:
+            for held in [held for held in self._held_frees if held not in self._deferred]:
+                self._release_frees(held)
         if step:
             self.steps += 1
             self._step_loads.clear()
@@ -367,14 +386,15 @@ class Redrive:
             # A store with no twin pins blocks the log's vLLM was free to reuse at once: it ends now.
             self._end_untimed(loads=False, every=True)
 
-    def _end_untimed(self, *, loads: bool, every: bool = False) -> None:
+    def _end_untimed(self, *, loads: bool, every: bool = False, before: int | None = None) -> None:
         """Jobs with no twin: a load ends before the next event that is not an admission, a store or
         spill after the step after the one that started it. A worker ends a step's loads in the
         order they started, so loads of the same step started before an untimed one end with it
         (twins too, earlier than the log has them): the order their blocks go back to the
         eviction policy in is the order vLLM's worker gave them."""
         due = [(job, step) for job, (load, step) in self.untimed.items()
-               if load == loads and (loads or every or step < self.steps - 1) and job not in self._waiting]
+               if load == loads and (loads or every or step < self.steps - 1) and job not in self._waiting
+               and (before is None or step < before)]
         self.started = []
         for job, step in due:
             if loads:
@@ -519,23 +539,37 @@ class Redrive:
                     if block != NULL_BLOCK_ID and block != spare:
                         renamed[block] = spare
                 groups.append(ids[ahead:])
-            return attrs.evolve(event, block_ids=tuple(groups))
+            event = attrs.evolve(event, block_ids=tuple(groups))
         if kind is ev.BlocksAllocated:
             fresh = [b for ids in event.block_ids for b in ids if b in renamed]
             for block in fresh:  # the log's block holds new content: the spare is free again, once it is here
                 spare = renamed.pop(block)
                 if queries.blocks_free(self.state, [spare]):
                     self._spares.append(spare)
+            held = self._held_blocks
+            if held and not held.isdisjoint(b for ids in event.block_ids for b in ids):
+                for block in [b for ids in event.block_ids for b in ids if b in held]:
+                    if not self._spares:
+                        return event  # (refused: the blocks are still held here)
+                    renamed[block] = self._spares.pop()  # the log's block, still held here: a spare for it
+                return attrs.evolve(event, block_ids=tuple(tuple(renamed.get(b, b) if b in held else b for b in ids)
+                                                           for ids in event.block_ids))
             return event
         if kind is ev.RequestFinished and rid in self._spared:
             self._spared.discard(rid)  # its final table is this engine's (spares in it)
             return attrs.evolve(event, block_ids=queries.request_table(self.state, rid))
-        if kind is ev.BlocksNearEviction:
-            return attrs.evolve(event, block_ids=tuple(renamed.get(b, b) for b in event.block_ids))
+        if kind is ev.BlocksNearEviction:  # (a block a held free names is not free here yet)
+            held = self._held_blocks
+            return attrs.evolve(event, block_ids=tuple(renamed.get(b, b) for b in event.block_ids if b not in held))
         if kind in (ev.BlocksFreed, ev.BlocksTouched, ev.RequestFinished):
             return attrs.evolve(event, block_ids=tuple(tuple(renamed.get(b, b) for b in ids)
                                                        for ids in event.block_ids))
         return event
+
+    def _release_frees(self, rid: str) -> None:
+        for freed in self._held_frees.pop(rid):
+            self._held_blocks.difference_update(b for ids in freed.block_ids for b in ids)
+            self._apply(freed)
 
     def _name_blocks(self, named: set[int], after: int, end: int) -> int:
         """Add to `named` the device blocks the events in (after, end] name; gives `end`. Read

@@ -439,6 +439,70 @@ def test_a_longer_hit_than_the_log_had_takes_spare_blocks_where_the_logs_were_in
     assert queries.num_requests(drive.state) == 0 and not drive._spared
 
 
+def test_a_load_with_no_twin_ends_before_the_next_steps_store_reports():
+    """vLLM's worker reports a step's finished loads before its finished stores: r's load (the
+    re-drive's alone, r moved a step later) ends before w's store, so its blocks go back to the
+    eviction policy first, as in a real run at this configuration."""
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
+                          num_device_blocks=32, num_tier_slots=8)
+    x, y, w = chain(2, "x"), chain(1, "y"), chain(2, "w")
+    events = [
+        ev.RequestAdded(request_id="a", num_prompt_tokens=65, block_hashes=x),
+        ev.BlocksAllocated(request_id="a", block_ids=((1, 2, 3),), num_external_tokens=0),
+        ev.StepScheduled(step_index=0, request_ids=("a",), num_computed_tokens=(0,), num_scheduled_tokens=(65,)),
+        ev.RequestFinished(request_id="a", block_ids=((1, 2, 3),)),
+        ev.StepScheduled(step_index=1, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=()),
+        ev.StoreCompleted(job_id=1, worker_index=0),
+        ev.RequestAdded(request_id="r", num_prompt_tokens=97, block_hashes=(*x, *y)),
+        ev.RequestAdded(request_id="w", num_prompt_tokens=65, block_hashes=w),
+        ev.BlocksAllocated(request_id="r", block_ids=((4, 5, 6, 7),), num_external_tokens=0),  # computed in the log
+        ev.BlocksAllocated(request_id="w", block_ids=((8, 9, 10),), num_external_tokens=0),
+        ev.StepScheduled(step_index=2, request_ids=("r", "w"), num_computed_tokens=(0, 0),
+                         num_scheduled_tokens=(97, 65)),
+        ev.StoreCompleted(job_id=2, worker_index=0),
+        ev.StepScheduled(step_index=3, request_ids=("r", "w"), num_computed_tokens=(97, 65),
+                         num_scheduled_tokens=(1, 1)),
+    ]
+    ended: list[str] = []
+    drive = whatif.Redrive(config, config, on_effects=lambda effects: ended.extend(
+        e.kind for e in effects if isinstance(e, fx.JobEnded)))
+    drive.run(events)
+    assert drive.not_applied == 0 and queries.stats(drive.state)["hit_tokens"] == 64
+    assert ended == ["store", "load", "store"]  # a's store; r's load before w's store
+
+
+def test_window_blocks_the_log_freed_early_are_computed_and_stored_here_first():
+    """r computed its whole prompt at once in the log, so in the next step vLLM freed the window
+    group's blocks behind the window. Here r loaded its first three blocks and computes the rest
+    a step later: the log's frees wait for that step, so the window blocks it computes (positions
+    3 and 4) are stored, as in a real run at this configuration."""
+    sliding = GroupSpec(group_id=1, kind="sliding", block_size=32, window=64)
+    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32), sliding), hash_block_size=32,
+                          num_device_blocks=64, num_tier_slots=32)
+    x, y = chain(3, "x"), chain(4, "y")
+    table = ((1, 2, 3, 4), (5, 6, 7, 8))
+    events = [
+        ev.RequestAdded(request_id="a", num_prompt_tokens=97, block_hashes=x),
+        ev.BlocksAllocated(request_id="a", block_ids=table, num_external_tokens=0),
+        ev.StepScheduled(step_index=0, request_ids=("a",), num_computed_tokens=(0,), num_scheduled_tokens=(97,)),
+        ev.RequestFinished(request_id="a", block_ids=table),
+        ev.StepScheduled(step_index=1, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=()),
+        ev.StoreCompleted(job_id=1, worker_index=0),
+        ev.RequestAdded(request_id="r", num_prompt_tokens=225, block_hashes=(*x, *y)),
+        ev.BlocksAllocated(request_id="r", block_ids=(tuple(range(10, 18)), tuple(range(20, 28))),
+                           num_external_tokens=0),  # the log computed it all at once
+        ev.StepScheduled(step_index=2, request_ids=("r",), num_computed_tokens=(0,), num_scheduled_tokens=(225,)),
+        ev.BlocksFreed(request_id="r", block_ids=((), (20, 21, 22, 23, 24))),  # behind the window now
+        ev.StepScheduled(step_index=3, request_ids=("r",), num_computed_tokens=(225,), num_scheduled_tokens=(1,)),
+    ]
+    stored: list[bytes] = []
+    drive = whatif.Redrive(config, config, on_effects=lambda effects: stored.extend(
+        k for e in effects if isinstance(e, fx.StartStore) for group in e.keys for k in group))
+    drive.run(events)
+    assert drive.not_applied == 0 and queries.stats(drive.state)["hit_tokens"] == 96
+    assert {key(y[0], 1), key(y[1], 1)} <= set(stored)
+
+
 # Several replicas, one shared tier.
 
 @pytest.fixture(scope="module")
