@@ -90,17 +90,18 @@ def main() -> None:
     finally:
         server.close()
 
-    # Restored tokens: hits that stuck (a load that fails is counted as a hit by the engine when it
-    # starts, and recomputed); the prediction has no failures, so its hits all stick.
+    # Restored tokens, predicted and measured: hits that stuck (a load that fails is counted as a hit
+    # by the engine when it starts, and recomputed; in the prediction, a promotion of a block the
+    # other replica's writes evicted fails).
     print(f"{'replica':<8} {'apart':>7} {'predicted alone':>15} {'predicted shared':>16} {'measured restored':>17} "
           f"{'(engine hits)':>13} {'error':>7}")
     rows = []
     for (name, _), row in zip(REPLICAS.items(), predicted["replicas"]):
         restored = _restored(shared[name])
-        error = (row["predicted_shared_hit_tokens"] - restored) / restored if restored else None
+        error = (row["predicted_shared_restored_tokens"] - restored) / restored if restored else None
         rows.append({"replica": name, "apart": _measured(apart[name]),
                      "predicted_alone": row["predicted_alone_hit_tokens"],
-                     "predicted_shared": row["predicted_shared_hit_tokens"], "measured_restored": restored,
+                     "predicted_shared": row["predicted_shared_restored_tokens"], "measured_restored": restored,
                      "measured_hits": _measured(shared[name]), "error": None if error is None else round(error, 4)})
         print(json.dumps(rows[-1]), file=sys.stderr)
     total = {key: sum(r[key] for r in rows) for key in ("apart", "predicted_alone", "predicted_shared",

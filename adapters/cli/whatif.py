@@ -105,6 +105,8 @@ def _fleet(args: argparse.Namespace) -> int:
                      "predicted_alone_hit_tokens": alone.stats["hit_tokens"],
                      "predicted_own_tier_hit_tokens": own.stats["hit_tokens"],
                      "predicted_shared_hit_tokens": outcome.stats["hit_tokens"],
+                     # of those, restored: a promotion of a block another replica's writes evicted fails
+                     "predicted_shared_restored_tokens": outcome.misses["restored_tokens"],
                      "blocks_read_from_shared_tier": fleet.promoted_blocks(outcome),
                      "bytes_read_from_shared_tier": fleet.promoted_blocks(outcome) * config.slot_bytes or None,
                      "not_applied": outcome.not_applied,

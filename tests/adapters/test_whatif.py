@@ -528,6 +528,7 @@ def test_replicas_sharing_a_tier_find_what_the_others_wrote(replicas, capsys):
     # restored from the shared tier is what it gained (its own writes come back through host memory).
     for row in rows:
         assert row["predicted_shared_hit_tokens"] > row["predicted_alone_hit_tokens"]
+        assert 0 < row["predicted_shared_restored_tokens"] <= row["predicted_shared_hit_tokens"]
         assert row["blocks_read_from_shared_tier"] > 0
     # Sharing is worth more than the same tier below each replica alone, for the two together.
     assert data["all"]["predicted_shared_hit_tokens"] > data["all"]["predicted_own_tier_hit_tokens"]
