@@ -70,10 +70,12 @@ def main() -> None:
 
     from tests.support.valkey_servers import ServerProcess
 
-    # Valkey evicts by its own memory, which holds a block in about its bytes: room for the tier's
-    # blocks and the server's own few megabytes, so that it evicts about where the tier is full.
-    server = ServerProcess(maxmemory=f"{(shared_bytes >> 20) + 4}mb" if args.together else "512mb",
-                           policy="allkeys-lru")
+    server = ServerProcess(maxmemory="512mb", policy="allkeys-lru")
+    if args.together:
+        # Valkey evicts by its own memory: its start-up use, a block's value as its allocator rounds it
+        # (measured here), and room for the two replicas' connections. So it holds about the tier's
+        # blocks when it evicts, as the prediction's tier does.
+        server.cli("CONFIG", "SET", "maxmemory", str(_valkey_bytes(server, shared_bytes // slot, slot)))
     try:
         tiers = [{"type": "valkey", "url": server.url, "capacity_bytes": shared_bytes, "timeout_s": 2.0}]
         shared = {name: out / f"shared-{name}.log" for name in REPLICAS}
@@ -112,6 +114,22 @@ def main() -> None:
         print(f"{row['replica']:<8} {row['apart']:>7} {row['predicted_alone']:>15} {row['predicted_shared']:>16} "
               f"{row['measured_restored']:>17} {row['measured_hits']:>13} {error:>7}")
     print(f"shared tier: {predicted['shared_tier']}; Valkey evicted {evicted} keys")
+
+
+def _valkey_bytes(server, blocks: int, slot: int) -> int:
+    """The `maxmemory` at which this server holds `blocks` values of a block's size, and 1 MB for clients."""
+
+    def used() -> int:
+        info = dict(line.split(":", 1) for line in server.cli("INFO", "memory").splitlines() if ":" in line)
+        return int(info["used_memory"])
+
+    start = used()
+    probe = 16
+    for index in range(probe):
+        server.cli("SET", f"maxmemory-probe-{index}", "x" * (slot + 64))
+    per_block = (used() - start) // probe
+    server.cli("DEL", *(f"maxmemory-probe-{index}" for index in range(probe)))
+    return start + blocks * per_block + (1 << 20)
 
 
 def _restored(log: Path) -> int:
