@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--together", action="store_true",
                         help="the shared run: both replicas at once, over a tier small enough to evict")
     parser.add_argument("--shared-docs", type=float, default=3.0, help="with --together: the tier's size, in documents")
+    parser.add_argument("--lru-samples", type=int, default=5,
+                        help="with --together: Valkey's maxmemory-samples (5, its default: an approximate LRU; the "
+                        "prediction's tier is an exact one)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,6 +79,7 @@ def main() -> None:
         # (measured here), and room for the two replicas' connections. So it holds about the tier's
         # blocks when it evicts, as the prediction's tier does.
         server.cli("CONFIG", "SET", "maxmemory", str(_valkey_bytes(server, shared_bytes // slot, slot)))
+        server.cli("CONFIG", "SET", "maxmemory-samples", str(args.lru_samples))
     try:
         tiers = [{"type": "valkey", "url": server.url, "capacity_bytes": shared_bytes, "timeout_s": 2.0}]
         shared = {name: out / f"shared-{name}.log" for name in REPLICAS}
