@@ -250,6 +250,21 @@ def test_bad_input_is_one_line_and_exit_2(log, capsys, argv, words):
 
 # A re-drive out of step with its log.
 
+FULL_32 = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
+                       num_device_blocks=32, num_tier_slots=8)
+
+
+def _stored_by_a(hashes: tuple[bytes, ...]) -> list:
+    """Request a computes a two-block document (blocks 1-3) and its store completes: host memory holds it."""
+    return [
+        ev.RequestAdded(request_id="a", num_prompt_tokens=65, block_hashes=hashes),
+        ev.BlocksAllocated(request_id="a", block_ids=((1, 2, 3),), num_external_tokens=0),
+        ev.StepScheduled(step_index=0, request_ids=("a",), num_computed_tokens=(0,), num_scheduled_tokens=(65,)),
+        ev.RequestFinished(request_id="a", block_ids=((1, 2, 3),)),
+        ev.StepScheduled(step_index=1, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=()),
+        ev.StoreCompleted(job_id=1, worker_index=0),
+    ]
+
 def _failed_load_then_a_touch() -> tuple:
     """A replica's third life, cut to its first steps: request b's load fails ("missing"),
     vLLM admits b again to compute its blocks, and c, sharing b's first block, finds it in
@@ -343,8 +358,7 @@ def test_a_request_the_log_loaded_for_computes_in_the_step_it_is_admitted_here()
     step for x2's load, where with nothing to load it computes x2 in the step it admits it, first
     (it was admitted before y). So x2's blocks are stored in that step, before y's, and the two
     slots go to them, not to y's."""
-    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
-                          num_device_blocks=32, num_tier_slots=8)
+    config = FULL_32
     x, z, w = chain(2, "x"), chain(2, "z"), chain(2, "w")
     events = [
         ev.RequestAdded(request_id="a", num_prompt_tokens=65, block_hashes=x),
@@ -380,16 +394,10 @@ def test_a_request_the_redrive_loads_for_computes_a_step_later_than_the_log():
     """The reverse: the log's vLLM computed r at once (it asked no hit), where this engine finds
     x's blocks and loads them. vLLM waits a step for a load, so r computes from the next step,
     and its block after x is stored a step later than the log stored it."""
-    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
-                          num_device_blocks=32, num_tier_slots=8)
+    config = FULL_32
     x, y = chain(2, "x"), chain(1, "y")
     events = [
-        ev.RequestAdded(request_id="a", num_prompt_tokens=65, block_hashes=x),
-        ev.BlocksAllocated(request_id="a", block_ids=((1, 2, 3),), num_external_tokens=0),
-        ev.StepScheduled(step_index=0, request_ids=("a",), num_computed_tokens=(0,), num_scheduled_tokens=(65,)),
-        ev.RequestFinished(request_id="a", block_ids=((1, 2, 3),)),
-        ev.StepScheduled(step_index=1, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=()),
-        ev.StoreCompleted(job_id=1, worker_index=0),
+        *_stored_by_a(x),
         ev.RequestAdded(request_id="r", num_prompt_tokens=97, block_hashes=(*x, *y)),
         ev.BlocksAllocated(request_id="r", block_ids=((4, 5, 6, 7),), num_external_tokens=0),
         ev.StepScheduled(step_index=2, request_ids=("r",), num_computed_tokens=(0,), num_scheduled_tokens=(97,)),
@@ -443,16 +451,10 @@ def test_a_load_with_no_twin_ends_before_the_next_steps_store_reports():
     """vLLM's worker reports a step's finished loads before its finished stores: r's load (the
     re-drive's alone, r moved a step later) ends before w's store, so its blocks go back to the
     eviction policy first, as in a real run at this configuration."""
-    config = EngineConfig(groups=(GroupSpec(group_id=0, kind="full", block_size=32),), hash_block_size=32,
-                          num_device_blocks=32, num_tier_slots=8)
+    config = FULL_32
     x, y, w = chain(2, "x"), chain(1, "y"), chain(2, "w")
     events = [
-        ev.RequestAdded(request_id="a", num_prompt_tokens=65, block_hashes=x),
-        ev.BlocksAllocated(request_id="a", block_ids=((1, 2, 3),), num_external_tokens=0),
-        ev.StepScheduled(step_index=0, request_ids=("a",), num_computed_tokens=(0,), num_scheduled_tokens=(65,)),
-        ev.RequestFinished(request_id="a", block_ids=((1, 2, 3),)),
-        ev.StepScheduled(step_index=1, request_ids=(), num_computed_tokens=(), num_scheduled_tokens=()),
-        ev.StoreCompleted(job_id=1, worker_index=0),
+        *_stored_by_a(x),
         ev.RequestAdded(request_id="r", num_prompt_tokens=97, block_hashes=(*x, *y)),
         ev.RequestAdded(request_id="w", num_prompt_tokens=65, block_hashes=w),
         ev.BlocksAllocated(request_id="r", block_ids=((4, 5, 6, 7),), num_external_tokens=0),  # computed in the log
