@@ -74,13 +74,13 @@ def main() -> None:
     from tests.support.valkey_servers import ServerProcess
 
     server = ServerProcess(maxmemory="512mb", policy="allkeys-lru")
-    if args.together:
-        # Valkey evicts by its own memory: its start-up use, a block's value as its allocator rounds it
-        # (measured here), and room for the two replicas' connections. So it holds about the tier's
-        # blocks when it evicts, as the prediction's tier does.
-        server.cli("CONFIG", "SET", "maxmemory", str(_valkey_bytes(server, shared_bytes // slot, slot)))
-        server.cli("CONFIG", "SET", "maxmemory-samples", str(args.lru_samples))
     try:
+        if args.together:
+            # Valkey evicts by its own memory: its start-up use, a block's value as its allocator rounds
+            # it (measured here), and room for the two replicas' connections. So it holds about the
+            # tier's blocks when it evicts, as the prediction's tier does.
+            server.cli("CONFIG", "SET", "maxmemory", str(_valkey_bytes(server, shared_bytes // slot, slot)))
+            server.cli("CONFIG", "SET", "maxmemory-samples", str(args.lru_samples))
         tiers = [{"type": "valkey", "url": server.url, "capacity_bytes": shared_bytes, "timeout_s": 2.0}]
         shared = {name: out / f"shared-{name}.log" for name in REPLICAS}
         if args.together:  # two processes serving at once, each its own questions

@@ -6,10 +6,11 @@ the shared tier below its host memory (replacing any lower tiers it had), as
 `whatif.Redrive` drives one log; the replicas' steps are taken in the order of
 their wall time (`StepScheduled.wall_time_us`), so one replica finds what
 another wrote before; with `--together`, of their time since each log's first
-step (logs recorded apart, taken as replicas serving side by side). The shared tier is modelled as Valkey keeps it under
-`allkeys-lru`: every block written through, the least recently written or
-read evicted when it is full; a replica's promotion of a block another's
-writes evicted since it was found fails and is recomputed, as it would.
+step (logs recorded apart, taken as replicas serving side by side). The
+shared tier is modelled as Valkey keeps it under `allkeys-lru`: every block
+written through, the least recently written or read evicted when it is full;
+a replica's promotion of a block another's writes evicted since it was found
+fails and is recomputed, as it would.
 
 Beyond what `whatif.py` keeps as recorded (each replica's schedule, transfer
 timing), a lookup here finds at once what the shared tier holds, where a real

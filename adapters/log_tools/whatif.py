@@ -224,11 +224,11 @@ class Redrive:
         # Admitted this step with a load the log did not have: (local, computed after it); moved a step
         # later, with their loads (job ids) kept running past this step.
         self._late: dict[str, tuple[int, int]] = {}
+        # Requests whose first step after their load computes from less than the log's: what they hold.
         self._deferred: dict[str, int] = {}
-        self._shrunk: dict[str, int] = {}  # admitted this step with a shorter load than the log's: computed after it
         self._held_frees: dict[str, list[ev.BlocksFreed]] = {}  # a deferred request's frees, until its step
         self._held_blocks: set[int] = set()  # the blocks those frees name
-        self._waiting: set[int] = set()
+        self._waiting: set[int] = set()  # the late requests' loads, kept running past this step
         self.shared: SharedTier | None = None  # tier 1, when several replicas share it (`fleet.py`)
         self.on_admission = on_admission  # (state, request_id, local) before an admission is applied
         self.on_effects = on_effects  # (effects) after each event
@@ -298,10 +298,7 @@ class Redrive:
             if twin is not None and queries.job_view(self.state, twin) is not None:
                 load = kind is ev.LoadCompleted or kind is ev.LoadFailed
                 if load and self.untimed:  # loads of its step started before it, with no twin, end first
-                    step = self._load_steps.get(twin)
-                    for earlier in [j for j in self.untimed if j < twin and self._load_steps.get(j) == step
-                                    and j not in self._waiting]:
-                        self._finish(earlier)
+                    self._end_loads_before(twin, only_untimed=True)
                 self._complete(twin, event.worker_index, load)
             self._pair(recorded_effects)  # the spills a store's end starts, twinned with the log's
             self._adopt()
@@ -323,7 +320,7 @@ class Redrive:
             return
         if rid in self._held_frees and kind is not ev.BlocksAllocated and kind is not ev.BlocksTouched:
             self._release_frees(rid)
-        if self._deferred and self.untimed and getattr(event, "request_id", None) in self._deferred:
+        if self._deferred and self.untimed and rid in self._deferred:
             self._end_untimed(loads=True)  # a request moved a step later: its load ends before its next event
         if readmitted:
             self._send_back(event.request_id, as_the_log=False)
@@ -345,9 +342,6 @@ class Redrive:
                 event = self._with_early_prefills(event)
             if self._late:
                 event = self._without_late_prefills(event)
-            if self._shrunk:
-                self._deferred.update(self._shrunk)
-                self._shrunk = {}
             self._admitted = []
         if self.untimed and kind not in _ADMISSION_EVENTS:  # a load with no twin ends before anything
             self._end_untimed(loads=True)  # else happens to its request: the log's schedule runs it
@@ -396,12 +390,18 @@ class Redrive:
                if load == loads and (loads or every or step < self.steps - 1) and job not in self._waiting
                and (before is None or step < before)]
         self.started = []
-        for job, step in due:
+        for job, _ in due:
             if loads:
-                for earlier in [j for j, s in self._load_steps.items() if s == step and j < job]:
-                    self._finish(earlier)
+                self._end_loads_before(job)
             self._finish(job)
         self._adopt()
+
+    def _end_loads_before(self, job: int, *, only_untimed: bool = False) -> None:
+        """End the loads its step started before `job` (a worker ends them in that order)."""
+        step = self._load_steps.get(job)
+        for earlier in [j for j, s in self._load_steps.items() if s == step and j < job and j not in self._waiting
+                        and (not only_untimed or j in self.untimed)]:
+            self._finish(earlier)
 
     def _send_back(self, rid: str, *, as_the_log: bool = True) -> None:
         """The log's engine has this request waiting again (its load failed): so has this one."""
@@ -585,18 +585,17 @@ class Redrive:
     def _whole(self, blocks: list[int]) -> None:
         """The log's vLLM found these blocks in its prefix cache, so whole: a load of this
         engine still writing them (a hit here the log computed, or loaded sooner) ends first."""
-        for job in queries.jobs_on_blocks(self.state, blocks):
-            view = queries.job_view(self.state, job)
-            if view is not None and view.kind == "load":
-                self._finish(job)
-        self._adopt()
+        self._end_jobs_on_blocks(blocks, "load")
 
     def _unpin(self, blocks: list[int]) -> None:
         """The log's vLLM reuses these blocks, so no job of its held them pinned: a job of
         this engine that does (it stored what the log's did not) ends first."""
+        self._end_jobs_on_blocks(blocks, "store")
+
+    def _end_jobs_on_blocks(self, blocks: list[int], kind: str) -> None:
         for job in queries.jobs_on_blocks(self.state, blocks):
             view = queries.job_view(self.state, job)
-            if view is not None and view.kind == "store":
+            if view is not None and view.kind == kind:
                 self._finish(job)
         self._adopt()
 
@@ -641,7 +640,7 @@ class Redrive:
         if hit and not event.num_external_tokens:
             self._late[event.request_id] = (local, local + hit)
         elif 0 < hit < event.num_external_tokens:  # both wait for a load: the rest is computed here
-            self._shrunk[event.request_id] = local + hit
+            self._deferred[event.request_id] = local + hit
         if not hit and event.num_external_tokens:
             # Nothing to load here: vLLM computes the prompt in this step, in the blocks the
             # log allocates it in its next steps (taken now, where free).
@@ -658,22 +657,17 @@ class Redrive:
         once: vLLM waits for a load, so they leave this step and compute in the next
         (`_with_deferred_prefills`), their loads running until then."""
         late, self._late = self._late, {}
-        drop = set()
-        for rid, (local, computed) in late.items():
-            if rid not in event.request_ids or event.num_computed_tokens[event.request_ids.index(rid)] != local:
-                continue
-            view = queries.request_view(self.state, rid)
+        rows = _rows(event)
+        kept = []
+        for row in rows:
+            rid, done, _ = row
+            view = queries.request_view(self.state, rid) if rid in late and done == late[rid][0] else None
             if view is None or view.load_job_id not in self.untimed:
+                kept.append(row)
                 continue
-            drop.add(rid)
             self._waiting.add(view.load_job_id)
-            self._deferred[rid] = computed
-        if not drop:
-            return event
-        kept = [i for i, rid in enumerate(event.request_ids) if rid not in drop]
-        return attrs.evolve(event, request_ids=tuple(event.request_ids[i] for i in kept),
-                            num_computed_tokens=tuple(event.num_computed_tokens[i] for i in kept),
-                            num_scheduled_tokens=tuple(event.num_scheduled_tokens[i] for i in kept))
+            self._deferred[rid] = late[rid][1]
+        return event if len(kept) == len(rows) else _step_of(event, kept)
 
     def _with_deferred_prefills(self, event: ev.StepScheduled) -> ev.StepScheduled:
         """The requests whose first step after their load computes from less than the log's
@@ -681,16 +675,15 @@ class Redrive:
         less here than in the log. In the first step that schedules one, it computes from what
         it loaded to where the log's request is after that step."""
         deferred = self._deferred
-        done, scheduled = list(event.num_computed_tokens), list(event.num_scheduled_tokens)
-        for index, rid in enumerate(event.request_ids):
+        rows = []
+        for rid, done, scheduled in _rows(event):
             computed = deferred.pop(rid, None)
-            if computed is None or done[index] + scheduled[index] <= computed or done[index] <= computed:
-                continue
-            scheduled[index] = done[index] + scheduled[index] - computed
-            done[index] = computed
+            if computed is not None and done > computed:  # from what it loaded to the log's horizon
+                done, scheduled = computed, done + scheduled - computed
+            rows.append((rid, done, scheduled))
         for rid in [rid for rid in deferred if queries.request_status(self.state, rid) is None]:
             del deferred[rid]  # gone before a step scheduled it
-        return attrs.evolve(event, num_computed_tokens=tuple(done), num_scheduled_tokens=tuple(scheduled))
+        return _step_of(event, rows)
 
     def _with_early_prefills(self, event: ev.StepScheduled) -> ev.StepScheduled:
         """The requests admitted in this step that the log loaded for and this engine computes:
@@ -699,8 +692,9 @@ class Redrive:
         are computed in this step here, so stored when the real run would store them; the rest
         of the prompt keeps the log's step."""
         early, self._early = self._early, {}
-        order, self._admitted = {rid: i for i, rid in enumerate(self._admitted)}, []
-        ids, done, scheduled = list(event.request_ids), list(event.num_computed_tokens), list(event.num_scheduled_tokens)
+        order = {rid: i for i, rid in enumerate(self._admitted)}
+        rows = _rows(event)
+        added = False
         for rid, (local, tokens) in early.items():
             view = queries.request_view(self.state, rid)
             if (rid in event.request_ids or view is None or view.status is not RequestStatus.RUNNING
@@ -708,14 +702,10 @@ class Redrive:
                 continue
             # vLLM schedules the step's new requests in the order it admitted them (the order
             # the engine plans their stores in): before the first one admitted after it.
-            at = next((i for i, other in enumerate(ids) if order.get(other, -1) > order[rid]), len(ids))
-            ids.insert(at, rid)
-            done.insert(at, local)
-            scheduled.insert(at, tokens)
-        if len(ids) == len(event.request_ids):
-            return event
-        return attrs.evolve(event, request_ids=tuple(ids), num_computed_tokens=tuple(done),
-                            num_scheduled_tokens=tuple(scheduled))
+            at = next((i for i, (other, _, _) in enumerate(rows) if order.get(other, -1) > order[rid]), len(rows))
+            rows.insert(at, (rid, local, tokens))
+            added = True
+        return _step_of(event, rows) if added else event
 
     def _apply(self, event: ev.Event) -> None:
         self.state, effects = reduce(self.state, event)
@@ -738,10 +728,7 @@ class Redrive:
         refused = effects[0]
         while type(refused) is fx.ReportViolation and refused.request_id in event.request_ids:
             self.requests_dropped += 1
-            kept = [i for i, rid in enumerate(event.request_ids) if rid != refused.request_id]
-            event = attrs.evolve(event, request_ids=tuple(event.request_ids[i] for i in kept),
-                                 num_computed_tokens=tuple(event.num_computed_tokens[i] for i in kept),
-                                 num_scheduled_tokens=tuple(event.num_scheduled_tokens[i] for i in kept))
+            event = _step_of(event, [row for row in _rows(event) if row[0] != refused.request_id])
             self.state, effects = reduce(self.state, event)
             refused = effects[0] if effects else None
         return event, effects if type(refused) is not fx.ReportViolation else effects[1:]
@@ -806,6 +793,17 @@ class SharedTier:
             if key in self.blocks:
                 self.blocks.move_to_end(key)
                 self.read_blocks += 1
+
+
+def _rows(event: ev.StepScheduled) -> list[tuple[str, int, int]]:
+    """A step's columns as rows: (request, computed before the step, scheduled in it)."""
+    return list(zip(event.request_ids, event.num_computed_tokens, event.num_scheduled_tokens))
+
+
+def _step_of(event: ev.StepScheduled, rows: list[tuple[str, int, int]]) -> ev.StepScheduled:
+    ids, done, scheduled = zip(*rows) if rows else ((), (), ())
+    return attrs.evolve(event, request_ids=tuple(ids), num_computed_tokens=tuple(done),
+                        num_scheduled_tokens=tuple(scheduled))
 
 
 def _table_takes(config: EngineConfig, block_ids: tuple[tuple[int, ...], ...], first: tuple[int, ...],
