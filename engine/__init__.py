@@ -22,4 +22,5 @@ invariants   the correctness contract as checks over the state
 digest       a stable fingerprint of the state, whole or in parts
 snapshot     the whole state as plain data, and back
 replay       a fold of `reduce` over a log, with the checks that make it a debugger
+fold         replay's loop over the events between two digest records, compiled
 """

@@ -13,8 +13,8 @@ from kvledger.events.config import EngineConfig
 
 from . import effects as fx
 from .digest import matches
-from .invariants import InvariantViolation, check, check_event
-from .reducer import reduce
+from .fold import Fold, fold_events
+from .invariants import InvariantViolation, check
 from .state import State, initial_state
 
 
@@ -54,7 +54,7 @@ def replay(
     state: State | None = None,
 ) -> ReplayResult:
     """Fold the records. Records are event records (`.seq`, `.event`) and
-    digest records (`.seq`, `.digest`), in log order. `state` (consumed) is
+    `DigestRecord`s, in log order. `state` (consumed) is
     where they begin: a restored snapshot (whose own state the caller checks);
     the initial state by default.
 
@@ -65,70 +65,49 @@ def replay(
     state = initial_state(config) if state is None else state
     result = ReplayResult(state=state)
     last_good: dict[str, int] = {}  # per digest part ("" for full digests): the seq it last matched
-    # The fold's own bookkeeping is kept in locals and written back once: it runs once an
-    # event, beside a compiled `reduce` that costs about as much.
-    by_type: dict[type[ev.Event], int] = {}
-    events = steps = 0
-    seq = last_seq = result.last_seq
-    full_digest_last = False
-    step_kind = ev.StepScheduled
-    violation = fx.ReportViolation
-    for record in records:
-        seq = record.seq  # type: ignore[attr-defined]
-        if until_seq is not None and seq > until_seq:
+    fold = Fold(state, result.last_seq)
+    full_digest_last = False  # the last record a full digest (no event after it)
+    events_at_digest = -1
+    stream = iter(records)
+    while not fold.done:
+        # The events up to the next digest record, in the compiled loop (`fold`).
+        reported = len(fold.violations)
+        record = fold_events(fold, stream, check_invariants, -1 if until_seq is None else until_seq, observe)
+        if result.first_problem is None and len(fold.violations) > reported:
+            seq, first = fold.violations[reported]
+            result.first_problem = Finding(seq, "violation", f"{first.code}: {first.message}")
+        if fold.broken is not None:
+            _record_break(result, fold.broken_seq, fold.broken)
+        if record is None:
             break
-        event = getattr(record, "event", None)
-        if event is None:
-            recorded = record.digest  # type: ignore[attr-defined]
-            full_digest_last = ":" not in recorded
-            if check_invariants:
-                if not _full_check(state, result, seq):
-                    break
-            part = recorded.partition(":")[0] if ":" in recorded else ""
-            try:
-                same = matches(state, recorded)
-            except ValueError as bad:
-                if result.first_problem is None:
-                    result.first_problem = Finding(seq, "digest", str(bad))
-                continue
-            result.digests_checked += 1
-            if not same and result.first_problem is None:
-                what = f"part {part} of the state" if part else "the state"
-                result.first_problem = Finding(
-                    seq, "digest", f"{what} differs from the recorded digest at seq {seq}; it last matched "
-                    f"at seq {last_good.get(part, -1)}, so the first divergent event is in "
-                    f"({last_good.get(part, -1)}, {seq}]")
-            elif same:
-                last_good[part] = seq
-            continue
-        full_digest_last = False
-        first_new_job = state.core.next_job_id if check_invariants else 0
-        state, produced = reduce(state, event)
-        events += 1
-        last_seq = seq
-        kind = type(event)
-        by_type[kind] = by_type.get(kind, 0) + 1
-        if kind is step_kind:
-            steps += 1
-        # A rejected event's effects are its one `ReportViolation` (`reduce`).
-        first = produced[0] if produced else None
-        rejected = False
-        if isinstance(first, violation):
-            rejected = True
-            result.violations.append((seq, first))
-            if result.first_problem is None:
-                result.first_problem = Finding(seq, "violation", f"{first.code}: {first.message}")
-        if observe is not None:
-            observe(seq, event, state, produced)
-        if check_invariants and not rejected:  # a rejected event changed nothing: no footprint to check
-            try:
-                check_event(state, event, first_new_job)
-            except InvariantViolation as broken:
-                _record_break(result, seq, broken)
+        seq = record.seq  # type: ignore[attr-defined]
+        recorded = record.digest  # type: ignore[attr-defined]
+        full_digest_last = ":" not in recorded
+        events_at_digest = fold.events
+        if check_invariants:
+            if not _full_check(fold.state, result, seq):
                 break
-    result.events, result.steps, result.last_seq = events, steps, last_seq
-    result.ends_with_full_digest = full_digest_last
-    for kind, count in by_type.items():
+        part = recorded.partition(":")[0] if ":" in recorded else ""
+        try:
+            same = matches(fold.state, recorded)
+        except ValueError as bad:
+            if result.first_problem is None:
+                result.first_problem = Finding(seq, "digest", str(bad))
+            continue
+        result.digests_checked += 1
+        if not same and result.first_problem is None:
+            what = f"part {part} of the state" if part else "the state"
+            result.first_problem = Finding(
+                seq, "digest", f"{what} differs from the recorded digest at seq {seq}; it last matched "
+                f"at seq {last_good.get(part, -1)}, so the first divergent event is in "
+                f"({last_good.get(part, -1)}, {seq}]")
+        elif same:
+            last_good[part] = seq
+    state = fold.state
+    result.violations = fold.violations
+    result.events, result.steps, result.last_seq = fold.events, fold.steps, fold.last_seq
+    result.ends_with_full_digest = full_digest_last and fold.events == events_at_digest
+    for kind, count in fold.by_type.items():
         result.by_kind[kind.kind] += count
     if check_invariants and (result.first_problem is None or result.first_problem.kind != "invariant"):
         _full_check(state, result, result.last_seq)

@@ -88,6 +88,7 @@ from kvledger.events.log_records import (
     read_event_record,
     split_digest,
 )
+from kvledger.events.packed import UNPACKERS
 from kvledger.events.schema import (
     SCHEMAS,
     InvalidValue,
@@ -96,7 +97,7 @@ from kvledger.events.schema import (
     int_binary_decode,
     json_form_decoder,
 )
-from kvledger.events.types import Event
+from kvledger.events.types import TUPLE_CONVERTERS, Event
 
 FORMAT_VERSION = 3
 MAGIC = b"KVLEDGER" + bytes([FORMAT_VERSION])
@@ -142,6 +143,10 @@ class SnapshotRecord:
 
 RowWriter = Callable[[Event, Strings], list]
 RowReader = Callable[[tuple, Strings], Event]
+RecordReader = Callable[[tuple, Strings, int, int], EventRecord]
+
+_new = object.__new__
+_put = object.__setattr__  # a frozen attrs class's fields are set so in its own __init__
 
 
 def _frame(payload: bytes) -> bytes:
@@ -302,39 +307,138 @@ def encode_binary(header: LogHeader, records: Iterable[Record], *, snapshots: Ma
 
 
 def _current_row_reader(schema: KindSchema) -> RowReader:
-    """A row of this build's layout, read by code generated from the schema: the
-    fields in locals, ints checked inline, the event built in one call. A loop
-    over the fields into a dict of keywords took twice as long, and a reader
-    builds one event per row. Its errors are `_checked_row_reader`'s, which
-    stays the reference (tests/events/test_binary.py reads bad rows with both)."""
-    kind = schema.kind
-    scope: dict[str, object] = {"cls": schema.cls, "KIND": kind, "CodecError": CodecError,
-                                "InvalidValue": InvalidValue, "int_error": int_binary_decode}
+    """A row of this build's layout, read by code generated from the schema (`_generated_reader`).
+    Its errors are `_checked_row_reader`'s, which stays the reference
+    (tests/events/test_binary.py reads bad rows with both)."""
+    return cast("RowReader", _generated_reader(schema, records=False))
+
+
+def _current_record_reader(schema: KindSchema) -> RecordReader:
+    """`_current_row_reader` that checks the row's version and builds the record too:
+    what a log's reader calls per row (`_decode_frame`)."""
+    return cast("RecordReader", _generated_reader(schema, records=True))
+
+
+def _sets_fields_directly(cls: type) -> bool:
+    """Whether an event of `cls` can be built past its `__init__`: no validator, no
+    post-init check, and every converter one that passes a decoded value unchanged."""
+    if hasattr(cls, "__attrs_post_init__"):
+        return False
+    return all(a.validator is None and (a.converter is None or a.converter in TUPLE_CONVERTERS)
+               for a in attrs.fields(cls))
+
+
+def _generated_reader(schema: KindSchema, *, records: bool) -> Callable[..., object]:
+    """The fields in locals, the common forms decoded inline (a string's table reference,
+    a block table's packed rows), anything else through the field's own decoder, and the
+    event built in one pass; `records`: with the version check and the `EventRecord`.
+    A loop over the fields into a dict of keywords took twice as long; the inline forms
+    and building past `__init__` took a log's decoding from 4.9 to ... s
+    (bench/history/2026-12-07.md, "Log tools, fourth pass")."""
+    kind, cls = schema.kind, schema.cls
+    scope: dict[str, object] = {"cls": cls, "KIND": kind, "CodecError": CodecError, "InvalidValue": InvalidValue,
+                                "int_error": int_binary_decode, "new": _new, "put": _put, "Record": EventRecord,
+                                "UNPACKERS": UNPACKERS, "INTS": frozenset({int}), "step_error": _step_error,
+                                "version_error": _version_error}
     size = len(schema.fields) + 2
-    lines = ["def read(row, strings):",
-             f"    if len(row) != {size}:",
-             f"        raise CodecError(f'row has {{len(row) - 2}} fields, the layout {size - 2}', kind=KIND)",
-             "    field = ''",
-             "    try:"]
+    version = schema.version
+    lines = ["def read(row, strings, seq, step_index):" if records else "def read(row, strings):"]
+    if records:
+        lines += [f"    if len(row) < 2 or row[1] != {version}:",
+                  f"        raise CodecError(version_error(row, {version}))"]
+    lines += [f"    if len(row) != {size}:",
+              f"        raise CodecError(f'row has {{len(row) - 2}} fields, the layout {size - 2}', kind=KIND)",
+              "    texts = strings.texts",
+              "    field = ''",
+              "    try:"]
     names = []
     for index, field in enumerate(schema.fields, start=2):
-        lines.append(f"        field = {field.name!r}")
+        v = f"v{index}"
+        scope[f"decode_{index}"] = field.binary_decode
+        lines += [f"        field = {field.name!r}",
+                  f"        {v} = row[{index}]"]
         if field.tag == "int":
-            lines.append(f"        v{index} = row[{index}]")
-            lines.append(f"        if type(v{index}) is not int:")
-            lines.append(f"            int_error(v{index}, strings)")
+            lines += [f"        if type({v}) is not int:",
+                      f"            int_error({v}, strings)"]
+        elif field.tag == "str":  # a reference into the table, or the text where it first appears
+            lines += [f"        if type({v}) is int and 0 <= {v} < len(texts):",
+                      f"            {v} = texts[{v}]",
+                      "        else:",
+                      f"            {v} = decode_{index}({v}, strings)"]
+        elif field.tag == "tuple[tuple[int]]":  # a block table: packed rows, or short tuples of ints
+            lines += ["        rows = None",
+                      f"        if type({v}) is tuple:",
+                      "            rows = []",
+                      f"            for part in {v}:",
+                      "                if type(part) is bytes:",
+                      "                    unpacker = UNPACKERS.get((part[0], len(part))) if part else None",
+                      "                    if unpacker is None:",
+                      "                        rows = None",
+                      "                        break",
+                      "                    rows.append(unpacker.unpack_from(part, 1))",
+                      "                elif type(part) is tuple and INTS.issuperset(map(type, part)):",
+                      "                    rows.append(part)",
+                      "                else:",
+                      "                    rows = None",
+                      "                    break",
+                      "        if rows is None:",
+                      f"            {v} = decode_{index}({v}, strings)",
+                      "        else:",
+                      f"            {v} = tuple(rows)"]
+        elif field.tag == "tuple[int]":
+            lines += [f"        unpacker = UNPACKERS.get(({v}[0], len({v}))) if type({v}) is bytes and {v} else None",
+                      "        if unpacker is None:",
+                      f"            {v} = decode_{index}({v}, strings)",
+                      "        else:",
+                      f"            {v} = unpacker.unpack_from({v}, 1)"]
         else:
-            scope[f"decode_{index}"] = field.binary_decode
-            lines.append(f"        v{index} = decode_{index}(row[{index}], strings)")
-        names.append(f"{field.name}=v{index}")
+            lines.append(f"        {v} = decode_{index}({v}, strings)")
+        names.append((field.name, v))
     lines += ["    except InvalidValue as exc:",
-              "        raise CodecError(str(exc), kind=KIND, field=field) from None",
-              "    try:",
-              f"        return cls({', '.join(names)})",
-              "    except (TypeError, ValueError) as exc:",
-              "        raise CodecError(str(exc), kind=KIND) from None"]
+              "        raise CodecError(str(exc), kind=KIND, field=field) from None"]
+    if _sets_fields_directly(cls):
+        lines.append("    event = new(cls)")
+        lines += [f"    put(event, {name!r}, {v})" for name, v in names]
+    else:
+        lines += ["    try:",
+                  f"        event = cls({', '.join(f'{name}={v}' for name, v in names)})",
+                  "    except (TypeError, ValueError) as exc:",
+                  "        raise CodecError(str(exc), kind=KIND) from None"]
+    if not records:
+        lines.append("    return event")
+    else:
+        if "step_index" in schema.names:  # a step_scheduled event belongs to its own step
+            lines += ["    if event.step_index != step_index:",
+                      "        step_error(seq, step_index, event)"]
+        lines += ["    record = new(Record)",
+                  "    put(record, 'seq', seq)",
+                  "    put(record, 'step_index', step_index)",
+                  "    put(record, 'event', event)",
+                  "    return record"]
     exec(compile("\n".join(lines) + "\n", f"<row reader for {kind}>", "exec"), scope)  # noqa: S102 (generated from the schema alone)
-    return cast("RowReader", scope["read"])
+    return cast("Callable[..., object]", scope["read"])
+
+
+def _step_error(seq: int, step_index: int, event: Event) -> None:
+    EventRecord(seq=seq, step_index=step_index, event=event)  # raises, naming both steps
+
+
+def _version_error(row: tuple, version: int) -> str:
+    return f"row version {row[1:2]} differs from the header's v{version}"
+
+
+def _record_reader(version: int, reader: RowReader) -> RecordReader:
+    """A record reader around an event's (an older layout's, or one that refuses)."""
+
+    def read(row: tuple, strings: Strings, seq: int, step_index: int) -> EventRecord:
+        if len(row) < 2 or row[1] != version:
+            raise CodecError(_version_error(row, version))
+        event = reader(row, strings)
+        if event.kind == "step_scheduled" and event.step_index != step_index:  # type: ignore[union-attr]
+            _step_error(seq, step_index, event)
+        return read_event_record(seq, step_index, event)
+
+    return read
 
 
 def _checked_row_reader(schema: KindSchema) -> RowReader:
@@ -397,15 +501,15 @@ def _layout(value: object) -> tuple[int, list] | None:
     return version, [list(f) for f in fields]
 
 
-def _row_readers(kinds: object, layouts: object, header: LogHeader) -> tuple[dict[int, tuple[int, RowReader]], str | None]:
-    """code -> (version, reader) from the header; or a problem. Unknown kinds and newer
+def _row_readers(kinds: object, layouts: object, header: LogHeader) -> tuple[dict[int, RecordReader], str | None]:
+    """code -> record reader from the header; or a problem. Unknown kinds and newer
     versions fail only when a row uses them (naming the build that wrote them):
     a log may list kinds it never wrote."""
     newer = (f"; written by {header.writer}: replay it with that build or a later one "
              f"({install_words(header.engine_version, header.commit)})")
     if not isinstance(kinds, dict) or not isinstance(layouts, dict):
         return {}, "kinds and layouts must be mappings"
-    readers: dict[int, tuple[int, RowReader]] = {}
+    readers: dict[int, RecordReader] = {}
     for kind, code in kinds.items():
         if type(kind) is not str or type(code) is not int or code == DIGEST_CODE or code in readers:
             return {}, f"bad kind code {kind!r}: {code!r}"
@@ -422,13 +526,14 @@ def _row_readers(kinds: object, layouts: object, header: LogHeader) -> tuple[dic
         elif version == schema.version:
             if fields != schema.layout[1]:
                 return {}, f"{kind} v{version}: layout {fields} differs from this reader's {schema.layout[1]}"
-            reader = _current_row_reader(schema)
+            readers[code] = _current_record_reader(schema)
+            continue
         else:
             try:
                 reader = _old_row_reader(kind, version, fields)
             except InvalidValue as exc:
                 return {}, f"{kind} v{version}: {exc}"
-        readers[code] = (version, reader)
+        readers[code] = _record_reader(version, reader)
     return readers, None
 
 
@@ -570,7 +675,8 @@ def _newer_identity(chunks: _Chunks) -> tuple[str, str] | None:
     return data["engine_version"][:40], commit[:64] if type(commit) is str else ""
 
 
-def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings, out: list[Record]) -> None:
+def _decode_frame(frame: object, cursor: Cursor, readers: dict[int, RecordReader], strings: Strings,
+                  out: list[Record]) -> None:
     """The frame's records, appended to `out` (those before a bad row are there when it raises)."""
     seq = cursor.next_seq
     if not (type(frame) is tuple and len(frame) == 3 and type(frame[2]) is tuple):
@@ -580,32 +686,29 @@ def _decode_frame(frame: object, cursor: Cursor, readers: dict, strings: Strings
     if problem:
         raise LogError(problem, seq=seq)
     strings.begin_frame()
-    next_seq = cursor.next_seq  # counted here; the cursor holds the seq due next at each yield
-    for row in rows:
-        if type(row) is not tuple or not row or type(row[0]) is not int:
-            raise LogError(f"corrupt: bad row {row!r}", seq=seq)
-        code = row[0]
-        if code == DIGEST_CODE:
-            digest = _digest_of_row(row)
-            if digest is None:
-                raise LogError(f"corrupt: bad digest row {row!r}", seq=seq)
-            out.append(DigestRecord(seq=next_seq, step_index=step_index, digest=digest))
-            continue
-        entry = readers.get(code)
-        if entry is None:
-            raise LogError(f"unknown kind code {code} (not in the header)", seq=seq)
-        version, reader = entry
-        try:
-            if len(row) < 2 or row[1] != version:
-                raise CodecError(f"row version {row[1:2]} differs from the header's v{version}")
-            event = reader(row, strings)
-            if event.kind == "step_scheduled" and event.step_index != step_index:
-                EventRecord(seq=next_seq, step_index=step_index, event=event)  # raises, naming both steps
-        except ValueError as exc:  # CodecError, or an event of another step
-            raise LogError(f"record seq {next_seq}: {exc}", seq=seq) from None
-        next_seq += 1
+    next_seq = seq  # counted here; the cursor holds the seq due next when the frame is handed on
+    append = out.append
+    try:
+        for row in rows:
+            if type(row) is not tuple or not row or type(row[0]) is not int:
+                raise LogError(f"corrupt: bad row {row!r}", seq=seq)
+            code = row[0]
+            if code == DIGEST_CODE:
+                digest = _digest_of_row(row)
+                if digest is None:
+                    raise LogError(f"corrupt: bad digest row {row!r}", seq=seq)
+                append(DigestRecord(seq=next_seq, step_index=step_index, digest=digest))
+                continue
+            read = readers.get(code)
+            if read is None:
+                raise LogError(f"unknown kind code {code} (not in the header)", seq=seq)
+            try:
+                append(read(row, strings, next_seq, step_index))
+            except ValueError as exc:  # CodecError, or an event of another step
+                raise LogError(f"record seq {next_seq}: {exc}", seq=seq) from None
+            next_seq += 1
+    finally:
         cursor.next_seq = next_seq
-        out.append(read_event_record(next_seq - 1, step_index, event))
 
 
 def _snapshot_record(payload: bytes, cursor: Cursor, *, decode: bool) -> SnapshotRecord | None:

@@ -49,29 +49,29 @@ class Strings:
 
     def __init__(self) -> None:
         self._index: dict[str, int] = {}
-        self._texts: list[str] = []
+        self.texts: list[str] = []  # in order; the generated row readers index it directly (one list, cleared in place)
         self.stream: Any = None  # the writer's zstd stream (events.binary), from its first frame
 
     def __len__(self) -> int:
-        return len(self._texts)
+        return len(self.texts)
 
     def begin_frame(self) -> int:
         """Clear a full table; return the mark that `rollback` returns to."""
-        if len(self._texts) >= self.CAPACITY:
+        if len(self.texts) >= self.CAPACITY:
             self._index.clear()
-            self._texts.clear()
-        return len(self._texts)
+            self.texts.clear()
+        return len(self.texts)
 
     def restart(self) -> None:
         """Forget every text and the stream: a new segment of the log begins (at a snapshot)."""
         self._index.clear()
-        self._texts.clear()
+        self.texts.clear()
         self.stream = None
 
     def rollback(self, mark: int) -> None:
-        for text in self._texts[mark:]:
+        for text in self.texts[mark:]:
             del self._index[text]
-        del self._texts[mark:]
+        del self.texts[mark:]
 
     def encode_many(self, texts: tuple[str, ...]) -> list[int | str]:
         """`encode` of each text in turn; one C-level pass when all are known
@@ -85,23 +85,23 @@ class Strings:
         index = self._index.get(text)
         if index is not None:
             return index
-        self._index[text] = len(self._texts)
-        self._texts.append(text)
+        self._index[text] = len(self.texts)
+        self.texts.append(text)
         return text
 
     def decode(self, value: object) -> str:
         if type(value) is int:
-            if 0 <= value < len(self._texts):
-                return self._texts[value]
-            raise InvalidValue(f"string reference {value} is not in the table ({len(self._texts)} entries)")
+            if 0 <= value < len(self.texts):
+                return self.texts[value]
+            raise InvalidValue(f"string reference {value} is not in the table ({len(self.texts)} entries)")
         if type(value) is str:
-            self._texts.append(value)
+            self.texts.append(value)
             return value
         raise InvalidValue(f"expected str, got {_type_name(value)}")
 
     def decode_refs(self, refs: tuple[int, ...]) -> tuple[str, ...]:
         """Many references at once (a packed column of request ids)."""
-        texts = self._texts
+        texts = self.texts
         if refs and (min(refs) < 0 or max(refs) >= len(texts)):
             raise InvalidValue(
                 f"string references {min(refs)}..{max(refs)} are not all in the table ({len(texts)} entries)"

@@ -45,6 +45,11 @@ def _bytes_tuple(value: object) -> tuple[bytes, ...]:
     return tuple(value)  # type: ignore[arg-type]
 
 
+TUPLE_CONVERTERS: Final = frozenset({_block_table, _ints, _strs, _bytes_tuple})
+"""The fields' converters, each of which hands back a tuple (of tuples) it is given unchanged:
+a log's reader, which decodes to tuples, builds events past them (`log_binary._generated_reader`)."""
+
+
 @attrs.frozen(kw_only=True)
 class RequestAdded:
     """A request arrived. Its chain hashes are at `hash_block_size` granularity."""

@@ -17,6 +17,7 @@ from kvledger.engine.invariants import InvariantViolation, check, check_event, f
 from kvledger.engine.replay import breaks_invariants, replay
 from kvledger.engine.state import RequestStatus, SlotState, reader_ids
 from kvledger.events import types as ev
+from kvledger.events.log_records import DigestRecord
 from tests.engine.builders import Engine, chain, key, make_config
 
 A = chain(4, "a")
@@ -405,7 +406,7 @@ def records(events, digests: dict[int, str] | None = None):
     for index, event in enumerate(events):
         out.append(SimpleNamespace(seq=len(out), event=event))
         if digests and index in digests:
-            out.append(SimpleNamespace(seq=len(out), digest=digests[index]))
+            out.append(DigestRecord(seq=len(out), step_index=0, digest=digests[index]))
     return out
 
 

@@ -551,7 +551,12 @@ def test_the_generated_reader_reads_and_refuses_as_the_field_loop_does(kind: str
     fields (`_checked_row_reader`) is the reference. On a row of an example event with
     one field replaced (or the row cut short), both build the same event or refuse it
     with the same words."""
-    from kvledger.events.log_binary import _ROW_WRITERS, _checked_row_reader, _current_row_reader
+    from kvledger.events.log_binary import (
+        _ROW_WRITERS,
+        _checked_row_reader,
+        _current_record_reader,
+        _current_row_reader,
+    )
 
     example = EXAMPLE_EVENTS[kind]
     row = _ROW_WRITERS[type(example)](example, Strings())
@@ -567,3 +572,13 @@ def test_the_generated_reader_reads_and_refuses_as_the_field_loop_does(kind: str
         except CodecError as exc:
             outcomes.append(("error", str(exc)))
     assert outcomes[0] == outcomes[1]
+    # The reader a log's frames are read with: the same event, in its record.
+    # (A step_scheduled event is read under its own step: another is refused: test_step_scheduled_must_belong_to_its_frames_step.)
+    step_index = getattr(outcomes[1][1], "step_index", 3)
+    try:
+        record = _current_record_reader(SCHEMAS[kind])(tuple(row), Strings(), 17, step_index)
+        assert (record.seq, record.step_index) == (17, step_index)
+        outcomes.append(("event", record.event))
+    except CodecError as exc:
+        outcomes.append(("error", str(exc)))
+    assert outcomes[2] == outcomes[1]
