@@ -185,7 +185,7 @@ class MissCounter:
         try:
             start = 0
             for event, end in zip(events, ends, strict=True):
-                ledger.observe(seq, event, effects[start:end])
+                ledger.observe(seq, event, None, effects[start:end])
                 start = end
                 seq += 1
             ledger.bound()

@@ -32,7 +32,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         ledger = MissLedger(header.config, on_admission=admitted)
     else:
         ledger = MissLedger(header.config, keep=args.request.__eq__)
-    result = replay(header.config, records, until_seq=args.until, observe=ledger.replayed)
+    result = replay(header.config, records, until_seq=args.until, observe=ledger.observe)
     ledger.flush()
     admissions = ledger.admissions
     if args.request is not None:

@@ -71,7 +71,7 @@ class SeriesFold:
             self._used_slots.append(0)
             self._seq_ranges.append([seq, seq])
         self._seq_ranges[-1][1] = seq
-        self._misses.observe(seq, event, effects)
+        self._misses.observe(seq, event, state, effects)
         self._admitted_in.extend([len(self.steps) - 1] * (len(self._misses.admissions) - len(self._admitted_in)))
         self._stats_end[-1] = queries.stats(state)
         self._used_slots[-1] = queries.tier_usage(state).used_slots

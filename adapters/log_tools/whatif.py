@@ -147,7 +147,7 @@ class LogEngine:
     def step(self, event: ev.Event) -> None:
         self.state, self.effects = reduce(self.state, event)
         if self.ledger is not None:
-            self.ledger.observe(self.seq, event, self.effects)
+            self.ledger.observe(self.seq, event, None, self.effects)
             _moved(self.moved, self.effects)
             self.violations += sum(type(effect) is fx.ReportViolation for effect in self.effects)
         self.seq += 1
@@ -164,7 +164,7 @@ def recorded(config: EngineConfig, records: Iterable[object]) -> Outcome:
     moved: dict[str, int] = {}
 
     def observe(seq: int, event: ev.Event, state: State, effects: tuple[fx.Effect, ...]) -> None:
-        ledger.observe(seq, event, effects)
+        ledger.observe(seq, event, state, effects)
         _moved(moved, effects)
 
     tally = Tally()
@@ -711,7 +711,7 @@ class Redrive:
         self.state, effects = reduce(self.state, event)
         if type(event) is ev.StepScheduled and effects and type(effects[0]) is fx.ReportViolation:
             event, effects = self._without_the_refused(event, effects)
-        self.ledger.observe(self.seq, event, effects)
+        self.ledger.observe(self.seq, event, None, effects)
         self.seq += 1
         _moved(self.moved, effects)
         if self.on_effects is not None:

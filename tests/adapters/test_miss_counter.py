@@ -27,7 +27,7 @@ def _steps(config, seed: int) -> tuple[list[list[ev.Event]], dict[str, int]]:
     steps: list[list[ev.Event]] = [[]]
 
     def observe(seq, event, state, effects):
-        ledger.observe(seq, event, effects)
+        ledger.observe(seq, event, state, effects)
         steps[-1].append(event)
         if isinstance(event, ev.StepScheduled):
             steps.append([])

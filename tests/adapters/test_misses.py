@@ -40,7 +40,7 @@ assert NOT_RESTORABLE | RESTORABLE | LATER | WHATIF == set(CAUSES) - {"unexplain
 
 def _run(config: EngineConfig, seed: int, *, prefix_caching: bool, **rates: float) -> tuple[Simulator, MissLedger]:
     ledger = MissLedger(config)
-    sim = Simulator(config, prefix_caching=prefix_caching, observe=ledger.replayed, record_truth=True)
+    sim = Simulator(config, prefix_caching=prefix_caching, observe=ledger.observe, record_truth=True)
     run_random(sim, random.Random(seed), steps=120, arrivals=0.8, max_tokens=12, **rates)
     return sim, ledger
 
@@ -205,8 +205,8 @@ def test_a_streamed_ledger_tallies_what_a_kept_one_holds(seed: int) -> None:
     kept = MissLedger(config)
 
     def both(seq, event, state, effects) -> None:
-        kept.replayed(seq, event, state, effects)
-        streamed.replayed(seq, event, state, effects)
+        kept.observe(seq, event, state, effects)
+        streamed.observe(seq, event, state, effects)
 
     sim = Simulator(config, prefix_caching=seed % 2 == 0, observe=both)
     run_random(sim, random.Random(seed), steps=90, arrivals=0.8, max_tokens=12, fail_rate=0.1, reset_rate=0.03,

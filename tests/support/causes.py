@@ -24,7 +24,7 @@ def explained(log: Path) -> tuple[list[Admission], dict]:
     at: dict[int, tuple[ev.Event, tuple[fx.Effect, ...]]] = {}
 
     def observe(seq, event, state, effects) -> None:
-        ledger.observe(seq, event, effects)
+        ledger.observe(seq, event, state, effects)
         at[seq] = (event, effects)
 
     replay(header.config, records, observe=observe)

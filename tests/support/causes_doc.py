@@ -40,7 +40,7 @@ def _seeded(turns: dict[str, float]):
             events: list[ev.Event] = []
 
             def observe(seq, event, state, effects, ledger=ledger, events=events):
-                ledger.observe(seq, event, effects)
+                ledger.observe(seq, event, state, effects)
                 events.append(event)
 
             sim = Simulator(config, prefix_caching=seed % 2 == 0, observe=observe)
