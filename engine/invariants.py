@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from itertools import chain, repeat
 from operator import eq
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import attrs
 from mypy_extensions import mypyc_attr
@@ -38,10 +38,24 @@ from .state import PREEMPTED as _PREEMPTED
 from .state import SPILL as _SPILL
 from .state import STORE as _STORE
 from .state import STORED as _STORED
-from .state import STORING_CODE, Core, Job, JobKind, RequestState, SlotState, State, counts_of, reader_ids
+from .state import (
+    STORED_CODE,
+    STORING_CODE,
+    Core,
+    Job,
+    JobKind,
+    RequestState,
+    SlotState,
+    State,
+    counts_of,
+    reader_ids,
+)
 from .transitions import STEPPABLE
 
 _PIN: Final = Protection.PIN
+_FREE: Final = int(SlotState.FREE)
+_FREE_BYTE: Final = bytes([_FREE])
+_STORING_BYTE: Final = bytes([STORING_CODE])
 
 
 @mypyc_attr(native_class=False)  # mypyc builds no native subclass of AssertionError
@@ -538,6 +552,23 @@ def _check_tier(core: Core, problems: list[str]) -> None:
         problems.append("a slot is on the free list twice")
     if any(core.slot_state[core.next_fresh_slot:]):
         problems.append("a slot beyond the fresh mark is in use")
+    if not _slots_look_fine(core, free, used):
+        _slot_problems(core, free, used, problems)
+    if isinstance(core.policy, ARC):
+        arc = core.policy
+        if len(arc.t1) + len(arc.t2) > arc.capacity or len(arc.b1) + len(arc.b2) > arc.capacity:
+            problems.append("arc: a list pair exceeds capacity")
+        if not 0 <= arc.p <= arc.capacity:
+            problems.append(f"arc: target {arc.p} out of [0, {arc.capacity}]")
+    evictable = sum(1 for k, s in core.slot_of_key.items()
+                    if core.slot_state[s] == SlotState.STORED and s not in core.slot_loads)
+    if evictable != len(core.policy):
+        problems.append(f"policy holds {len(core.policy)} keys, {evictable} are evictable")
+
+
+def _slot_problems(core: Core, free: set[int], used: Counter[int], problems: list[str]) -> None:
+    """Each slot below the fresh mark, item by item: its state, key, index entry, policy
+    membership and loads, against the free list and the open jobs' slots (`used`)."""
     for slot in range(core.next_fresh_slot):
         state = core.slot_state[slot]
         if slot in free:
@@ -555,16 +586,65 @@ def _check_tier(core: Core, problems: list[str]) -> None:
             problems.append(f"slot {slot}: dropped from the index but no job will free it")
         if state == SlotState.STORING and used[slot] != 1:
             problems.append(f"slot {slot}: storing without exactly one store job")
-    if isinstance(core.policy, ARC):
-        arc = core.policy
-        if len(arc.t1) + len(arc.t2) > arc.capacity or len(arc.b1) + len(arc.b2) > arc.capacity:
-            problems.append("arc: a list pair exceeds capacity")
-        if not 0 <= arc.p <= arc.capacity:
-            problems.append(f"arc: target {arc.p} out of [0, {arc.capacity}]")
-    evictable = sum(1 for k, s in core.slot_of_key.items()
-                    if core.slot_state[s] == SlotState.STORED and s not in core.slot_loads)
-    if evictable != len(core.policy):
-        problems.append(f"policy holds {len(core.policy)} keys, {evictable} are evictable")
+
+
+def _slots_look_fine(core: Core, free: set[int], used: Counter[int]) -> bool:
+    """`_slot_problems` finds none, found by C-level passes: every slot in use holds a key
+    indexed at it, the evictable ones' keys (and no other) are in the policy, a storing slot
+    has its one store and a loaded slot is stored; one dropped from the index has a job
+    that will free it. A long log's `replay --check` spent most of its full checks' time
+    in the item check."""
+    n = core.next_fresh_slot
+    states = core.slot_state
+    keys = core.slot_key
+    loads = core.slot_loads
+    freed = [slot for slot in free if slot < n]
+    for slot in freed:
+        if states[slot] != _FREE or keys[slot] is not None or slot in loads:
+            return False
+    if freed:
+        gone = set(freed)
+        in_use = [slot for slot in range(n) if slot not in gone]
+        held = [keys[slot] for slot in in_use]
+        codes = bytes([states[slot] for slot in in_use])
+    else:
+        in_use = list(range(n))
+        held = keys[:n]
+        codes = bytes(states[:n])
+    if _FREE_BYTE in codes or None in held:
+        return False
+    present = cast("list[bytes]", held)
+    exempt: set[int] = set()  # dropped from the index (a job will free it): no policy rule
+    indexed: list[int | None] = [core.slot_of_key.get(key) for key in present]
+    if indexed != in_use:
+        for at, slot in zip(indexed, in_use):
+            if at != slot:
+                if not used[slot]:
+                    return False
+                exempt.add(slot)
+    busy: set[int] = set()  # not evictable: storing, or read by a load
+    at = codes.find(_STORING_BYTE)
+    while at >= 0:
+        slot = in_use[at]
+        if used[slot] != 1:
+            return False
+        busy.add(slot)
+        at = codes.find(_STORING_BYTE, at + 1)
+    for slot in loads:
+        if slot < n:
+            if states[slot] != STORED_CODE:
+                return False
+            busy.add(slot)
+    policy = core.policy
+    busy -= exempt
+    for slot in busy:
+        if cast(bytes, keys[slot]) in policy:
+            return False
+    exempt_held = 0
+    for slot in exempt:
+        if cast(bytes, keys[slot]) in policy:
+            exempt_held += 1
+    return sum(map(policy.__contains__, present)) - exempt_held == len(in_use) - len(exempt) - len(busy)
 
 
 def _check_lower(core: Core, problems: list[str]) -> None:

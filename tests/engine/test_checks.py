@@ -13,6 +13,7 @@ no problem.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from functools import cache
 
 from hypothesis import assume, given
@@ -287,6 +288,24 @@ def test_load_footprint(data):
     problems: list[str] = []
     invariants._job_problems(core, [job], problems)
     assert invariants._load_looks_fine(core, job) == (not problems), problems
+
+
+@given(data=st.data())
+def test_slots_pass(data):
+    """The full check's pass over the slots in use vouches for exactly the states in which
+    the item-by-item check finds nothing."""
+    core = a_broken_core(data.draw)
+    if data.draw(st.booleans()) and core.slot_of_key:  # a slot's key dropped from the index, or moved
+        key = data.draw(st.sampled_from(sorted(core.slot_of_key)))
+        if data.draw(st.booleans()):
+            del core.slot_of_key[key]
+        else:
+            core.slot_of_key[key] = data.draw(st.integers(0, core.config.num_tier_slots - 1))
+    free = set(core.free_slots)
+    used: Counter[int] = Counter(s for job in core.jobs.values() for slots in job.slot_ids for s in slots if s >= 0)
+    problems: list[str] = []
+    invariants._slot_problems(core, free, used, problems)
+    assert invariants._slots_look_fine(core, free, used) == (not problems), problems
 
 
 def test_the_pool_holds_what_the_checks_meet():
