@@ -527,9 +527,19 @@ def _check_block_counts(core: Core, problems: list[str]) -> None:
 
 
 def _check_tier(core: Core, problems: list[str]) -> None:
-    for key, slot in core.slot_of_key.items():
-        if core.slot_key[slot] != key or core.slot_state[slot] == SlotState.FREE:
-            problems.append(f"slot {slot}: index points at a slot holding another key or none")
+    index = core.slot_of_key
+    indexed = list(index.values())
+    # Each index entry's slot holds its key and is in use: one C-level pass each, item by item
+    # only where they differ (a slot past the table raises there, as it always did).
+    try:
+        clean = list(map(core.slot_key.__getitem__, indexed)) == list(index.keys())
+        codes = bytes(map(core.slot_state.__getitem__, indexed))
+    except IndexError:
+        clean, codes = False, b""
+    if not clean or _FREE_BYTE in codes:
+        for key, slot in index.items():
+            if core.slot_key[slot] != key or core.slot_state[slot] == SlotState.FREE:
+                problems.append(f"slot {slot}: index points at a slot holding another key or none")
     used: Counter[int] = Counter()
     loads: Counter[int] = Counter()
     spills: Counter[int] = Counter()
@@ -560,8 +570,14 @@ def _check_tier(core: Core, problems: list[str]) -> None:
             problems.append("arc: a list pair exceeds capacity")
         if not 0 <= arc.p <= arc.capacity:
             problems.append(f"arc: target {arc.p} out of [0, {arc.capacity}]")
-    evictable = sum(1 for k, s in core.slot_of_key.items()
-                    if core.slot_state[s] == SlotState.STORED and s not in core.slot_loads)
+    # The indexed slots that are stored and not being read.
+    evictable = codes.count(STORED_CODE)
+    if core.slot_loads:
+        times = Counter(indexed)
+        for slot in core.slot_loads:
+            count = times.get(slot, 0)
+            if count and core.slot_state[slot] == STORED_CODE:
+                evictable -= count
     if evictable != len(core.policy):
         problems.append(f"policy holds {len(core.policy)} keys, {evictable} are evictable")
 
