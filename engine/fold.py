@@ -27,7 +27,7 @@ class Fold:
         self.events = 0
         self.steps = 0
         self.last_seq = last_seq  # the last event's seq folded
-        self.by_type: dict[type, int] = {}
+        self.by_type: dict[type[ev.Event], int] = {}
         self.violations: list[tuple[int, fx.ReportViolation]] = []
         self.broken: InvariantViolation | None = None  # the invariant the last event broke
         self.broken_seq = -1
