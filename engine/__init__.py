@@ -1,6 +1,6 @@
 """The pure core: `reduce(state, event) -> (state, effects)`. No torch, vLLM, clock,
 randomness, logging or I/O (tests/test_layering.py). Compiled with mypyc at install,
-all but `replay` (`_build.py`).
+all but `replay`, with the log tools' miss ledger (`_build.py`).
 
 state        the block-state model: device blocks per group, tier slots and keys, requests, jobs
 reducer      every transition: one handler per event kind

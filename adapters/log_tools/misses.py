@@ -33,6 +33,8 @@ from kvledger.engine import hma
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, GroupKind, StoreMode
 
+from .admissions import Admission, Run
+
 # Every cause a computed block can have, and what it means. The names are
 # stable: the JSON output and the metrics' labels use them.
 CAUSES: Final[dict[str, str]] = {
@@ -71,64 +73,6 @@ CAUSES: Final[dict[str, str]] = {
     "unexplained": "the log holds no fact that explains this miss",
 }
 HOST: Final = 0
-
-
-@attrs.define
-class Run:
-    """Consecutive blocks of one admission with one outcome."""
-
-    first_block: int
-    last_block: int  # inclusive
-    first_token: int
-    end_token: int  # exclusive
-    outcome: str  # "device", "restored" or "missed"
-    cause: str = ""  # missed: a CAUSES name; restored: "" (see tier)
-    tier: int = -1  # restored: the tier it came from (0: host memory); evicted: the tier it left
-    seq: int = -1  # the event behind it: the load, the eviction, the reset, the failure...
-    job_id: int = -1
-    other_request: str = ""  # the request behind it: whose store evicted it, who had it first...
-    detail: str = ""
-
-    @property
-    def tokens(self) -> int:
-        return self.end_token - self.first_token
-
-    def as_dict(self) -> dict:
-        data = {"blocks": [self.first_block, self.last_block], "tokens": [self.first_token, self.end_token],
-                "outcome": self.outcome}
-        for name in ("cause", "tier", "seq", "job_id", "other_request", "detail"):
-            value = getattr(self, name)
-            if value not in ("", -1) or (name == "tier" and self.outcome == "restored"):
-                data[name] = value
-        return data
-
-
-@attrs.define
-class Admission:
-    """One allocation of a request while it waited: what its tokens became."""
-
-    request_id: str
-    seq: int
-    step: int
-    num_tokens: int
-    attempt: int  # 1 for the first admission; more after preemptions and recomputed loads
-    wall_time_us: int = 0  # the last step's, before the admission (0: the log records no times)
-    runs: list[Run] = attrs.field(factory=list)
-    load_job: int = -1
-    superseded_at: int = -1  # a failed load sent it back to waiting: the next admission counts instead
-
-    def tokens(self, outcome: str, cause: str | None = None) -> int:
-        return sum(r.tokens for r in self.runs if r.outcome == outcome and (cause is None or r.cause == cause))
-
-    def as_dict(self) -> dict:
-        data = {"request_id": self.request_id, "seq": self.seq, "step": self.step, "wall_time_us": self.wall_time_us,
-                "attempt": self.attempt,
-                "num_tokens": self.num_tokens, "device_tokens": self.tokens("device"),
-                "restored_tokens": self.tokens("restored"), "missed_tokens": self.tokens("missed"),
-                "runs": [r.as_dict() for r in self.runs]}
-        if self.superseded_at >= 0:
-            data["superseded_at"] = self.superseded_at
-        return data
 
 
 class MissLedger:
@@ -612,7 +556,7 @@ def _run(first: int, last: int, size: int, outcome: str, why: tuple) -> Run:
     return Run(first, last, first * size, (last + 1) * size, outcome, *why)
 
 
-_drain = partial(deque, maxlen=0)  # runs an iterator of C-level calls to its end, keeping nothing
+_drain: Callable[[Iterable[object]], object] = partial(deque, maxlen=0)  # runs an iterator of C-level calls to its end, keeping nothing
 
 
 def _last_hashes(hashes: tuple[bytes, ...], start: int, per_block: int) -> tuple[bytes, ...]:
@@ -731,7 +675,7 @@ def totals(admissions: Iterable[Admission]) -> dict:
 
 # What each effect kind tells the ledger about a key's history. Ignored: a spill (the key stays
 # loadable from host memory meanwhile), removed copies (`KeysUnloadable` carries why), the rest.
-_FACTS = fx.dispatch_table("misses", {
+_FACTS: dict[type, Callable[[MissLedger, int, Any, tuple[fx.Effect, ...]], None] | None] = fx.dispatch_table("misses", {
     fx.KeysLoadable: MissLedger._became_loadable,
     fx.KeysUnloadable: MissLedger._unloadable,
     fx.StartStore: MissLedger._store_started,
