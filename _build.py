@@ -33,8 +33,8 @@ PURE_ENV = "KVLEDGER_PURE"
 NOT_COMPILED = ("engine/__init__.py", "engine/replay.py")
 
 # Compiled beside the engine: the miss ledger, which `explain`, `whatif` and the live miss
-# counter fold an event at a time (a third of its time saved: `explain` of a 2M-event log
-# 0.88-0.92x; bench/history/2026-12-07.md, "Log tools, fourth pass"). Its admissions' attrs
+# counter fold an event at a time (`explain` of a 2M-event log 0.88-0.92x of the time with it
+# from source; bench/history/2026-12-07.md, "Log tools, fourth pass"). Its admissions' attrs
 # classes stay Python (`adapters/log_tools/admissions.py`).
 ALSO_COMPILED = ("adapters/log_tools/misses.py",)
 

@@ -92,14 +92,14 @@ def replay_speed(cfg: EngineConfig, records: list, *, invariants: bool) -> float
     return len(records) / elapsed
 
 
-def as_records(trace: list[list]) -> list:
-    """The trace's events as a log's records (seq, step index), built before any timing."""
-    records, seq = [], 0
+def step_records(trace: list[list]) -> list[list]:
+    """Each step's events as a log's records (seq, step index), built before any timing."""
+    steps, seq = [], 0
     for step_events in trace:
         step_index = next(e.step_index for e in step_events if e.kind == "step_scheduled")
-        records += [read_event_record(seq + i, step_index, e) for i, e in enumerate(step_events)]
+        steps.append([read_event_record(seq + i, step_index, e) for i, e in enumerate(step_events)])
         seq += len(step_events)
-    return records
+    return steps
 
 
 def best_of(repeat: int, measure, better=max) -> tuple[float, list[float]]:
@@ -114,15 +114,12 @@ def log_size(cfg: EngineConfig, trace: list[list]) -> dict[str, float]:
 
     from kvledger import __version__
     from kvledger.events.log_binary import encode_binary_frame, encode_binary_header, read_binary
-    from kvledger.events.log_records import EventRecord, LogHeader, encode_jsonl
+    from kvledger.events.log_records import LogHeader, encode_jsonl
     from kvledger.events.schema import Strings
 
     header = LogHeader(engine_version=__version__, config=cfg, digest_interval=0)
-    steps, seq = [], 0
-    for step_events in trace:
-        step_index = next(e.step_index for e in step_events if e.kind == "step_scheduled")
-        steps.append([EventRecord(seq=seq + i, step_index=step_index, event=e) for i, e in enumerate(step_events)])
-        seq += len(step_events)
+    steps = step_records(trace)
+    seq = sum(map(len, steps))
     strings = Strings()
     head = encode_binary_header(header)
     start = time.perf_counter()
@@ -174,7 +171,7 @@ def main() -> None:
     print(f"engine per step: median {median:.3f} ms, p99 {p99:.3f} ms, max {times[-1] * 1e3:.1f} ms "
           f"(target median <= 0.5 ms; best of {args.repeat} runs, medians {medians})")
     print(f"trace outcome: {stats}")
-    records = as_records(trace)
+    records = [record for step in step_records(trace) for record in step]
     plain, plain_runs = best_of(args.repeat, lambda: replay_speed(cfg, records, invariants=False))
     checked, checked_runs = best_of(args.repeat, lambda: replay_speed(cfg, records, invariants=True))
     print(f"replay: {plain:,.0f} events/s without invariants (target >= 200k), "

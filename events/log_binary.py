@@ -88,7 +88,6 @@ from kvledger.events.log_records import (
     read_event_record,
     split_digest,
 )
-from kvledger.events.packed import UNPACKERS
 from kvledger.events.schema import (
     SCHEMAS,
     InvalidValue,
@@ -329,17 +328,16 @@ def _sets_fields_directly(cls: type) -> bool:
 
 
 def _generated_reader(schema: KindSchema, *, records: bool) -> Callable[..., object]:
-    """The fields in locals, the common forms decoded inline (a string's table reference,
-    a block table's packed rows), anything else through the field's own decoder, and the
-    event built in one pass; `records`: with the version check and the `EventRecord`.
-    A loop over the fields into a dict of keywords took twice as long; the inline forms
-    and building past `__init__` took a 2M-event log's decoding from 4.9 to 4.05 s
-    (bench/history/2026-12-07.md, "Log tools, fourth pass")."""
+    """The fields in locals, ints and a string's table reference read inline, anything else
+    through the field's own decoder, and the event built in one pass; `records`: with the
+    version check and the `EventRecord`. A loop over the fields into a dict of keywords took
+    twice as long; reading strings inline, building past `__init__` and one call a row took a
+    2M-event log's decoding from 4.9 to 3.99-4.09 s (bench/history/2026-12-07.md, "Log tools,
+    fourth pass")."""
     kind, cls = schema.kind, schema.cls
     scope: dict[str, object] = {"cls": cls, "KIND": kind, "CodecError": CodecError, "InvalidValue": InvalidValue,
-                                "int_error": int_binary_decode, "new": _new, "put": _put, "Record": EventRecord,
-                                "UNPACKERS": UNPACKERS, "INTS": frozenset({int}), "step_error": _step_error,
-                                "version_error": _version_error}
+                                "int_error": int_binary_decode, "new": _new, "put": _put, "record": read_event_record,
+                                "step_error": _step_error, "version_error": _version_error}
     size = len(schema.fields) + 2
     version = schema.version
     lines = ["def read(row, strings, seq, step_index):" if records else "def read(row, strings):"]
@@ -365,32 +363,6 @@ def _generated_reader(schema: KindSchema, *, records: bool) -> Callable[..., obj
                       f"            {v} = texts[{v}]",
                       "        else:",
                       f"            {v} = decode_{index}({v}, strings)"]
-        elif field.tag == "tuple[tuple[int]]":  # a block table: packed rows, or short tuples of ints
-            lines += ["        rows = None",
-                      f"        if type({v}) is tuple:",
-                      "            rows = []",
-                      f"            for part in {v}:",
-                      "                if type(part) is bytes:",
-                      "                    unpacker = UNPACKERS.get((part[0], len(part))) if part else None",
-                      "                    if unpacker is None:",
-                      "                        rows = None",
-                      "                        break",
-                      "                    rows.append(unpacker.unpack_from(part, 1))",
-                      "                elif type(part) is tuple and INTS.issuperset(map(type, part)):",
-                      "                    rows.append(part)",
-                      "                else:",
-                      "                    rows = None",
-                      "                    break",
-                      "        if rows is None:",
-                      f"            {v} = decode_{index}({v}, strings)",
-                      "        else:",
-                      f"            {v} = tuple(rows)"]
-        elif field.tag == "tuple[int]":
-            lines += [f"        unpacker = UNPACKERS.get(({v}[0], len({v}))) if type({v}) is bytes and {v} else None",
-                      "        if unpacker is None:",
-                      f"            {v} = decode_{index}({v}, strings)",
-                      "        else:",
-                      f"            {v} = unpacker.unpack_from({v}, 1)"]
         else:
             lines.append(f"        {v} = decode_{index}({v}, strings)")
         names.append((field.name, v))
@@ -410,11 +382,7 @@ def _generated_reader(schema: KindSchema, *, records: bool) -> Callable[..., obj
         if "step_index" in schema.names:  # a step_scheduled event belongs to its own step
             lines += ["    if event.step_index != step_index:",
                       "        step_error(seq, step_index, event)"]
-        lines += ["    record = new(Record)",
-                  "    put(record, 'seq', seq)",
-                  "    put(record, 'step_index', step_index)",
-                  "    put(record, 'event', event)",
-                  "    return record"]
+        lines.append("    return record(seq, step_index, event)")
     exec(compile("\n".join(lines) + "\n", f"<row reader for {kind}>", "exec"), scope)  # noqa: S102 (generated from the schema alone)
     return cast("Callable[..., object]", scope["read"])
 

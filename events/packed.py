@@ -43,12 +43,12 @@ def pack_ints(values: tuple[int, ...]) -> bytes | None:
     return None
 
 
-UNPACKERS: dict[tuple[int, int], struct.Struct] = {}
+_UNPACKERS: dict[tuple[int, int], struct.Struct] = {}
 
 
 def unpack_ints(data: bytes) -> tuple[int, ...]:
     try:
-        unpacker = UNPACKERS[data[0], len(data)]  # a log holds few (width, count) shapes
+        unpacker = _UNPACKERS[data[0], len(data)]  # a log holds few (width, count) shapes
     except (KeyError, IndexError):
         unpacker = _unpacker(data)
     return unpacker.unpack_from(data, 1)
@@ -62,8 +62,8 @@ def _unpacker(data: bytes) -> struct.Struct:
     if extra:
         raise ValueError(f"packed ints: {len(data) - 1} bytes is not a whole number of {size}-byte items")
     unpacker = struct.Struct(f"<{count}{chr(data[0])}")
-    if len(UNPACKERS) < 4096:  # bounded: a corrupt log could name any shape
-        UNPACKERS[data[0], len(data)] = unpacker
+    if len(_UNPACKERS) < 4096:  # bounded: a corrupt log could name any shape
+        _UNPACKERS[data[0], len(data)] = unpacker
     return unpacker
 
 
