@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvledger.engine.invariants import check
 from kvledger.engine.policies import ARC, LRU, make_policy
@@ -210,3 +212,69 @@ def test_arc_in_the_engine_tracks_reuse_and_learns_from_ghosts():
     e.finish_all_jobs()
     assert len(arc.t1) + len(arc.t2) <= arc.capacity
     check(e.state)
+
+
+# ARC against its textbook form
+
+
+class _OneAtATimeARC(ARC):
+    """ARC's eviction as written in the paper: each victim taken as the first key of its
+    list, each surplus ghost likewise. The engine's `evict` takes them in one pass a list
+    (a dict's first key costs a scan past every entry deleted before it)."""
+
+    def evict(self, count: int) -> list[bytes] | None:
+        if count > len(self.t1) + len(self.t2):
+            return None
+        victims = []
+        for _ in range(count):
+            if self.t1 and (len(self.t1) > self.p or not self.t2):
+                key = next(iter(self.t1))
+                del self.t1[key]
+                self.b1[key] = None
+            else:
+                key = next(iter(self.t2))
+                del self.t2[key]
+                self.b2[key] = None
+            victims.append(key)
+        while self.b1 and len(self.b1) > self.capacity:
+            del self.b1[next(iter(self.b1))]
+        while self.b2 and len(self.b1) + len(self.b2) > self.capacity:
+            del self.b2[next(iter(self.b2))]
+        return victims
+
+
+_ARC_OPS = st.lists(st.tuples(st.sampled_from(["store", "reuse", "pin", "evict", "ghost", "target"]), st.integers(0, 40)),
+                    max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(1, 12), ops=_ARC_OPS)
+def test_arc_evicts_as_its_one_at_a_time_form(capacity: int, ops: list[tuple[str, int]]) -> None:
+    """Every victim, ghost and target the same, whatever the order of stores, loads and
+    evictions (the tier's calls: admit and insert a new key, pin and put back a stored one)."""
+    engine, paper = ARC(capacity), _OneAtATimeARC(capacity)
+    fresh = 0
+    for op, n in ops:
+        for policy in (engine, paper):
+            held = list(policy.t1) + list(policy.t2)
+            if op == "store":
+                new = bytes([fresh % 256, fresh // 256]) * 2
+                policy.admit_many([new])
+                policy.insert(new, False)
+            elif op in ("reuse", "pin") and held:
+                chosen = held[n % len(held)]
+                policy.remove_many([chosen])
+                if op == "reuse":
+                    policy.insert(chosen, True)
+        if op == "store":
+            fresh += 1
+        elif op == "evict":
+            assert engine.evict(n % 6) == paper.evict(n % 6)
+        elif op == "ghost" and (engine.b1 or engine.b2):  # stored again: the target moves
+            ghost = (list(engine.b1) + list(engine.b2))[n % (len(engine.b1) + len(engine.b2))]
+            for policy in (engine, paper):
+                policy.admit(ghost)
+                policy.insert(ghost, False)
+        elif op == "target":  # where ghost hits would have moved it (every value reached)
+            engine.p = paper.p = n % (capacity + 1)
+        assert engine.canonical() == paper.canonical()
