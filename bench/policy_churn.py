@@ -16,6 +16,12 @@ as reused). Timed per step: median, p99 and the slowest; and every stall (a step
 times the median), with which tables' memory changed in it (a rebuild to the same size, a
 compaction, shows as none).
 
+A disk tier evicting as steadily keeps the keys it removed for `TOMBSTONE_S` (so a lookup
+that raced a removal cannot bring one back), at most `TOMBSTONES_MAX`: the scheduler forgets
+the oldest each step (`adapters/vllm/lower_tiers.py: _expire`, twice a step as `removed` and
+the lookups' collection call it). Timed the same way, `--tombstone-keys` removed a step, a
+step every 10 ms.
+
     python bench/policy_churn.py [--slots 192000 1000000] [--steps 5000] [--policy lru arc]
 """
 
@@ -83,6 +89,34 @@ def churn(slots: int, steps: int, policy_name: str, store_blocks: int, load_bloc
             "max_ms": round(ordered[-1] * 1e3, 2), "stalls": stalls}
 
 
+def tombstones(steps: int, per_step: int, seed: int) -> dict:
+    from kvledger.adapters.vllm.lower_tiers import TOMBSTONE_S, _expire
+
+    rng = random.Random(seed)
+    kept: dict[bytes, float] = {}
+    times = []
+    now = 0.0
+    clock = time.perf_counter
+    gc.disable()
+    try:
+        for _ in range(steps):
+            now += 0.01
+            removed = [rng.randbytes(20) for _ in range(per_step)]
+            began = clock()
+            for key in removed:
+                kept.pop(key, None)
+                kept[key] = now
+            _expire(kept, now - TOMBSTONE_S)
+            _expire(kept, now - TOMBSTONE_S)
+            times.append(clock() - began)
+    finally:
+        gc.enable()
+    ordered = sorted(times)
+    return {"tombstones": len(kept), "steps": steps, "removed_a_step": per_step,
+            "median_ms": round(ordered[len(ordered) // 2] * 1e3, 3),
+            "p99_ms": round(ordered[int(len(ordered) * 0.99)] * 1e3, 3), "max_ms": round(ordered[-1] * 1e3, 2)}
+
+
 def _table_size(policy: object) -> int:
     """The memory of the policy's dicts: it changes only when one is rebuilt."""
     slots = getattr(type(policy), "__slots__", ())
@@ -96,6 +130,7 @@ def main() -> None:
     parser.add_argument("--policy", nargs="+", default=["lru", "arc"])
     parser.add_argument("--store-blocks", type=int, default=64, help="keys stored (and evicted) a step")
     parser.add_argument("--load-blocks", type=int, default=300, help="keys a step's load reads")
+    parser.add_argument("--tombstone-keys", type=int, default=64, help="keys a disk tier removes a step (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out" / "policy_churn.json"))
     args = parser.parse_args()
@@ -110,6 +145,11 @@ def main() -> None:
                               for r in row["stalls"]) or "none"
             print(f"{name:4} {slots:>9,} slots: median {row['median_ms']:.3f} ms, p99 {row['p99_ms']:.3f}, "
                   f"max {row['max_ms']:.2f}; stalls: {shown}", flush=True)
+    if args.tombstone_keys:
+        row = tombstones(args.steps, args.tombstone_keys, args.seed)
+        rows.append(row)
+        print(f"disk tier tombstones ({row['tombstones']:,} kept, {row['removed_a_step']} removed a step): median "
+              f"{row['median_ms']:.3f} ms, p99 {row['p99_ms']:.3f}, max {row['max_ms']:.2f}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
 

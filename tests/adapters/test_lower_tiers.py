@@ -11,6 +11,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="needs the vllm package")
 import structlog
@@ -121,6 +123,34 @@ def test_a_key_this_process_removed_is_not_found_again(tmp_path) -> None:
         assert _ask_until_answered(tiers, "r2", [b"d" * 20]) == []
     finally:
         tiers.close()
+
+
+def _expire_one_at_a_time(tombstones: dict[bytes, float], before: float, most: int) -> None:
+    while tombstones:
+        oldest = next(iter(tombstones))
+        if tombstones[oldest] >= before and len(tombstones) <= most:
+            return
+        del tombstones[oldest]
+
+
+@given(removals=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 3)), max_size=60),
+       most=st.integers(1, 12), age=st.integers(1, 6))
+def test_tombstones_expire_as_taken_one_oldest_at_a_time(removals, most, age) -> None:
+    """`_expire` forgets in one pass what taking the oldest tombstone at a time forgets: those
+    older than the age, then any past the bound, whatever the order keys were removed in."""
+    from kvledger.adapters.vllm import lower_tiers
+
+    ours: dict[bytes, float] = {}
+    theirs: dict[bytes, float] = {}
+    now = 0.0
+    for key, wait in removals:
+        now += wait
+        for tombstones in (ours, theirs):
+            tombstones.pop(bytes([key]), None)
+            tombstones[bytes([key])] = now
+        lower_tiers._expire(ours, now - age, most)
+        _expire_one_at_a_time(theirs, now - age, most)
+        assert list(ours.items()) == list(theirs.items())
 
 
 def test_removed_keys_are_remembered_for_a_while_not_for_ever(tmp_path) -> None:
