@@ -70,6 +70,8 @@ class StartSpill:
 class Reason(enum.Enum):
     """Why keys left a tier (`KeysUnloadable`, `DropTierKeys`): metrics count each apart."""
 
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+
     EVICTED = "evicted"  # to make room for other keys
     FAILED = "failed"  # a transfer of theirs failed
     RESET = "reset"  # a cache reset dropped them (or, in a lower tier, the spill a reset made stale)
@@ -231,6 +233,8 @@ EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 
 class Phase(enum.Enum):
     """Where, and when in a step, an effect is carried out."""
+
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
 
     SCHEDULER = "scheduler"  # by the scheduler half, at once (block-pool references)
     BEFORE_STEP = "before_step"  # by each worker before the step touches a block (vLLM: handle_preemptions)

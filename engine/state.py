@@ -33,6 +33,8 @@ class StaleStateError(RuntimeError):
 
 
 class RequestStatus(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+
     WAITING = "waiting"  # added or resumed; no blocks yet, or only touched ones
     LOADING = "loading"  # a load into its blocks is in flight
     RUNNING = "running"
@@ -41,6 +43,8 @@ class RequestStatus(enum.Enum):
 
 
 class JobKind(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+
     STORE = "store"  # device blocks -> host slots
     LOAD = "load"  # host slots (promoted from a lower tier first, where needed) -> device blocks
     SPILL = "spill"  # host slots -> a lower tier
@@ -57,6 +61,8 @@ class TierKeyState(enum.Enum):
     tables holds it. "Reading" is HELD with a read count above zero, as a
     loading slot is STORED with a load count."""
 
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+
     ABSENT = "absent"  # never there, or removed (evicted, failed, reset)
     WRITING = "writing"  # a spill is writing it
     HELD = "held"  # whole there, loadable
@@ -64,6 +70,8 @@ class TierKeyState(enum.Enum):
 
 class JobStage(enum.Enum):
     """A transfer's life between its start and its last worker's report."""
+
+    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
 
     IN_FLIGHT = "in flight"
     FLUSHED = "flushed"  # a store the worker waits for before the step's forward: its sources are free
