@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container
 
 STAGES = ("lookup", "admission", "load_host", "load_promoted", "first_step")
 
@@ -30,6 +30,7 @@ class RestoreTimes:
         self._marks: dict[str, list[float]] = {}  # request -> the times it passed so far
         self._promoted: dict[str, bool] = {}
         self._jobs: dict[int, str] = {}  # load job -> its request
+        self._loaded: dict[str, None] = {}  # requests whose load ended: their first step is next
         # Bounded: vLLM asks for stats only while it logs them.
         self._taken: deque[tuple[str, float]] = deque(maxlen=4 * keep * len(STAGES))
         self.recent: deque[dict[str, float]] = deque(maxlen=keep)
@@ -70,15 +71,18 @@ class RestoreTimes:
             return
         if ok and len(marks) == 3:
             marks.append(self._clock())
+            self._loaded[rid] = None
         else:  # a failed load is recomputed: its time is not a restore's
             self._forget(rid)  # type: ignore[arg-type]
 
-    def scheduled(self, rids: Iterable[str]) -> None:
-        if not self._marks:
+    def scheduled(self, rids: Container[str]) -> None:
+        """The step schedules `rids` (vLLM's `num_scheduled_tokens`): the loaded requests among
+        them end their restores. Asked about the few loaded ones, not every running one."""
+        if not self._loaded:
             return
-        for rid in rids:
-            marks = self._marks.get(rid)
-            if marks is not None and len(marks) == 4:
+        for rid in [rid for rid in self._loaded if rid in rids]:
+            marks = self._marks[rid]
+            if len(marks) == 4:
                 marks.append(self._clock())
                 load = "load_promoted" if self._promoted.get(rid) else "load_host"
                 stages = dict(zip(("lookup", "admission", load, "first_step"),
@@ -93,6 +97,7 @@ class RestoreTimes:
     def _forget(self, rid: str) -> None:
         self._marks.pop(rid, None)
         self._promoted.pop(rid, None)
+        self._loaded.pop(rid, None)
 
     def take(self) -> list[tuple[str, float]]:
         """(stage, seconds) of the restores completed since the last take."""
