@@ -70,7 +70,7 @@ class StartSpill:
 class Reason(enum.Enum):
     """Why keys left a tier (`KeysUnloadable`, `DropTierKeys`): metrics count each apart."""
 
-    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     EVICTED = "evicted"  # to make room for other keys
     FAILED = "failed"  # a transfer of theirs failed
@@ -234,7 +234,7 @@ EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 class Phase(enum.Enum):
     """Where, and when in a step, an effect is carried out."""
 
-    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     SCHEDULER = "scheduler"  # by the scheduler half, at once (block-pool references)
     BEFORE_STEP = "before_step"  # by each worker before the step touches a block (vLLM: handle_preemptions)

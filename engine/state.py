@@ -33,7 +33,7 @@ class StaleStateError(RuntimeError):
 
 
 class RequestStatus(enum.Enum):
-    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     WAITING = "waiting"  # added or resumed; no blocks yet, or only touched ones
     LOADING = "loading"  # a load into its blocks is in flight
@@ -43,7 +43,7 @@ class RequestStatus(enum.Enum):
 
 
 class JobKind(enum.Enum):
-    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     STORE = "store"  # device blocks -> host slots
     LOAD = "load"  # host slots (promoted from a lower tier first, where needed) -> device blocks
@@ -61,7 +61,7 @@ class TierKeyState(enum.Enum):
     tables holds it. "Reading" is HELD with a read count above zero, as a
     loading slot is STORED with a load count."""
 
-    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     ABSENT = "absent"  # never there, or removed (evicted, failed, reset)
     WRITING = "writing"  # a spill is writing it
@@ -71,7 +71,7 @@ class TierKeyState(enum.Enum):
 class JobStage(enum.Enum):
     """A transfer's life between its start and its last worker's report."""
 
-    __hash__ = object.__hash__  # members are singletons: no Python-level hash a dict lookup
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     IN_FLIGHT = "in flight"
     FLUSHED = "flushed"  # a store the worker waits for before the step's forward: its sources are free
