@@ -318,10 +318,10 @@ class Redrive:
             self._held_frees.setdefault(rid, []).append(event)
             self._held_blocks.update(b for ids in event.block_ids for b in ids if b != NULL_BLOCK_ID)
             return
-        if rid in self._held_frees and kind is not ev.BlocksAllocated and kind is not ev.BlocksTouched:
-            self._release_frees(rid)
         if self._deferred and self.untimed and rid in self._deferred:
             self._end_untimed(loads=True)  # a request moved a step later: its load ends before its next event
+        if rid in self._held_frees and kind is not ev.BlocksAllocated and kind is not ev.BlocksTouched:
+            self._release_frees(rid)  # after its load's end: a loading request frees nothing
         if readmitted:
             self._send_back(event.request_id, as_the_log=False)
         if kind is ev.BlocksTouched:
