@@ -41,7 +41,7 @@ from kvledger.engine import hma, queries
 from kvledger.engine.lookup import lookup
 from kvledger.engine.reducer import reduce
 from kvledger.engine.replay import replay
-from kvledger.engine.state import RequestStatus, State, initial_state
+from kvledger.engine.state import RequestStatus, State, TierKeyState, initial_state
 from kvledger.events import types as ev
 from kvledger.events.config import EngineConfig, GroupKind, Protection
 from kvledger.events.types import NULL_BLOCK_ID
@@ -217,6 +217,7 @@ class Redrive:
         self._index = -1
         self._pulled: set[int] = set()  # the indices of allocations taken early by a longer hit
         self._promoted: dict[int, list[tuple[bytes, int]]] = {}  # shared tier: load job -> (key, block) it reads
+        self._promotions: dict[int, list[tuple[bytes, int, int]]] = {}  # load job -> (key, block, tier) it promotes
         self._load_steps: dict[int, int] = {}  # this engine's loads in flight -> the step that started them
         self._step_loads: dict[int, int] = {}  # host slot -> the loads this step's admissions started reading it
         self._early: dict[str, tuple[int, int]] = {}  # admitted this step, loaded in the log alone: (local, tokens)
@@ -299,7 +300,7 @@ class Redrive:
                 load = kind is ev.LoadCompleted or kind is ev.LoadFailed
                 if load and self.untimed:  # loads of its step started before it, with no twin, end first
                     self._end_loads_before(twin, only_untimed=True)
-                self._complete(twin, event.worker_index, load)
+                self._complete(twin, event.worker_index, load, event)
             self._pair(recorded_effects)  # the spills a store's end starts, twinned with the log's
             self._adopt()
             for effect in recorded_effects:  # a failed load sent its request back to waiting: its blocks
@@ -435,14 +436,21 @@ class Redrive:
             if view.pending_workers >> worker & 1:
                 self._complete(job, worker, view.kind == "load")
 
-    def _complete(self, job: int, worker: int, load: bool) -> None:
+    def _complete(self, job: int, worker: int, load: bool, reported: ev.Event | None = None) -> None:
         """A worker's report that the job ended: a load whose promoted blocks a shared tier no
-        longer holds (another replica's writes evicted them) fails for those."""
+        longer holds (another replica's writes evicted them) fails for those; and one whose
+        twin failed in the log fails for the keys the log's failed where this engine's tier
+        no longer holds them either (a reset dropped them while they were read)."""
         if not load:
             self._apply(ev.transfer_report(job, worker, load=False))
             return
         shared = self.shared
         gone = [(key, block) for key, block in self._promoted.get(job, ()) if shared is not None and not shared.holds(key)]
+        if type(reported) is ev.LoadFailed and reported.keys:
+            failed = set(reported.keys)
+            gone += [(key, block) for key, block, tier in self._promotions.get(job, ())
+                     if key in failed and (key, block) not in gone
+                     and queries.tier_key_state(self.state, tier, key) is TierKeyState.ABSENT]
         self._apply(ev.transfer_report(job, worker, load=True, block_ids=[b for _, b in gone], keys=[k for k, _ in gone]))
 
     def _adopt(self) -> None:
@@ -747,6 +755,10 @@ class Redrive:
             for index, slot in enumerate(slots):
                 if not (tiers and tiers[index]) and slot >= 0:  # a host slot this load reads in place
                     step_loads[slot] = step_loads.get(slot, 0) + 1
+        if effect.promote_tiers:
+            self._promotions[effect.job_id] = [
+                (key, block, tier) for tiers, keys, blocks in zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
+                for tier, key, block in zip(tiers, keys, blocks) if tier]
         if self.shared is not None and effect.promote_tiers:
             promoted = [(key, block) for tiers, keys, blocks in
                         zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
@@ -756,6 +768,7 @@ class Redrive:
 
     def _job_over(self, effect: fx.JobEnded) -> None:
         self._promoted.pop(effect.job_id, None)
+        self._promotions.pop(effect.job_id, None)
         self._load_steps.pop(effect.job_id, None)
 
     def _loadable(self, effect: fx.KeysLoadable) -> None:
