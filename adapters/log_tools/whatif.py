@@ -216,7 +216,6 @@ class Redrive:
         self._load_failures: list[int] = []
         self._index = -1
         self._pulled: set[int] = set()  # the indices of allocations taken early by a longer hit
-        self._promoted: dict[int, list[tuple[bytes, int]]] = {}  # shared tier: load job -> (key, block) it reads
         self._promotions: dict[int, list[tuple[bytes, int, int]]] = {}  # load job -> (key, block, tier) it promotes
         self._load_steps: dict[int, int] = {}  # this engine's loads in flight -> the step that started them
         self._step_loads: dict[int, int] = {}  # host slot -> the loads this step's admissions started reading it
@@ -445,12 +444,10 @@ class Redrive:
             self._apply(ev.transfer_report(job, worker, load=False))
             return
         shared = self.shared
-        gone = [(key, block) for key, block in self._promoted.get(job, ()) if shared is not None and not shared.holds(key)]
-        if type(reported) is ev.LoadFailed and reported.keys:
-            failed = set(reported.keys)
-            gone += [(key, block) for key, block, tier in self._promotions.get(job, ())
-                     if key in failed and (key, block) not in gone
-                     and queries.tier_key_state(self.state, tier, key) is TierKeyState.ABSENT]
+        failed = frozenset(reported.keys) if type(reported) is ev.LoadFailed else frozenset()
+        gone = [(key, block) for key, block, tier in self._promotions.get(job, ())
+                if (shared is not None and tier == 1 and not shared.holds(key))
+                or (key in failed and queries.tier_key_state(self.state, tier, key) is TierKeyState.ABSENT)]
         self._apply(ev.transfer_report(job, worker, load=True, block_ids=[b for _, b in gone], keys=[k for k, _ in gone]))
 
     def _adopt(self) -> None:
@@ -759,15 +756,10 @@ class Redrive:
             self._promotions[effect.job_id] = [
                 (key, block, tier) for tiers, keys, blocks in zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
                 for tier, key, block in zip(tiers, keys, blocks) if tier]
-        if self.shared is not None and effect.promote_tiers:
-            promoted = [(key, block) for tiers, keys, blocks in
-                        zip(effect.promote_tiers, effect.keys, effect.target_block_ids)
-                        for tier, key, block in zip(tiers, keys, blocks) if tier == 1]
-            self._promoted[effect.job_id] = promoted
-            self.shared.read([key for key, _ in promoted])
+            if self.shared is not None:  # a shared tier (tier 1) counts what its readers read
+                self.shared.read([key for key, _, tier in self._promotions[effect.job_id] if tier == 1])
 
     def _job_over(self, effect: fx.JobEnded) -> None:
-        self._promoted.pop(effect.job_id, None)
         self._promotions.pop(effect.job_id, None)
         self._load_steps.pop(effect.job_id, None)
 

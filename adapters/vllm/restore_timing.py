@@ -80,16 +80,14 @@ class RestoreTimes:
         them end their restores. Asked about the few loaded ones, not every running one."""
         if not self._loaded:
             return
-        for rid in [rid for rid in self._loaded if rid in rids]:
+        for rid in [rid for rid in self._loaded if rid in rids]:  # each with its four marks
             marks = self._marks[rid]
-            if len(marks) == 4:
-                marks.append(self._clock())
-                load = "load_promoted" if self._promoted.get(rid) else "load_host"
-                stages = dict(zip(("lookup", "admission", load, "first_step"),
-                                  (b - a for a, b in zip(marks, marks[1:]))))
-                self._taken.extend(stages.items())
-                self.recent.append(stages)
-                self._forget(rid)
+            marks.append(self._clock())
+            load = "load_promoted" if self._promoted.get(rid) else "load_host"
+            stages = dict(zip(("lookup", "admission", load, "first_step"), (b - a for a, b in zip(marks, marks[1:]))))
+            self._taken.extend(stages.items())
+            self.recent.append(stages)
+            self._forget(rid)
 
     def forget(self, rid: str) -> None:
         self._forget(rid)

@@ -120,7 +120,6 @@ def test_its_memory_follows_what_the_tiers_hold() -> None:
     assert MissCounter(tiers, max_keys=100).max_keys == 100  # `miss_memory_keys` set
 
 
-
 class _Observed:
     """The counter's ledger with `observe` replaced (a compiled ledger's methods cannot be)."""
 
@@ -130,6 +129,7 @@ class _Observed:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._ledger, name)
+
 
 @pytest.mark.fast
 def test_a_fold_that_raises_stops_the_counter() -> None:

@@ -217,60 +217,28 @@ def test_arc_in_the_engine_tracks_reuse_and_learns_from_ghosts():
 # ARC against its textbook form
 
 
-class _PaperARC:
-    """ARC as written in the paper, in plain Python (the engine's class may be compiled, and a
-    compiled class takes no subclass): each victim taken as the first key of its list, each
-    surplus ghost likewise. The engine's `evict` takes them in one pass a list (a dict's first
-    key costs a scan past every entry deleted before it)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity, self.p = capacity, 0
-        self.t1: dict[bytes, None] = {}
-        self.t2: dict[bytes, None] = {}
-        self.b1: dict[bytes, None] = {}
-        self.b2: dict[bytes, None] = {}
-
-    def admit_many(self, keys: list[bytes]) -> None:
-        for k in keys:
-            self.admit(k)
-
-    def admit(self, k: bytes) -> None:
-        if k in self.b1:
-            self.p = min(self.capacity, self.p + max(len(self.b2) // len(self.b1), 1))
-            del self.b1[k]
-        elif k in self.b2:
-            self.p = max(0, self.p - max(len(self.b1) // len(self.b2), 1))
-            del self.b2[k]
-
-    def insert(self, k: bytes, reused: bool) -> None:
-        (self.t2 if reused else self.t1)[k] = None
-
-    def remove_many(self, keys: list[bytes]) -> None:
-        for k in keys:
-            del (self.t1 if k in self.t1 else self.t2)[k]
-
-    def evict(self, count: int) -> list[bytes] | None:
-        if count > len(self.t1) + len(self.t2):
-            return None
-        victims = []
-        for _ in range(count):
-            if self.t1 and (len(self.t1) > self.p or not self.t2):
-                k = next(iter(self.t1))
-                del self.t1[k]
-                self.b1[k] = None
-            else:
-                k = next(iter(self.t2))
-                del self.t2[k]
-                self.b2[k] = None
-            victims.append(k)
-        while self.b1 and len(self.b1) > self.capacity:
-            del self.b1[next(iter(self.b1))]
-        while self.b2 and len(self.b1) + len(self.b2) > self.capacity:
-            del self.b2[next(iter(self.b2))]
-        return victims
-
-    def canonical(self) -> tuple:
-        return ("arc", self.p, tuple(self.t1), tuple(self.t2), tuple(self.b1), tuple(self.b2))
+def _paper_evict(arc: ARC, count: int) -> list[bytes] | None:
+    """ARC's eviction as the paper writes it, on an ARC's own lists: each victim taken as
+    the first key of its list, each surplus ghost likewise. The engine's `evict` takes them
+    in one pass a list (a dict's first key costs a scan past every entry deleted before it)."""
+    if count > len(arc.t1) + len(arc.t2):
+        return None
+    victims = []
+    for _ in range(count):
+        if arc.t1 and (len(arc.t1) > arc.p or not arc.t2):
+            k = next(iter(arc.t1))
+            del arc.t1[k]
+            arc.b1[k] = None
+        else:
+            k = next(iter(arc.t2))
+            del arc.t2[k]
+            arc.b2[k] = None
+        victims.append(k)
+    while arc.b1 and len(arc.b1) > arc.capacity:
+        del arc.b1[next(iter(arc.b1))]
+    while arc.b2 and len(arc.b1) + len(arc.b2) > arc.capacity:
+        del arc.b2[next(iter(arc.b2))]
+    return victims
 
 
 _ARC_OPS = st.lists(st.tuples(st.sampled_from(["store", "reuse", "pin", "evict", "ghost", "target"]), st.integers(0, 40)),
@@ -282,7 +250,7 @@ _ARC_OPS = st.lists(st.tuples(st.sampled_from(["store", "reuse", "pin", "evict",
 def test_arc_evicts_as_its_one_at_a_time_form(capacity: int, ops: list[tuple[str, int]]) -> None:
     """Every victim, ghost and target the same, whatever the order of stores, loads and
     evictions (the tier's calls: admit and insert a new key, pin and put back a stored one)."""
-    engine, paper = ARC(capacity), _PaperARC(capacity)
+    engine, paper = ARC(capacity), ARC(capacity)  # driven alike, but for how each evicts
     fresh = 0
     for op, n in ops:
         for policy in (engine, paper):
@@ -299,7 +267,7 @@ def test_arc_evicts_as_its_one_at_a_time_form(capacity: int, ops: list[tuple[str
         if op == "store":
             fresh += 1
         elif op == "evict":
-            assert engine.evict(n % 6) == paper.evict(n % 6)
+            assert engine.evict(n % 6) == _paper_evict(paper, n % 6)
         elif op == "ghost" and (engine.b1 or engine.b2):  # stored again: the target moves
             ghost = (list(engine.b1) + list(engine.b2))[n % (len(engine.b1) + len(engine.b2))]
             for policy in (engine, paper):
