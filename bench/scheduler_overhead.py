@@ -44,7 +44,10 @@ for the fold where a server runs its model (untimed, its wall time
 printed); `--counter-contends` lets the thread fold whenever it gets the
 interpreter instead, as when every step is CPU-bound:
 
-    python bench/scheduler_overhead.py --connectors kvledger,kvledger-uncounted
+    python bench/scheduler_overhead.py --connectors kvledger,kvledger-uncounted,kvledger-uncounted-twin
+
+(`kvledger-uncounted-twin` is the same row again: the spread between two rows
+with nothing between them, which a cost must clear to be seen.)
 
     python bench/scheduler_overhead.py [--requests 256] [--steps 1000] [--seed 0] [--out PATH]
 
@@ -624,6 +627,8 @@ def connector_configs(capacity_bytes: int, event_log: str, disk: Path,
                                                            "secondary_tiers": [tiering_fs]}}, OffloadingWorker),
         "kvledger-logged": (kv_transfer_config(**ledger, event_log=event_log), LedgerWorker),
         "kvledger-uncounted": (kv_transfer_config(**ledger, miss_metrics=False), LedgerWorker),
+        # The same again: two rows with nothing between them show the trace's spread (an A/A).
+        "kvledger-uncounted-twin": (kv_transfer_config(**ledger, miss_metrics=False), LedgerWorker),
         "vllm-offloading": ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                              "kv_connector_extra_config": {"cpu_bytes_to_use": capacity_bytes}}, OffloadingWorker),
         "vllm-simple-cpu": ({"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
@@ -825,6 +830,12 @@ def measure(args, model: Path, capacity_bytes: int, trace: Trace, disk: Path, pr
         if "mean_with_writer_cpu" in cost:
             print(f"  the log writer's thread used {summaries['kvledger-logged']['log_writer_cpu_ms_per_step']:.3f} "
                   f"ms CPU per step: mean {cost['mean_with_writer_cpu']:+.1%} counting it too")
+    if "kvledger-uncounted" in summaries and "kvledger-uncounted-twin" in summaries:
+        a, b = (summaries[n]["connector_ms_per_step"] for n in ("kvledger-uncounted", "kvledger-uncounted-twin"))
+        spread = {k: b[k] / a[k] - 1 for k in ("median", "p99", "mean")}
+        summaries["kvledger-uncounted-twin"]["spread_to_uncounted"] = spread
+        print(f"two identical rows (kvledger-uncounted-twin / kvledger-uncounted - 1): median {spread['median']:+.1%}, "
+              f"p99 {spread['p99']:+.1%}, mean {spread['mean']:+.1%}: the spread a difference must clear")
     cost = summaries.get("kvledger", {}).get("miss_counter_cost")
     if cost:
         print(f"miss counter cost (kvledger / kvledger-uncounted - 1): median {cost['median']:+.1%}, "

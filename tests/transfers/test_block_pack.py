@@ -229,3 +229,25 @@ def test_a_pack_holds_at_most_blocks_max_blocks_whatever_their_size(tmp_path, ti
     io.rows.zero_()
     assert run(io, "read", 2, keys, (tuple(range(count)),)).ok
     assert [payload(io, n, 0) for n in range(count)] == expected
+
+
+def test_a_key_written_again_or_a_name_planted_at_it_is_replaced_by_the_new_pack(tmp_path, tiers):
+    """A pack's name goes straight to a key's free name; a name already there (the
+    key's earlier block, or a link planted at it) is replaced, never followed."""
+    io = tiers(tmp_path, sizes=(ROW_BYTES,))
+    keys = ((key(1), key(2)),)
+    assert run(io, "write", 1, keys, ((0, 1),)).ok
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not the tier's")
+    planted = block_path(tmp_path, NS, key(3))
+    os.symlink(outside, planted)
+    again = ((key(2), key(3)),)
+    assert run(io, "write", 2, again, ((4, 5),)).ok  # key 2 again, from other rows; key 3's name is a link
+    assert outside.read_bytes() == b"not the tier's" and not planted.is_symlink()
+    assert block_path(tmp_path, NS, key(2)).stat().st_ino == planted.stat().st_ino  # the new pack's names
+    assert leftovers(tmp_path) == []
+    expected = [payload(io, s, 0) for s in (4, 5)]
+    assert len(set(expected)) == 2
+    io.rows.zero_()
+    assert run(io, "read", 3, again, ((8, 9),)).ok  # from the names, which open the new pack
+    assert [payload(io, s, 0) for s in (8, 9)] == expected

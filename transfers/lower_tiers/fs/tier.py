@@ -129,6 +129,9 @@ class FsTierIO(ThreadedTierIO):
         # file; removals and those writes' first step hold `_removing`, so they cannot interleave.
         self._removals: dict[bytes, int] = {}
         self._removing = threading.Lock()
+        # The key a removal is unlinking now (one at a time, under `_removing`), read and written
+        # under `_cond`: a write of any other key, with none queued for it, need not wait for it.
+        self._unlinking: bytes | None = None
         self._item = threading.local()  # per thread: the positions its current item settled
         self.dir = TierDir(self.root, gid, create=True)  # made where missing, as its blocks' directories are
         self.dir.hold(namespace)  # 2 + 256 descriptors from the start, none grown into while serving
@@ -349,8 +352,7 @@ class FsTierIO(ThreadedTierIO):
         keys = [key for _g, _i, key, _slot in blocks]
         sizes = [self.payload_bytes[g] for g, _i, _key, _slot in blocks]
         paths = [block_path(self.root, self.namespace, key) for key in keys]
-        for key, path in zip(keys, paths):
-            self._remove_before_write(key, path)
+        self._remove_before_writes(keys, paths)
         table, offsets, total = encode_table(self.namespace, keys, sizes)
         try:
             aside = _At(self._fan_out(keys[0], paths[0]), _aside_name(_name(keys[0])), paths[0])
@@ -378,9 +380,9 @@ class FsTierIO(ThreadedTierIO):
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(aside.name, dir_fd=aside.fd)  # before the job ends: its blocks' files hold nothing else
-        ended = time.perf_counter()
-        for (g, i, _key, _slot), path, size, reason in zip(blocks, paths, sizes, reasons):
-            self._settle(job, g, i, reason, path, 0 if reason else size, (started, ended))
+        self._settle_all(job, [(g, i, reason, path, 0 if reason else size)
+                               for (g, i, _key, _slot), path, size, reason in zip(blocks, paths, sizes, reasons)],
+                         (started, time.perf_counter()))
         for block in blocks[len(reasons):]:  # links refused: one file per block from here on
             self._write_one(job, *block, bounce)
 
@@ -460,7 +462,21 @@ class FsTierIO(ThreadedTierIO):
                     del self._removals[key]
                 else:
                     self._removals[key] = pending - 1
-            self._remove(key, block_path(self.root, self.namespace, key))
+                self._unlinking = key
+            try:
+                self._remove(key, block_path(self.root, self.namespace, key))
+            finally:
+                with self._cond:
+                    self._unlinking = None
+
+    def _remove_before_writes(self, keys: list[bytes], paths: list[Path]) -> None:
+        """`_remove_before_write` of a pack's keys, those with nothing queued found under one
+        hold of the lock: a write waits on no other thread's removal but its own keys'."""
+        with self._cond:
+            removals, unlinking = self._removals, self._unlinking
+            busy = [(key, path) for key, path in zip(keys, paths) if key in removals or key == unlinking]
+        for key, path in busy:
+            self._remove_before_write(key, path)
 
     def _remove_before_write(self, key: bytes, path: Path) -> None:
         with self._removing:
@@ -509,11 +525,19 @@ class FsTierIO(ThreadedTierIO):
 
     def _settle(self, job: TierJob, g: int, i: int, reason: str | None, path: Path, nbytes: int,
                 span: tuple[float, float] | None) -> None:
+        self._settle_all(job, [(g, i, reason, path, nbytes)], span)
+
+    def _settle_all(self, job: TierJob, blocks: list[tuple[int, int, str | None, Path, int]],
+                    span: tuple[float, float] | None) -> None:
+        """Blocks of `job` ended, each (group, index, failure reason or None, path, payload
+        bytes), under one hold of the lock (a pack's blocks: one, not one a block)."""
         settled = getattr(self._item, "settled", None)
         if settled is not None:
-            settled.add((g, i))
+            settled.update((g, i) for g, i, _reason, _path, _nbytes in blocks)
+        failed = [(g, i, reason, str(path)) for g, i, reason, path, _nbytes in blocks if reason]
+        nbytes = sum(n for _g, _i, _reason, _path, n in blocks)
         with self._cond:
-            outcome = job.settle([(g, i, reason, str(path))] if reason else [], 0 if reason else 1, nbytes, span)
+            outcome = job.settle(failed, len(blocks) - len(failed), nbytes, span)
             if not self._settled(job, outcome):
                 return
         job.finished(outcome)
@@ -550,19 +574,33 @@ def _directory_error(exc: OSError) -> str:
 
 def _link_into_place(aside: _At, at: _At) -> None:
     """`at` becomes a name of the file at `aside`, replacing whatever was there:
-    linked under an unpredictable name, then renamed (a link cannot replace)."""
-    link = _aside_name(at.name)
+    linked straight to its name where that is free (a new key: one operation on
+    its directory, where a rename made two), else under an unpredictable name,
+    then renamed (a link cannot replace). A link never follows nor replaces what
+    it finds at its name."""
     try:
-        os.link(aside.name, link, src_dir_fd=aside.fd, dst_dir_fd=at.fd, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
-            raise _LinksUnsupported(f"link: {exc}") from exc
-        raise
+        _link(aside, at.fd, at.name)
+        return
+    except FileExistsError:
+        pass  # a block written before under this key, or anything else there: replaced below
+    link = _aside_name(at.name)
+    _link(aside, at.fd, link)
     try:
         os.replace(link, at.name, src_dir_fd=at.fd, dst_dir_fd=at.fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(link, dir_fd=at.fd)
+        raise
+
+
+def _link(aside: _At, dir_fd: int, name: str) -> None:
+    try:
+        os.link(aside.name, name, src_dir_fd=aside.fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+            raise _LinksUnsupported(f"link: {exc}") from exc
         raise
 
 
