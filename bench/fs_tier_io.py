@@ -3,6 +3,9 @@
 For each block size, N blocks (about `--total-mib` in all) of a host-tier-like int8 tensor:
 
   raw write   the same bytes into one file, 16 MiB writes, then `os.sync()`
+  raw direct write  the same, with O_DIRECT from a page-aligned copy, then `fsync`: the disk's own
+              sequential speed, steadier than the page cache's writeback, and what the tier's direct
+              writes are compared with (its buffered writes with the raw write)
   tier write  `FsTierIO.write` of the N blocks as `--jobs` jobs, then `os.sync()`; per thread count,
               with O_DIRECT writes and through the page cache (`direct_writes=False`), and per
               layout (`--pack-kib`): a file per block ("files", 0) or a job's blocks in packs
@@ -96,6 +99,20 @@ def raw_write(path: str, flat: memoryview) -> float:
     return time.perf_counter() - started
 
 
+def raw_direct_write(path: str, aligned: memoryview) -> float:
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        for offset in range(0, aligned.nbytes, CHUNK):
+            chunk = aligned[offset : offset + CHUNK]
+            while chunk.nbytes:
+                chunk = chunk[os.write(fd, chunk):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - started
+
+
 def raw_read(path: str, flat: memoryview) -> float:
     started = time.perf_counter()
     with open(path, "rb", buffering=0) as file:
@@ -179,6 +196,9 @@ def main() -> None:
     total = args.total_mib << 20
     flat_array = np.random.default_rng(0).integers(-128, 128, total, dtype=np.int8)
     flat = memoryview(flat_array).cast("B")
+    aligned_buffer = mmap.mmap(-1, total)  # page-aligned, for O_DIRECT
+    aligned_buffer[:] = flat
+    aligned = memoryview(aligned_buffer)
     results = []
     try:
         for block_kib in args.block_kib:
@@ -188,7 +208,7 @@ def main() -> None:
             samples = {i: xxhash.xxh3_64_intdigest(flat_array[i * size : (i + 1) * size])
                        for i in range(0, count, max(1, count // 64))}
             layouts = {kib: "files" if kib == 0 else f"packs{kib}k" for kib in args.pack_kib}
-            names = (["raw write"] + [f"tier write {t}t {m} {lay}" for lay in layouts.values() for t in args.threads
+            names = (["raw write", "raw direct write"] + [f"tier write {t}t {m} {lay}" for lay in layouts.values() for t in args.threads
                                       for m in ("direct", "buffered")]
                      + ["raw read"] + [f"tier read {t}t {lay}" for lay in layouts.values() for t in args.threads]
                      + ([f"direct read {t}t files" for t in args.threads] if 0 in layouts else []))
@@ -197,6 +217,7 @@ def main() -> None:
             job_id = 0
             for _ in range(args.rounds):
                 runs["raw write"].append(raw_write(raw_path, flat[: count * size]))
+                runs["raw direct write"].append(raw_direct_write(raw_path, aligned[: count * size]))
                 drop_caches()
                 runs["raw read"].append(raw_read(raw_path, flat[: count * size]))
                 for kib, lay in layouts.items():
@@ -236,15 +257,21 @@ def main() -> None:
             print(f"\n{block_kib} KiB blocks x {count}")
             print(f"  {'measurement':<36} {'GB/s':>6}  {'vs raw':>6}   runs")
             for name in names:
-                raw = median["raw write" if "write" in name else "raw read"]
+                if name.startswith("raw"):
+                    raw = median[name]
+                else:
+                    raw = median[("raw direct write" if "direct" in name.split()[3:] else "raw write")
+                                 if "write" in name else "raw read"]
                 ratio = median[name] / raw
                 print(f"  {name:<36} {median[name]:6.2f}  {ratio:5.2f}x   "
                       + ", ".join(f"{x:.2f}" for x in gbps[name]))
                 parts = name.split()
                 results.append({
-                    "block_bytes": size, "blocks": count, "op": parts[1], "side": parts[0],
+                    "block_bytes": size, "blocks": count, "op": parts[-1] if parts[0] == "raw" else parts[1],
+                    "side": parts[0],
                     "threads": int(parts[2][:-1]) if parts[0] != "raw" else None,
-                    "direct": {"raw": None, "direct": True}.get(parts[0], "direct" in parts[3:]),
+                    "direct": ((True if "direct" in parts else None) if parts[0] == "raw"
+                               else True if parts[0] == "direct" else "direct" in parts[3:]),
                     "pack_kib": None if parts[0] == "raw" else next(
                         (kib for kib, lay in layouts.items() if lay == parts[-1]), None),
                     "gbps_median": round(median[name], 3), "ratio_to_raw": round(ratio, 3),
