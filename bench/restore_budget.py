@@ -11,9 +11,12 @@ host memory empty, every read of the disk starting `--delay-s` late,
 `fault_injection.tier_read_delay_s`): first the warm-up documents (some
 written to the disk, some not: the loads and the prefills that `auto`
 measures), then one question on each measured document, one at a time.
-"recompute" reads an empty directory of its own, a new one each round. Prints each mode's TTFT per
-prefix length (medians over rounds) and, per length, whether `auto` is within
-`--slack` of the better of the other two.
+"recompute" reads an empty directory of its own, a new one each round;
+"recompute again" is the same mode once more (an A/A: the spread between two
+runs with nothing between them, which a difference must clear). The modes
+run in a rotating order, round by round, so no mode always runs first. Prints
+each mode's TTFT per prefix length (medians over rounds) and, per length,
+whether `auto` is within `--slack` of the better of load and recompute.
 """
 
 from __future__ import annotations
@@ -131,14 +134,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="restore-budget-", dir=ROOT / "bench" / "out") as scratch:
         disk = Path(scratch) / "disk"
         _phase(args, "write", str(disk), str(Path(scratch) / "write.log"), "load", "write")
-        rows: dict[str, dict[int, list[dict]]] = {mode: {n: [] for n in lengths} for mode in ("load", "auto", "recompute")}
+        modes = ("load", "auto", "recompute", "recompute again")
+        rows: dict[str, dict[int, list[dict]]] = {mode: {n: [] for n in lengths} for mode in modes}
         decisions = []
         for round_ in range(args.rounds):
-            for mode in ("load", "auto", "recompute"):
-                log = str(Path(scratch) / f"{mode}-{round_}.log")
-                empty = Path(scratch) / f"empty-{round_}"  # a recompute stores too: a new directory each round
-                result = _phase(args, "read", str(empty if mode == "recompute" else disk), log,
-                                "auto" if mode == "auto" else "load", f"{mode}-{round_}")
+            for mode in modes[round_ % len(modes):] + modes[:round_ % len(modes)]:
+                tag = mode.replace(" ", "-")
+                log = str(Path(scratch) / f"{tag}-{round_}.log")
+                empty = Path(scratch) / f"empty-{tag}-{round_}"  # a recompute stores too: a new directory each time
+                result = _phase(args, "read", str(empty if mode.startswith("recompute") else disk), log,
+                                "auto" if mode == "auto" else "load", f"{tag}-{round_}")
                 for n in lengths:
                     rows[mode][n].append(result[n])
                 if mode == "auto":
@@ -148,16 +153,17 @@ def main() -> None:
                       flush=True)
     table = []
     print()
-    print(f"{'prefix':>7} {'load ms':>9} {'auto ms':>9} {'recompute ms':>13} {'auto cached':>12}  auto within "
-          f"{args.slack:.0%} of the better")
+    print(f"{'prefix':>7} {'load ms':>9} {'auto ms':>9} {'recompute ms':>13} {'again ms':>9} {'auto cached':>12}  "
+          f"auto within {args.slack:.0%} of the better")
     for n in lengths:
         med = {mode: statistics.median(r["ttft"] for r in rows[mode][n]) * 1e3 for mode in rows}
         best = min(med["load"], med["recompute"])
         ok = med["auto"] <= best * (1 + args.slack)
         same = all(r["tokens"] == rows["recompute"][n][0]["tokens"] for mode in rows for r in rows[mode][n])
-        table.append({"prefix_words": n, **{f"{m}_ms": round(v, 1) for m, v in med.items()}, "auto_ok": ok,
+        table.append({"prefix_words": n, **{f"{m.replace(' ', '_')}_ms": round(v, 1) for m, v in med.items()},
+                      "auto_ok": ok, "recompute_spread": round(med["recompute again"] / med["recompute"] - 1, 4),
                       "auto_cached": [r["cached"] for r in rows["auto"][n]], "outputs_equal": same})
-        print(f"{n:>7} {med['load']:>9.0f} {med['auto']:>9.0f} {med['recompute']:>13.0f} "
+        print(f"{n:>7} {med['load']:>9.0f} {med['auto']:>9.0f} {med['recompute']:>13.0f} {med['recompute again']:>9.0f} "
               f"{str(table[-1]['auto_cached']):>12}  {'yes' if ok else 'NO'}{'' if same else ' (outputs differ!)'}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": table, "auto_decisions": decisions},
