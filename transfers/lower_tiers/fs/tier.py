@@ -126,7 +126,8 @@ class FsTierIO(ThreadedTierIO):
         self._bounce_bytes = round_up(HEADER_BYTES + max(payload_bytes, default=0), DIRECT_ALIGN)
         # Removals not yet carried out, per key. A write of a key first carries out the removals
         # queued before it, so a removal that a slower thread reaches later never deletes the new
-        # file; removals and those writes' first step hold `_removing`, so they cannot interleave.
+        # file; removals, and the first step of a write with a removal of its keys queued or under
+        # way, hold `_removing`, so they cannot interleave.
         self._removals: dict[bytes, int] = {}
         self._removing = threading.Lock()
         # The key a removal is unlinking now (one at a time, under `_removing`), read and written
@@ -594,10 +595,9 @@ def _link_into_place(aside: _At, at: _At) -> None:
 
 
 def _link(aside: _At, dir_fd: int, name: str) -> None:
+    """A new name for the file at `aside`; `FileExistsError` where the name is taken."""
     try:
         os.link(aside.name, name, src_dir_fd=aside.fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-    except FileExistsError:
-        raise
     except OSError as exc:
         if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
             raise _LinksUnsupported(f"link: {exc}") from exc
