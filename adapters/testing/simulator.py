@@ -140,6 +140,9 @@ class Simulator:
         # block such a reset dropped, by its generation-0 key -> (seq, tier, the generation it was stored under).
         self.generation = 0
         self._rekeying = False  # while a rekeying reset's event is applied
+        # A live request's key before a rekeying reset -> its key now: the same tokens' KV, renamed
+        # (`reset`), also when a load planned before the reset reads it from a tier after it.
+        self.renamed: dict[object, object] = {}
         self.first_key_of: dict[bytes, bytes] = {}
         self.reset_lost: dict[bytes, tuple[int, int, int]] = {}
         # The last finished requests (doc, hashes, tokens), for conversations' next turns (`add_turn`).
@@ -344,7 +347,10 @@ class Simulator:
                     if slot >= 0:
                         self.slot_content[slot] = None
                 else:
-                    self.slot_content[slot] = content
+                    # A load planned before a rekeying reset reads its key's block, which may have
+                    # been written after it (another process still on the earlier keys): the same
+                    # tokens' KV that the reset renamed in this process's own copies.
+                    self.slot_content[slot] = self.renamed.get(content, content)
 
     # The block pool.
 
@@ -675,6 +681,8 @@ class Simulator:
                 request.hashes = [self._keyed(h) for h in request.first_hashes]
                 for group, old in zip(self.groups, before):
                     renamed.update(zip(old, self.keys(request, group.group_id)))
+            self.renamed = {old: renamed.get(new, new) for old, new in self.renamed.items()}
+            self.renamed.update(renamed)
             self.content = [renamed.get(c, c) for c in self.content]  # type: ignore[arg-type]
             self.slot_content = {slot: renamed.get(c, c) for slot, c in self.slot_content.items()}  # type: ignore[arg-type]
             self.disks = [{key: renamed.get(c, c) for key, c in disk.items()} for disk in self.disks]  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ import os
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvledger.adapters.cli.main import main
@@ -164,6 +164,10 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
 @given(config=st.sampled_from(SIMULATED_CONFIGS), seed=st.integers(0, 2**16), prefix_caching=st.booleans(),
        fail_rate=st.sampled_from([0.0, 0.1]), reset_rate=st.sampled_from([0.0, 0.03]),
        turn_rate=st.sampled_from([0.0, 0.2]), pressure_rate=st.sampled_from([0.0, 0.05]))
+# A promotion planned before a rekeying reset reads, after it, a block another process wrote under the
+# earlier keys: the simulator took it for other content than the one its own copies were renamed to.
+@example(config=SIMULATED_CONFIGS[7], seed=431, prefix_caching=False, fail_rate=0.0, reset_rate=0.03, turn_rate=0.0,
+         pressure_rate=0.05)
 def test_every_admission_is_explained_as_the_simulator_saw_it(config, seed, prefix_caching, fail_rate, reset_rate,
                                                               turn_rate, pressure_rate):
     sim, ledger = _run(config, seed, prefix_caching=prefix_caching, fail_rate=fail_rate, reset_rate=reset_rate,
