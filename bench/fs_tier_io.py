@@ -3,7 +3,7 @@
 For each block size, N blocks (about `--total-mib` in all) of a host-tier-like int8 tensor:
 
   raw write   the same bytes into one file, 16 MiB writes, then `os.sync()`
-  raw direct write  the same, with O_DIRECT from a page-aligned copy, then `fsync`: the disk's own
+  raw direct write  the same, with O_DIRECT (the bytes are page-aligned), then `fsync`: the disk's own
               sequential speed, steadier than the page cache's writeback, and what the tier's direct
               writes are compared with (its buffered writes with the raw write)
   tier write  `FsTierIO.write` of the N blocks as `--jobs` jobs, then `os.sync()`; per thread count,
@@ -85,31 +85,21 @@ def others_busy(window_s: float = 2.0) -> float | None:
         return None
 
 
-def raw_write(path: str, flat: memoryview) -> float:
+def raw_write(path: str, flat: memoryview, *, direct: bool = False) -> float:
+    """Through the page cache, then `os.sync()`; `direct`: with O_DIRECT (`flat` page-aligned), then `fsync`."""
     started = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
     try:
         for offset in range(0, flat.nbytes, CHUNK):
             chunk = flat[offset : offset + CHUNK]
             while chunk.nbytes:
                 chunk = chunk[os.write(fd, chunk):]
+        if direct:
+            os.fsync(fd)
     finally:
         os.close(fd)
-    os.sync()
-    return time.perf_counter() - started
-
-
-def raw_direct_write(path: str, aligned: memoryview) -> float:
-    started = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        for offset in range(0, aligned.nbytes, CHUNK):
-            chunk = aligned[offset : offset + CHUNK]
-            while chunk.nbytes:
-                chunk = chunk[os.write(fd, chunk):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if not direct:
+        os.sync()
     return time.perf_counter() - started
 
 
@@ -194,11 +184,10 @@ def main() -> None:
           f"{'cold reads (page cache dropped)' if cold else 'WARM reads: cannot drop the page cache (not root?)'}; "
           f"other processes used {busy_before} cores before the run, of {os.cpu_count()}")
     total = args.total_mib << 20
-    flat_array = np.random.default_rng(0).integers(-128, 128, total, dtype=np.int8)
-    flat = memoryview(flat_array).cast("B")
-    aligned_buffer = mmap.mmap(-1, total)  # page-aligned, for O_DIRECT
-    aligned_buffer[:] = flat
-    aligned = memoryview(aligned_buffer)
+    backing = mmap.mmap(-1, total)  # page-aligned, so the raw direct write takes it as it is
+    flat_array = np.frombuffer(backing, dtype=np.int8)
+    flat_array[:] = np.random.default_rng(0).integers(-128, 128, total, dtype=np.int8)
+    flat = memoryview(backing)
     results = []
     try:
         for block_kib in args.block_kib:
@@ -217,7 +206,7 @@ def main() -> None:
             job_id = 0
             for _ in range(args.rounds):
                 runs["raw write"].append(raw_write(raw_path, flat[: count * size]))
-                runs["raw direct write"].append(raw_direct_write(raw_path, aligned[: count * size]))
+                runs["raw direct write"].append(raw_write(raw_path, flat[: count * size], direct=True))
                 drop_caches()
                 runs["raw read"].append(raw_read(raw_path, flat[: count * size]))
                 for kib, lay in layouts.items():
@@ -257,21 +246,17 @@ def main() -> None:
             print(f"\n{block_kib} KiB blocks x {count}")
             print(f"  {'measurement':<36} {'GB/s':>6}  {'vs raw':>6}   runs")
             for name in names:
-                if name.startswith("raw"):
-                    raw = median[name]
-                else:
-                    raw = median[("raw direct write" if "direct" in name.split()[3:] else "raw write")
-                                 if "write" in name else "raw read"]
+                parts = name.split()
+                op, direct = ("write" if "write" in parts else "read"), "direct" in parts
+                # Each against the raw side of its kind: direct writes against the raw direct write.
+                raw = median[name if parts[0] == "raw" else f"raw {'direct ' if direct and op == 'write' else ''}{op}"]
                 ratio = median[name] / raw
                 print(f"  {name:<36} {median[name]:6.2f}  {ratio:5.2f}x   "
                       + ", ".join(f"{x:.2f}" for x in gbps[name]))
-                parts = name.split()
                 results.append({
-                    "block_bytes": size, "blocks": count, "op": parts[-1] if parts[0] == "raw" else parts[1],
-                    "side": parts[0],
+                    "block_bytes": size, "blocks": count, "op": op, "side": parts[0],
                     "threads": int(parts[2][:-1]) if parts[0] != "raw" else None,
-                    "direct": ((True if "direct" in parts else None) if parts[0] == "raw"
-                               else True if parts[0] == "direct" else "direct" in parts[3:]),
+                    "direct": direct,
                     "pack_kib": None if parts[0] == "raw" else next(
                         (kib for kib, lay in layouts.items() if lay == parts[-1]), None),
                     "gbps_median": round(median[name], 3), "ratio_to_raw": round(ratio, 3),

@@ -19,11 +19,12 @@ Per-group fields are aligned: `keys[g][i]` moves between
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, TypeVar, Union
 
 import attrs
+
+from .state import IdentityEnum
 
 KeysByGroup = tuple[tuple[bytes, ...], ...]
 IdsByGroup = tuple[tuple[int, ...], ...]
@@ -67,10 +68,8 @@ class StartSpill:
     source_slot_ids: IdsByGroup
 
 
-class Reason(enum.Enum):
+class Reason(IdentityEnum):
     """Why keys left a tier (`KeysUnloadable`, `DropTierKeys`): metrics count each apart."""
-
-    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     EVICTED = "evicted"  # to make room for other keys
     FAILED = "failed"  # a transfer of theirs failed
@@ -231,10 +230,8 @@ Effect = Union[StartStore, StartLoad, FlushStores, PinDeviceBlocks, UnpinDeviceB
 EFFECT_TYPES: tuple[type, ...] = Effect.__args__  # type: ignore[attr-defined]
 
 
-class Phase(enum.Enum):
+class Phase(IdentityEnum):
     """Where, and when in a step, an effect is carried out."""
-
-    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     SCHEDULER = "scheduler"  # by the scheduler half, at once (block-pool references)
     BEFORE_STEP = "before_step"  # by each worker before the step touches a block (vLLM: handle_preemptions)

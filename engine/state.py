@@ -32,9 +32,14 @@ class StaleStateError(RuntimeError):
     """An old state handle was used after the reducer took ownership of it."""
 
 
-class RequestStatus(enum.Enum):
-    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
+class IdentityEnum(enum.Enum):
+    """An enum hashed by identity: its members are singletons, and `Enum.__hash__` is a
+    Python-level call, made each time one keys a dict or is tested in a set."""
 
+    __hash__ = object.__hash__
+
+
+class RequestStatus(IdentityEnum):
     WAITING = "waiting"  # added or resumed; no blocks yet, or only touched ones
     LOADING = "loading"  # a load into its blocks is in flight
     RUNNING = "running"
@@ -42,9 +47,7 @@ class RequestStatus(enum.Enum):
     ABORTING = "aborting"  # aborted while loading; blocks held until the load ends
 
 
-class JobKind(enum.Enum):
-    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
-
+class JobKind(IdentityEnum):
     STORE = "store"  # device blocks -> host slots
     LOAD = "load"  # host slots (promoted from a lower tier first, where needed) -> device blocks
     SPILL = "spill"  # host slots -> a lower tier
@@ -56,22 +59,18 @@ class SlotState(enum.IntEnum):
     STORED = 2  # "loading" is STORED with a load count above zero
 
 
-class TierKeyState(enum.Enum):
+class TierKeyState(IdentityEnum):
     """A key's state in one tier below host memory (`LowerTier`): which of its
     tables holds it. "Reading" is HELD with a read count above zero, as a
     loading slot is STORED with a load count."""
-
-    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     ABSENT = "absent"  # never there, or removed (evicted, failed, reset)
     WRITING = "writing"  # a spill is writing it
     HELD = "held"  # whole there, loadable
 
 
-class JobStage(enum.Enum):
+class JobStage(IdentityEnum):
     """A transfer's life between its start and its last worker's report."""
-
-    __hash__ = object.__hash__  # members are singletons: hashed by identity, not by a Python-level call
 
     IN_FLIGHT = "in flight"
     FLUSHED = "flushed"  # a store the worker waits for before the step's forward: its sources are free
