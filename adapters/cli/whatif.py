@@ -171,29 +171,35 @@ class _Predictions:
         self._config = recorded
         self._log = log
         self._asked: list[EngineConfig] = []
+        self._counted: list[bool] = []  # per configuration asked: whether its misses are kept
         self._outcomes: list[whatif.Outcome] = []
         self.recorded: whatif.Outcome | None = None
 
-    def ask(self, config: EngineConfig) -> Callable[[], whatif.Outcome]:
-        """The prediction under `config`, once `run` has run (a configuration asked twice runs once)."""
+    def ask(self, config: EngineConfig, *, counted: bool = True) -> Callable[[], whatif.Outcome]:
+        """The prediction under `config`, once `run` has run (a configuration asked twice runs once,
+        with its misses where either asked for them). `counted=False`: its misses may be left out."""
         if config not in self._asked:
             self._asked.append(config)
+            self._counted.append(counted)
         index = self._asked.index(config)
+        self._counted[index] = self._counted[index] or counted
         return lambda: self._outcomes[index]
 
     def run(self, passes: _Passes) -> None:
-        groups = [self._asked[start::passes.jobs] for start in range(min(passes.jobs, len(self._asked)))]
-        futures = [passes.run(_predict_many, self._config, group, self._log) for group in groups]
+        starts = range(min(passes.jobs, len(self._asked)))
+        groups = [self._asked[start::passes.jobs] for start in starts]
+        futures = [passes.run(_predict_many, self._config, group, self._log, self._counted[start::passes.jobs])
+                   for group, start in zip(groups, starts)]
         results = [future.result() for future in futures]
         self.recorded, self._log.records = results[0][0], results[0][2]
         by_group = [outcomes for _, outcomes, _ in results]
         self._outcomes = [by_group[index % len(groups)][index // len(groups)] for index in range(len(self._asked))]
 
 
-def _predict_many(recorded: EngineConfig, configs: list[EngineConfig],
-                  log: _Log) -> tuple[whatif.Outcome, list[whatif.Outcome], int]:
+def _predict_many(recorded: EngineConfig, configs: list[EngineConfig], log: _Log,
+                  counted: list[bool]) -> tuple[whatif.Outcome, list[whatif.Outcome], int]:
     """One pass (in a process of its own under `--jobs`): the outcomes, and how many records it read."""
-    outcome, outcomes = whatif.predict_many(recorded, configs, log)
+    outcome, outcomes = whatif.predict_many(recorded, configs, log, counted=counted)
     return outcome, outcomes, log.records
 
 
@@ -310,7 +316,9 @@ def _sweep(recorded: EngineConfig, config: EngineConfig, log: _Log, passes: _Pas
     asked here (the curve's pass started); the returned call gathers them once run."""
     bound = whatif.distinct_keys_bound(recorded, log)
     points = sorted({max(1, min(bound, int(config.num_tier_slots * f))) for f in SWEEP_FACTORS} | {bound})
-    runs = {(slots, policy): predictions.ask(attrs.evolve(config, num_tier_slots=slots, policy=policy))
+    # Hits and blocks moved alone: the points' misses are not kept (a point that is also the
+    # asked prediction keeps them for it).
+    runs = {(slots, policy): predictions.ask(attrs.evolve(config, num_tier_slots=slots, policy=policy), counted=False)
             for slots in points for policy in PolicyName}
     one_pass = config.policy.value == "lru" and not config.lower_tiers
     curve = passes.run(whatif.lru_curve, recorded, log, bound) if one_pass else None

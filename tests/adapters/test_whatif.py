@@ -113,17 +113,22 @@ def test_redrives_run_together_predict_as_each_alone(config, seed, chunk, ahead)
     """One read of the log for every question (`predict_many`): the log's engine folded once
     and followed by re-drives of several capacities and policies, each of which takes later
     allocations early on its own. Each gives what it gives alone, and the log's own outcome is
-    `recorded`'s."""
+    `recorded`'s. One that keeps no misses (a capacity sweep's point) gives the same hits and
+    blocks moved as its counted twin."""
     events, _ = _trace(config, seed, fail_rate=0.1, chunk=chunk)
     configs = [config, attrs.evolve(config, num_tier_slots=max(1, config.num_tier_slots // 4)),
                attrs.evolve(config, num_tier_slots=config.num_tier_slots * 4, policy="arc")]
     records = [_Record(e, seq) for seq, e in enumerate(events)]
-    recorded, outcomes = whatif.predict_many(config, configs, records, ahead=ahead)
+    recorded, outcomes = whatif.predict_many(config, [*configs, *configs[1:]], records, ahead=ahead,
+                                             counted=[True, True, True, False, False])
     assert recorded.as_dict() == whatif.recorded(config, records).as_dict()
     for other, outcome in zip(configs, outcomes):
         alone = whatif.Redrive(config, other)
         alone.run(iter(events), ahead=ahead)
         assert outcome.as_dict() == alone.outcome().as_dict()
+    for counted, uncounted in zip(outcomes[1:3], outcomes[3:]):
+        assert uncounted.misses is None and counted.misses is not None
+        assert attrs.evolve(uncounted, misses=counted.misses).as_dict() == counted.as_dict()
 
 
 @pytest.mark.parametrize("index", [0, 1, 3])
@@ -158,6 +163,8 @@ def test_the_command_beside_the_recorded_run(log, capsys):
     assert data["recorded"]["num_tier_slots"] == 24 and data["predicted"]["num_tier_slots"] == 96
     assert data["predicted"]["not_applied"] == 0 and data["predicted_as_recorded"]["not_applied"] == 0
     assert data["self_check"]["recorded_hit_tokens"] == data["recorded"]["hit_tokens"]
+    # The sweep's points keep no misses, but the one that is also the asked prediction keeps its own.
+    assert "missed_by_cause" in data["predicted"]["misses"] and "missed_by_cause" in data["predicted_as_recorded"]["misses"]
     points = data["sweep"]["points"]
     assert [p["num_tier_slots"] for p in points][:3] == [12, 24, 48]
     assert points[-1]["num_tier_slots"] == data["sweep"]["every_key_fits_at"]
