@@ -69,7 +69,7 @@ class ConnectorSettings:
     faults: FaultSettings = FaultSettings()
     secondary_tiers: tuple[TierSettings, ...] = ()  # below host memory, in order
     weights_version: str | None = None  # names the weights in the tiers' namespace (lower tiers)
-    key_generations: str = "private"  # or "counted": see `_FIELDS`
+    key_generations: str = "private"  # or "counted" or "kept": see `_FIELDS`
     miss_metrics: bool = True  # count missed tokens by cause live (`adapters.miss_counter`)
     miss_memory_keys: int | None = None  # None: four times what the tiers hold (`miss_counter.default_keys`)
     store_threshold: int = 1  # vLLM's: store a block once this many requests offered it
@@ -101,9 +101,11 @@ _FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "secondary_tiers": ((list, tuple), "tiers below host memory, in order: a dict each, with a 'type'"),
     "weights_version": (str, "names the model's weights, for tiers that outlive the process: change it when "
                              "the weights under the same model name change"),
-    "key_generations": (str, "'private' (each cache reset starts block keys no other process shares) or "
+    "key_generations": (str, "'private' (each cache reset starts block keys no other process shares), "
                              "'counted' (every replica's Nth reset shares keys: only for a fleet that loads the "
-                             "same new weights through one reset each)"),
+                             "same new weights through one reset each) or 'kept' (a reset empties host memory "
+                             "alone; the tiers below it keep their blocks and keys, as vLLM 0.33's secondary "
+                             "tiers do: only where the weights never change under a reset)"),
     "miss_metrics": (bool, "count missed prompt tokens by cause (vllm:kvledger_missed_tokens), folding the "
                            "engine's notifications on a thread of its own"),
     "miss_memory_keys": (int, "keys whose history the miss counter remembers (the oldest-named are forgotten; "
@@ -220,8 +222,8 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     if weights_version is not None and not weights_version:
         raise ConfigError("weights_version must be a non-empty string (leave it out for none)")
     generations = extra.get("key_generations", "private")
-    if generations not in ("private", "counted"):
-        raise ConfigError(f"key_generations must be 'private' or 'counted', got {generations!r}")
+    if generations not in ("private", "counted", "kept"):
+        raise ConfigError(f"key_generations must be 'private', 'counted' or 'kept', got {generations!r}")
     memory_keys = extra.get("miss_memory_keys")
     if memory_keys is not None and memory_keys < 1:
         raise ConfigError(f"miss_memory_keys must be >= 1, got {memory_keys}")

@@ -646,6 +646,9 @@ def _first_failed_position(request: RequestState, job: Job) -> int:
 def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None:
     if event.epoch <= core.epoch:
         raise ProtocolViolation("epoch_not_increasing", f"epoch {event.epoch} after {core.epoch}")
+    if event.keep_lower and event.rekeyed:
+        raise ProtocolViolation("bad_reset", "a reset that keeps the tiers below host memory keeps their keys: "
+                                "keep_lower with rekeyed")
     dropped = slots.drop_all(core)
     for job in core.jobs.values():
         job.stale = True  # its stage stays (`reset` rows)
@@ -664,7 +667,7 @@ def _cache_reset(core: Core, event: ev.CacheReset, out: list[fx.Effect]) -> None
     core.stats.evictions += len(dropped)  # the engine's total counts both; metrics tell them apart by reason
     if dropped:
         out.append(new.keys_unloadable(0, dropped, fx.Reason.RESET))
-    if core.lower:
+    if core.lower and not event.keep_lower:  # kept: held keys stay (a spill in flight is stale: dropped at its end)
         lower.drop_all(core, out)
 
 

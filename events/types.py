@@ -234,13 +234,16 @@ class CacheReset:
     resets before a sleep discards the KV cache and before new weights make it
     stale), so no block is stored or matched by what it held. `rekeyed`: block
     keys change from here on (a new key generation), so every live request's
-    keys are forgotten, to be told again."""
+    keys are forgotten, to be told again. `keep_lower`: the tiers below host
+    memory keep what they hold (vLLM 0.33's secondary tiers across a reset), for
+    a deployment whose weights do not change under a reset; never with `rekeyed`."""
 
     kind: ClassVar[str] = "cache_reset"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3
     epoch: int
     forget_device: bool = True
     rekeyed: bool = False
+    keep_lower: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -21,6 +21,11 @@ def upcast_cache_reset_v1_v2(fields: dict) -> dict:
     return {**fields, "forget_device": False, "rekeyed": False}
 
 
+def upcast_cache_reset_v2_v3(fields: dict) -> dict:
+    """v2's reset always emptied the tiers below host memory."""
+    return {**fields, "keep_lower": False}
+
+
 def upcast_step_scheduled_v1_v2(fields: dict) -> dict:
     """v1 recorded no time: 0 says so."""
     return {**fields, "wall_time_us": 0}
@@ -36,5 +41,6 @@ UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {
     ("store_failed", 2): upcast_failure_reason,
     ("load_failed", 1): upcast_failure_reason,
     ("cache_reset", 1): upcast_cache_reset_v1_v2,
+    ("cache_reset", 2): upcast_cache_reset_v2_v3,
     ("step_scheduled", 1): upcast_step_scheduled_v1_v2,
 }

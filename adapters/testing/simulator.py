@@ -658,19 +658,21 @@ class Simulator:
         self.unanswered[rid] = (reason, self.events)
         self.emit(ev.TierLookupFailed(tier=1, request_id=rid, reason=reason))
 
-    def reset(self, *, sleep: bool = False, rekey: bool = False) -> None:
+    def reset(self, *, sleep: bool = False, rekey: bool = False, keep: bool = False) -> None:
         """A cache reset; with `sleep`, then vLLM's sleep, which discards the KV
         cache: every free block loses its content and leaves the prefix cache.
         (vLLM sleeps with no request running, so a held block keeps its content
         here: a store still reading one must not be cut short.) With `rekey`, a
         new key generation begins, as the connector's does with tiers below host
-        memory: every live request's blocks are keyed anew and told again."""
+        memory: every live request's blocks are keyed anew and told again. With
+        `keep`, the tiers below host memory keep their blocks (`key_generations`
+        "kept")."""
         self.epoch += 1
         self.reset_seqs.append(self.events)
         if rekey:
             self.generation += 1
         self._rekeying = rekey
-        self.emit(ev.CacheReset(epoch=self.epoch, rekeyed=rekey))
+        self.emit(ev.CacheReset(epoch=self.epoch, rekeyed=rekey, keep_lower=keep))
         self._rekeying = False
         if rekey:
             # The same tokens' KV under the new keys: a block, slot or file holding a live request's
@@ -936,10 +938,12 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
                docs: int = 3, max_prompt_blocks: int = 6, max_tokens: int = 6, fail_rate: float = 0.05,
                reset_rate: float = 0.0, abort_rate: float = 0.02, completion_rate: float = 0.4,
                check_every: int = 0, damage_rate: float = 0.0, foreign_rate: float = 0.0,
-               lookup_fail_rate: float = 0.0, turn_rate: float = 0.0, pressure_rate: float = 0.0) -> None:
+               lookup_fail_rate: float = 0.0, turn_rate: float = 0.0, pressure_rate: float = 0.0,
+               keep_rate: float = 0.0) -> None:
     """A seeded workload: arrivals, admissions, steps and completions in random order;
     with lower tiers, blocks damaged on disk, blocks another process wrote, and
-    lookups of tier 1 that go unanswered; with `turn_rate`, conversations' next turns."""
+    lookups of tier 1 that go unanswered; with `turn_rate`, conversations' next turns;
+    with `keep_rate`, resets that keep the lower tiers' blocks (of those not rekeying)."""
     size = sim.config.hash_block_size
     for n in range(steps):
         if damage_rate and sim.disks and rng.random() < damage_rate:  # no draw without lower tiers
@@ -970,7 +974,9 @@ def run_random(sim: Simulator, rng: random.Random, *, steps: int, arrivals: floa
                 worker = rng.choice(sorted(job.pending))
                 sim.complete(job_id, worker, rng.random() < fail_rate, rng)
         if reset_rate and rng.random() < reset_rate:
-            sim.reset(sleep=rng.random() < 0.5, rekey=bool(sim.disks) and rng.random() < 0.5)
+            sleep, rekey = rng.random() < 0.5, bool(sim.disks) and rng.random() < 0.5
+            keep = bool(keep_rate) and bool(sim.disks) and not rekey and rng.random() < keep_rate  # no draw without it
+            sim.reset(sleep=sleep, rekey=rekey, keep=keep)
         if check_every and n % check_every == 0:
             sim.check()
 

@@ -324,14 +324,17 @@ class LedgerScheduler:
         """vLLM resets the connector before a sleep discards the KV cache, when
         generation pauses with its cache cleared (new weights), and on request.
 
-        Everything stored so far is dropped, and what the device blocks hold is
+        What host memory holds is dropped, and what the device blocks hold is
         forgotten. With tiers below host memory, a new key generation begins:
         blocks written before the reset, by this process or by any other sharing
-        the tier, are never found again under the keys used after it."""
+        the tier, are never found again under the keys used after it; or, with
+        `key_generations` "kept", those tiers keep their blocks under the same keys."""
         epoch = self._position.epoch + 1
         tiers = self._tiers
-        rekeyed = tiers is not None
-        if tiers is not None:
+        kept = tiers is not None and self.settings.key_generations == "kept"
+        rekeyed = tiers is not None and not kept
+        if rekeyed:
+            assert tiers is not None
             # Private generations are salted at random: another replica's reset, whatever weights it
             # loaded, never lands on these keys (adapters may draw randomness; the keys enter the log).
             salt = os.urandom(16) if self.settings.key_generations == "private" else b""
@@ -340,7 +343,7 @@ class LedgerScheduler:
             self._chain = self._chain_keys(generation_root(tiers.key_root, epoch, salt))
             self._keys_of = self._chain.keys
             tiers.new_generation()
-        self._apply([ev.CacheReset(epoch=epoch, rekeyed=rekeyed)])
+        self._apply([ev.CacheReset(epoch=epoch, rekeyed=rekeyed, keep_lower=kept)])
         return True
 
     def _chain_keys(self, root: bytes) -> ChainKeys:

@@ -163,16 +163,18 @@ def _check(sim: Simulator, ledger: MissLedger) -> set[str]:
 @settings(deadline=None)
 @given(config=st.sampled_from(SIMULATED_CONFIGS), seed=st.integers(0, 2**16), prefix_caching=st.booleans(),
        fail_rate=st.sampled_from([0.0, 0.1]), reset_rate=st.sampled_from([0.0, 0.03]),
-       turn_rate=st.sampled_from([0.0, 0.2]), pressure_rate=st.sampled_from([0.0, 0.05]))
+       turn_rate=st.sampled_from([0.0, 0.2]), pressure_rate=st.sampled_from([0.0, 0.05]),
+       keep_rate=st.sampled_from([0.0, 0.0, 0.5]))
 # A promotion planned before a rekeying reset reads, after it, a block another process wrote under the
 # earlier keys: the simulator took it for other content than the one its own copies were renamed to.
 @example(config=SIMULATED_CONFIGS[7], seed=431, prefix_caching=False, fail_rate=0.0, reset_rate=0.03, turn_rate=0.0,
-         pressure_rate=0.05)
+         pressure_rate=0.05, keep_rate=0.0)
 def test_every_admission_is_explained_as_the_simulator_saw_it(config, seed, prefix_caching, fail_rate, reset_rate,
-                                                              turn_rate, pressure_rate):
+                                                              turn_rate, pressure_rate, keep_rate):
+    """`keep_rate`: some resets keep the lower tiers' blocks (`key_generations` "kept")."""
     sim, ledger = _run(config, seed, prefix_caching=prefix_caching, fail_rate=fail_rate, reset_rate=reset_rate,
                        damage_rate=0.05, foreign_rate=0.05, lookup_fail_rate=0.05, turn_rate=turn_rate,
-                       pressure_rate=pressure_rate)
+                       pressure_rate=pressure_rate, keep_rate=keep_rate)
     _check(sim, ledger)
 
 

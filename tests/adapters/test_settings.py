@@ -603,7 +603,8 @@ def test_key_generations_default_to_private():
     base = {"capacity_bytes": 1 << 20}
     assert parse_settings(base).key_generations == "private"
     assert parse_settings({**base, "key_generations": "counted"}).key_generations == "counted"
-    assert "key_generations must be 'private' or 'counted'" in problem({**base, "key_generations": "shared"})
+    assert parse_settings({**base, "key_generations": "kept"}).key_generations == "kept"
+    assert "key_generations must be 'private', 'counted' or 'kept'" in problem({**base, "key_generations": "shared"})
 
 
 def test_vllms_store_threshold_and_prompt_only_under_vllms_names():

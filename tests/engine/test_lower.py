@@ -207,6 +207,31 @@ def test_keys_found_join_the_tier_and_a_reset_removes_everything() -> None:
     check(e.state)
 
 
+def test_a_reset_that_keeps_the_lower_tiers_leaves_their_blocks_loadable() -> None:
+    """`keep_lower` (`key_generations` "kept"): host memory is emptied, the disk keeps every
+    block it held and a later request promotes them; a spill in flight at the reset is stale,
+    and what it wrote is removed at its end. Never with a new key generation."""
+    e = tiered()
+    stored_and_spilled(e)
+    held = disk(e)
+    e.add("c", 64, hashes=chain(2, "c"))
+    e.alloc("c", (7, 8))
+    (store,) = e.step(("c", 0, 64))
+    (spill,) = only(e.store_done(store.job_id), fx.StartSpill)
+    effects = e.apply(ev.CacheReset(epoch=1, keep_lower=True))
+    assert only(effects, fx.DropTierKeys) == [] and disk(e) == held
+    assert {effect.tier for effect in only(effects, fx.KeysUnloadable)} == {0}  # host memory alone
+    dropped = only(e.store_done(spill.job_id), fx.DropTierKeys)
+    assert dropped == [fx.DropTierKeys(tier=1, keys=spill.keys[0], reason=fx.Reason.RESET)] and disk(e) == held
+    e.add("b", 100)
+    assert lookup(e.state, "b", 0).num_hit_tokens == 96
+    (load,) = only(e.alloc("b", (20, 21, 22, 23), ext=96), fx.StartLoad)
+    assert load.promote_tiers == ((1, 1, 1),)
+    check(e.state)
+    with pytest.raises(Exception, match="bad_reset"):
+        e.apply(ev.CacheReset(epoch=2, keep_lower=True, rekeyed=True))
+
+
 def test_a_lookup_counts_the_slots_earlier_hits_of_the_step_will_take() -> None:
     e = tiered(slots=4)
     stored_and_spilled(e)

@@ -96,9 +96,10 @@ class Protocol(RuleBasedStateMachine):
                 fail = data.draw(st.integers(0, 9)) == 0
                 self.sim.complete(job_id, min(job.pending), fail, self.rng)
 
-    @rule(sleep=st.booleans())
-    def reset(self, sleep: bool) -> None:
-        self.sim.reset(sleep=sleep)
+    @rule(sleep=st.booleans(), keep=st.booleans())
+    def reset(self, sleep: bool, keep: bool) -> None:
+        """`keep`: the tiers below host memory keep their blocks (`key_generations` "kept")."""
+        self.sim.reset(sleep=sleep, keep=keep and bool(self.sim.disks))
 
     @precondition(lambda self: any(self.sim.disks))
     @rule(remove=st.booleans())

@@ -140,7 +140,7 @@ def test_kind_codes_are_read_from_the_header() -> None:
     head = header_map()
     a, b = head["kinds"]["request_added"], head["kinds"]["cache_reset"]
     head["kinds"]["request_added"], head["kinds"]["cache_reset"] = b, a
-    rows = [[b, 1, "r", 3, []], [a, 2, 9, True, False]]
+    rows = [[b, 1, "r", 3, []], [a, 3, 9, True, False, False]]
     data = log(head, [0, 0, rows])
     events = [r.event for r in read_all(data)[1]]
     assert events == [ev.RequestAdded(request_id="r", num_prompt_tokens=3, block_hashes=()), ev.CacheReset(epoch=9)]
@@ -273,6 +273,15 @@ def test_an_old_cache_reset_keeps_what_the_device_held() -> None:
     data = log(head, [0, 0, [[head["kinds"]["cache_reset"], 1, 4]]])
     (record,) = read_all(data)[1]
     assert record.event == ev.CacheReset(epoch=4, forget_device=False, rekeyed=False)
+
+
+def test_a_v2_cache_reset_empties_the_tiers_below_host_memory() -> None:
+    """v2 resets always dropped what the lower tiers held: replayed today they still do."""
+    head = header_map()
+    head["layouts"]["cache_reset"] = [2, [["epoch", "int"], ["forget_device", "bool"], ["rekeyed", "bool"]]]
+    data = log(head, [0, 0, [[head["kinds"]["cache_reset"], 2, 5, True, False]]])
+    (record,) = read_all(data)[1]
+    assert record.event == ev.CacheReset(epoch=5, forget_device=True, rekeyed=False, keep_lower=False)
 
 
 def test_old_layouts_resolve_strings_and_packed_arrays() -> None:
@@ -428,7 +437,7 @@ def test_the_committed_version_1_log_decodes() -> None:
 def test_version_1_frames_are_read_without_compression() -> None:
     head = v1_header_map(1)
     code = head["kinds"]["cache_reset"]
-    data = MAGIC_V1 + frame(head) + frame([0, 0, [[code, 2, 3, True, False]]]) + frame([1, 2, [[code, 2, 4, True, True]]])
+    data = MAGIC_V1 + frame(head) + frame([0, 0, [[code, 3, 3, True, False, False]]]) + frame([1, 2, [[code, 3, 4, True, True, False]]])
     assert [r.event for r in read_all(data)[1]] == [ev.CacheReset(epoch=3), ev.CacheReset(epoch=4, rekeyed=True)]
     fails(MAGIC_V1 + frame(v1_header_map(2)), "header: unknown key 'compression'", None)
 

@@ -2,8 +2,9 @@
 replica with the tier's secret never serves a block someone without it wrote
 (outputs equal a recompute), while without a secret the same forgery changes
 the output (the negative control); replicas with different secrets share
-nothing; and after one reset each, two replicas with different weights never
-read each other's blocks."""
+nothing; after one reset each, two replicas with different weights never
+read each other's blocks; and a replica whose resets keep the tiers still reads
+the other's after one."""
 
 from __future__ import annotations
 
@@ -105,6 +106,23 @@ def test_two_replicas_with_different_weights_reset_once_each_never_share_a_block
     lower = summary["lower_tiers"][0]
     assert lower["keys_found"] > 0 and lower["keys_read"] > 0
     assert stale["first"]["tokens"] != b["recomputed"]["tokens"]
+
+
+def test_a_replica_whose_resets_keep_the_tiers_reads_the_fleets_blocks_after_one(models, tmp_path):
+    """`key_generations: "kept"` (vLLM 0.33's secondary tiers across a reset): replica B's reset
+    empties its host memory alone. It reads the blocks replica A wrote before the reset and
+    after it, every one of A's files is still there, and its outputs equal A's."""
+    tier = {"type": "fs", "path": str(tmp_path / "tier")}
+    a, _ = _run(models, tmp_path / "a.log", tier, ("first",))
+    theirs = sorted((tmp_path / "tier").rglob("*.kvb"))
+    assert theirs
+    b, summary = _run(models, tmp_path / "b.log", tier, ("first", "reset", "again"), hash_seed="4242",
+                      extra={"key_generations": "kept"})
+    # (A, with an empty tier, restored only what its own batch stored for its later prompts.)
+    assert sum(b["first"]["cached"]) > sum(a["first"]["cached"]) and sum(b["again"]["cached"]) > sum(a["first"]["cached"])
+    assert b["first"]["tokens"] == b["again"]["tokens"] == a["first"]["tokens"]
+    assert summary["lower_tiers"][0]["keys_read"] > 0
+    assert all(path.exists() for path in theirs)
 
 
 def test_two_deployments_with_other_secrets_on_one_directory_keep_each_others_blocks(models, tmp_path, monkeypatch):
