@@ -406,6 +406,26 @@ def reset(r: Recorder) -> dict:
     return r.record("reset", about, runs, shows)
 
 
+def disk_reset_kept(r: Recorder) -> dict:
+    """From 8c47984 on (`key_generations: "kept"`): the reset empties host memory alone."""
+    def runs(folder: Path, scratch: Path):
+        spec = r.spec(GEMMA, folder / "events.kvlog", ["first", "reset", "again"],
+                      {"capacity_bytes": 8 << 20, "secondary_tiers": r.fs(scratch / "tier"), "key_generations": "kept"})
+        return [("events.kvlog", spec, r.engine(spec))]
+
+    def shows(logs):
+        entry = logs["events.kvlog"]
+        resets = entry["log"]["kinds"].get("cache_reset", 0)
+        lower = (entry["summary"].get("lower_tiers") or [{}])[0]
+        shown = {"cache_reset_events": resets, "stats": entry["summary"]["stats"], "lower_tier": lower}
+        return shown, ([] if resets else ["no cache_reset event"]) + (
+            [] if lower.get("keys_read") else ["nothing read from the disk tier after the reset"])
+
+    return r.record("disk-reset-kept", "hybrid Gemma3, 8 MiB host memory over a file-system tier with "
+                    "key_generations 'kept'; phases first, reset (the tier keeps its blocks: cache_reset v3 with "
+                    "keep_lower), again (restored from the disk)", runs, shows)
+
+
 def tp2(r: Recorder) -> dict:
     def runs(folder: Path, scratch: Path):
         spec = r.spec(LLAMA, folder / "events.kvlog", ["first", "again"], engine={"tensor_parallel_size": 2})
@@ -454,6 +474,7 @@ SCENARIOS: dict[str, Callable[[Recorder], dict]] = {
     "host-evictions": host_evictions, "disk-small-host": disk_small_host, "disk-new-process": disk_new_process,
     "disk-tiny-host": disk_tiny_host,
     "valkey": valkey, "valkey-down-at-start": valkey_down_at_start, "failed-loads": failed_loads, "reset": reset, "tp2": tp2, "crash": crash,
+    "disk-reset-kept": disk_reset_kept,
 }
 
 
