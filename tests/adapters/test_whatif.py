@@ -30,11 +30,11 @@ pytestmark = pytest.mark.slow
 
 
 def _trace(config, seed: int, *, fail_rate: float, completion_rate: float = 0.3,
-           reset_rate: float = 0.02, chunk: int = 0) -> tuple[list, dict]:
+           reset_rate: float = 0.02, chunk: int = 0, keep_rate: float = 0.0) -> tuple[list, dict]:
     events: list = []
     sim = Simulator(config, prefix_caching=seed % 2 == 0, record=events.append, chunk_tokens=chunk)
     run_random(sim, random.Random(seed), steps=120, arrivals=0.8, max_tokens=12, fail_rate=fail_rate,
-               completion_rate=completion_rate, reset_rate=reset_rate)
+               completion_rate=completion_rate, reset_rate=reset_rate, keep_rate=keep_rate)
     return events, queries.stats(sim.state)
 
 
@@ -46,12 +46,15 @@ def _drive(recorded, config, events) -> whatif.Redrive:
 
 @settings(deadline=None, max_examples=40)
 @given(config=st.sampled_from(SIMULATED_CONFIGS), seed=st.integers(0, 2**16),
-       completion_rate=st.sampled_from([0.3, 1.0]), chunk=st.sampled_from([0, 48]))
+       completion_rate=st.sampled_from([0.3, 1.0]), chunk=st.sampled_from([0, 48]),
+       keep_rate=st.sampled_from([0.0, 0.5]))
 # A reset while a promotion read its key: the log's worker found the key gone and failed the
 # load; the re-drive, whose tier lost the key to the same reset, completed it.
-@example(config=SIMULATED_CONFIGS[7], seed=8636, completion_rate=0.3, chunk=0)
-def test_the_logs_own_configuration_reproduces_its_hits(config, seed, completion_rate, chunk):
-    events, stats = _trace(config, seed, fail_rate=0.0, completion_rate=completion_rate, chunk=chunk)
+@example(config=SIMULATED_CONFIGS[7], seed=8636, completion_rate=0.3, chunk=0, keep_rate=0.0)
+def test_the_logs_own_configuration_reproduces_its_hits(config, seed, completion_rate, chunk, keep_rate):
+    """`keep_rate`: some resets keep the lower tiers (`key_generations` "kept")."""
+    events, stats = _trace(config, seed, fail_rate=0.0, completion_rate=completion_rate, chunk=chunk,
+                           keep_rate=keep_rate)
     drive = _drive(config, config, events)
     assert drive.not_applied == 0
     predicted = queries.stats(drive.state)
