@@ -19,7 +19,10 @@ Faults, one every `--fault-every-s`, in turn (`--faults` picks some):
   rolling restart): its host tier starts empty, the shared tiers serve it;
 - `disk_filled`: the shared directory's file system filled, then freed (root: a
   tmpfs of its own; skipped otherwise);
-- `reset`: `reset_prefix_cache` on one replica (drained first);
+- `reset`: `reset_prefix_cache` on one replica (drained first); under the default
+  `key_generations` ("private") it begins a key generation of that replica's own, so
+  the two stop sharing; `--kvledger-extra '{"key_generations": "kept"}'` runs the fleet
+  whose resets keep the weights, where the tiers below host memory keep their blocks;
 - `clients_dropped`: clients drop their streams after the first chunk.
 
 Printed per minute: served, failed and TTFT p50/p99 per replica; hit tokens per
