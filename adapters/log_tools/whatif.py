@@ -364,12 +364,10 @@ class Redrive:
 
     def outcome(self) -> Outcome:
         """At the end: what the drive restored, moved and (counted) missed."""
-        if self.ledger is None:
-            return Outcome(self.config, queries.stats(self.state), None, self.moved, self.not_applied,
-                           self.requests_dropped)
-        self.ledger.flush()
-        return Outcome(self.config, queries.stats(self.state), self.tally.as_dict(), self.moved,
-                       self.not_applied, self.requests_dropped)
+        if self.ledger is not None:
+            self.ledger.flush()
+        return Outcome(self.config, queries.stats(self.state), self.tally.as_dict() if self.ledger is not None else None,
+                       self.moved, self.not_applied, self.requests_dropped)
 
     def _pair(self, recorded_effects: tuple[fx.Effect, ...]) -> None:
         """The jobs just started, each the twin of the log's started by the same event, or untimed."""

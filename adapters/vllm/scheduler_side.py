@@ -331,10 +331,9 @@ class LedgerScheduler:
         `key_generations` "kept", those tiers keep their blocks under the same keys."""
         epoch = self._position.epoch + 1
         tiers = self._tiers
-        kept = tiers is not None and self.settings.key_generations == "kept"
+        kept = self.settings.key_generations == "kept"
         rekeyed = tiers is not None and not kept
-        if rekeyed:
-            assert tiers is not None
+        if tiers is not None and not kept:
             # Private generations are salted at random: another replica's reset, whatever weights it
             # loaded, never lands on these keys (adapters may draw randomness; the keys enter the log).
             salt = os.urandom(16) if self.settings.key_generations == "private" else b""
@@ -343,7 +342,7 @@ class LedgerScheduler:
             self._chain = self._chain_keys(generation_root(tiers.key_root, epoch, salt))
             self._keys_of = self._chain.keys
             tiers.new_generation()
-        self._apply([ev.CacheReset(epoch=epoch, rekeyed=rekeyed, keep_lower=kept)])
+        self._apply([ev.CacheReset(epoch=epoch, rekeyed=rekeyed, keep_lower=tiers is not None and kept)])
         return True
 
     def _chain_keys(self, root: bytes) -> ChainKeys:

@@ -278,7 +278,13 @@ def test_a_cluster_round_trips_and_survives_a_master_failover(own_cluster, tier,
             break
         time.sleep(0.3)
     assert read.ok, dict(zip(read.failed, read.reasons))
-    assert run(io, job, "write", keys, slots).ok
+    while True:  # a batch of a job begun on the old map may still fail late and trip the breaker for a moment
+        write = run(io, job, "write", keys, slots)
+        job += 1
+        if write.ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert write.ok, dict(zip(write.failed, write.reasons))
 
 
 def test_blocks_round_trip_over_tls(valkey_server, tier, rows) -> None:
