@@ -467,6 +467,7 @@ class Run:
         self.collected_ms: dict[int, float] = {}  # per step, the collector's time inside the connector's calls
         self.scheduler_ms: list[float] = []
         self.stats = Counter()
+        self.hit_tokens_by_step: Counter[int] = Counter()  # what vLLM admitted as external hits, by step
         # kvledger's live miss counter, when on (`_settle_counter`), and its fold's wall time per step
         self.counter = getattr(getattr(scheduler.connector, "scheduler", None), "_misses", None)
         self.settle_counter = True
@@ -486,6 +487,7 @@ class Run:
 
         def allocated(request, blocks, num_external_tokens):
             self.stats["hit_tokens"] += num_external_tokens
+            self.hit_tokens_by_step[self.step_index] += num_external_tokens
             self.stats["local_hit_tokens"] += local.pop(request.request_id, 0)
             self.stats["loads_admitted"] += num_external_tokens > 0
             return timed_alloc(request, blocks, num_external_tokens)
@@ -572,6 +574,16 @@ class Run:
         ranked = sorted(range(len(self.connector_ms)), key=self.connector_ms.__getitem__)
         return ranked[len(ranked) - max(1, len(ranked) // 100):]
 
+    def _slowest_admissions(self) -> dict:
+        """What the slowest 1% of steps admitted: a connector whose hits are longer
+        lets vLLM admit more requests in one step (less of each is computed), and
+        planning their loads is work in proportion to the tokens they restore."""
+        slowest = self._slowest_steps()
+        tokens = [self.hit_tokens_by_step[step] for step in slowest]
+        ms = sum(self.connector_ms[step] for step in slowest)
+        return {"slowest_hit_tokens_per_step": {"median": statistics.median(tokens), "max": max(tokens)},
+                "slowest_us_per_hit_token": ms * 1e3 / sum(tokens) if sum(tokens) else None}
+
     def summary(self) -> dict:
         ms = sorted(self.connector_ms)
         return {
@@ -597,6 +609,7 @@ class Run:
             "without_collector_ms_per_step": {"p99": percentile(sorted(
                 ms - self.collected_ms.get(step, 0.0) for step, ms in enumerate(self.connector_ms)), 0.99)},
             "slowest_with_collection": sum(1 for step in self._slowest_steps() if step in self.collected_ms),
+            **self._slowest_admissions(),
             "collected_ms_by_step": {str(k): round(v, 3) for k, v in sorted(self.collected_ms.items())},
         }
 
@@ -876,6 +889,11 @@ def print_table(summaries: dict) -> None:
               f"({c.get('step_ms', 0.0):.0f} ms), {c.get('in_calls', 0)} inside its calls ({c.get('in_calls_ms', 0.0):.0f} ms); "
               f"{s['slowest_with_collection']} of the slowest 1% of steps had one inside its calls; p99 without "
               f"them {s['without_collector_ms_per_step']['p99']:.3f} ms")
+    for name, s in summaries.items():
+        per_token = s["slowest_us_per_hit_token"]
+        print(f"  {name}: the slowest 1% of steps admitted {s['slowest_hit_tokens_per_step']['median']:,.0f} hit "
+              f"tokens a step (median; most {s['slowest_hit_tokens_per_step']['max']:,}), "
+              + (f"{per_token:.2f} us of the connector's time a hit token" if per_token else "no hit"))
 
 
 if __name__ == "__main__":
