@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import sys
 import threading
 import time
 
@@ -22,6 +23,7 @@ from kvledger.transfers.lower_tiers.valkey import store as valkey_store
 from kvledger.transfers.lower_tiers.valkey.store import (
     SKIP_BYTES,
     Landed,
+    StoreDown,
     ValkeyServer,
     ValkeyStore,
     ValueTooLarge,
@@ -217,6 +219,68 @@ def test_a_late_batch_reads_as_late_not_as_a_socket_error() -> None:
     finally:
         here.close()
         there.close()
+
+
+def test_a_reply_that_came_in_time_is_read_past_the_deadline() -> None:
+    """A thread that reads late (its process not scheduled, or waiting for the GIL)
+    takes what the server already sent; the next call, with nothing more come, is late
+    at once."""
+    here, there = socket.socketpair()
+    try:
+        there.sendall(b"+OK\r\n:1\r\n")
+        time.sleep(0.01)
+        wire = _Wire(here, time.monotonic() - 1.0)
+        assert wire.recv(16, sure=5) == b"+OK\r\n"
+        assert wire.recv(16) == b":1\r\n"
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=valkey_store.LATE):
+            wire.recv(16)
+        assert time.monotonic() - started < 0.1
+    finally:
+        here.close()
+        there.close()
+
+
+def test_a_batch_read_late_behind_a_busy_thread_is_served(valkey_server) -> None:
+    """vLLM's engine loop holds the GIL; the tier's thread gets it back a switch
+    interval after each socket call. Here the interval is 0.4 s and the batch's timeout
+    0.2 s: every call of the batch returns past the deadline, with the server's replies
+    long there. The batch is served (it failed as late, marking the live server down);
+    against a paused server the same batch still fails by its deadline."""
+    process = valkey_server()
+    store = ValkeyStore(ValkeyServer(nodes=(("127.0.0.1", process.port),), timeout_s=0.2))
+    items = [(b"late%d" % n, b"h" * HEAD, memoryview(bytes([n]) * 4096)) for n in range(4)]
+    stop = threading.Event()
+
+    def engine_loop() -> None:
+        while not stop.is_set():
+            pass
+
+    interval = sys.getswitchinterval()
+    busy = threading.Thread(target=engine_loop)
+    try:
+        store.ping()
+        sys.setswitchinterval(0.4)
+        busy.start()
+        started = time.monotonic()
+        assert store.set_many(items) == [None] * 4
+        targets = [memoryview(bytearray(4096)) for _ in items]
+        answers = store.get_into([key for key, _, _ in items], [HEAD] * 4, targets)
+        assert time.monotonic() - started > 0.4  # the thread did wait past the deadline
+        assert all(isinstance(a, Landed) for a in answers)
+        assert [bytes(t) for t in targets] == [bytes([n]) * 4096 for n in range(4)]
+        process.pause()
+        try:
+            with pytest.raises(StoreDown, match=valkey_store.LATE):
+                store.get_into([key for key, _, _ in items], [HEAD] * 4, targets)
+        finally:
+            process.resume()
+    finally:
+        stop.set()
+        if busy.is_alive():
+            busy.join()
+        sys.setswitchinterval(interval)
+        store.close()
 
 
 def test_sends_larger_than_the_socket_buffer_go_out_whole_and_in_order() -> None:

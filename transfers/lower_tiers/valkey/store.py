@@ -49,6 +49,8 @@ REFRESH_S = 0.002
 """How long a socket timeout set to a batch's time left is kept (`_Wire`)."""
 LATE = "the batch took longer than timeout_s"
 """Why a batch failed when its time ran out: in `_Wire._bound`, or as the kernel's EAGAIN (`_Wire._call`)."""
+_ONLY_WHAT_HAS_COME = float("inf")
+"""`_Wire._set_at`'s mark for a socket option set to a microsecond, past the deadline."""
 IOV_MAX = 1024
 """The most buffers one `sendmsg` takes (Linux's IOV_MAX)."""
 
@@ -328,7 +330,14 @@ class _Wire:
     kernel's whole timeout: it keeps Python's, which bounds a call whole.
 
     Setting a timeout is a system call of its own: one set less than
-    `REFRESH_S` ago is kept, so a call may end that much past the deadline."""
+    `REFRESH_S` ago is kept, so a call may end that much past the deadline.
+
+    Past the deadline a call still takes what has already come (a timeout of
+    a microsecond): the server answered in time, and this thread read late
+    because its process was not scheduled, or waited for the GIL behind
+    vLLM's engine loop. Only a call that would wait for bytes yet to come
+    makes the batch late. Such a read had marked a live server down for a
+    stall of the client's own host."""
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
@@ -339,12 +348,16 @@ class _Wire:
     def _bound(self, option: int) -> None:
         now = time.monotonic()
         left = self.deadline - now
-        if left <= 0:
-            raise TimeoutError(LATE)
         option = -1 if self.tls else option
-        if now - self._set_at.get(option, -REFRESH_S) < REFRESH_S:
+        if left <= 0:  # only what has come: see the class's docstring
+            if self._set_at.get(option) == _ONLY_WHAT_HAS_COME:
+                return
+            self._set_at[option] = _ONLY_WHAT_HAS_COME
+            left = 1e-6
+        elif now - self._set_at.get(option, -REFRESH_S) < REFRESH_S:
             return
-        self._set_at[option] = now
+        else:
+            self._set_at[option] = now
         if self.tls:
             self.sock.settimeout(left)
         else:
