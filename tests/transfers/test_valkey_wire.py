@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import resource
 import socket
-import sys
 import threading
 import time
 
@@ -242,44 +241,47 @@ def test_a_reply_that_came_in_time_is_read_past_the_deadline() -> None:
 
 
 def test_a_batch_read_late_behind_a_busy_thread_is_served(valkey_server) -> None:
-    """vLLM's engine loop holds the GIL; the tier's thread gets it back a switch
-    interval after each socket call. Here the interval is 0.4 s and the batch's timeout
-    0.2 s: every call of the batch returns past the deadline, with the server's replies
-    long there. The batch is served (it failed as late, marking the live server down);
-    against a paused server the same batch still fails by its deadline."""
+    """vLLM's engine loop holds the GIL; the tier's thread gets it back only when the
+    loop lets go. Here a thread holds it in C calls of about 60 ms, and each batch's
+    timeout is 40 ms: a batch whose socket calls return past its deadline, with the
+    server's replies long there, is served (it failed as late, marking the live server
+    down); against a paused server the same batch still fails by its deadline."""
     process = valkey_server()
-    store = ValkeyStore(ValkeyServer(nodes=(("127.0.0.1", process.port),), timeout_s=0.2))
+    store = ValkeyStore(ValkeyServer(nodes=(("127.0.0.1", process.port),), timeout_s=0.04))
     items = [(b"late%d" % n, b"h" * HEAD, memoryview(bytes([n]) * 4096)) for n in range(4)]
+    keys = [key for key, _, _ in items]
     stop = threading.Event()
 
     def engine_loop() -> None:
         while not stop.is_set():
-            pass
+            sum(range(9_000_000))  # one C call: the GIL is not let go inside it
 
-    interval = sys.getswitchinterval()
     busy = threading.Thread(target=engine_loop)
+    late = 0
     try:
         store.ping()
-        sys.setswitchinterval(0.4)
         busy.start()
-        started = time.monotonic()
-        assert store.set_many(items) == [None] * 4
-        targets = [memoryview(bytearray(4096)) for _ in items]
-        answers = store.get_into([key for key, _, _ in items], [HEAD] * 4, targets)
-        assert time.monotonic() - started > 0.4  # the thread did wait past the deadline
-        assert all(isinstance(a, Landed) for a in answers)
-        assert [bytes(t) for t in targets] == [bytes([n]) * 4096 for n in range(4)]
+        for _ in range(50):  # each batch contends with the loop; some run past their deadline
+            started = time.monotonic()
+            assert store.set_many(items) == [None] * 4
+            targets = [memoryview(bytearray(4096)) for _ in items]
+            answers = store.get_into(keys, [HEAD] * 4, targets)
+            late += time.monotonic() - started > 0.08  # both batches could not have been in time
+            assert all(isinstance(a, Landed) for a in answers)
+            assert [bytes(t) for t in targets] == [bytes([n]) * 4096 for n in range(4)]
+            if late >= 3:
+                break
+        assert late >= 3, "the busy thread never held a batch past its deadline"
         process.pause()
         try:
             with pytest.raises(StoreDown, match=valkey_store.LATE):
-                store.get_into([key for key, _, _ in items], [HEAD] * 4, targets)
+                store.get_into(keys, [HEAD] * 4, targets)
         finally:
             process.resume()
     finally:
         stop.set()
         if busy.is_alive():
             busy.join()
-        sys.setswitchinterval(interval)
         store.close()
 
 
