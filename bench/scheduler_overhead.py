@@ -27,7 +27,9 @@ protocol violations its engine reported (a run with any is not valid), and
 the cyclic garbage collector's runs during each connector's steps and inside
 its calls (a collection is paid by whoever's allocation crosses the
 threshold, so the connector whose objects outlive its calls is charged
-some, and vLLM's code around them the rest).
+some, and vLLM's code around them the rest); and what the slowest 1% of
+steps admitted, in hit tokens a step and the connector's time a hit
+token (longer hits let vLLM admit more requests in one step).
 
 `kvledger-logged` is kvledger writing its event log (`--event-log`, binary,
 a part digest every 64 steps). Run beside `kvledger`, their ratio is what
