@@ -238,6 +238,24 @@ def test_blocks_larger_than_a_tls_record_land_in_place(valkey_server) -> None:
         store.close()
 
 
+def test_a_paused_tls_server_fails_a_batch_as_late(valkey_server) -> None:
+    """A TLS socket keeps Python's timeout: its expiry reads as late, as the kernel's does."""
+    process = valkey_server(tls=True)
+    store = store_at(process.port, tls=True, tls_ca_file=str(process.tls[0]))
+    try:
+        assert store.set_many(items(2)) == [None] * 2
+        process.pause()
+        try:
+            started = time.monotonic()
+            with pytest.raises(StoreDown, match="longer than timeout_s"):
+                get(store, targets(2))
+            assert time.monotonic() - started < 1.5
+        finally:
+            process.resume()
+    finally:
+        store.close()
+
+
 def test_a_certificate_for_another_name_stops_start_even_with_warn(valkey_server) -> None:
     """A certificate for another host is a wrong setting or an attack, not an outage to wait out."""
     process = valkey_server(tls=True, tls_name="other.example")

@@ -48,7 +48,7 @@ SLOTS_MAX = 4 << 20
 REFRESH_S = 0.002
 """How long a socket timeout set to a batch's time left is kept (`_Wire`)."""
 LATE = "the batch took longer than timeout_s"
-"""Why a batch failed when its time ran out: in `_Wire._bound`, or as the kernel's EAGAIN (`_Wire._call`)."""
+"""Why a batch failed when its time ran out: a socket call that timed out (`_Wire._call`)."""
 _ONLY_WHAT_HAS_COME = float("inf")
 """`_Wire._set_at`'s mark for a socket option set to a microsecond, past the deadline."""
 IOV_MAX = 1024
@@ -366,11 +366,12 @@ class _Wire:
 
     def _call(self, option: int, call: Callable[..., _T], *args) -> _T:
         """One socket call within the time left. The kernel's timeout ends a
-        call that moved nothing with EAGAIN (`BlockingIOError`): the batch is late."""
+        call that moved nothing with EAGAIN (`BlockingIOError`; on a TLS socket,
+        Python's own timeout): the batch is late."""
         self._bound(option)
         try:
             return call(*args)
-        except BlockingIOError:
+        except (BlockingIOError, TimeoutError):
             raise TimeoutError(LATE) from None
 
     def send_all(self, chunks: Sequence[bytes | memoryview]) -> None:
