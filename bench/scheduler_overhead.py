@@ -583,8 +583,9 @@ class Run:
         slowest = self._slowest_steps()
         tokens = [self.hit_tokens_by_step[step] for step in slowest]
         ms = sum(self.connector_ms[step] for step in slowest)
+        total = sum(tokens)
         return {"slowest_hit_tokens_per_step": {"median": statistics.median(tokens), "max": max(tokens)},
-                "slowest_us_per_hit_token": ms * 1e3 / sum(tokens) if sum(tokens) else None}
+                "slowest_us_per_hit_token": ms * 1e3 / total if total else None}
 
     def summary(self) -> dict:
         ms = sorted(self.connector_ms)

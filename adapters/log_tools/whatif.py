@@ -364,10 +364,12 @@ class Redrive:
 
     def outcome(self) -> Outcome:
         """At the end: what the drive restored, moved and (counted) missed."""
+        misses = None
         if self.ledger is not None:
             self.ledger.flush()
-        return Outcome(self.config, queries.stats(self.state), self.tally.as_dict() if self.ledger is not None else None,
-                       self.moved, self.not_applied, self.requests_dropped)
+            misses = self.tally.as_dict()
+        return Outcome(self.config, queries.stats(self.state), misses, self.moved, self.not_applied,
+                       self.requests_dropped)
 
     def _pair(self, recorded_effects: tuple[fx.Effect, ...]) -> None:
         """The jobs just started, each the twin of the log's started by the same event, or untimed."""

@@ -5,6 +5,7 @@ as a failed position, in bounded time, never as served bytes."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -270,20 +271,18 @@ def test_a_cluster_round_trips_and_survives_a_master_failover(own_cluster, tier,
     valkey_cluster.fail_over(victim)  # killed; a replica took over
     time.sleep(RETRY_S + 0.1)
     deadline = time.monotonic() + 20
-    job = 3
-    while True:  # the client learns the new map within a few batches
-        read = run(io, job, "read", keys, slots)
-        job += 1
-        if read.ok or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    jobs = itertools.count(3)
+
+    def until_ok(kind: str):
+        while True:
+            outcome = run(io, next(jobs), kind, keys, slots)
+            if outcome.ok or time.monotonic() > deadline:
+                return outcome
+            time.sleep(0.3)
+
+    read = until_ok("read")  # the client learns the new map within a few batches
     assert read.ok, dict(zip(read.failed, read.reasons))
-    while True:  # a batch of a job begun on the old map may still fail late and trip the breaker for a moment
-        write = run(io, job, "write", keys, slots)
-        job += 1
-        if write.ok or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    write = until_ok("write")  # a batch of a job begun on the old map may still fail late and trip the breaker
     assert write.ok, dict(zip(write.failed, write.reasons))
 
 

@@ -247,12 +247,12 @@ def test_a_batch_read_late_behind_a_busy_thread_is_served(valkey_server) -> None
     """vLLM's engine loop holds the GIL; the tier's thread gets it back only when the
     loop lets go. Here a thread holds it 50 ms at a time (a C call that keeps it,
     sleeping: no core is taken from the tests beside this one) and asks for it back a
-    microsecond after letting go, and each batch's timeout is 25 ms: the batches run
-    past their deadlines, with the server's replies there long before they are read,
-    and are served. Where a hold falls before a batch's last socket call (in some runs
-    none of these batches; `test_a_reply_that_came_in_time_is_read_past_the_deadline`
-    pins that case every time) the batch failed as late, marking the live server down.
-    Against a paused server the same batch still fails by its deadline."""
+    microsecond after letting go; each batch's timeout is 25 ms. Batches repeat until
+    five pairs ran past their deadlines, the server's replies long there: every batch
+    is served. Which socket call a hold precedes is the scheduler's choice, so this
+    does not pin the late read itself (it passed 8 of 8 runs with late reads failing
+    again); `test_a_reply_that_came_in_time_is_read_past_the_deadline` does. Against
+    a paused server the same batch still fails by its deadline."""
     process = valkey_server()
     store = ValkeyStore(ValkeyServer(nodes=(("127.0.0.1", process.port),), timeout_s=0.025))
     # Small enough that every command and reply fits in the sockets' buffers: past the
@@ -273,7 +273,7 @@ def test_a_batch_read_late_behind_a_busy_thread_is_served(valkey_server) -> None
         store.ping()
         sys.setswitchinterval(1e-6)
         busy.start()
-        for _ in range(20):
+        for _ in range(150):  # in make test's workers other threads take some of the holds' turns
             started = time.monotonic()
             assert store.set_many(items) == [None] * 4
             targets = [memoryview(bytearray(4096)) for _ in items]
@@ -281,7 +281,9 @@ def test_a_batch_read_late_behind_a_busy_thread_is_served(valkey_server) -> None
             late += time.monotonic() - started > 0.05  # both batches could not have been in time
             assert all(isinstance(a, Landed) for a in answers)
             assert [bytes(t) for t in targets] == [bytes([n]) * 4096 for n in range(4)]
-        assert late >= 10, "the busy thread did not hold the batches past their deadlines"
+            if late == 5:
+                break
+        assert late == 5, "the busy thread did not hold five pairs of batches past their deadlines"
         stop.set()
         busy.join()
         sys.setswitchinterval(interval)
