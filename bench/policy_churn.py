@@ -16,6 +16,11 @@ as reused). Timed per step: median, p99 and the slowest; and every stall (a step
 times the median), with which tables' memory changed in it (a rebuild to the same size, a
 compaction, shows as none).
 
+A tier below host memory (a disk's) is larger, and the engine keeps its keys in least
+recently used order too (`LowerTier.held`): each step `--store-blocks` keys are spilled to it
+(its oldest evicted) and `--load-blocks` read from it (moved to the end), at `--tier-blocks`
+blocks, for at least enough steps to replace every key.
+
 A disk tier evicting as steadily keeps the keys it removed for `TOMBSTONE_S` (so a lookup
 that raced a removal cannot bring one back), at most `TOMBSTONES_MAX`: the scheduler forgets
 the oldest each step (`adapters/vllm/lower_tiers.py: _expire`, twice a step as `removed` and
@@ -23,6 +28,7 @@ the lookups' collection call it). Timed the same way, `--tombstone-keys` removed
 step every 10 ms.
 
     python bench/policy_churn.py [--slots 192000 1000000] [--steps 5000] [--policy lru arc]
+                                 [--tier-blocks 1000000 4000000]
 """
 
 from __future__ import annotations
@@ -89,6 +95,50 @@ def churn(slots: int, steps: int, policy_name: str, store_blocks: int, load_bloc
             "max_ms": round(ordered[-1] * 1e3, 2), "stalls": stalls}
 
 
+def tier_churn(blocks: int, steps: int, spill_blocks: int, read_blocks: int, seed: int) -> dict:
+    """A full lower tier's held order: spills evict its oldest keys, reads move keys to the end."""
+    from kvledger.engine import lower
+    from kvledger.engine.state import LowerTier, TierKeyState
+
+    held, absent = TierKeyState.HELD, TierKeyState.ABSENT
+    rng = random.Random(seed)
+    tier = LowerTier("disk", blocks)
+    keys = [rng.randbytes(16) + b"\x00\x00\x00\x00" for _ in range(blocks)]
+    for key in keys:
+        lower._move(tier, key, absent, held)
+    steps = max(steps, 2 * blocks // (spill_blocks + read_blocks))
+    size = _memory(tier.held)
+    times, resized = [], set()
+    clock = time.perf_counter
+    gc.disable()
+    try:
+        for step in range(steps):
+            spilled = [rng.randbytes(16) + b"\x00\x00\x00\x00" for _ in range(spill_blocks)]
+            start = rng.randrange(len(keys) - blocks, len(keys) - read_blocks)
+            began = clock()
+            lower._evict(tier, spill_blocks)
+            for key in spilled:
+                lower._move(tier, key, absent, held)
+            for key in keys[start:start + read_blocks]:
+                if key in tier.held:  # a read's end: the most recently used
+                    lower._move(tier, key, held, absent)
+                    lower._move(tier, key, absent, held)
+            times.append(clock() - began)
+            now = _memory(tier.held)
+            if now != size:
+                resized.add(step)
+                size = now
+            keys.extend(spilled)
+    finally:
+        gc.enable()
+    ordered = sorted(times)
+    median = ordered[len(ordered) // 2]
+    return {"tier_blocks": blocks, "steps": steps, "median_ms": round(median * 1e3, 3),
+            "p99_ms": round(ordered[int(len(ordered) * 0.99)] * 1e3, 3), "max_ms": round(ordered[-1] * 1e3, 2),
+            "stalls": [{"step": step, "ms": round(t * 1e3, 2), "resized": "order" if step in resized else "none"}
+                       for step, t in enumerate(times) if t > 10 * median]}
+
+
 def tombstones(steps: int, per_step: int, seed: int) -> dict:
     from kvledger.adapters.vllm.lower_tiers import TOMBSTONE_S, _expire
 
@@ -121,9 +171,18 @@ _ORDERS = {"LRU": ("_order",), "ARC": ("t1", "t2", "b1", "b2")}
 
 
 def _table_size(policy: object) -> int:
-    """The memory of the policy's dicts (named here: a compiled class lists no `__slots__`):
+    """The memory of the policy's orders (named here: a compiled class lists no `__slots__`):
     it changes when one is rebuilt to another size."""
-    return sum(sys.getsizeof(getattr(policy, name)) for name in _ORDERS[type(policy).__name__])
+    return sum(_memory(getattr(policy, name)) for name in _ORDERS[type(policy).__name__])
+
+
+def _memory(order: object) -> int:
+    """A dict's table, or a `KeyOrder`'s (its shards' and runs' tables)."""
+    if isinstance(order, dict):
+        return sys.getsizeof(order)
+    runs = order._runs  # type: ignore[attr-defined]
+    return (sum(map(sys.getsizeof, order._where)) + sys.getsizeof(runs)  # type: ignore[attr-defined]
+            + sum(map(sys.getsizeof, runs.values())))
 
 
 def main() -> None:
@@ -131,6 +190,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, nargs="+", default=[192_000, 1_000_000])
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--policy", nargs="+", default=["lru", "arc"])
+    parser.add_argument("--tier-blocks", type=int, nargs="*", default=[1_000_000, 4_000_000],
+                        help="a lower tier's held order at these sizes (none: skip)")
     parser.add_argument("--store-blocks", type=int, default=64, help="keys stored (and evicted) a step")
     parser.add_argument("--load-blocks", type=int, default=300, help="keys a step's load reads")
     parser.add_argument("--tombstone-keys", type=int, default=64, help="keys a disk tier removes a step (0: skip)")
@@ -148,6 +209,12 @@ def main() -> None:
                               for r in row["stalls"]) or "none"
             print(f"{name:4} {slots:>9,} slots: median {row['median_ms']:.3f} ms, p99 {row['p99_ms']:.3f}, "
                   f"max {row['max_ms']:.2f}; stalls: {shown}", flush=True)
+    for blocks in args.tier_blocks:
+        row = tier_churn(blocks, args.steps, args.store_blocks, args.load_blocks, args.seed)
+        rows.append(row)
+        shown = ", ".join(f"step {r['step']} {r['ms']} ms ({r['resized']} resized)" for r in row["stalls"]) or "none"
+        print(f"tier {blocks:>9,} blocks ({row['steps']} steps): median {row['median_ms']:.3f} ms, p99 "
+              f"{row['p99_ms']:.3f}, max {row['max_ms']:.2f}; stalls: {shown}", flush=True)
     if args.tombstone_keys:
         row = tombstones(args.steps, args.tombstone_keys, args.seed)
         rows.append(row)

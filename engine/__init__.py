@@ -15,6 +15,7 @@ budget       load or recompute, by the clock: the hit's end that saves the most 
 planner      a scheduler step's events, decided from what vLLM exposes
 hma          which blocks each KV group needs (full attention, sliding window, mamba)
 policies     eviction orders: LRU and ARC
+key_order    a dict's key order that churn never rebuilds whole (a lower tier's)
 effects      what the engine asks the outside world to do, and where each is done (`ROUTES`)
 construct    the per-step events and effects, built without attrs' `__init__`
 queries      what the world outside engine/ may ask of the state

@@ -677,7 +677,7 @@ def _check_lower(core: Core, problems: list[str]) -> None:
             if slot >= 0 and 0 < tier <= len(core.lower):
                 reading[tier - 1][key] += 1
     for index, lower in enumerate(core.lower, start=1):
-        if not lower.held.keys().isdisjoint(lower.writing):
+        if not lower.held.isdisjoint(lower.writing):
             problems.append(f"tier {index}: a key is both held and being written")
         pinned = sum(1 for key in lower.reading if key in lower.held)
         if len(lower.held) + len(lower.writing) - pinned > lower.capacity:

@@ -74,11 +74,11 @@ def _move(tier: LowerTier, key: bytes, before: _K, after: _K, job_id: int = 0) -
     recently used; `job_id` is the spill writing one that enters WRITING)."""
     if after is not before:
         if before is _K.HELD:
-            del tier.held[key]
+            tier.held.remove(key)
         elif before is _K.WRITING:
             del tier.writing[key]
         if after is _K.HELD:
-            tier.held[key] = None
+            tier.held.add(key)
         elif after is _K.WRITING:
             tier.writing[key] = job_id
     return after
@@ -275,8 +275,7 @@ def promotions_ended(core: Core, job: Job, out: list[fx.Effect]) -> None:
             tier.counts["read_failures"] += 1
         else:
             if _move(tier, key, before, _READ_ENDED[before]) is _K.HELD:  # most recently used now
-                del tier.held[key]
-                tier.held[key] = None
+                tier.held.move_to_end(key)
             tier.counts["keys_read"] += 1
         kept_keys.append(key)
         kept_slots.append(slot)

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvledger.events.config import EngineConfig
 
+from .key_order import KeyOrder
 from .policies import ARC, LRU
 from .state import Core, Job, JobKind, JobStage, LowerTier, RequestState, RequestStatus, State, reader_ids
 
@@ -205,7 +206,7 @@ def _restore_lower(core: Core, rows: Sequence[Any]) -> None:
     for tier, (name, capacity, held, writing, reading, counts) in zip(core.lower, rows):
         if (name, capacity) != (tier.name, tier.capacity):
             raise SnapshotError(f"lower tier {name!r} of {capacity} blocks differs from the config's")
-        tier.held = dict.fromkeys(held)
+        tier.held = KeyOrder(held, capacity=tier.capacity)
         tier.writing = dict(_pairs(writing, "lower tier writing"))
         tier.reading = dict(_pairs(reading, "lower tier reading"))
         tier.counts = dict(zip(LowerTier.COUNTS, _column(counts, len(LowerTier.COUNTS), "lower tier counts")))

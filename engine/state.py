@@ -24,6 +24,7 @@ from kvledger.events.config import RULES_UNRESOLVED, EngineConfig, GroupKind, Gr
 from kvledger.events.types import NULL_BLOCK_ID
 
 from . import hma
+from .key_order import KeyOrder
 from .policies import ARC, LRU, make_policy
 
 
@@ -389,6 +390,8 @@ class LowerTier:
     itself: keys whose block is whole there, in least recently used order,
     keys being written, and keys being read (never evicted while read).
     `held` and `writing` never share a key, and together fit in `capacity`.
+    A disk's tier holds millions of keys: its order is a `KeyOrder`, which its
+    churn never rebuilds whole in one step as it did a dict (244 ms at 4M).
     """
 
     __slots__ = ("name", "capacity", "held", "writing", "reading", "counts")
@@ -399,14 +402,14 @@ class LowerTier:
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
         self.capacity = capacity
-        self.held: dict[bytes, None] = {}
+        self.held = KeyOrder(capacity=capacity)
         self.writing: dict[bytes, int] = {}  # key -> the spill job writing it
         self.reading: dict[bytes, int] = {}  # key -> open loads promoting it
         self.counts = dict.fromkeys(LowerTier.COUNTS, 0)
 
     def clone(self) -> LowerTier:
         other = LowerTier(self.name, self.capacity)
-        other.held = dict(self.held)
+        other.held = self.held.copy()
         other.writing = dict(self.writing)
         other.reading = dict(self.reading)
         other.counts = dict(self.counts)

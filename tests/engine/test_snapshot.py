@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvledger.adapters.testing.simulator import Simulator, run_random
 from kvledger.engine.digest import digest
+from kvledger.engine.key_order import KeyOrder
 from kvledger.engine.reducer import reduce
 from kvledger.engine.snapshot import SnapshotError, capture, restore
 from kvledger.engine.state import initial_state
@@ -41,6 +42,9 @@ def _through_bytes(data: list) -> Any:
 def same(a: object, b: object, where: str = "state") -> None:
     """Equal values of the same types all the way down, dicts in the same order."""
     assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, KeyOrder):  # its runs are laid out by its history: the same keys in the same order
+        assert list(a) == list(b), f"{where}: keys or their order differ"
+        return
     # A class compiled by mypyc lists its attributes in __mypyc_attrs__, not __slots__.
     slots = getattr(type(a), "__slots__", None) or getattr(type(a), "__mypyc_attrs__", None)
     if slots is not None and not isinstance(a, (list, tuple, dict, set, bytes, str, int)):
