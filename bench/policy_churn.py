@@ -19,7 +19,8 @@ compaction, shows as none).
 A tier below host memory (a disk's) is larger, and the engine keeps its keys in least
 recently used order too (`LowerTier.held`): each step `--store-blocks` keys are spilled to it
 (its oldest evicted) and `--load-blocks` read from it (moved to the end), at `--tier-blocks`
-blocks, for at least enough steps to replace every key.
+blocks, for at least as many steps as insert twice the keys the tier holds (a dict's table is
+rebuilt about once per as many insertions as it holds keys).
 
 A disk tier evicting as steadily keeps the keys it removed for `TOMBSTONE_S` (so a lookup
 that raced a removal cannot bring one back), at most `TOMBSTONES_MAX`: the scheduler forgets

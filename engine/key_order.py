@@ -4,9 +4,9 @@ rebuilt whole.
 A dict never reuses a deleted entry's place: once its entries are used up, an
 insertion rebuilds the whole table, in that one call. A tier that evicts and
 reads all day deletes and inserts all day, so a dict holding its order is
-rebuilt again and again, each time in one step of the scheduler: a dict of 4M
-keys with 64 keys replaced a step stalled a step 310 ms each time, and 1M
-keys 58 ms (`bench/policy_churn.py`).
+rebuilt again and again, each time in one step of the scheduler: a lower
+tier's order of 4M keys, 64 spilled and 300 read a step, stalled a step 244 ms
+every few thousand steps, and one of 1M keys 61 ms (`bench/policy_churn.py`).
 
 Here the keys sit in runs of at most `RUN_KEYS` insertions each, the runs in
 order, and the run that holds a key is found in one of a few small dicts
@@ -30,7 +30,7 @@ from typing import Final
 
 RUN_KEYS: Final = 4096
 """Insertions a run takes before the next key opens a new one: a run's table
-never holds more entries than this, so rebuilding it costs about 0.1 ms."""
+never holds more entries than this, so its rebuild is a few thousand entries' work."""
 
 SHARD_KEYS: Final = 4096
 """Keys a shard is sized for: an order made for `capacity` keys has about
