@@ -183,7 +183,7 @@ def _memory(order: object) -> int:
         return sys.getsizeof(order)
     runs = order._runs  # type: ignore[attr-defined]
     return (sum(map(sys.getsizeof, order._where)) + sys.getsizeof(runs)  # type: ignore[attr-defined]
-            + sum(map(sys.getsizeof, runs.values())))
+            + sum(sys.getsizeof(run.keys) for run in runs.values()))
 
 
 def main() -> None:

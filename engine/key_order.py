@@ -118,10 +118,6 @@ class KeyOrder:
                 # each power of two it falls to, in order, for a few of its keys' cost.
                 run.keys = dict(keys)
 
-    def discard(self, key: bytes) -> None:
-        if key in self:
-            self.remove(key)
-
     def move_to_end(self, key: bytes) -> None:
         """The most recent now (KeyError where absent)."""
         self.remove(key)
@@ -139,27 +135,8 @@ class KeyOrder:
         self._size = 0
 
     def copy(self) -> KeyOrder:
-        other = KeyOrder(run_keys=self._run_keys)
-        other._mask = self._mask
-        other._where = [{} for _ in self._where]
-        other._runs = {}
-        for run_id, run in self._runs.items():
-            twin = other._runs[run_id] = _Run(run_id)
-            twin.keys = dict(run.keys)
-            for key in twin.keys:
-                other._where[hash(key) & other._mask][key] = twin
-        other._tail = other._runs[self._tail.run_id]
-        other._tail_room = self._tail_room
-        other._size = self._size
-        return other
-
-    def __eq__(self, other: object) -> bool:
-        """The same keys in the same order."""
-        if not isinstance(other, KeyOrder):
-            return NotImplemented
-        return self._size == other._size and all(a == b for a, b in zip(self, other))
-
-    __hash__ = None  # type: ignore[assignment]
+        """The same keys in the same order (in runs laid out anew)."""
+        return KeyOrder(self, capacity=len(self._where) * SHARD_KEYS, run_keys=self._run_keys)
 
     def __repr__(self) -> str:
         return f"KeyOrder({list(self)!r})"
